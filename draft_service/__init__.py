@@ -1,0 +1,1 @@
+"""The draft tier: proposers (small model, n-gram) behind the DraftService gRPC API."""

@@ -1,0 +1,86 @@
+from specserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PromptTokens(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SpeculationParams(_message.Message):
+    __slots__ = ("gamma", "proposer", "draft_top_k")
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    gamma: int
+    proposer: _common_pb2.ProposerKind
+    draft_top_k: int
+    def __init__(self, gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("text", "tokens", "sampling", "stop", "speculation")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    tokens: PromptTokens
+    sampling: _common_pb2.SamplingParams
+    stop: _common_pb2.StopConditions
+    speculation: SpeculationParams
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[_common_pb2.StopConditions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("token_ids", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class GenerationStats(_message.Message):
+    __slots__ = ("session_id", "prompt_tokens", "completion_tokens", "rounds", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_ns", "verify_ns", "queue_ns", "first_token_ns", "total_ns", "finish_reason", "seed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_NS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    rounds: int
+    proposed_tokens: int
+    accepted_tokens: int
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    draft_ns: int
+    verify_ns: int
+    queue_ns: int
+    first_token_ns: int
+    total_ns: int
+    finish_reason: _common_pb2.FinishReason
+    seed: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("chunk", "stats")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    chunk: TokenChunk
+    stats: GenerationStats
+    def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...

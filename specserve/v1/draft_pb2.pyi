@@ -1,0 +1,60 @@
+from specserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("base", "start_position", "token_ids", "sampling", "gamma", "proposer", "draft_top_k", "seed")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    base: _common_pb2.SessionBase
+    start_position: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    gamma: int
+    proposer: _common_pb2.ProposerKind
+    draft_top_k: int
+    seed: int
+    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("proposal", "draft_ns", "prefill_tokens")
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    proposal: _common_pb2.Proposal
+    draft_ns: int
+    prefill_tokens: int
+    def __init__(self, proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ..., draft_ns: _Optional[int] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
+
+class ReleaseDraftSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseDraftSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetDraftInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetDraftInfoResponse(_message.Message):
+    __slots__ = ("model", "max_gamma")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    model: _common_pb2.ModelInfo
+    max_gamma: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_gamma: _Optional[int] = ...) -> None: ...

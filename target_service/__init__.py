@@ -1,0 +1,1 @@
+"""The target tier: batched verification and commit behind the TargetService gRPC API."""
