@@ -1,0 +1,58 @@
+"""structlog set-up shared by every role.
+
+``configure_logging`` is called once by each server's entry point (never at
+import time). Library modules only do ``log = structlog.get_logger(__name__)``
+and log key-value events with ``session_id``. Values listed as secrets (bearer
+tokens, Redis passwords) are replaced by ``***`` wherever they appear in an event.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import structlog
+
+
+def _redactor(secrets: Iterable[str]):
+    secrets = tuple(s for s in secrets if s)
+
+    def redact(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+        if not secrets:
+            return event
+        for key, value in list(event.items()):
+            text = value if isinstance(value, str) else None
+            if text is None and not isinstance(value, (int, float, bool, type(None))):
+                text = str(value)
+            if text is not None and any(s in text for s in secrets):
+                for s in secrets:
+                    text = text.replace(s, "***")
+                event[key] = text
+        return event
+
+    return redact
+
+
+def configure_logging(
+    fmt: str = "console", level: str = "info", *, secrets: Iterable[str] = (), stream: Any = None
+) -> None:
+    """Configure structlog: ``fmt`` is ``"json"`` (production) or ``"console"``."""
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            _redactor(secrets),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        cache_logger_on_first_use=False,
+    )

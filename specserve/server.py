@@ -1,0 +1,203 @@
+"""The gRPC server lifecycle every role shares.
+
+``create_server`` builds a ``grpc.aio`` server with the role's servicers, the
+standard health service, server reflection, the :class:`ErrorInterceptor`
+(domain errors -> precise status codes), message-size limits and optional
+(mutual) TLS, binds it (port 0 picks a free port, for tests) and starts it.
+``serve_until_signal`` runs it until SIGTERM/SIGINT, then: health NOT_SERVING,
+the role's drain hook, ``stop(grace)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specserve.config import CommonSettings
+from specserve.errors import SpecServeError
+
+log = structlog.get_logger(__name__)
+
+#: Trailing metadata key carrying ``SpecServeError.retry_after_s``.
+RETRY_AFTER_KEY = "specserve-retry-after-s"
+
+
+def status_code_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status a raised exception becomes at a server boundary."""
+    if isinstance(exc, SpecServeError):
+        return grpc.StatusCode[exc.grpc_code_name]
+    if isinstance(exc, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    code = status_code_for(exc)
+    if isinstance(exc, SpecServeError):
+        if exc.retry_after_s is not None:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{exc.retry_after_s:g}"),))
+        log.info("rpc_error", method=method, code=code.name, message=exc.message)
+        await context.abort(code, exc.message)
+    log.error("rpc_internal_error", method=method, exc_info=exc)
+    await context.abort(code, f"internal error in {method}: {type(exc).__name__} (see server log)")
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps :class:`SpecServeError` to its status code; anything else is INTERNAL (a bug)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner_uu(request, context)
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    await _abort(context, exc, method)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for reply in inner_us(request, context):
+                        yield reply
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    await _abort(context, exc, method)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One servicer to host: ``add_fn(servicer, server)`` and its full service name."""
+
+    add_fn: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+    service_name: str
+
+
+@dataclass
+class RunningServer:
+    """A started server: its bound port and the handles needed to stop it cleanly."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+    drain: Callable[[], Awaitable[None]] | None = None
+    _stopped: bool = field(default=False, repr=False)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """NOT_SERVING, drain, then stop accepting and wait up to ``grace`` seconds."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.drain is not None:
+            try:
+                await asyncio.wait_for(self.drain(), timeout=grace)
+            except asyncio.TimeoutError:
+                log.warning("drain_timeout", grace_s=grace)
+        await self.server.stop(grace)
+
+
+def server_credentials(settings: CommonSettings) -> grpc.ServerCredentials | None:
+    """TLS credentials from settings; with ``tls_ca_file`` client certificates are required."""
+    if not settings.tls_enabled:
+        return None
+    assert settings.tls_cert_file is not None and settings.tls_key_file is not None
+    key = settings.tls_key_file.read_bytes()
+    cert = settings.tls_cert_file.read_bytes()
+    ca = settings.tls_ca_file.read_bytes() if settings.tls_ca_file else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+async def create_server(
+    settings: CommonSettings,
+    registrations: Sequence[Registration],
+    *,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    drain: Callable[[], Awaitable[None]] | None = None,
+) -> RunningServer:
+    """Build, bind and start a server for ``registrations`` on ``settings.host:settings.port``."""
+    options = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=options)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(r.service_name for r in registrations)
+    for reg in registrations:
+        reg.add_fn(reg.servicer, server)
+    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{settings.host}:{settings.port}"
+    creds = server_credentials(settings)
+    port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    await server.start()
+    for name in ("", *names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("server_started", address=f"{settings.host}:{port}", services=list(names), tls=creds is not None)
+    return RunningServer(server=server, port=port, health=health_servicer, service_names=names, drain=drain)
+
+
+async def serve_until_signal(running: RunningServer, *, grace: float) -> None:
+    """Block until SIGTERM or SIGINT, then stop ``running`` gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    waiter = asyncio.create_task(running.server.wait_for_termination())
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if stopper in done:
+        log.info("shutdown_requested", grace_s=grace)
+        await running.stop(grace)
+    for task in (waiter, stopper):
+        task.cancel()
+
+
+def start_metrics_server(port: int | None, host: str = "0.0.0.0") -> int | None:
+    """Expose the default Prometheus registry on ``http://host:port/metrics``; returns the bound port."""
+    if port is None:
+        return None
+    from prometheus_client import start_http_server
+
+    http_server, _thread = start_http_server(port, addr=host)
+    bound = http_server.server_port
+    log.info("metrics_started", port=bound)
+    return bound
