@@ -1,0 +1,83 @@
+"""Prometheus metrics of every role, on the default registry.
+
+Names follow Prometheus conventions (``_total`` counters, base units in names).
+The speculation counters mirror vLLM's spec-decode metrics: drafts, draft
+tokens, accepted tokens, accepted tokens per position, and the wasted
+proposals. Each role updates only its own metrics; a process that hosts all
+three roles (``specserve up``) exposes all of them. The gauges the
+HorizontalPodAutoscalers scale on are documented in docs/deploy.md.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_SMALL_COUNT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+# --- coordinator: speculation -------------------------------------------------
+SPEC_DRAFTS = Counter("specserve_spec_decode_num_drafts", "Rounds that proposed at least one draft token.")
+SPEC_DRAFT_TOKENS = Counter("specserve_spec_decode_num_draft_tokens", "Draft tokens proposed.")
+SPEC_ACCEPTED_TOKENS = Counter("specserve_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+SPEC_ACCEPTED_PER_POS = Counter(
+    "specserve_spec_decode_num_accepted_tokens_per_pos",
+    "Draft tokens accepted, by 0-based position in the proposal.",
+    ["position"],
+)
+SPEC_WASTED_TOKENS = Counter(
+    "specserve_spec_decode_num_wasted_tokens", "Draft tokens proposed and thrown away (rejected or after a stop)."
+)
+SPEC_ACCEPTED_LENGTH = Histogram(
+    "specserve_spec_decode_accepted_length",
+    "Tokens committed per round (accepted + correction/bonus).",
+    buckets=_SMALL_COUNT_BUCKETS,
+)
+GAMMA_CHOSEN = Histogram("specserve_coordinator_gamma", "Gamma chosen per round.", buckets=_SMALL_COUNT_BUCKETS)
+
+# --- coordinator: requests ------------------------------------------------------
+ACTIVE_SESSIONS = Gauge("specserve_coordinator_active_sessions", "Generations in progress.")
+REQUESTS = Counter("specserve_coordinator_requests", "Generate requests by final status.", ["status"])
+COMMITTED_TOKENS = Counter("specserve_coordinator_committed_tokens", "Tokens committed and streamed.")
+TIME_TO_FIRST_TOKEN = Histogram(
+    "specserve_coordinator_time_to_first_token_seconds", "Request arrival to first token.", buckets=_LATENCY_BUCKETS_S
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "specserve_coordinator_inter_token_latency_seconds",
+    "Time between committed tokens (a round's time divided by its tokens).",
+    buckets=_LATENCY_BUCKETS_S,
+)
+STAGE_SECONDS = Histogram(
+    "specserve_coordinator_stage_seconds",
+    "Per-round time by stage: draft, queue, verify, network.",
+    ["stage"],
+    buckets=_LATENCY_BUCKETS_S,
+)
+VERIFY_QUEUE_DEPTH = Gauge(
+    "specserve_target_verify_queue_depth", "Sessions waiting for a verify batch (coordinator side).", ["target"]
+)
+VERIFY_BATCH_SIZE = Histogram(
+    "specserve_coordinator_verify_batch_size", "Sessions per Verify call.", buckets=_SMALL_COUNT_BUCKETS
+)
+REPLICA_FAILURES = Counter("specserve_coordinator_replica_failures", "Worker calls failed by tier.", ["tier"])
+
+# --- draft ------------------------------------------------------------------------
+DRAFT_QUEUE_DEPTH = Gauge("specserve_draft_queue_depth", "Propose calls in flight on this draft replica.")
+DRAFT_SECONDS = Histogram("specserve_draft_propose_seconds", "Time of one Propose call.", buckets=_LATENCY_BUCKETS_S)
+
+# --- target -----------------------------------------------------------------------
+TARGET_BATCH_OCCUPANCY = Gauge(
+    "specserve_target_batch_occupancy", "Items of the last Verify call divided by max_batch_size (0..1)."
+)
+TARGET_INFLIGHT = Gauge("specserve_target_verify_inflight", "Verify calls in flight on this target replica.")
+TARGET_FORWARD_SECONDS = Histogram(
+    "specserve_target_forward_seconds", "Batched forward pass time.", buckets=_LATENCY_BUCKETS_S
+)
+TARGET_POSITIONS = Counter("specserve_target_positions_processed", "Positions fed through the target model.")
+COMMIT_SECONDS = Histogram(
+    "specserve_redis_commit_seconds", "Redis compare-and-set commit latency.", buckets=_LATENCY_BUCKETS_S
+)
+COMMIT_CONFLICTS = Counter("specserve_redis_commit_conflicts", "Commits refused by compare-and-set.", ["reason"])
+
+# --- workers (draft and target) -------------------------------------------------
+CACHED_SESSIONS = Gauge("specserve_worker_cached_sessions", "Sessions holding a KV cache.", ["role"])
+KV_CACHE_BYTES = Gauge("specserve_worker_kv_cache_bytes", "Bytes of KV cache held.", ["role"])
