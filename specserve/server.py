@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specserve.config import CommonSettings
 from specserve.errors import SpecServeError
+from specserve.interceptors import RequestIdInterceptor
 
 log = structlog.get_logger(__name__)
 
@@ -153,7 +154,8 @@ async def create_server(
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=options)
+    chain = [RequestIdInterceptor(), *interceptors, ErrorInterceptor()]
+    server = grpc.aio.server(interceptors=chain, options=options)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(r.service_name for r in registrations)

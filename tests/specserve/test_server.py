@@ -103,3 +103,30 @@ async def test_health_reflection_and_graceful_stop(running):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_bearer_token_interceptor_codes():
+    from specserve.interceptors import BearerTokenInterceptor
+
+    settings = CommonSettings(host="127.0.0.1", port=0)
+    server = await create_server(
+        settings,
+        [Registration(add_raiser, Raiser(), SERVICE)],
+        interceptors=[BearerTokenInterceptor(["s3cret"])],
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            method = channel.unary_unary(f"/{SERVICE}/Raise")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await method(b"ok")
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await method(b"ok", metadata=(("authorization", "Bearer wrong"),))
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert await method(b"ok", metadata=(("authorization", "Bearer s3cret"),)) == b"fine"
+            # Probes stay open.
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(0)

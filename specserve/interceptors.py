@@ -1,0 +1,130 @@
+"""Server interceptors: bearer-token authentication and request-id propagation.
+
+* :class:`BearerTokenInterceptor` guards the coordinator's client API. A call
+  without ``authorization: Bearer <token>`` is UNAUTHENTICATED; a call whose
+  token is not one of the configured ones is PERMISSION_DENIED. Health checks
+  and reflection stay open so probes and tooling work. Tokens are compared in
+  constant time and never logged.
+* :class:`RequestIdInterceptor` takes ``x-request-id`` from the call's metadata
+  (or makes one) and binds it, with the method, to structlog's context for the
+  duration of the call, so one request can be followed across all three roles:
+  callers forward it with :func:`outgoing_metadata`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+import structlog
+
+REQUEST_ID_KEY = "x-request-id"
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def _wrap(
+    handler: grpc.RpcMethodHandler,
+    before: Callable[[grpc.aio.ServicerContext], Awaitable[None]],
+    bind: Callable[[], Any] | None = None,
+) -> grpc.RpcMethodHandler:
+    """A copy of ``handler`` that runs ``before(context)`` first (it may abort)."""
+    if handler.unary_unary is not None:
+        inner = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await before(context)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, handler.request_deserializer, handler.response_serializer
+        )
+    if handler.unary_stream is not None:
+        inner_stream = handler.unary_stream
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await before(context)
+            async for reply in inner_stream(request, context):
+                yield reply
+
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream, handler.request_deserializer, handler.response_serializer
+        )
+    return handler
+
+
+def token_fingerprint(token: str) -> str:
+    """A short, non-reversible id of a token, safe to log and to key per-client limits on."""
+    return hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
+def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization":
+            text = value.decode() if isinstance(value, bytes) else value
+            scheme, _, token = text.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" and token.strip() else ""
+    return None
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Admits calls carrying one of ``tokens`` as ``authorization: Bearer <token>``."""
+
+    def __init__(self, tokens: Sequence[str]) -> None:
+        if not tokens:
+            raise ValueError("BearerTokenInterceptor needs at least one token")
+        self._tokens = tuple(t.encode() for t in tokens)
+
+    def _valid(self, token: str) -> bool:
+        given = token.encode()
+        return any(hmac.compare_digest(given, t) for t in self._tokens)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
+            return handler
+
+        async def check(context: grpc.aio.ServicerContext) -> None:
+            token = bearer_token(context.invocation_metadata())
+            if token is None:
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "missing credentials: send metadata 'authorization: Bearer <token>'",
+                )
+            elif not token or not self._valid(token):
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "the bearer token is not accepted")
+
+        return _wrap(handler, check)
+
+
+class RequestIdInterceptor(grpc.aio.ServerInterceptor):
+    """Binds ``request_id`` (from ``x-request-id`` or new) and ``rpc`` to structlog's context."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+
+        async def bind(context: grpc.aio.ServicerContext) -> None:
+            request_id = None
+            for key, value in context.invocation_metadata() or ():
+                if key == REQUEST_ID_KEY:
+                    request_id = value if isinstance(value, str) else value.decode()
+            structlog.contextvars.bind_contextvars(request_id=request_id or uuid.uuid4().hex, rpc=method)
+
+        return _wrap(handler, bind)
+
+
+def current_request_id() -> str | None:
+    return structlog.contextvars.get_contextvars().get("request_id")
+
+
+def outgoing_metadata(extra: Sequence[tuple[str, str]] = ()) -> tuple[tuple[str, str], ...]:
+    """Metadata for a call to another role that carries the current request id."""
+    request_id = current_request_id()
+    head = ((REQUEST_ID_KEY, request_id),) if request_id else ()
+    return (*head, *extra)
