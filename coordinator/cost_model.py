@@ -1,0 +1,369 @@
+"""Online estimates of what a speculative round costs, and the cost model's speedup bound.
+
+One :class:`CostModel` per coordinator, shared by its sessions. It learns, from
+timings the coordinator reports after each call, three things (all in
+nanoseconds, all exponentially decaying so that they follow a drifting
+machine):
+
+* **draft time** of one ``Propose`` call: ``D(gamma) = d * gamma + p * prefill``
+  (``d`` = :meth:`CostModel.draft_ns_per_token`; per-call overhead of the draft
+  is mostly its forward passes, one per drafted token, and the wire cost is in
+  the round trip below);
+* **verify time** of one ``Verify`` call with ``b`` items feeding ``P``
+  positions in total: ``V(b, P) = v0 + v_b * b + v_p * P``
+  (:meth:`CostModel.verify_ns`), a local linearisation: on an accelerator
+  with spare parallelism ``v_p`` comes out near 0, on a saturated one or a
+  CPU it does not;
+* **network round trip** of a call beyond the server's own time:
+  ``R(k) = r0 + r1 * k`` with ``k`` draft distributions carried in the message.
+
+A round of one session with ``gamma`` proposals in a batch of ``b`` sessions
+then takes (:meth:`CostModel.round_ns`)::
+
+    round(gamma, b) = R(gamma) + V(b, b * (gamma + 1))                 # Verify call
+                    + [gamma > 0] * (R(gamma) + D(gamma))              # Propose call
+
+assuming the other sessions of the batch propose as many tokens (the same
+policy in a similar state chooses alike; the coordinator does not know the
+others' next choice when it picks this one).
+
+Each estimate is a decaying weighted least-squares fit
+(:class:`DecayingLeastSquares`): every new observation multiplies the weight
+of the old ones by ``decay``, and a few constant "prior rows" keep the fit
+well posed when the data cannot separate the coefficients (a single session at
+one gamma always feeds the same number of positions, so ``v0``, ``v_b`` and
+``v_p`` cannot be told apart from its data alone). The verify prior is stated
+as *ratios*, so it holds at any speed of hardware: ``v_b = 0.08 * v0`` (one more
+session in the batch costs about 8% of the fixed cost) and
+``v_p = 0.05 * (v0 + v_b)`` (one more position costs about 5% of a one-token
+step; measured here: 1-16% in bf16 and fp32 on CPU, near 0 on a GPU below
+saturation). Before any data an absolute anchor (10 ms verify step, 1 ms draft
+token) answers; it weighs nothing once data arrives.
+
+The module is pure Python: no torch, no gRPC, no logging.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "CostModel",
+    "CostPrior",
+    "DecayingLeastSquares",
+    "expected_tokens_iid",
+    "predicted_speedup",
+]
+
+
+def expected_tokens_iid(alpha: float, gamma: int) -> float:
+    """Expected committed tokens of a round with ``gamma`` proposals, i.i.d. acceptance ``alpha``.
+
+    ``1 + alpha + ... + alpha**gamma = (1 - alpha**(gamma + 1)) / (1 - alpha)``: the
+    accepted prefix plus the correction or bonus token (Leviathan et al. 2023,
+    arXiv 2211.17192, eq. 1).
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    if alpha == 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(
+    alpha: float,
+    gamma: int,
+    draft_ns: float,
+    verify_ns_of_positions: Callable[[int], float] | float,
+    target_step_ns: float,
+) -> float:
+    """The cost model's speedup bound of speculation over target-only decoding.
+
+    ``speedup = E[tokens] * T_target / (gamma * T_draft + T_verify(gamma + 1))`` with
+    ``E[tokens] = (1 - alpha**(gamma+1)) / (1 - alpha)``.
+
+    Args:
+        alpha: per-token acceptance, in [0, 1].
+        gamma: draft tokens per round (0 gives ``T_target / T_verify(1)``, about 1).
+        draft_ns: time of one draft token.
+        verify_ns_of_positions: time of verifying ``k`` positions in one pass, as a
+            function of ``k`` (called with ``gamma + 1``), or that time for
+            ``gamma + 1`` positions directly as a number.
+        target_step_ns: time of one target-only decode step (the baseline's per-token cost).
+    """
+    if draft_ns < 0 or target_step_ns <= 0:
+        raise ValueError("draft_ns must be >= 0 and target_step_ns > 0")
+    if callable(verify_ns_of_positions):
+        verify = float(verify_ns_of_positions(gamma + 1))
+    else:
+        verify = float(verify_ns_of_positions)
+    if verify <= 0:
+        raise ValueError("verify time must be > 0")
+    return expected_tokens_iid(alpha, gamma) * target_step_ns / (gamma * draft_ns + verify)
+
+
+class DecayingLeastSquares:
+    """Non-negative weighted least squares ``y ~ x . theta`` with exponential forgetting.
+
+    Minimises ``sum_i decay**(n - i) * (y_i - x_i . theta)**2 + sum_j w_j * (y_j - x_j . theta)**2``
+    over ``theta >= 0``, where the second sum runs over constant prior rows
+    ``(x_j, y_j, w_j)`` that never decay. Solved exactly by an active-set loop
+    over the few coefficients (a coefficient that comes out negative is fixed at
+    0 and the rest re-solved). Pure Python; ``n_features`` is meant to be small.
+    """
+
+    def __init__(
+        self,
+        n_features: int,
+        *,
+        decay: float,
+        prior_rows: Sequence[tuple[Sequence[float], float, float]] = (),
+    ) -> None:
+        if n_features < 1:
+            raise ValueError("n_features must be >= 1")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self._n = n_features
+        self._decay = decay
+        self._xx = [[0.0] * n_features for _ in range(n_features)]  # sum w x x^T of the data
+        self._xy = [0.0] * n_features  # sum w x y of the data
+        self._pxx = [[0.0] * n_features for _ in range(n_features)]
+        self._pxy = [0.0] * n_features
+        for x, y, w in prior_rows:
+            self._accumulate(self._pxx, self._pxy, x, y, w)
+        self._coef: tuple[float, ...] | None = None
+        #: Observations seen (not decayed).
+        self.n_observations = 0
+        #: Decayed total weight of the data.
+        self.weight = 0.0
+
+    def _accumulate(
+        self, xx: list[list[float]], xy: list[float], x: Sequence[float], y: float, w: float
+    ) -> None:
+        if len(x) != self._n:
+            raise ValueError(f"expected {self._n} features, got {len(x)}")
+        for i in range(self._n):
+            xy[i] += w * x[i] * y
+            for j in range(self._n):
+                xx[i][j] += w * x[i] * x[j]
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        """Adds one observation after decaying the weight of all earlier ones."""
+        if not math.isfinite(y):
+            raise ValueError(f"observation must be finite, got {y}")
+        d = self._decay
+        for i in range(self._n):
+            self._xy[i] *= d
+            for j in range(self._n):
+                self._xx[i][j] *= d
+        self._accumulate(self._xx, self._xy, x, y, 1.0)
+        self.weight = self.weight * d + 1.0
+        self.n_observations += 1
+        self._coef = None
+
+    @property
+    def coef(self) -> tuple[float, ...]:
+        """The fitted non-negative coefficients."""
+        if self._coef is None:
+            self._coef = self._solve()
+        return self._coef
+
+    def predict(self, x: Sequence[float]) -> float:
+        return sum(c * v for c, v in zip(self.coef, x, strict=True))
+
+    def _solve(self) -> tuple[float, ...]:
+        n = self._n
+        a = [[self._xx[i][j] + self._pxx[i][j] for j in range(n)] for i in range(n)]
+        b = [self._xy[i] + self._pxy[i] for i in range(n)]
+        free = list(range(n))
+        while free:
+            sol = _solve_linear([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+            if sol is None:
+                # Singular on the free set: drop the coefficient with the least support.
+                free.remove(min(free, key=lambda i: a[i][i]))
+                continue
+            negative = [free[k] for k, v in enumerate(sol) if v < 0.0]
+            if not negative:
+                coef = [0.0] * n
+                for k, i in enumerate(free):
+                    coef[i] = sol[k]
+                return tuple(coef)
+            # Fix the most negative at zero and re-solve the rest.
+            worst = min(range(len(sol)), key=lambda k: sol[k])
+            free.pop(worst)
+        return (0.0,) * n
+
+
+def _solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when (numerically) singular."""
+    n = len(b)
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    scale = max((abs(v) for row in a for v in row), default=0.0)
+    if scale == 0.0:
+        return None
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= 1e-12 * scale:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
+@dataclass(frozen=True)
+class CostPrior:
+    """What the cost model assumes before (and, for what data cannot tell, besides) its observations.
+
+    Attributes:
+        verify_step_ns: anchor: one session, one position (a target decode step), before any data.
+        draft_token_ns: anchor: one draft token, before any data.
+        per_item_ratio: ``v_b / v0``: one more session in a batch costs this fraction of the fixed cost.
+        per_position_ratio: ``v_p / (v0 + v_b)``: one more position costs this fraction of a one-token step.
+        prefill_ratio: ``p / d``: a catch-up (prefill) token of the draft costs this fraction of a drafted one.
+        ratio_weight: weight of each ratio row, in observations' worth (a data row weighs 1).
+        anchor_weight: weight of the absolute anchors; tiny, so one observation overrides them.
+    """
+
+    verify_step_ns: float = 10e6
+    draft_token_ns: float = 1e6
+    per_item_ratio: float = 0.08
+    per_position_ratio: float = 0.05
+    prefill_ratio: float = 0.3
+    ratio_weight: float = 0.5
+    anchor_weight: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.verify_step_ns <= 0 or self.draft_token_ns < 0:
+            raise ValueError("verify_step_ns must be > 0 and draft_token_ns >= 0")
+        if min(self.per_item_ratio, self.per_position_ratio, self.prefill_ratio) < 0:
+            raise ValueError("prior ratios must be >= 0")
+        if self.ratio_weight < 0 or self.anchor_weight <= 0:
+            raise ValueError("ratio_weight must be >= 0 and anchor_weight > 0")
+
+
+class CostModel:
+    """Online, decaying estimates of draft, verify and round-trip time; see the module docstring.
+
+    Args:
+        decay: weight kept by the past at each new observation of a kind
+            (0.98: the last ~50 calls count, half-life ~34 calls).
+        prior: assumptions before and besides the data.
+
+    The coordinator reports, after each call:
+
+    * ``observe_draft(tokens=len(proposal), ns=ProposeResponse.draft_ns, prefill_tokens=ProposeResponse.prefill_tokens)``
+    * ``observe_verify(batch_size=len(items), positions=VerifyResponse.positions_processed, ns=VerifyResponse.verify_ns)``
+    * ``observe_rtt(ns=call wall time - server-reported time, tokens=draft distributions in the message)``
+      for both Propose and Verify calls (for a Verify batch, ``tokens`` per item on average).
+    """
+
+    def __init__(self, *, decay: float = 0.98, prior: CostPrior | None = None) -> None:
+        self.prior = prior or CostPrior()
+        pr = self.prior
+        self._draft = DecayingLeastSquares(
+            2,
+            decay=decay,
+            prior_rows=[
+                ((1.0, 0.0), pr.draft_token_ns, pr.anchor_weight),
+                ((-pr.prefill_ratio, 1.0), 0.0, pr.ratio_weight),
+            ],
+        )
+        # theta = (v0, v_b, v_p); the anchor is a one-item, one-position call.
+        self._verify = DecayingLeastSquares(
+            3,
+            decay=decay,
+            prior_rows=[
+                ((1.0, 1.0, 1.0), pr.verify_step_ns, pr.anchor_weight),
+                ((-pr.per_item_ratio, 1.0, 0.0), 0.0, pr.ratio_weight),
+                ((-pr.per_position_ratio, -pr.per_position_ratio, 1.0), 0.0, pr.ratio_weight),
+            ],
+        )
+        # theta = (r0, r1): round trip of a call carrying k draft distributions; r1 defaults to 0.
+        self._rtt = DecayingLeastSquares(2, decay=decay, prior_rows=[((0.0, 1.0), 0.0, pr.ratio_weight)])
+
+    # -- observations -------------------------------------------------------------------------
+
+    def observe_draft(self, *, tokens: int, ns: int, prefill_tokens: int = 0) -> None:
+        """One Propose call that drafted ``tokens`` (after feeding ``prefill_tokens`` to catch up) in ``ns``."""
+        if tokens < 0 or prefill_tokens < 0 or ns < 0:
+            raise ValueError("tokens, prefill_tokens and ns must be >= 0")
+        if tokens == 0 and prefill_tokens == 0:
+            return
+        self._draft.add((float(tokens), float(prefill_tokens)), float(ns))
+
+    def observe_verify(self, *, batch_size: int, positions: int, ns: int) -> None:
+        """One Verify call: ``batch_size`` items, ``positions`` fed in total, ``ns`` server time."""
+        if batch_size < 1 or positions < batch_size or ns < 0:
+            raise ValueError("need batch_size >= 1, positions >= batch_size, ns >= 0")
+        self._verify.add((1.0, float(batch_size), float(positions)), float(ns))
+
+    def observe_rtt(self, *, ns: int, tokens: int = 0) -> None:
+        """Round trip of one call beyond the server's own time; ``tokens`` draft distributions it carried."""
+        if tokens < 0:
+            raise ValueError("tokens must be >= 0")
+        self._rtt.add((1.0, float(tokens)), float(max(ns, 0)))
+
+    # -- estimates ----------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """True once at least one draft and one verify call have been observed."""
+        return self._draft.n_observations > 0 and self._verify.n_observations > 0
+
+    def draft_ns_per_token(self) -> float:
+        return self._draft.coef[0]
+
+    def draft_ns(self, tokens: int, prefill_tokens: int = 0) -> float:
+        """Predicted server time of a Propose call."""
+        return self._draft.predict((float(tokens), float(prefill_tokens)))
+
+    def verify_ns(self, batch_size: int, positions: int) -> float:
+        """Predicted server time of a Verify call of ``batch_size`` items feeding ``positions`` in total."""
+        return self._verify.predict((1.0, float(batch_size), float(positions)))
+
+    def verify_ns_per_position(self) -> float:
+        """Marginal cost of one more position in a Verify call (``v_p``)."""
+        return self._verify.coef[2]
+
+    def rtt_ns(self, tokens: int = 0) -> float:
+        """Predicted round trip of one call carrying ``tokens`` draft distributions (0 before any data)."""
+        if self._rtt.n_observations == 0:
+            return 0.0
+        return self._rtt.predict((1.0, float(tokens)))
+
+    def round_ns(self, gamma: int, batch_size: int) -> float:
+        """Predicted wall time of one round of one session; see the module docstring for the formula."""
+        if gamma < 0 or batch_size < 1:
+            raise ValueError("need gamma >= 0 and batch_size >= 1")
+        total = self.rtt_ns(gamma) + self.verify_ns(batch_size, batch_size * (gamma + 1))
+        if gamma > 0:
+            total += self.rtt_ns(gamma) + self.draft_ns(gamma)
+        return total
+
+    def target_step_ns(self, batch_size: int = 1) -> float:
+        """Predicted wall time of a target-only round (``round_ns(0, batch_size)``)."""
+        return self.round_ns(0, batch_size)
+
+    def snapshot(self) -> dict[str, float]:
+        """Current estimates, for logs, metrics and the benchmark report."""
+        v0, vb, vp = self._verify.coef
+        r0, r1 = self._rtt.coef if self._rtt.n_observations else (0.0, 0.0)
+        return {
+            "draft_ns_per_token": self.draft_ns_per_token(),
+            "draft_prefill_ns_per_token": self._draft.coef[1],
+            "verify_fixed_ns": v0,
+            "verify_ns_per_item": vb,
+            "verify_ns_per_position": vp,
+            "rtt_ns": r0,
+            "rtt_ns_per_token": r1,
+        }

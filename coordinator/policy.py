@@ -1,0 +1,359 @@
+"""The speculation policy: how many tokens a session drafts in its next round.
+
+The objective is wall-clock cost per committed token under the real workload
+(``../shared/DESIGN.md``, "Cost and policy"), not acceptance. Three pieces:
+
+* :class:`~coordinator.cost_model.CostModel` (one per coordinator): what a round
+  costs, learnt online from call timings;
+* :class:`AcceptanceTracker` (one per session): how many tokens a round
+  commits, learnt online from the session's verdicts, per draft position;
+* :class:`SpeculationPolicy` (one per coordinator, or per request for a fixed
+  gamma): :class:`FixedGamma` or :class:`AdaptiveGamma`.
+
+How the coordinator drives them, each round of each session::
+
+    load = LoadSnapshot(active_sessions=..., batch_occupancy=..., verify_queue_depth=...)
+    gamma = min(policy.choose_gamma(session.acceptance, load), tokens_left - 1, server_max_gamma)
+    ... Propose (only when gamma > 0): cost_model.observe_draft(...), cost_model.observe_rtt(...)
+    ... Verify (batched):              cost_model.observe_verify(...), cost_model.observe_rtt(...)
+    session.acceptance.observe(proposed=gamma, accepted=verdict.accepted)   # also when gamma == 0
+
+Terms: a round with ``gamma`` proposals feeds ``gamma + 1`` positions to the
+target and commits ``accepted + 1`` tokens (the accepted prefix, then the
+correction after a rejection or the bonus token when all are accepted). The
+positions fed but not committed, ``gamma - accepted``, are *wasted* target work.
+
+The module is pure Python: no torch, no gRPC, no logging.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from coordinator.cost_model import CostModel, CostPrior, expected_tokens_iid, predicted_speedup
+
+__all__ = [
+    "AcceptanceTracker",
+    "AdaptiveGamma",
+    "CostModel",
+    "CostPrior",
+    "FixedGamma",
+    "LoadSnapshot",
+    "SpeculationPolicy",
+    "expected_tokens_iid",
+    "predicted_speedup",
+]
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """How busy the target tier is, as the coordinator sees it when a round starts.
+
+    Attributes:
+        active_sessions: sessions generating now.
+        batch_occupancy: recent mean Verify batch size / ``max_batch_size``, in [0, 1].
+        verify_queue_depth: sessions waiting for a Verify batch.
+    """
+
+    active_sessions: int
+    batch_occupancy: float
+    verify_queue_depth: int
+
+    def __post_init__(self) -> None:
+        if self.active_sessions < 0 or self.verify_queue_depth < 0:
+            raise ValueError("active_sessions and verify_queue_depth must be >= 0")
+        if not 0.0 <= self.batch_occupancy <= 1.0:
+            raise ValueError(f"batch_occupancy must be in [0, 1], got {self.batch_occupancy}")
+
+    @classmethod
+    def idle(cls) -> LoadSnapshot:
+        """One session alone: no batching, no queue."""
+        return cls(active_sessions=1, batch_occupancy=0.0, verify_queue_depth=0)
+
+
+class AcceptanceTracker:
+    """One session's recent acceptance per draft position, exponentially decaying.
+
+    Position ``i`` (1-based) is *reached* in a round when the ``i - 1`` tokens
+    before it were accepted; the tracker estimates ``a_i = P(accept i | reached i)``
+    from decayed counts, shrunk towards the pooled estimate :meth:`alpha` (so a
+    position seen rarely borrows from the others), and the pooled estimate is
+    shrunk towards a prior (so the first rounds do not swing it). Positions after
+    the first rejection of a round are not observed (censored), not counted as
+    rejections.
+
+    It also holds the policy's memory of the session (:attr:`last_gamma`): the
+    policy is shared, the session's state is here.
+
+    Args:
+        decay: weight kept by the past at each round (0.95: half-life ~13.5 rounds).
+            A round with ``proposed == 0`` decays too, so that a session parked at
+            gamma = 0 slowly forgets a bad stretch and the policy tries again.
+        prior_alpha: acceptance assumed before data.
+        prior_weight: the prior's weight, in reached positions.
+        position_shrinkage: weight, in reached positions, of the pooled estimate in each
+            per-position estimate.
+    """
+
+    def __init__(
+        self,
+        *,
+        decay: float = 0.95,
+        prior_alpha: float = 0.6,
+        prior_weight: float = 2.0,
+        position_shrinkage: float = 4.0,
+    ) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if not 0.0 <= prior_alpha <= 1.0:
+            raise ValueError(f"prior_alpha must be in [0, 1], got {prior_alpha}")
+        if prior_weight <= 0 or position_shrinkage < 0:
+            raise ValueError("prior_weight must be > 0 and position_shrinkage >= 0")
+        self._decay = decay
+        self._prior_alpha = prior_alpha
+        self._prior_weight = prior_weight
+        self._shrinkage = position_shrinkage
+        self._reached: list[float] = []  # [i] = decayed rounds that reached position i + 1
+        self._accepted: list[float] = []  # [i] = decayed rounds that accepted position i + 1
+        self._reached_total = 0.0
+        self._accepted_total = 0.0
+        #: Rounds observed.
+        self.rounds = 0
+        #: The gamma the policy chose last for this session (None before the first round).
+        self.last_gamma: int | None = None
+
+    def observe(self, *, proposed: int, accepted: int) -> None:
+        """One round's verdict: ``proposed`` draft tokens, the first ``accepted`` of them accepted."""
+        if proposed < 0 or not 0 <= accepted <= proposed:
+            raise ValueError(f"need 0 <= accepted <= proposed, got {accepted=} {proposed=}")
+        d = self._decay
+        self._reached = [v * d for v in self._reached]
+        self._accepted = [v * d for v in self._accepted]
+        self._reached_total *= d
+        self._accepted_total *= d
+        reached = min(proposed, accepted + 1)
+        while len(self._reached) < reached:
+            self._reached.append(0.0)
+            self._accepted.append(0.0)
+        for i in range(reached):
+            self._reached[i] += 1.0
+        for i in range(accepted):
+            self._accepted[i] += 1.0
+        self._reached_total += reached
+        self._accepted_total += accepted
+        self.rounds += 1
+
+    def alpha(self) -> float:
+        """Estimated per-token acceptance, pooled over positions."""
+        return (self._accepted_total + self._prior_alpha * self._prior_weight) / (
+            self._reached_total + self._prior_weight
+        )
+
+    def position_alpha(self, position: int) -> float:
+        """Estimated ``P(accept position | reached it)``, ``position`` 1-based."""
+        if position < 1:
+            raise ValueError("positions are 1-based")
+        pooled = self.alpha()
+        if position > len(self._reached):
+            return pooled
+        i = position - 1
+        return (self._accepted[i] + self._shrinkage * pooled) / (self._reached[i] + self._shrinkage)
+
+    def expected_tokens(self, gamma: int) -> float:
+        """Expected committed tokens of a round with ``gamma`` proposals: ``1 + sum_k prod_{i<=k} a_i``."""
+        if gamma < 0:
+            raise ValueError("gamma must be >= 0")
+        total, survive = 1.0, 1.0
+        for k in range(1, gamma + 1):
+            survive *= self.position_alpha(k)
+            total += survive
+        return total
+
+
+class SpeculationPolicy(abc.ABC):
+    """Chooses a session's gamma for its next round."""
+
+    @abc.abstractmethod
+    def choose_gamma(self, acceptance: AcceptanceTracker, load: LoadSnapshot) -> int:
+        """The number of tokens to draft next round (0: a plain target decode step)."""
+
+
+class FixedGamma(SpeculationPolicy):
+    """Always the same gamma (a request's explicit ``gamma``, or a benchmark baseline)."""
+
+    def __init__(self, gamma: int) -> None:
+        if gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {gamma}")
+        self.gamma = gamma
+
+    def choose_gamma(self, acceptance: AcceptanceTracker, load: LoadSnapshot) -> int:
+        acceptance.last_gamma = self.gamma
+        return self.gamma
+
+    def __repr__(self) -> str:
+        return f"FixedGamma({self.gamma})"
+
+
+class AdaptiveGamma(SpeculationPolicy):
+    """Picks gamma from a small ladder (0 included) by expected committed tokens per unit of cost.
+
+    The score of ``g`` proposals for a session with acceptance estimates ``a_i``
+    in a batch of ``b`` sessions is::
+
+        E(g)     = 1 + sum_{k=1..g} prod_{i=1..k} a_i             expected committed tokens
+        W(g)     = g + 1 - E(g)                                   expected wasted target positions
+        cost(g)  = round_ns(g, b) + lambda(load) * W(g) * v_p     ns
+        score(g) = E(g) / cost(g)                                 committed tokens per ns
+
+    ``round_ns`` is the session's own latency (:meth:`CostModel.round_ns`: draft,
+    both round trips, and a Verify of ``b`` sessions feeding ``g + 1`` positions
+    each) and ``v_p`` the marginal verify cost of a position. The second term
+    is the load awareness: a wasted position in a full batch delays every other
+    session riding in that batch or queued behind it, so it is charged once per
+    such session, scaled by how saturated the target is::
+
+        pressure(load) = max(clip((occupancy - occupancy_knee) / (1 - occupancy_knee), 0, 1),
+                             min(1, queue_depth / max_batch_size))
+        lambda(load)   = waste_weight * pressure * (b - 1 + queue_depth)
+        b              = clip(round(occupancy * max_batch_size), 1, max(1, active_sessions))
+
+    With spare parallelism (``v_p`` near 0, or a half-empty batch) the score is
+    plain goodput and speculation is nearly free; as batches fill, ``b`` grows
+    (so ``round_ns`` carries more positions) and the waste charge rises, so
+    gamma shrinks, down to 0 where no speculation pays for its rejected work.
+    Waste is charged rather than all target work because accepted positions
+    replace target steps the session would have run anyway.
+
+    Safeguards:
+
+    * **Hysteresis**: the choice moves from the last gamma only when the best
+      allowed score beats the last one's by more than ``switch_margin``.
+    * **Bounds**: gamma grows by at most one rung of the ladder per round (a few
+      easy tokens cannot trigger a long draft just before the text changes); it
+      may fall to any lower rung at once.
+    * **Cold start**: a session's first round uses the best rung not above
+      ``initial_gamma`` (just ``initial_gamma`` while the cost model has no data),
+      then climbs one rung per round at most.
+    * **Re-trying 0**: a session at gamma = 0 learns nothing about acceptance,
+      so its tracker decays towards its prior on each gamma = 0 round; when the
+      prior makes gamma = 1 look worth it, one round of 1 tests it.
+
+    Tuning constants (defaults, and why):
+
+    * ``choices=(0, 1, 2, 3, 4, 6, 8)``: fine where the optimum usually lies,
+      coarse above, where the goodput curve is flat.
+    * ``switch_margin=0.05``: score estimates are noisy by a few percent on ~20
+      rounds of data; near the optimum the goodput curve is flat, so a 5% band
+      costs little and stops flapping.
+    * ``initial_gamma=2``: modest; about the optimum for alpha ~0.6 at draft cost
+      ~0.1 of a target step.
+    * ``occupancy_knee=0.5``: below half-full batches there is room for more
+      positions at little cost; above it the waste charge rises linearly to full.
+    * ``waste_weight=1.0``: each other session delayed counts as much as the
+      session itself (utilitarian: total latency of all sessions).
+
+    Args:
+        cost_model: the coordinator's shared cost model.
+        choices: the ladder of gammas; must include 0.
+        max_batch_size: the coordinator's most sessions per Verify call.
+    """
+
+    def __init__(
+        self,
+        cost_model: CostModel,
+        choices: Sequence[int] = (0, 1, 2, 3, 4, 6, 8),
+        *,
+        max_batch_size: int = 16,
+        initial_gamma: int = 2,
+        switch_margin: float = 0.05,
+        occupancy_knee: float = 0.5,
+        waste_weight: float = 1.0,
+    ) -> None:
+        ladder = tuple(sorted(set(choices)))
+        if not ladder or ladder[0] != 0 or any(g < 0 for g in ladder):
+            raise ValueError(f"choices must be non-negative and include 0, got {tuple(choices)}")
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if initial_gamma < 0:
+            raise ValueError("initial_gamma must be >= 0")
+        if switch_margin < 0:
+            raise ValueError("switch_margin must be >= 0")
+        if not 0.0 <= occupancy_knee < 1.0:
+            raise ValueError("occupancy_knee must be in [0, 1)")
+        if waste_weight < 0:
+            raise ValueError("waste_weight must be >= 0")
+        self.cost_model = cost_model
+        self.choices = ladder
+        self.max_batch_size = max_batch_size
+        self.initial_gamma = initial_gamma
+        self.switch_margin = switch_margin
+        self.occupancy_knee = occupancy_knee
+        self.waste_weight = waste_weight
+
+    def __repr__(self) -> str:
+        return f"AdaptiveGamma(choices={self.choices}, margin={self.switch_margin})"
+
+    # -- the objective ------------------------------------------------------------------------
+
+    def batch_size(self, load: LoadSnapshot) -> int:
+        """The batch size a round is expected to ride in."""
+        b = round(load.batch_occupancy * self.max_batch_size)
+        return max(1, min(b, self.max_batch_size, max(1, load.active_sessions)))
+
+    def pressure(self, load: LoadSnapshot) -> float:
+        """How saturated the target is, 0 (spare room) .. 1 (full batches or a queue)."""
+        occ = (load.batch_occupancy - self.occupancy_knee) / (1.0 - self.occupancy_knee)
+        queue = load.verify_queue_depth / self.max_batch_size
+        return max(min(max(occ, 0.0), 1.0), min(queue, 1.0))
+
+    def waste_charge(self, load: LoadSnapshot) -> float:
+        """``lambda(load)``: sessions delayed by one wasted position, weighted by pressure."""
+        others = self.batch_size(load) - 1 + load.verify_queue_depth
+        return self.waste_weight * self.pressure(load) * others
+
+    def scores(self, acceptance: AcceptanceTracker, load: LoadSnapshot) -> dict[int, float]:
+        """``score(g)`` (expected committed tokens per ns) for every rung of the ladder."""
+        cm = self.cost_model
+        b = self.batch_size(load)
+        charge = self.waste_charge(load) * cm.verify_ns_per_position()
+        out: dict[int, float] = {}
+        for g in self.choices:
+            expected = acceptance.expected_tokens(g)
+            cost = cm.round_ns(g, b) + charge * (g + 1 - expected)
+            out[g] = expected / max(cost, 1.0)
+        return out
+
+    # -- the choice ---------------------------------------------------------------------------
+
+    def _rung(self, gamma: int) -> int:
+        """Index of the highest rung not above ``gamma``."""
+        idx = 0
+        for i, g in enumerate(self.choices):
+            if g <= gamma:
+                idx = i
+        return idx
+
+    def choose_gamma(self, acceptance: AcceptanceTracker, load: LoadSnapshot) -> int:
+        last = acceptance.last_gamma
+        if last is None:
+            top = self._rung(self.initial_gamma)
+            if self.cost_model.ready:
+                scores = self.scores(acceptance, load)
+                choice = max(self.choices[: top + 1], key=lambda g: scores[g])
+            else:
+                choice = self.choices[top]
+            acceptance.last_gamma = choice
+            return choice
+        current = self.choices[self._rung(last)]
+        if not self.cost_model.ready:
+            acceptance.last_gamma = current
+            return current
+        scores = self.scores(acceptance, load)
+        allowed = self.choices[: self._rung(current) + 2]  # up one rung at most, down any
+        best = max(allowed, key=lambda g: scores[g])  # ties: the smaller gamma
+        if best != current and scores[best] <= scores[current] * (1.0 + self.switch_margin):
+            best = current
+        acceptance.last_gamma = best
+        return best
