@@ -1,0 +1,717 @@
+"""The client SDK: ``Client`` (blocking) and ``AsyncClient`` (asyncio) for a specserve coordinator.
+
+Imports only grpcio, protobuf and the standard library, so a client needs
+neither torch nor transformers (``pip install specserve``)::
+
+    from specserve import Client
+
+    with Client("127.0.0.1:50051") as client:
+        result = client.generate("def fibonacci(n):", max_new_tokens=48, temperature=0)
+        print(result.text)
+        print(result.stats.rounds, result.stats.acceptance_rate)
+
+        stream = client.stream("import os\\n", max_new_tokens=32)
+        for chunk in stream:                 # StreamChunk(token_ids, text), as tokens commit
+            print(chunk.text, end="", flush=True)
+        print(stream.result.stats)           # the whole GenerateResult once the stream is exhausted
+
+The asyncio client is the same with ``async``::
+
+    async with AsyncClient("127.0.0.1:50051") as client:
+        result = await client.generate("def main():", max_new_tokens=32)
+        async with client.stream("class Point:", max_new_tokens=32) as stream:
+            async for chunk in stream:
+                print(chunk.text, end="")
+        print(stream.result.stats.tokens_per_s)
+
+Streams. ``stream(...)`` returns a :class:`TokenStream` (or :class:`AsyncTokenStream`):
+iterate it for :class:`StreamChunk` objects; after the last one its ``.result``
+(a :class:`GenerateResult`) and ``.stats`` are set. Leaving its ``with`` block
+early, or calling ``.cancel()``, cancels the request on the server.
+
+Errors. Every failure is a :class:`specserve.errors.SpecServeError` subclass chosen
+by the gRPC status code (:data:`ERRORS_BY_CODE`; a more specific class when the
+server names one in the ``specserve-error`` trailing metadata), carrying the
+server's message and raised ``from`` the ``grpc.RpcError``. Arguments that cannot
+even be encoded (an unknown proposer, a negative gamma) raise
+:class:`~specserve.errors.InvalidArgument` before any call; everything else
+(temperature, top-p, limits) is checked by the server, the single authority.
+
+Retries. A call that fails with UNAVAILABLE *before any message arrived* is
+retried up to ``retries`` times with exponential backoff (``backoff`` seconds,
+doubling, capped at ``max_backoff``; a server's retry-after hint wins). Once a
+token has arrived a request is never re-sent, so output is never duplicated.
+``timeout`` is the deadline of each attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import grpc
+
+from specserve import errors
+from specserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+__all__ = [
+    "ERRORS_BY_CODE",
+    "AsyncClient",
+    "AsyncTokenStream",
+    "Client",
+    "GenerateResult",
+    "GenerationStats",
+    "StreamChunk",
+    "TokenStream",
+    "build_request",
+    "error_from_rpc",
+]
+
+#: Trailing metadata key a server may set to the exact error class name (e.g. ``VersionConflict``).
+ERROR_CLASS_KEY = "specserve-error"
+#: Trailing metadata key carrying a retry-after hint in seconds (see :mod:`specserve.server`).
+RETRY_AFTER_KEY = "specserve-retry-after-s"
+
+#: The SDK exception raised for each gRPC status code (every code but OK).
+ERRORS_BY_CODE: dict[grpc.StatusCode, type[errors.SpecServeError]] = {
+    grpc.StatusCode.CANCELLED: errors.Cancelled,
+    grpc.StatusCode.UNKNOWN: errors.SpecServeError,
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: errors.Aborted,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+    grpc.StatusCode.ABORTED: errors.Aborted,
+    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
+    grpc.StatusCode.UNIMPLEMENTED: errors.FailedPrecondition,
+    grpc.StatusCode.INTERNAL: errors.SpecServeError,
+    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.DATA_LOSS: errors.SpecServeError,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
+}
+
+_CLASSES_BY_NAME = {cls.__name__: cls for cls in errors.all_error_classes()}
+
+_PROPOSERS = {
+    "model": common_pb2.PROPOSER_KIND_MODEL,
+    "ngram": common_pb2.PROPOSER_KIND_NGRAM,
+    None: common_pb2.PROPOSER_KIND_UNSPECIFIED,
+}
+
+_FINISH_REASONS = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: "unspecified",
+    common_pb2.FINISH_REASON_EOS: "eos",
+    common_pb2.FINISH_REASON_STOP_TOKEN: "stop_token",
+    common_pb2.FINISH_REASON_STOP_STRING: "stop_string",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+def error_from_rpc(exc: grpc.RpcError, address: str = "") -> errors.SpecServeError:
+    """The SDK exception for a failed call: class from the status code, message from the server.
+
+    The result has ``status_code`` (the ``grpc.StatusCode``) and, where the server
+    sent one, ``retry_after_s``. Raise it ``from exc``.
+    """
+    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if callable(getattr(exc, "details", None)) else None) or ""
+    cls = ERRORS_BY_CODE.get(code, errors.SpecServeError)
+    retry_after: float | None = None
+    trailing = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else None
+    for key, value in trailing or ():
+        if key == ERROR_CLASS_KEY:
+            named = _CLASSES_BY_NAME.get(value)
+            # Only a class consistent with the status code (never a wider one) is trusted.
+            if named is not None and issubclass(named, cls):
+                cls = named
+        elif key == RETRY_AFTER_KEY:
+            try:
+                retry_after = float(value)
+            except ValueError:
+                pass
+    if code == grpc.StatusCode.UNAVAILABLE and address:
+        details = f"{details} (coordinator at {address})" if details else f"cannot reach {address}"
+    elif code == grpc.StatusCode.UNIMPLEMENTED:
+        details = f"{details}: is {address or 'the address'} a specserve coordinator?"
+    message = f"{code.name}: {details}" if details else code.name
+    err = cls(message, retry_after_s=retry_after)
+    err.status_code = code  # type: ignore[attr-defined]
+    return err
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Statistics of one generation, as the coordinator measured them (times in nanoseconds)."""
+
+    session_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    rounds: int
+    proposed_tokens: int
+    accepted_tokens: int
+    #: ``accepted_per_position[i]``: rounds whose draft token at position ``i`` was accepted.
+    accepted_per_position: tuple[int, ...]
+    draft_ns: int
+    verify_ns: int
+    queue_ns: int
+    first_token_ns: int
+    total_ns: int
+    #: ``"eos"``, ``"stop_token"``, ``"stop_string"`` or ``"length"``.
+    finish_reason: str
+    seed: int
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.GenerationStats) -> GenerationStats:
+        return cls(
+            session_id=pb.session_id,
+            prompt_tokens=pb.prompt_tokens,
+            completion_tokens=pb.completion_tokens,
+            rounds=pb.rounds,
+            proposed_tokens=pb.proposed_tokens,
+            accepted_tokens=pb.accepted_tokens,
+            accepted_per_position=tuple(pb.accepted_per_position),
+            draft_ns=pb.draft_ns,
+            verify_ns=pb.verify_ns,
+            queue_ns=pb.queue_ns,
+            first_token_ns=pb.first_token_ns,
+            total_ns=pb.total_ns,
+            finish_reason=_FINISH_REASONS.get(pb.finish_reason, str(pb.finish_reason)),
+            seed=pb.seed,
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0.0 when nothing was proposed)."""
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Committed tokens per round (1.0 is what decoding without speculation gives)."""
+        return self.completion_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def draft_s(self) -> float:
+        return self.draft_ns / 1e9
+
+    @property
+    def verify_s(self) -> float:
+        return self.verify_ns / 1e9
+
+    @property
+    def queue_s(self) -> float:
+        return self.queue_ns / 1e9
+
+    @property
+    def first_token_s(self) -> float:
+        return self.first_token_ns / 1e9
+
+    @property
+    def total_s(self) -> float:
+        return self.total_ns / 1e9
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Completion tokens per second of the request's wall-clock time."""
+        return self.completion_tokens / self.total_s if self.total_ns else 0.0
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """Tokens that just committed, and their text (a split multi-byte character waits until whole)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """A finished generation: the completion (without the prompt) and its statistics."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    stats: GenerationStats
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+
+# --------------------------------------------------------------------------- request building
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    prompt_token_ids: Sequence[int] | None = None,
+    max_new_tokens: int | None = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    gamma: int | Literal["auto"] | None = None,
+    proposer: Literal["model", "ngram"] | None = "model",
+    draft_top_k: int = 0,
+) -> coordinator_pb2.GenerateRequest:
+    """The ``GenerateRequest`` for :meth:`Client.generate`'s arguments (see there).
+
+    Raises :class:`~specserve.errors.InvalidArgument` only for what cannot be encoded
+    at all; value ranges are the server's to check.
+    """
+    if (prompt is None) == (prompt_token_ids is None):
+        raise errors.InvalidArgument("pass exactly one of prompt (text) or prompt_token_ids")
+    if proposer not in _PROPOSERS:
+        raise errors.InvalidArgument(f"proposer must be 'model' or 'ngram', got {proposer!r}")
+    _check_uint("top_k", top_k, 32)
+    _check_uint("draft_top_k", draft_top_k, 32)
+    _check_uint("max_new_tokens", max_new_tokens or 0, 32)
+    if seed is not None:
+        _check_uint("seed", seed, 64)
+    if isinstance(stop, str):
+        stop = [stop]
+    for tok in [*(prompt_token_ids or ()), *(stop_token_ids or ())]:
+        _check_uint("token ids", tok, 32)
+
+    request = coordinator_pb2.GenerateRequest(
+        sampling=common_pb2.SamplingParams(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+        ),
+        stop=common_pb2.StopConditions(
+            max_new_tokens=max_new_tokens or 0,
+            stop_token_ids=list(stop_token_ids or ()),
+            stop_strings=list(stop or ()),
+            ignore_eos=ignore_eos,
+        ),
+        speculation=coordinator_pb2.SpeculationParams(proposer=_PROPOSERS[proposer], draft_top_k=draft_top_k),
+    )
+    if gamma is not None and gamma != "auto":
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
+            raise errors.InvalidArgument(f"gamma must be 'auto' (or None) or an integer >= 0, got {gamma!r}")
+        request.speculation.gamma = gamma
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise errors.InvalidArgument(f"prompt must be a str, got {type(prompt).__name__}")
+        request.text = prompt
+    else:
+        request.tokens.token_ids.extend(prompt_token_ids or ())
+        request.tokens.SetInParent()  # an empty list is still "tokens" (the server refuses it)
+    return request
+
+
+def _check_uint(name: str, value: Any, bits: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**bits:
+        raise errors.InvalidArgument(f"{name} must be an integer in [0, 2**{bits}), got {value!r}")
+
+
+# --------------------------------------------------------------------------- channels
+
+
+def _read_pem(value: bytes | str | os.PathLike[str] | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    with open(value, "rb") as fh:
+        return fh.read()
+
+
+@dataclass
+class _Config:
+    address: str
+    timeout: float | None
+    retries: int
+    backoff: float
+    max_backoff: float
+    metadata: tuple[tuple[str, str], ...]
+    credentials: grpc.ChannelCredentials | None
+    options: list[tuple[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, address: str, **kw: Any) -> _Config:
+        if kw["retries"] < 0 or kw["backoff"] < 0:
+            raise ValueError("retries and backoff must be >= 0")
+        token = kw.pop("token")
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        pems = [_read_pem(kw.pop(k)) for k in ("root_certificates", "private_key", "certificate_chain")]
+        tls = kw.pop("tls")
+        if tls is None:
+            tls = any(p is not None for p in pems)
+        if (pems[1] is None) != (pems[2] is None):
+            raise ValueError("pass both private_key and certificate_chain (mutual TLS), or neither")
+        creds = grpc.ssl_channel_credentials(*pems) if tls else None
+        options = [
+            ("grpc.max_receive_message_length", kw.pop("max_message_bytes")),
+            ("grpc.enable_retries", 0),  # the SDK retries itself, only where that is safe
+        ]
+        if kw.get("server_name_override"):
+            options.append(("grpc.ssl_target_name_override", kw["server_name_override"]))
+        kw.pop("server_name_override", None)
+        return cls(address=address, metadata=metadata, credentials=creds, options=options, **kw)
+
+    def delay(self, attempt: int, err: errors.SpecServeError) -> float:
+        if err.retry_after_s is not None:
+            return err.retry_after_s
+        return min(self.max_backoff, self.backoff * 2**attempt)
+
+    def should_retry(self, err: errors.SpecServeError, attempt: int, received: bool) -> bool:
+        return not received and isinstance(err, errors.Unavailable) and attempt < self.retries
+
+
+class _Collector:
+    """Folds response messages into chunks and, at the end, a :class:`GenerateResult`."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.stats: GenerationStats | None = None
+
+    def add(self, response: coordinator_pb2.GenerateResponse) -> StreamChunk | None:
+        kind = response.WhichOneof("event")
+        if kind == "chunk":
+            chunk = StreamChunk(tuple(response.chunk.token_ids), response.chunk.text)
+            self.token_ids.extend(chunk.token_ids)
+            self.text.append(chunk.text)
+            return chunk
+        if kind == "stats":
+            self.stats = GenerationStats.from_pb(response.stats)
+        return None
+
+    def result(self, address: str) -> GenerateResult:
+        if self.stats is None:
+            raise errors.SpecServeError(f"the stream from {address} ended without its closing statistics")
+        return GenerateResult("".join(self.text), tuple(self.token_ids), self.stats)
+
+
+class _StreamBase:
+    def __init__(self, address: str) -> None:
+        self._address = address
+        self._result: GenerateResult | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    @property
+    def result(self) -> GenerateResult:
+        """The whole generation; available once the stream is exhausted."""
+        if self._result is None:
+            raise RuntimeError("the stream is not finished yet: iterate it to the end first")
+        return self._result
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.result.stats
+
+
+# --------------------------------------------------------------------------- blocking client
+
+
+class TokenStream(_StreamBase, Iterator[StreamChunk]):
+    """Iterator of :class:`StreamChunk`; ``.result`` / ``.stats`` once exhausted; ``.cancel()``."""
+
+    def __init__(self, client: Client, request: coordinator_pb2.GenerateRequest) -> None:
+        super().__init__(client.address)
+        self._client = client
+        self._call: Any = None
+        self._gen = self._run(request)
+
+    def _run(self, request: coordinator_pb2.GenerateRequest) -> Iterator[StreamChunk]:
+        cfg, attempt = self._client._cfg, 0
+        while True:
+            collector, received = _Collector(), False
+            self._call = self._client._stub.Generate(request, timeout=cfg.timeout, metadata=cfg.metadata)
+            try:
+                for response in self._call:
+                    received = True
+                    chunk = collector.add(response)
+                    if chunk is not None:
+                        yield chunk
+            except grpc.RpcError as exc:
+                err = error_from_rpc(exc, cfg.address)
+                if cfg.should_retry(err, attempt, received):
+                    time.sleep(cfg.delay(attempt, err))
+                    attempt += 1
+                    continue
+                raise err from exc
+            finally:
+                if not collector.stats:
+                    self._call.cancel()
+            self._result = collector.result(cfg.address)
+            return
+
+    def __next__(self) -> StreamChunk:
+        return next(self._gen)
+
+    def cancel(self) -> None:
+        """Cancel the request on the server; iterating further raises :class:`~specserve.errors.Cancelled`."""
+        if self._call is not None and self._result is None:
+            self._call.cancel()
+
+    def close(self) -> None:
+        self.cancel()
+        self._gen.close()
+
+    def __enter__(self) -> TokenStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class Client:
+    """Blocking client of a specserve coordinator.
+
+    Args:
+        address: ``host:port`` of the coordinator.
+        timeout: deadline of each attempt of a call, in seconds (``None``: none).
+        retries: extra attempts after UNAVAILABLE before any token arrived.
+        backoff: first retry delay in seconds; doubles each retry up to ``max_backoff``.
+        token: bearer token, sent as ``authorization: Bearer <token>``.
+        tls: use TLS (default: when any PEM below is given; ``True`` alone uses the system roots).
+        root_certificates, private_key, certificate_chain: PEM bytes or file paths
+            (the CA to trust; a client key and certificate for mutual TLS).
+        server_name_override: TLS host name to expect (tests with an IP address).
+
+    Example::
+
+        with Client("127.0.0.1:50051") as client:
+            print(client.generate("def add(a, b):", max_new_tokens=16, temperature=0).text)
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = 600.0,
+        retries: int = 3,
+        backoff: float = 0.2,
+        max_backoff: float = 5.0,
+        token: str | None = None,
+        tls: bool | None = None,
+        root_certificates: bytes | str | os.PathLike[str] | None = None,
+        private_key: bytes | str | os.PathLike[str] | None = None,
+        certificate_chain: bytes | str | os.PathLike[str] | None = None,
+        server_name_override: str | None = None,
+        max_message_bytes: int = 16 * 1024 * 1024,
+    ) -> None:
+        self._cfg = _Config.build(
+            address, timeout=timeout, retries=retries, backoff=backoff, max_backoff=max_backoff,
+            token=token, tls=tls, root_certificates=root_certificates, private_key=private_key,
+            certificate_chain=certificate_chain, server_name_override=server_name_override,
+            max_message_bytes=max_message_bytes,
+        )  # fmt: skip
+        cfg = self._cfg
+        if cfg.credentials is not None:
+            self._channel = grpc.secure_channel(address, cfg.credentials, options=cfg.options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=cfg.options)
+        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+
+    @property
+    def address(self) -> str:
+        return self._cfg.address
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> TokenStream:
+        """Start a generation and return its :class:`TokenStream` (same arguments as :meth:`generate`).
+
+        Example::
+
+            stream = client.stream("for i in range(", max_new_tokens=16)
+            for chunk in stream:
+                print(chunk.text, end="")
+            print(stream.stats.accepted_tokens, "draft tokens accepted")
+        """
+        return TokenStream(self, build_request(prompt, **kwargs))
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        max_new_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        gamma: int | Literal["auto"] | None = None,
+        proposer: Literal["model", "ngram"] | None = "model",
+        draft_top_k: int = 0,
+    ) -> GenerateResult:
+        """Generate a completion of ``prompt`` (text) or ``prompt_token_ids``.
+
+        Sampling follows Hugging Face ``generate()``: ``temperature`` 0 is greedy;
+        ``top_k`` 0, ``top_p`` 1, ``min_p`` 0 and ``repetition_penalty`` 1 disable
+        those. ``seed`` (None: the server picks and reports it in ``stats.seed``)
+        makes a sampled completion reproducible. ``max_new_tokens`` None is the
+        server's default. ``stop`` strings and ``stop_token_ids`` end the
+        completion (included in it). ``gamma``: draft tokens per round, or
+        ``"auto"``/None for the server's policy; ``proposer``: ``"model"`` (the
+        draft model) or ``"ngram"`` (prompt lookup); ``draft_top_k`` > 0 truncates
+        the draft's distribution (the output distribution stays exact).
+
+        Example::
+
+            result = client.generate("def add(a, b):", max_new_tokens=16, temperature=0, gamma=4)
+            print(result.text, result.finish_reason, result.stats.acceptance_rate)
+        """
+        kwargs = dict(locals())
+        del kwargs["self"], kwargs["prompt"]
+        stream = self.stream(prompt, **kwargs)
+        with stream:
+            for _ in stream:
+                pass
+        return stream.result
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- asyncio client
+
+
+class AsyncTokenStream(_StreamBase, AsyncIterator[StreamChunk]):
+    """Async iterator of :class:`StreamChunk`; ``.result`` / ``.stats`` once exhausted; ``.cancel()``."""
+
+    def __init__(self, client: AsyncClient, request: coordinator_pb2.GenerateRequest) -> None:
+        super().__init__(client.address)
+        self._client = client
+        self._call: Any = None
+        self._gen = self._run(request)
+
+    async def _run(self, request: coordinator_pb2.GenerateRequest) -> AsyncIterator[StreamChunk]:
+        cfg, attempt = self._client._cfg, 0
+        stub = self._client._ensure_stub()
+        while True:
+            collector, received = _Collector(), False
+            self._call = stub.Generate(request, timeout=cfg.timeout, metadata=cfg.metadata)
+            try:
+                async for response in self._call:
+                    received = True
+                    chunk = collector.add(response)
+                    if chunk is not None:
+                        yield chunk
+            except grpc.RpcError as exc:
+                err = error_from_rpc(exc, cfg.address)
+                if cfg.should_retry(err, attempt, received):
+                    await asyncio.sleep(cfg.delay(attempt, err))
+                    attempt += 1
+                    continue
+                raise err from exc
+            finally:
+                if not collector.stats:
+                    self._call.cancel()
+            self._result = collector.result(cfg.address)
+            return
+
+    def __anext__(self) -> Any:
+        return self._gen.__anext__()
+
+    def cancel(self) -> None:
+        """Cancel the request on the server."""
+        if self._call is not None and self._result is None:
+            self._call.cancel()
+
+    async def aclose(self) -> None:
+        self.cancel()
+        await self._gen.aclose()
+
+    async def __aenter__(self) -> AsyncTokenStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class AsyncClient:
+    """asyncio client of a specserve coordinator; same arguments as :class:`Client`.
+
+    The channel is opened on first use inside the running event loop.
+
+    Example::
+
+        import asyncio
+        from specserve import AsyncClient
+
+        async def main():
+            async with AsyncClient("127.0.0.1:50051") as client:
+                result = await client.generate("def add(a, b):", max_new_tokens=16, temperature=0)
+                print(result.text)
+
+        asyncio.run(main())
+    """
+
+    def __init__(self, address: str, **kwargs: Any) -> None:
+        defaults: dict[str, Any] = {
+            "timeout": 600.0, "retries": 3, "backoff": 0.2, "max_backoff": 5.0, "token": None,
+            "tls": None, "root_certificates": None, "private_key": None, "certificate_chain": None,
+            "server_name_override": None, "max_message_bytes": 16 * 1024 * 1024,
+        }  # fmt: skip
+        unknown = set(kwargs) - set(defaults)
+        if unknown:
+            raise TypeError(f"unknown AsyncClient arguments: {sorted(unknown)}")
+        self._cfg = _Config.build(address, **{**defaults, **kwargs})
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: coordinator_pb2_grpc.CoordinatorServiceStub | None = None
+
+    @property
+    def address(self) -> str:
+        return self._cfg.address
+
+    def _ensure_stub(self) -> coordinator_pb2_grpc.CoordinatorServiceStub:
+        if self._stub is None:
+            cfg = self._cfg
+            if cfg.credentials is not None:
+                self._channel = grpc.aio.secure_channel(cfg.address, cfg.credentials, options=cfg.options)
+            else:
+                self._channel = grpc.aio.insecure_channel(cfg.address, options=cfg.options)
+            self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        return self._stub
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncTokenStream:
+        """Start a generation; returns an :class:`AsyncTokenStream` (arguments as :meth:`Client.generate`)."""
+        return AsyncTokenStream(self, build_request(prompt, **kwargs))
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
+        """Generate a completion; arguments and result as :meth:`Client.generate`."""
+        async with self.stream(prompt, **kwargs) as stream:
+            async for _ in stream:
+                pass
+        return stream.result
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
