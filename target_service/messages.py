@@ -1,0 +1,139 @@
+"""The target's domain requests and results, and their wire forms (``from_pb`` / ``to_pb``).
+
+A :class:`VerifyBatch` is checked whole on construction from the wire
+(:meth:`VerifyBatch.from_pb`): any malformed item raises an
+:class:`~specserve.errors.InvalidArgument` (or
+:class:`~specserve.errors.ResourceExhausted` for too many items) before any
+work, so nothing is committed for anyone. Problems with a session's *state*
+(unknown, stale version, finished) are found later, per item, and become an
+:class:`ItemResult` with an error while the other items proceed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from specserve.errors import InvalidArgument, ResourceExhausted, SpecServeError, ZeroDraftProbability
+from specserve.params import SessionBase, Verdict
+from specserve.v1 import target_pb2
+from specserve.verification import DraftProposal, draft_probs_from_pb
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    """One session's proposal after its committed prefix ``base``."""
+
+    base: SessionBase
+    proposal: DraftProposal
+
+    @property
+    def session_id(self) -> str:
+        return self.base.session_id
+
+    @property
+    def gamma(self) -> int:
+        return len(self.proposal.token_ids)
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    """Proposals of distinct sessions, verified in one forward pass."""
+
+    items: tuple[VerifyItem, ...]
+
+    @classmethod
+    def from_pb(
+        cls, pb: target_pb2.VerifyRequest, *, vocab_size: int, max_gamma: int, max_batch_size: int
+    ) -> VerifyBatch:
+        """Check the whole request and convert it; raises before any work is done."""
+        if not pb.items:
+            raise InvalidArgument("a Verify request needs at least one item")
+        if len(pb.items) > max_batch_size:
+            raise ResourceExhausted(
+                f"{len(pb.items)} items in one Verify call; this server takes at most {max_batch_size}"
+            )
+        items: list[VerifyItem] = []
+        seen: set[str] = set()
+        for index, item in enumerate(pb.items):
+            try:
+                verify_item = _item_from_pb(item, vocab_size=vocab_size, max_gamma=max_gamma)
+            except InvalidArgument as exc:
+                raise type(exc)(f"item {index} ({item.base.session_id!r}): {exc.message}") from exc
+            if verify_item.session_id in seen:
+                raise InvalidArgument(f"session {verify_item.session_id!r} appears twice in one Verify call")
+            seen.add(verify_item.session_id)
+            items.append(verify_item)
+        return cls(items=tuple(items))
+
+
+def _item_from_pb(pb: target_pb2.VerifyItem, *, vocab_size: int, max_gamma: int) -> VerifyItem:
+    if not pb.HasField("base"):
+        raise InvalidArgument("base (the session's committed prefix) is required")
+    base = SessionBase.from_pb(pb.base)
+    if base.committed_len < 1:
+        raise InvalidArgument("base.committed_len must be >= 1 (a session holds at least its prompt)")
+    token_ids = tuple(int(t) for t in pb.proposal.token_ids)
+    if len(token_ids) > max_gamma:
+        raise InvalidArgument(f"{len(token_ids)} proposed tokens; this server verifies at most {max_gamma}")
+    for t in token_ids:
+        if t >= vocab_size:
+            raise InvalidArgument(f"proposed token id {t} is out of range; ids must be in [0, {vocab_size})")
+    n_dist = len(pb.proposal.distributions)
+    if n_dist not in (0, len(token_ids)):
+        raise InvalidArgument(
+            f"{n_dist} draft distributions for {len(token_ids)} proposed tokens; send one per token, "
+            "or none for a point-mass (greedy or n-gram) proposal"
+        )
+    probs = None
+    if n_dist:
+        probs = draft_probs_from_pb(pb.proposal.distributions, vocab_size)  # [gamma, vocab] float64
+        for i, t in enumerate(token_ids):
+            if not probs[i, t] > 0:
+                raise ZeroDraftProbability(
+                    f"proposed token {t} at index {i} has probability 0 under the distribution sent with it"
+                )
+    return VerifyItem(base=base, proposal=DraftProposal(token_ids=token_ids, probs=probs))
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """The outcome for one item: a committed (or replayed) verdict, or why nothing was committed."""
+
+    session_id: str
+    verdict: Verdict | None = None
+    error: SpecServeError | None = None
+    replayed: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.verdict is None) == (self.error is None):
+            raise ValueError("an ItemResult holds exactly one of verdict and error")
+
+    def to_pb(self) -> target_pb2.VerifyResult:
+        pb = target_pb2.VerifyResult(session_id=self.session_id, replayed=self.replayed)
+        if self.verdict is not None:
+            pb.verdict.CopyFrom(self.verdict.to_pb())
+        else:
+            assert self.error is not None
+            code = grpc.StatusCode[self.error.grpc_code_name].value[0]
+            pb.error.CopyFrom(target_pb2.ItemError(code=code, message=self.error.message))
+        return pb
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """Results in request order, and what the call cost."""
+
+    results: tuple[ItemResult, ...]
+    verify_ns: int  # the whole call
+    forward_ns: int  # model passes alone (prefill passes included)
+    positions_processed: int  # real positions fed through the model
+
+    def to_pb(self) -> target_pb2.VerifyResponse:
+        return target_pb2.VerifyResponse(
+            results=[r.to_pb() for r in self.results],
+            verify_ns=self.verify_ns,
+            forward_ns=self.forward_ns,
+            positions_processed=self.positions_processed,
+        )

@@ -1,0 +1,83 @@
+"""Stop conditions: where a round's new tokens must be cut so nothing after a stop is committed.
+
+A round yields new tokens (accepted draft tokens, then the correction or bonus
+token). :func:`cut_at_stop` walks them in order and keeps each until one of
+them ends the generation; that token is kept (the stop token is emitted) and
+nothing after it. At one token the reasons are checked in this order: the
+model's end-of-sequence token (unless ``ignore_eos``), a token of
+``stop_token_ids``, a stop string completed in the decoded completion, and
+``max_new_tokens`` reached (counted after the prompt).
+
+Stop strings are matched in the completion's text (tokens after the prompt,
+decoded without special tokens). A stop string can only be completed by a new
+token, so only a tail of the old completion is decoded with the new tokens:
+enough tokens that any match ending in the new text is wholly inside it (a
+character is at most 4 bytes and every token at least one byte for byte-level
+tokenizers; a few more tokens cover other tokenizers' context effects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specserve.params import StopConditions
+from specserve.v1 import common_pb2
+
+#: Old completion tokens decoded before the new ones, beyond 4 per stop-string character.
+_TAIL_SLACK_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class StopCut:
+    """The part of a round's new tokens that may be committed."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: int  # common_pb2.FinishReason; UNSPECIFIED while the session continues
+
+
+def cut_at_stop(
+    new_token_ids: Sequence[int],
+    *,
+    completion_token_ids: Sequence[int],
+    stop: StopConditions,
+    eos_token_ids: frozenset[int],
+    tokenizer: Any | None,
+) -> StopCut:
+    """Keep ``new_token_ids`` up to and including the first one that ends the generation.
+
+    ``completion_token_ids`` are the tokens already generated after the prompt
+    (committed before this round); ``tokenizer`` decodes for ``stop.stop_strings``
+    and may be None only when there are none.
+    """
+    stop_ids = frozenset(stop.stop_token_ids)
+    eos = frozenset() if stop.ignore_eos else eos_token_ids
+    tail: list[int] = []
+    if stop.stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        width = 4 * max(len(s) for s in stop.stop_strings) + _TAIL_SLACK_TOKENS
+        tail = list(completion_token_ids[-width:]) if completion_token_ids else []
+    generated = len(completion_token_ids)
+    kept: list[int] = []
+    for token in new_token_ids:
+        kept.append(token)
+        generated += 1
+        reason = common_pb2.FINISH_REASON_UNSPECIFIED
+        if token in eos:
+            reason = common_pb2.FINISH_REASON_EOS
+        elif token in stop_ids:
+            reason = common_pb2.FINISH_REASON_STOP_TOKEN
+        elif stop.stop_strings and _contains_stop_string(tokenizer, tail + kept, stop.stop_strings):
+            reason = common_pb2.FINISH_REASON_STOP_STRING
+        elif generated >= stop.max_new_tokens:
+            reason = common_pb2.FINISH_REASON_LENGTH
+        if reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            return StopCut(tuple(kept), reason)
+    return StopCut(tuple(kept), common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def _contains_stop_string(tokenizer: Any, token_ids: list[int], stop_strings: Sequence[str]) -> bool:
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    return any(s in text for s in stop_strings)
