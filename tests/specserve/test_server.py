@@ -130,3 +130,56 @@ async def test_bearer_token_interceptor_codes():
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    from certs import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+async def test_mutual_tls_refuses_plaintext_and_certless_clients(pki):
+    settings = CommonSettings(
+        host="127.0.0.1",
+        port=0,
+        tls_cert_file=pki.server.cert,
+        tls_key_file=pki.server.key,
+        tls_ca_file=pki.ca,
+    )
+    server = await create_server(settings, [Registration(add_raiser, Raiser(), SERVICE)])
+    target = f"localhost:{server.port}"
+    ca = pki.ca.read_bytes()
+    try:
+        # Plaintext cannot connect to a TLS port.
+        async with grpc.aio.insecure_channel(target) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await channel.unary_unary(f"/{SERVICE}/Raise")(b"ok", timeout=3)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        # TLS without a client certificate is refused by mutual TLS.
+        async with grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(ca)) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await channel.unary_unary(f"/{SERVICE}/Raise")(b"ok", timeout=3)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        # A certificate from another CA is refused too.
+        rogue = grpc.ssl_channel_credentials(
+            ca, pki.rogue_client.key.read_bytes(), pki.rogue_client.cert.read_bytes()
+        )
+        async with grpc.aio.secure_channel(target, rogue) as channel:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await channel.unary_unary(f"/{SERVICE}/Raise")(b"ok", timeout=3)
+        # The coordinator's certificate gets through.
+        good = grpc.ssl_channel_credentials(ca, pki.client.key.read_bytes(), pki.client.cert.read_bytes())
+        async with grpc.aio.secure_channel(target, good) as channel:
+            assert await channel.unary_unary(f"/{SERVICE}/Raise")(b"ok", timeout=5) == b"fine"
+    finally:
+        await server.stop(0)
+
+
+def test_tls_settings_are_checked():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="tls_cert_file and tls_key_file"):
+        CommonSettings(tls_cert_file="/x.crt")
+    with pytest.raises(ValidationError, match="mutual TLS"):
+        CommonSettings(tls_ca_file="/ca.crt")
