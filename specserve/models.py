@@ -1,0 +1,263 @@
+"""Loading a local Hugging Face causal LM for a worker, and checking that a draft fits a target.
+
+``load_model(path, device=, dtype=)`` loads any local model directory with
+``AutoModelForCausalLM`` / ``AutoTokenizer`` (``local_files_only=True``: nothing is
+ever downloaded) and returns a :class:`LoadedModel` that carries the facts a
+service reports about itself (:class:`ModelInfo`): vocabulary size, a
+fingerprint of the token table, EOS, device, dtype, parameter count.
+
+* ``device="auto"``: CUDA when present, else CPU.
+* ``dtype="auto"``: bfloat16 on CUDA, float32 on CPU. Greedy output is
+  token-identical to target-only decoding only in float32 (see DESIGN.md,
+  "Numerics"); in bfloat16 the batched verify pass and single-step decoding
+  round differently.
+
+A draft and a target must share one vocabulary: :func:`check_same_vocabulary`
+raises :class:`~specserve.errors.VocabularyMismatch` when the output sizes or the
+token-table fingerprints differ.
+
+With no path, a worker uses the embedded demo pair in the repository's
+``models/specserve-demo-{target,draft}`` (:func:`resolve_model_path`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+import torch
+
+from specserve.errors import FailedPrecondition, InvalidArgument, VocabularyMismatch
+from specserve.v1 import common_pb2
+
+log = structlog.get_logger(__name__)
+
+Role = Literal["target", "draft"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+#: Where the embedded demo pair lives: ``<repo>/models/specserve-demo-<role>``.
+DEMO_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a worker says about its model (``common.proto`` ``ModelInfo``)."""
+
+    name: str
+    vocab_size: int
+    vocab_fingerprint: str
+    device: str
+    dtype: str
+    eos_token_id: int | None
+    parameter_count: int
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.ModelInfo) -> ModelInfo:
+        return cls(
+            name=pb.model_name,
+            vocab_size=pb.vocab_size,
+            vocab_fingerprint=pb.vocab_fingerprint,
+            device=pb.device,
+            dtype=pb.dtype,
+            eos_token_id=pb.eos_token_id if pb.HasField("eos_token_id") else None,
+            parameter_count=pb.parameter_count,
+        )
+
+    def to_pb(self) -> common_pb2.ModelInfo:
+        pb = common_pb2.ModelInfo(
+            model_name=self.name,
+            vocab_size=self.vocab_size,
+            vocab_fingerprint=self.vocab_fingerprint,
+            device=self.device,
+            dtype=self.dtype,
+            parameter_count=self.parameter_count,
+        )
+        if self.eos_token_id is not None:
+            pb.eos_token_id = self.eos_token_id
+        return pb
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference (eval mode, no grad needed) and its facts."""
+
+    model: Any  # a transformers PreTrainedModel (causal LM)
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int  # rows of the output layer = logits' last dimension
+    vocab_fingerprint: str  # hex sha256 of the token table (id -> token)
+    eos_token_id: int | None
+    parameter_count: int
+    name: str
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            name=self.name,
+            vocab_size=self.vocab_size,
+            vocab_fingerprint=self.vocab_fingerprint,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            eos_token_id=self.eos_token_id,
+            parameter_count=self.parameter_count,
+        )
+
+    def to_pb(self) -> common_pb2.ModelInfo:
+        return self.info.to_pb()
+
+    @torch.inference_mode()
+    def warmup(self, n_tokens: int = 8) -> None:
+        """One forward pass with a KV cache so the first request does not pay the start-up cost."""
+        from transformers import DynamicCache
+
+        ids = torch.zeros((1, n_tokens), dtype=torch.long, device=self.device)  # [1, n_tokens]
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=ids, cache=cache, use_cache=True)
+        self.model(input_ids=ids[:, :1], cache=cache, use_cache=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``"auto"``: the first CUDA device when present, else CPU; otherwise ``torch.device(device)``."""
+    if device == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise InvalidArgument(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise FailedPrecondition(
+            f"device {device!r} asked for, but CUDA is not available; use 'auto' or 'cpu'"
+        )
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``"auto"``: bfloat16 on CUDA, float32 on CPU; otherwise the named dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise InvalidArgument(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_model_path(path: str | Path | None, role: Role) -> Path:
+    """The model directory to load: ``path`` when given, else the embedded demo model of ``role``."""
+    if path is not None:
+        resolved = Path(path).expanduser()
+        if not resolved.is_dir():
+            raise FailedPrecondition(
+                f"model directory {str(resolved)!r} does not exist or is not a directory"
+            )
+        return resolved
+    demo = DEMO_MODELS_DIR / f"specserve-demo-{role}"
+    if not (demo / "config.json").is_file():
+        raise FailedPrecondition(
+            f"no model given and the embedded demo {role} model is missing at {str(demo)!r}; "
+            "pass a local Hugging Face model directory (--model / SPECSERVE_MODEL) or build the demo pair "
+            "with `python scripts/train_demo_pair.py`"
+        )
+    return demo
+
+
+def vocab_fingerprint(tokenizer: Any) -> str:
+    """Hex SHA-256 of the token table: the JSON list of ``[id, token]`` pairs in id order.
+
+    Two tokenizers with the same fingerprint map every id to the same token string.
+    """
+    table = sorted((int(i), str(t)) for t, i in tokenizer.get_vocab().items())
+    blob = json.dumps(table, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()
+
+
+def check_same_vocabulary(draft: ModelInfo | LoadedModel, target: ModelInfo | LoadedModel) -> None:
+    """Raise :class:`VocabularyMismatch` unless the draft and the target share one vocabulary."""
+    d = draft.info if isinstance(draft, LoadedModel) else draft
+    t = target.info if isinstance(target, LoadedModel) else target
+    if d.vocab_size != t.vocab_size:
+        raise VocabularyMismatch(
+            f"the draft {d.name!r} has a vocabulary of {d.vocab_size} tokens but the target {t.name!r} has "
+            f"{t.vocab_size}; pair the target with a draft trained on the same tokenizer"
+        )
+    if d.vocab_fingerprint != t.vocab_fingerprint:
+        raise VocabularyMismatch(
+            f"the draft {d.name!r} and the target {t.name!r} both have {d.vocab_size} tokens but different "
+            f"token tables (fingerprint {d.vocab_fingerprint[:12]}... vs {t.vocab_fingerprint[:12]}...); "
+            "pair the target with a draft trained on the same tokenizer"
+        )
+
+
+def _memory_bytes(model: Any) -> int:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def load_model(
+    path: str | Path, *, device: str = "auto", dtype: str | torch.dtype = "auto", warmup: bool = False
+) -> LoadedModel:
+    """Load a local causal LM directory (never downloads) onto ``device`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FailedPrecondition(f"{str(path)!r} is not a Hugging Face model directory (no config.json)")
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype)
+    model.to(torch_device)
+    model.eval()
+    model.requires_grad_(False)
+    vocab_size = int(model.get_output_embeddings().weight.shape[0])
+    if len(tokenizer) > vocab_size:
+        raise FailedPrecondition(
+            f"the tokenizer in {str(path)!r} has {len(tokenizer)} tokens but the model only {vocab_size} "
+            "output rows; the directory mixes a tokenizer and a model that do not belong together"
+        )
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        device=torch_device,
+        dtype=torch_dtype,
+        vocab_size=vocab_size,
+        vocab_fingerprint=vocab_fingerprint(tokenizer),
+        eos_token_id=None if eos is None else int(eos),
+        parameter_count=sum(p.numel() for p in model.parameters()),
+        name=str(path),
+    )
+    if warmup:
+        loaded.warmup()
+    log.info(
+        "model_loaded",
+        model=loaded.name,
+        architecture=type(model).__name__,
+        device=str(torch_device),
+        dtype=str(torch_dtype).removeprefix("torch."),
+        parameter_count=loaded.parameter_count,
+        memory_bytes=_memory_bytes(model),
+        vocab_size=vocab_size,
+        vocab_fingerprint=loaded.vocab_fingerprint[:12],
+        load_s=round(time.perf_counter() - start, 3),
+        warmed_up=warmup,
+    )
+    return loaded
