@@ -1,0 +1,29 @@
+"""The CoordinatorService gRPC servicer: thin (request -> domain -> replies).
+
+Errors are raised as :mod:`specserve.errors` classes; the server's
+``ErrorInterceptor`` maps them to status codes (INVALID_ARGUMENT for a bad
+request, with a message that says what to fix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from coordinator.generation import Coordinator
+from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    """``Generate``: parse and check the request, run the session, stream its events."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    async def Generate(
+        self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        generation = self.coordinator.parse(request)
+        async for event in self.coordinator.generate(generation):
+            yield event.to_pb()

@@ -1,0 +1,183 @@
+"""One generation session as the coordinator tracks it: committed tokens, version, stats.
+
+The committed prefix has one mutator, :meth:`Session.advance`, which takes the
+log from version ``v`` to a later version and returns exactly the tokens that
+were not emitted before; callers stream those and nothing else, so what a
+client receives is the committed log after the prompt, in order, each token
+once (DESIGN.md invariant 4), whether the tokens came from a fresh verdict, a
+replayed one, or a re-read of the log after a conflict.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from coordinator.requests import SpeculationSettings
+from specserve.errors import FailedPrecondition
+from specserve.params import SamplingParams, SessionBase, StopConditions, Verdict
+from specserve.v1 import common_pb2, coordinator_pb2
+
+
+class SessionStatus(enum.IntEnum):
+    """Ordered: a session only moves forward."""
+
+    RUNNING = 1
+    FINISHED = 2
+    CANCELLED = 3
+    FAILED = 4
+
+
+@dataclass
+class SessionStats:
+    """What GenerationStats reports, accumulated round by round."""
+
+    rounds: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_ns: int = 0
+    verify_ns: int = 0
+    queue_ns: int = 0
+    first_token_ns: int = 0
+
+    def observe_round(self, *, proposed: int, accepted: int) -> None:
+        self.rounds += 1
+        self.proposed_tokens += proposed
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position.extend([0] * (proposed - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+
+class Session:
+    """A session's committed prefix (read-only views) plus what the draft has seen and the stats."""
+
+    def __init__(
+        self,
+        session_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        stop: StopConditions,
+        speculation: SpeculationSettings,
+        *,
+        start_ns: int | None = None,
+    ) -> None:
+        self.session_id = session_id
+        self.prompt_len = len(prompt_token_ids)
+        self.sampling = sampling
+        self.stop = stop
+        self.speculation = speculation
+        self.start_ns = time.perf_counter_ns() if start_ns is None else start_ns
+        self.status = SessionStatus.RUNNING
+        self.finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+        self.stats = SessionStats()
+        #: Committed tokens [0, draft_seen) were sent to ``draft_endpoint``.
+        self.draft_seen = 0
+        self.draft_endpoint: str | None = None
+        self._tokens: list[int] = list(prompt_token_ids)
+        self._version = 0
+
+    # ---- read-only views -------------------------------------------------
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    @property
+    def committed_len(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def generated_token_ids(self) -> tuple[int, ...]:
+        return tuple(self._tokens[self.prompt_len :])
+
+    @property
+    def base(self) -> SessionBase:
+        return SessionBase(self.session_id, len(self._tokens), self._version)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+
+    def unseen_by_draft(self, endpoint: str) -> tuple[int, tuple[int, ...]]:
+        """``(start_position, token_ids)`` the draft at ``endpoint`` has not been sent yet."""
+        start = self.draft_seen if endpoint == self.draft_endpoint else 0
+        return start, tuple(self._tokens[start:])
+
+    def draft_caught_up(self, endpoint: str) -> None:
+        self.draft_endpoint = endpoint
+        self.draft_seen = len(self._tokens)
+
+    # ---- the one mutator -------------------------------------------------
+    def advance(
+        self, log_tokens: Sequence[int], *, start: int, version: int, finish_reason: int
+    ) -> tuple[int, ...]:
+        """Move to ``version`` whose log holds ``log_tokens`` from index ``start`` on.
+
+        Returns the tokens that are new to this session (to be emitted). The
+        part of ``log_tokens`` this session already holds must agree with it;
+        anything else is a broken log and raises FailedPrecondition.
+        """
+        if version < self._version:
+            raise FailedPrecondition(
+                f"session {self.session_id}: version went back from {self._version} to {version}"
+            )
+        if start > len(self._tokens):
+            raise FailedPrecondition(
+                f"session {self.session_id}: log segment starts at {start}, beyond the {len(self._tokens)} held"
+            )
+        overlap = self._tokens[start:]
+        if tuple(log_tokens[: len(overlap)]) != tuple(overlap):
+            raise FailedPrecondition(
+                f"session {self.session_id}: the committed log disagrees with the stream"
+            )
+        new = tuple(log_tokens[len(overlap) :])
+        if new and not self._tokens[self.prompt_len :] and self.stats.first_token_ns == 0:
+            self.stats.first_token_ns = time.perf_counter_ns() - self.start_ns
+        self._tokens.extend(new)
+        self._version = version
+        if finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            self.finish_reason = finish_reason
+            self.status = SessionStatus.FINISHED
+        return new
+
+    def apply_verdict(self, verdict: Verdict) -> tuple[int, ...]:
+        """Advance by one verdict (fresh or replayed) committed on top of this session's base."""
+        start = verdict.committed_len - len(verdict.committed_token_ids)
+        return self.advance(
+            verdict.committed_token_ids,
+            start=start,
+            version=verdict.new_version,
+            finish_reason=verdict.finish_reason,
+        )
+
+    def end(self, status: SessionStatus) -> None:
+        if status > self.status:
+            self.status = status
+
+    # ---- wire ------------------------------------------------------------
+    def stats_pb(self) -> coordinator_pb2.GenerationStats:
+        s = self.stats
+        return coordinator_pb2.GenerationStats(
+            session_id=self.session_id,
+            prompt_tokens=self.prompt_len,
+            completion_tokens=len(self._tokens) - self.prompt_len,
+            rounds=s.rounds,
+            proposed_tokens=s.proposed_tokens,
+            accepted_tokens=s.accepted_tokens,
+            accepted_per_position=s.accepted_per_position,
+            draft_ns=s.draft_ns,
+            verify_ns=s.verify_ns,
+            queue_ns=s.queue_ns,
+            first_token_ns=s.first_token_ns,
+            total_ns=time.perf_counter_ns() - self.start_ns,
+            finish_reason=self.finish_reason,
+            seed=self.sampling.seed,
+        )
