@@ -1,0 +1,186 @@
+"""Helpers for system tests: a tiny model pair, a local stack on the shared Redis, a raw gRPC client.
+
+Importable from any test module (``tests/`` is on ``sys.path``)::
+
+    import system_fixtures as sf
+
+    pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+    @pytest_asyncio.fixture(scope="module", loop_scope="module")
+    async def stack(redis_server, tmp_path_factory):
+        pair = sf.tiny_pair(tmp_path_factory)
+        async with sf.local_stack(pair, redis_server.url) as s:
+            yield s
+
+    async def test_x(stack):
+        out = await sf.generate(stack.address, sf.request([5, 6, 7], max_new_tokens=8))
+
+The client here is raw gRPC (not the SDK), so coordinator tests do not depend
+on the SDK. Everything runs in float32 on CPU (greedy equality needs float32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import tiny_models
+
+from specserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+_PAIRS: dict[tuple, TinyPair] = {}
+_MODELS: dict[Path, Any] = {}
+
+
+@dataclass(frozen=True)
+class TinyPair:
+    target_dir: Path
+    draft_dir: Path
+
+    @property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.target_dir, local_files_only=True)
+
+
+def tiny_pair(tmp_path_factory, *, vocab_size: int = 384, arch: str = "llama", seed: int = 0) -> TinyPair:
+    """A tiny target/draft pair saved once per test session per (vocab_size, arch, seed)."""
+    key = (vocab_size, arch, seed)
+    if key not in _PAIRS:
+        root = tmp_path_factory.mktemp(f"pair-{arch}-{vocab_size}-{seed}")
+        target_dir, draft_dir = tiny_models.make_tiny_pair(root, vocab_size=vocab_size, arch=arch, seed=seed)
+        _PAIRS[key] = TinyPair(target_dir, draft_dir)
+    return _PAIRS[key]
+
+
+def load_reference(model_dir: Path):
+    """The model as plain transformers loads it (float32, eval), cached per directory."""
+    if model_dir not in _MODELS:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+        model.eval()
+        _MODELS[model_dir] = model
+    return _MODELS[model_dir]
+
+
+def reference_greedy(
+    model_dir: Path, prompt: Sequence[int], max_new_tokens: int, eos_token_id: int = 0
+) -> list[int]:
+    """The target's own ``generate(do_sample=False)``, cut after its first EOS."""
+    import torch
+
+    model = load_reference(model_dir)
+    ids = torch.tensor([list(prompt)], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=eos_token_id,
+        )
+    new = out[0, len(prompt) :].tolist()
+    if eos_token_id in new:
+        new = new[: new.index(eos_token_id) + 1]
+    return new
+
+
+@contextlib.asynccontextmanager
+async def local_stack(pair: TinyPair, redis_url: str, **kwargs: Any) -> AsyncIterator[Any]:
+    """A :class:`specserve.local.LocalStack` on loopback, float32 on CPU, stopped on exit."""
+    from specserve.local import start_local_stack
+
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("device", "cpu")
+    overrides = {"warmup": False, **kwargs.pop("worker_overrides", {})}
+    stack = await start_local_stack(
+        target_model=pair.target_dir,
+        draft_model=pair.draft_dir,
+        redis_url=redis_url,
+        target_overrides={**overrides, **kwargs.pop("target_overrides", {})},
+        draft_overrides={**overrides, **kwargs.pop("draft_overrides", {})},
+        **kwargs,
+    )
+    try:
+        yield stack
+    finally:
+        await stack.stop(grace=0.5)
+
+
+def request(
+    prompt: Sequence[int] | str,
+    *,
+    max_new_tokens: int = 24,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float | None = None,
+    seed: int | None = None,
+    gamma: int | None = None,
+    proposer: int = common_pb2.PROPOSER_KIND_MODEL,
+    ignore_eos: bool = False,
+    stop_strings: Sequence[str] = (),
+    draft_top_k: int = 0,
+) -> coordinator_pb2.GenerateRequest:
+    """A GenerateRequest built field by field (no SDK)."""
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k)
+    if top_p is not None:
+        sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = seed
+    speculation = coordinator_pb2.SpeculationParams(proposer=proposer, draft_top_k=draft_top_k)
+    if gamma is not None:
+        speculation.gamma = gamma
+    req = coordinator_pb2.GenerateRequest(
+        sampling=sampling,
+        stop=common_pb2.StopConditions(
+            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop_strings=list(stop_strings)
+        ),
+        speculation=speculation,
+    )
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.tokens.token_ids.extend(prompt)
+    return req
+
+
+@dataclass
+class Generated:
+    """What a client received: every chunk's tokens and text, and the closing stats."""
+
+    chunks: list[coordinator_pb2.TokenChunk]
+    stats: coordinator_pb2.GenerationStats | None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for c in self.chunks for t in c.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.chunks)
+
+
+async def generate(
+    address: str, req: coordinator_pb2.GenerateRequest, *, timeout_s: float = 60.0
+) -> Generated:
+    """Run one Generate call to completion on a fresh channel."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        chunks: list[coordinator_pb2.TokenChunk] = []
+        stats = None
+        async for reply in stub.Generate(req, timeout=timeout_s):
+            if stats is not None:
+                raise AssertionError("a message arrived after the stats")
+            if reply.WhichOneof("event") == "chunk":
+                chunks.append(reply.chunk)
+            else:
+                stats = reply.stats
+        return Generated(chunks, stats)
