@@ -1,0 +1,331 @@
+"""target_service.verifier: batched verification and commit against real tiny models and a real Redis.
+
+Every test runs on a tiny Llama (RoPE, grouped-query attention) and a tiny GPT-2
+(learned positions) target in float32; reference values come from fresh
+prefills without any cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from target_helpers import (
+    GREEDY,
+    assert_cache_holds,
+    greedy_continuation,
+    item,
+    make_verifier,
+    new_session,
+    next_probs,
+    verify_one,
+)
+
+from specserve.errors import NotFound, SessionFinished, VersionConflict
+from specserve.params import SamplingParams, StopConditions
+from specserve.v1 import common_pb2
+from target_service.messages import VerifyBatch
+
+PROMPT = (5, 17, 42, 99, 3, 250, 7, 11)
+GAMMA = 5
+
+
+def wrong(token: int, vocab_size: int) -> int:
+    return (token + 1) % vocab_size
+
+
+@pytest.mark.parametrize("reject_at", [0, 2, GAMMA - 1, None], ids=["first", "middle", "last", "none"])
+async def test_forced_greedy_rejection_leaves_tokens_cache_and_log_in_agreement(target, store, reject_at):
+    """Proposals follow the target's own argmax, then one wrong token at ``reject_at``: that many are accepted,
+    the correction is the target's argmax, and the verdict, the Redis log and the cache all agree."""
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT)
+    chain = greedy_continuation(target, PROMPT, GAMMA + 1)
+    proposal = list(chain[:GAMMA])
+    if reject_at is not None:
+        proposal[reject_at] = wrong(chain[reject_at], target.vocab_size)
+    result = await verify_one(verifier, record, proposal)
+    assert result.error is None and not result.replayed
+    verdict = result.verdict
+    accepted = GAMMA if reject_at is None else reject_at
+    assert verdict.accepted_count == accepted
+    assert verdict.bonus == (reject_at is None)
+    assert verdict.committed_token_ids == tuple(chain[: accepted + 1])
+    assert (verdict.new_version, verdict.committed_len) == (1, len(PROMPT) + accepted + 1)
+    committed = PROMPT + tuple(chain[: accepted + 1])
+    assert await store.read_tokens(record.session_id) == committed
+    assert_cache_holds(verifier, record.session_id, committed)
+    # The next round (a plain decode step) continues exactly as target-only decoding.
+    nxt = await verify_one(verifier, await store.load(record.session_id))
+    assert nxt.verdict.committed_token_ids == tuple(greedy_continuation(target, committed, 1))
+    assert_cache_holds(verifier, record.session_id, committed + nxt.verdict.committed_token_ids)
+    verifier.close()
+
+
+async def test_forced_sampled_rejection_at_a_token_outside_top_k(target, store):
+    """Sampled (top-k) session: tokens proposed with q = p are accepted surely (ratio 1), a token outside the
+    target's top-k (p = 0) is rejected surely; the correction comes from the residual, so lies in the top-k."""
+    params = SamplingParams(temperature=0.8, top_k=8, seed=1234)
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT, params)
+    seq, probs, tokens = list(PROMPT), [], []
+    for i in range(4):
+        p = next_probs(target, seq, params)  # [vocab] float64
+        if i == 2:  # the rejection point: a token the target can never sample, proposed from a uniform q
+            token = int(torch.nonzero(p == 0)[0])
+            q = torch.full_like(p, 1.0 / p.numel())
+        else:
+            token = int(p.argmax())
+            q = torch.full_like(p, 0.5 * (1 - float(p[token]) / 2) / (p.numel() - 1))
+            q = q + 0.5 * p
+            q[token] = float(p[token]) / 2  # p(x) / q(x) = 2: accepted whatever the uniform
+            q = q / q.sum()
+        tokens.append(token)
+        probs.append(q)
+        seq.append(token)
+    result = await verify_one(verifier, record, tokens, torch.stack(probs))
+    verdict = result.verdict
+    assert verdict.accepted_count == 2 and not verdict.bonus
+    assert verdict.committed_token_ids[:2] == tuple(tokens[:2])
+    correction = verdict.committed_token_ids[2]
+    p_reject = next_probs(target, list(PROMPT) + tokens[:2], params)
+    assert p_reject[correction] > 0 and correction != tokens[2]
+    committed = PROMPT + verdict.committed_token_ids
+    assert await store.read_tokens(record.session_id) == committed
+    assert_cache_holds(verifier, record.session_id, committed)
+    verifier.close()
+
+
+def draft_proposal(draft, committed, gamma, params, generator):
+    """``gamma`` tokens sampled from the draft's processed distributions, and those distributions."""
+    seq, tokens, rows = list(committed), [], []
+    for _ in range(gamma):
+        q = next_probs(draft, seq, params)  # [vocab] float64
+        token = int(torch.multinomial(q, 1, generator=generator))
+        tokens.append(token)
+        rows.append(q)
+        seq.append(token)
+    return tokens, (torch.stack(rows) if rows else None)
+
+
+def greedy_proposal(target, committed, gamma, reject_at):
+    """The target's own argmax chain, with one wrong token at ``reject_at`` (None: all right)."""
+    chain = greedy_continuation(target, committed, gamma)
+    if reject_at is not None and reject_at < gamma:
+        chain[reject_at] = wrong(chain[reject_at], target.vocab_size)
+    return chain
+
+
+PROMPTS = ((7,), (5, 17, 42, 99, 3, 250, 7, 11, 9), tuple(range(30, 44)), (1, 2, 3, 1, 2, 3))
+GAMMAS = ((0, 2, 5, 3), (4, 0, 1, 5), (2, 3, 0, 1))
+REJECT = ((None, 1, 3, None), (0, None, None, 4), (1, None, None, 0))
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("inline_catchup_max", [32, 2], ids=["inline-prefill", "separate-prefill"])
+async def test_batch_equals_each_session_verified_alone(target, draft, store, mode, inline_catchup_max):
+    """Sessions with different prompt and proposal lengths, verified together in one padded pass, give row by
+    row the verdicts and cache contents of each verified alone (fixed seeds), over three rounds."""
+    params = (
+        GREEDY if mode == "greedy" else SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.2)
+    )
+    together = make_verifier(target, store, inline_catchup_max=inline_catchup_max)
+    alone = make_verifier(target, store)
+    gen = torch.Generator().manual_seed(7)
+    twins = []
+    for i, prompt in enumerate(PROMPTS):
+        sampling = SamplingParams(**{**params.__dict__, "seed": 100 + i})
+        twins.append([await new_session(store, prompt, sampling) for _ in range(2)])
+    for rnd, gammas in enumerate(GAMMAS):
+        items_batch, items_solo = [], []
+        for i, (rec_b, rec_s) in enumerate(twins):
+            assert rec_b.token_ids == rec_s.token_ids
+            if mode == "greedy":
+                tokens, probs = greedy_proposal(target, rec_b.token_ids, gammas[i], REJECT[rnd][i]), None
+            else:
+                tokens, probs = draft_proposal(draft, rec_b.token_ids, gammas[i], params, gen)
+            items_batch.append(item(rec_b, tokens, probs))
+            items_solo.append(item(rec_s, tokens, probs))
+        batched = await together.verify(VerifyBatch(items=tuple(items_batch)))
+        assert batched.positions_processed >= sum(g + 1 for g in gammas)
+        for i, (rec_b, rec_s) in enumerate(twins):
+            solo = (await alone.verify(VerifyBatch(items=(items_solo[i],)))).results[0]
+            got = batched.results[i]
+            assert got.session_id == rec_b.session_id and got.error is None and solo.error is None
+            assert got.verdict == solo.verdict, f"round {rnd} session {i}"
+            cache_b = together.caches.get(rec_b.session_id)
+            cache_s = alone.caches.get(rec_s.session_id)
+            assert (
+                cache_b.tokens == cache_s.tokens == (rec_b.token_ids + got.verdict.committed_token_ids)[:-1]
+            )
+            for (kb, vb), (ks, vs) in zip(cache_b.layer_kv(), cache_s.layer_kv(), strict=True):
+                torch.testing.assert_close(kb, ks, atol=1e-5, rtol=0)
+                torch.testing.assert_close(vb, vs, atol=1e-5, rtol=0)
+            twins[i] = [await store.load(rec_b.session_id), await store.load(rec_s.session_id)]
+    if mode == "greedy":  # the forced rejections really happened where planned
+        assert [r.verdict.accepted_count for r in batched.results] == [1, 3, 0, 0]
+    for rec_b, _ in twins:
+        assert_cache_holds(together, rec_b.session_id, rec_b.token_ids)
+    together.close()
+    alone.close()
+
+
+def sure_accept_q(p: torch.Tensor, token: int) -> torch.Tensor:
+    """A draft distribution with q(token) = p(token) / 2, so the token is accepted whatever the uniform."""
+    q = torch.full_like(p, (1 - float(p[token]) / 2) / (p.numel() - 1))
+    q[token] = float(p[token]) / 2
+    return q / q.sum()
+
+
+async def test_eos_inside_a_proposal_ends_the_commit(target, store):
+    """A sampled proposal with the model's EOS third, every token surely accepted: the commit ends at EOS."""
+    params = SamplingParams(temperature=1.0, seed=5)
+    eos = target.eos_token_id
+    assert eos is not None
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT, params, StopConditions(max_new_tokens=50))
+    seq, tokens, rows = list(PROMPT), [], []
+    for i in range(5):
+        p = next_probs(target, seq, params)
+        token = eos if i == 2 else int(p.argmax())
+        assert p[token] > 0
+        tokens.append(token)
+        rows.append(sure_accept_q(p, token))
+        seq.append(token)
+    verdict = (await verify_one(verifier, record, tokens, torch.stack(rows))).verdict
+    assert verdict.committed_token_ids == tuple(tokens[:3])
+    assert verdict.finish_reason == common_pb2.FINISH_REASON_EOS
+    assert verdict.accepted_count == 3 and not verdict.bonus
+    committed = PROMPT + tuple(tokens[:3])
+    assert await store.read_tokens(record.session_id) == committed
+    assert_cache_holds(verifier, record.session_id, committed)
+    # A finished session takes no more rounds; its log stays as it is.
+    again = await verify_one(verifier, await store.load(record.session_id), tokens[3:])
+    assert isinstance(again.error, SessionFinished)
+    assert await store.read_tokens(record.session_id) == committed
+    verifier.close()
+
+
+@pytest.mark.parametrize("kind", ["max_new_tokens", "stop_token", "stop_string"])
+async def test_stop_inside_a_proposal_commits_nothing_after_it(target, store, kind):
+    """One plain step, then a fully acceptable greedy proposal of 5 in which a stop falls on the 2nd token."""
+    chain = greedy_continuation(target, PROMPT, 6)
+    text = target.tokenizer.decode
+    if kind == "max_new_tokens":
+        stop, reason = StopConditions(max_new_tokens=3, ignore_eos=True), common_pb2.FINISH_REASON_LENGTH
+    elif kind == "stop_token":
+        stop = StopConditions(stop_token_ids=(chain[2],), ignore_eos=True)
+        reason = common_pb2.FINISH_REASON_STOP_TOKEN
+        assert chain[2] not in chain[:2]
+    else:
+        stop_string = text(chain[:3], skip_special_tokens=True)
+        assert stop_string and stop_string not in text(chain[:2], skip_special_tokens=True)
+        stop, reason = (
+            StopConditions(stop_strings=(stop_string,), ignore_eos=True),
+            common_pb2.FINISH_REASON_STOP_STRING,
+        )
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT, GREEDY, stop)
+    first = (await verify_one(verifier, record)).verdict
+    assert first.committed_token_ids == (chain[0],) and first.finish_reason == 0
+    verdict = (await verify_one(verifier, await store.load(record.session_id), chain[1:6])).verdict
+    assert verdict.committed_token_ids == tuple(chain[1:3])
+    assert verdict.finish_reason == reason
+    assert verdict.accepted_count == 2 and not verdict.bonus
+    committed = PROMPT + tuple(chain[:3])
+    assert await store.read_tokens(record.session_id) == committed
+    assert_cache_holds(verifier, record.session_id, committed)
+    verifier.close()
+
+
+@pytest.mark.parametrize("how", ["cold_start", "eviction"])
+async def test_session_rebuilt_from_redis_continues_identically(target, draft, store, how):
+    """A session a replica never saw (or evicted) is rebuilt from Redis alone and gives the verdicts and the
+    logits of a twin session that stayed cached all along (sampled, fixed seeds, draft-model proposals)."""
+    params = SamplingParams(temperature=0.8, top_k=40, repetition_penalty=1.1, seed=99)
+    steady = make_verifier(target, store)
+    other = make_verifier(target, store, max_sessions=1)
+    a = await new_session(store, PROMPT, params)  # served by `steady` throughout
+    b = await new_session(
+        store, PROMPT, params
+    )  # `steady`, then `other` (cold start), or always `other` (evicted)
+    c = await new_session(store, (9, 8, 7), params)  # shares `other` with b and evicts it
+    gen = torch.Generator().manual_seed(3)
+    for rnd in range(4):
+        tokens, probs = draft_proposal(draft, a.token_ids, 3, params, gen)
+        want = await verify_one(steady, a, tokens, probs)
+        if how == "cold_start":
+            server = steady if rnd < 2 else other
+        else:
+            server = other
+            await verify_one(other, c, *draft_proposal(draft, c.token_ids, 2, params, gen))
+            c = await store.load(c.session_id)
+            assert b.session_id not in other.caches  # evicted by c
+        got = await verify_one(server, b, tokens, probs)
+        assert got.verdict == want.verdict, f"round {rnd}"
+        a, b = await store.load(a.session_id), await store.load(b.session_id)
+        assert a.token_ids == b.token_ids
+    assert_cache_holds(other, b.session_id, b.token_ids)
+    steady.close()
+    other.close()
+
+
+@pytest.mark.parametrize("proposer", ["none", "draft"])
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+async def test_greedy_chain_reproduces_target_generate(target, draft, store, proposer, penalty):
+    """Verifying empty proposals (gamma = 0), or greedy draft proposals, round after round commits exactly
+    the target's own ``generate(do_sample=False)`` output (float32)."""
+    n_new = 14
+    params = SamplingParams(temperature=0.0, repetition_penalty=penalty)
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT, params, StopConditions(max_new_tokens=n_new))
+    rounds = 0
+    while not record.finished:
+        tokens = greedy_continuation(draft, record.token_ids, 3, params) if proposer == "draft" else []
+        result = await verify_one(verifier, record, tokens)
+        assert result.error is None
+        record = await store.load(record.session_id)
+        rounds += 1
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT])
+        expected = target.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n_new,
+            repetition_penalty=penalty,
+            pad_token_id=0,
+        )[0].tolist()
+    assert list(record.token_ids) == expected
+    if proposer == "none":
+        assert rounds == len(expected) - len(PROMPT)
+    assert_cache_holds(verifier, record.session_id, record.token_ids)
+    verifier.close()
+
+
+async def test_per_item_state_errors_leave_other_items_and_sessions_intact(target, store):
+    """Unknown session -> NotFound, stale base (two commits behind; one behind is a retry) -> VersionConflict, finished -> SessionFinished, per item; the
+    good item of the same batch commits, and the refused sessions' logs do not move."""
+    verifier = make_verifier(target, store)
+    good = await new_session(store, PROMPT)
+    stale = await new_session(store, PROMPT)
+    done = await new_session(store, PROMPT, GREEDY, StopConditions(max_new_tokens=1, ignore_eos=True))
+    await verify_one(verifier, stale)
+    await verify_one(verifier, await store.load(stale.session_id))  # stale is now two commits behind
+    await verify_one(verifier, done)
+    done = await store.load(done.session_id)
+    ghost = item(good, (1, 2))
+    ghost = type(ghost)(base=type(ghost.base)("no-such-session", 3, 0), proposal=ghost.proposal)
+    batch = VerifyBatch(items=(item(stale, (1, 2)), ghost, item(good, (4,)), item(done, (5,))))
+    results = (await verifier.verify(batch)).results
+    assert isinstance(results[0].error, VersionConflict)
+    assert isinstance(results[1].error, NotFound)
+    assert results[2].verdict is not None and results[2].verdict.new_version == 1
+    assert isinstance(results[3].error, SessionFinished)
+    assert len(await store.read_tokens(stale.session_id)) == len(PROMPT) + 2
+    assert len(await store.read_tokens(done.session_id)) == len(PROMPT) + 1
+    assert_cache_holds(verifier, stale.session_id, await store.read_tokens(stale.session_id))
+    # Retrying the good item replays its verdict without a second commit.
+    again = (await verifier.verify(VerifyBatch(items=(item(good, (4,)),)))).results[0]
+    assert again.replayed and again.verdict == results[2].verdict
+    assert await store.read_tokens(good.session_id) == PROMPT + results[2].verdict.committed_token_ids
+    verifier.close()
