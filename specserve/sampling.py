@@ -157,7 +157,9 @@ def sample_rows(probs: torch.Tensor, us: Sequence[float]) -> list[int]:
     target = torch.tensor(us, dtype=torch.float64, device=cdf.device).unsqueeze(-1) * total  # [R, 1]
     index = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [R]
     vocab_size = probs.shape[-1]
-    overflow = index >= vocab_size  # u * total rounded up to the total
+    # Defensive: u * total < total in IEEE round-to-nearest, so this never fires; if a backend
+    # rounded up to the total, take the last positive-mass token rather than run off the end.
+    overflow = index >= vocab_size
     if bool(overflow.any()):
         last_positive = vocab_size - 1 - torch.flip(probs > 0, dims=[-1]).to(torch.int8).argmax(dim=-1)  # [R]
         index = torch.where(overflow, last_positive, index)
