@@ -148,34 +148,50 @@ async def _local_stack(args: argparse.Namespace, redis_url: str, port: int):
 
     configure_logging("console", args.log_level)
     target, draft = _resolve_models(args)
-    stack = await start_local_stack(
-        target_model=target, draft_model=draft, redis_url=redis_url, port=port, host=args.host
-    )
+    try:
+        stack = await start_local_stack(
+            target_model=target, draft_model=draft, redis_url=redis_url, port=port, host=args.host
+        )
+    except (OSError, RuntimeError) as exc:
+        if "bind" not in str(exc).lower():
+            raise
+        raise CliError(
+            f"could not listen on {args.host}:{port} ({exc}): is another server using the port? "
+            "Pass --port with a free port (0 picks one)"
+        ) from None
     try:
         yield stack
     finally:
         await stack.stop()
 
 
-async def _wait_for_signal() -> None:
+def _stop_event() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM (installed first, so no signal kills us half-way)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+    return stop
 
 
 async def _up(args: argparse.Namespace, redis_url: str) -> None:
+    stop = _stop_event()
     async with _local_stack(args, redis_url, args.port) as stack:
         print(f"specserve is serving on {stack.address} (coordinator, draft and target in this process)")
+        print(f"redis: {_redis_note(args, redis_url)}")
         print(f"try: specserve generate 'def fibonacci(n):' --addr {stack.address} --temperature 0")
         print("stop with Ctrl-C", flush=True)
-        await _wait_for_signal()
+        await stop.wait()
         print("stopping ...", flush=True)
+
+
+def _redis_note(args: argparse.Namespace, redis_url: str) -> str:
+    if args.redis_url:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(redis_url)
+        return f"{parts.scheme}://{parts.hostname}:{parts.port}{parts.path}"
+    return f"a private redis-server at {redis_url}, stopped on exit"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -395,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except SpecServeError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
+        print(f"error: {type(exc).__name__}: {exc.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

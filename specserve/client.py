@@ -139,8 +139,7 @@ def error_from_rpc(exc: grpc.RpcError, address: str = "") -> errors.SpecServeErr
         details = f"{details} (coordinator at {address})" if details else f"cannot reach {address}"
     elif code == grpc.StatusCode.UNIMPLEMENTED:
         details = f"{details}: is {address or 'the address'} a specserve coordinator?"
-    message = f"{code.name}: {details}" if details else code.name
-    err = cls(message, retry_after_s=retry_after)
+    err = cls(details or f"the call failed with status {code.name}", retry_after_s=retry_after)
     err.status_code = code  # type: ignore[attr-defined]
     return err
 

@@ -72,7 +72,7 @@ def test_generate_against_a_dead_address_fails_cleanly(capsys):
     from redis_server import free_port
 
     assert cli.main(["generate", "hi", "--addr", f"127.0.0.1:{free_port()}", "--retries", "0"]) == 1
-    assert "UNAVAILABLE" in capsys.readouterr().err
+    assert "error: Unavailable: " in capsys.readouterr().err
 
 
 def test_gamma_flag_parsing():

@@ -16,12 +16,16 @@ import threading
 
 import grpc
 import pytest
+import pytest_asyncio
 
 from specserve import AsyncClient, Client, errors
 from specserve.client import ERROR_CLASS_KEY, ERRORS_BY_CODE, build_request, error_from_rpc
 from specserve.config import CommonSettings
 from specserve.server import Registration, create_server
 from specserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+# One event loop per module for async tests: the real stack below is started once for all of them.
+module_loop = pytest.mark.asyncio(loop_scope="module")
 
 # --------------------------------------------------------------------------- the fake coordinator
 
@@ -96,7 +100,7 @@ def chunk_response(tokens: list[int]) -> coordinator_pb2.GenerateResponse:
     )
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(loop_scope="module")
 async def fake():
     servicer = ScriptedCoordinator()
     running = await create_server(
@@ -134,6 +138,7 @@ def test_every_error_class_is_reachable_from_its_code():
             assert mapped is cls
 
 
+@module_loop
 @pytest.mark.parametrize("cls", errors.all_error_classes()[1:], ids=lambda c: c.__name__)
 async def test_a_domain_error_raised_in_the_server_arrives_as_its_sdk_class(fake, cls):
     async with AsyncClient(fake.address, retries=0) as client:
@@ -146,6 +151,7 @@ async def test_a_domain_error_raised_in_the_server_arrives_as_its_sdk_class(fake
     assert info.value.status_code == grpc.StatusCode[cls.grpc_code_name]
 
 
+@module_loop
 @pytest.mark.parametrize("cls", errors.all_error_classes(), ids=lambda c: c.__name__)
 async def test_a_class_named_in_trailing_metadata_is_raised_exactly(fake, cls):
     async with AsyncClient(fake.address, retries=0) as client:
@@ -241,6 +247,7 @@ def test_no_prompt_at_all_is_refused():
 # --------------------------------------------------------------------------- results, streams, retries
 
 
+@module_loop
 async def test_sync_generate_and_stream_agree_and_fill_stats(fake):
     def run():
         with Client(fake.address) as client:
@@ -265,6 +272,7 @@ async def test_sync_generate_and_stream_agree_and_fill_stats(fake):
     assert stats.total_s == 5.0 and stats.tokens_per_s == 1.0 and stats.verify_s == 0.003
 
 
+@module_loop
 async def test_async_stream_exposes_result_after_exhaustion(fake):
     async with AsyncClient(fake.address) as client:
         stream = client.stream("ok:3")
@@ -274,6 +282,7 @@ async def test_async_stream_exposes_result_after_exhaustion(fake):
         assert stream.stats.completion_tokens == 3
 
 
+@module_loop
 async def test_unavailable_before_the_first_token_is_retried(fake):
     async with AsyncClient(fake.address, retries=3, backoff=0.01) as client:
         result = await client.generate("flaky:2:4")
@@ -287,6 +296,7 @@ async def test_unavailable_before_the_first_token_is_retried(fake):
     assert (await asyncio.to_thread(sync_run)).token_ids == (10,)
 
 
+@module_loop
 async def test_retries_give_up_with_unavailable(fake):
     async with AsyncClient(fake.address, retries=1, backoff=0.01) as client:
         with pytest.raises(errors.Unavailable, match="not yet"):
@@ -294,6 +304,7 @@ async def test_retries_give_up_with_unavailable(fake):
     assert sum(1 for t, _ in fake.calls if t == "flaky:5:1") == 2
 
 
+@module_loop
 async def test_unavailable_after_a_token_is_never_resent(fake):
     async with AsyncClient(fake.address, retries=3, backoff=0.01) as client:
         stream = client.stream("chunk-then-unavailable")
@@ -324,6 +335,7 @@ def test_dead_port_fails_with_unavailable_naming_the_address():
     assert isinstance(info.value, ConnectionError)
 
 
+@module_loop
 async def test_token_travels_as_bearer_metadata(fake):
     async with AsyncClient(fake.address, token="s3cret") as client:
         await client.generate("ok:1")
@@ -337,6 +349,7 @@ async def test_token_travels_as_bearer_metadata(fake):
     assert "authorization" not in fake.calls[-1][1]
 
 
+@module_loop
 async def test_leaving_a_stream_early_cancels_it_on_the_server(fake):
     async with AsyncClient(fake.address) as client:
         async with client.stream("hang") as stream:
@@ -347,6 +360,7 @@ async def test_leaving_a_stream_early_cancels_it_on_the_server(fake):
     assert fake.cancelled.is_set()
 
 
+@module_loop
 async def test_sync_cancel_stops_the_server_side(fake):
     def run():
         with Client(fake.address) as client:
@@ -360,3 +374,210 @@ async def test_sync_cancel_stops_the_server_side(fake):
     assert (await asyncio.to_thread(run)).token_ids == (1,)
     await asyncio.to_thread(fake.cancelled.wait, 10)
     assert fake.cancelled.is_set()
+
+
+@module_loop
+async def test_mutual_tls(tmp_path):
+    """The SDK speaks TLS with the CA and client certificate given as files; without them it cannot."""
+    from certs import make_pki
+
+    pki = make_pki(tmp_path)
+    settings = CommonSettings(
+        host="127.0.0.1",
+        port=0,
+        tls_cert_file=pki.server.cert,
+        tls_key_file=pki.server.key,
+        tls_ca_file=pki.ca,
+    )
+    servicer = ScriptedCoordinator()
+    running = await create_server(
+        settings,
+        [
+            Registration(
+                coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
+                servicer,
+                "specserve.v1.CoordinatorService",
+            )
+        ],
+    )
+    address = f"127.0.0.1:{running.port}"
+    try:
+        kw = {
+            "root_certificates": pki.ca,
+            "private_key": pki.client.key,
+            "certificate_chain": pki.client.cert,
+        }
+        async with AsyncClient(address, **kw) as client:
+            assert (await client.generate("ok:2")).token_ids == (10, 11)
+        async with AsyncClient(address, root_certificates=pki.ca.read_bytes(), retries=0) as client:
+            with pytest.raises(errors.Unavailable):
+                await client.generate("ok:2")
+        async with AsyncClient(address, retries=0) as client:  # plaintext to a TLS port
+            with pytest.raises(errors.Unavailable):
+                await client.generate("ok:2")
+    finally:
+        await running.stop(0)
+    assert len(servicer.calls) == 1
+
+
+# --------------------------------------------------------------------------- part 2: the real system
+
+PROMPT = "def add(a, b):\n"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pair(tmp_path_factory):
+    import system_fixtures as sf
+
+    return sf.tiny_pair(tmp_path_factory)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(pair, redis_server):
+    import system_fixtures as sf
+
+    async with sf.local_stack(pair, redis_server.url) as s:
+        yield s
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def session_store(redis_server):
+    from specserve.store import SessionStore
+
+    s = SessionStore.from_url(redis_server.url)
+    yield s
+    await s.close()
+
+
+async def logged_completion(store, session_id: str) -> tuple[int, ...]:
+    record = await store.load(session_id)
+    return tuple(record.generated_token_ids)
+
+
+def check_stats(result) -> None:
+    s = result.stats
+    assert s.session_id
+    assert s.completion_tokens == len(result.token_ids) > 0
+    assert s.prompt_tokens > 0
+    assert s.rounds >= 1
+    assert 0 <= s.accepted_tokens <= s.proposed_tokens
+    assert sum(s.accepted_per_position) == s.accepted_tokens
+    assert 0 < s.first_token_ns <= s.total_ns
+    assert s.verify_ns > 0
+    assert result.finish_reason in ("length", "eos")
+
+
+@module_loop
+@pytest.mark.parametrize("gamma", [2, "auto"])
+async def test_generate_and_stream_agree_with_each_other_and_the_redis_log(stack, session_store, gamma):
+    kw = {"max_new_tokens": 12, "temperature": 0, "gamma": gamma}
+
+    def sync_generate():
+        with Client(stack.address) as client:
+            return client.generate(PROMPT, **kw)
+
+    generated = await asyncio.to_thread(sync_generate)
+    async with AsyncClient(stack.address) as client:
+        async with client.stream(PROMPT, **kw) as stream:
+            chunks = [chunk async for chunk in stream]
+        streamed = stream.result
+        again = await client.generate(PROMPT, **kw)
+
+    assert generated.token_ids == streamed.token_ids == again.token_ids
+    assert generated.text == streamed.text == "".join(c.text for c in chunks)
+    assert tuple(t for c in chunks for t in c.token_ids) == streamed.token_ids
+    for result in (generated, streamed, again):
+        check_stats(result)
+        assert await logged_completion(session_store, result.stats.session_id) == result.token_ids
+    assert len({generated.stats.session_id, streamed.stats.session_id, again.stats.session_id}) == 3
+
+
+@module_loop
+async def test_token_ids_prompt_ngram_proposer_and_seed_echo(stack, session_store, pair):
+    tokenizer = pair.tokenizer
+    ids = tokenizer("for i in range(10):\n", add_special_tokens=False)["input_ids"]
+    async with AsyncClient(stack.address) as client:
+        by_ids = await client.generate(prompt_token_ids=ids, max_new_tokens=10, temperature=0, gamma=3)
+        ngram = await client.generate(
+            prompt_token_ids=ids, max_new_tokens=10, temperature=0, gamma=3, proposer="ngram"
+        )
+        sampled = await client.generate(prompt_token_ids=ids, max_new_tokens=6, seed=1234, top_k=50)
+    assert by_ids.token_ids == ngram.token_ids  # greedy output does not depend on the proposer
+    assert by_ids.stats.prompt_tokens == len(ids)
+    assert sampled.stats.seed == 1234
+    for result in (by_ids, ngram, sampled):
+        assert await logged_completion(session_store, result.stats.session_id) == result.token_ids
+
+
+@module_loop
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt_token_ids": []}, "prompt is empty"),
+        ({"prompt": "x", "temperature": -1.0}, "temperature must be >= 0"),
+        ({"prompt": "x", "top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p must be in (0, 1]"),
+        ({"prompt": "x", "max_new_tokens": 100_000}, "above this server's limit"),
+    ],
+)
+async def test_bad_requests_raise_invalid_argument_saying_what_to_fix(stack, kwargs, needle):
+    async with AsyncClient(stack.address) as client:
+        good = asyncio.ensure_future(client.generate(PROMPT, max_new_tokens=6, temperature=0))
+        with pytest.raises(errors.InvalidArgument) as info:
+            await client.generate(**kwargs)
+        assert needle in info.value.message
+        assert info.value.status_code == grpc.StatusCode.INVALID_ARGUMENT
+        # The server keeps serving: a concurrent request and a later one both finish.
+        assert len((await good).token_ids) == 6
+        assert len((await client.generate(PROMPT, max_new_tokens=4, temperature=0)).token_ids) == 4
+
+
+@module_loop
+async def test_unknown_proposer_is_refused_by_the_sdk_and_by_the_server(stack):
+    async with AsyncClient(stack.address) as client:
+        with pytest.raises(errors.InvalidArgument, match="proposer must be 'model' or 'ngram'"):
+            await client.generate(PROMPT, proposer="oracle")
+        # A proposer value the SDK cannot even name (as another client might send) reaches the server.
+        from specserve.client import AsyncTokenStream
+
+        request = build_request(PROMPT, max_new_tokens=4)
+        request.speculation.proposer = 7
+        with pytest.raises(errors.InvalidArgument, match="proposer"):
+            async with AsyncTokenStream(client, request) as stream:
+                async for _ in stream:
+                    pass
+        assert len((await client.generate(PROMPT, max_new_tokens=3, temperature=0)).token_ids) == 3
+
+
+@module_loop
+async def test_client_retries_until_the_coordinator_comes_up(pair, redis_server, monkeypatch):
+    """The client starts first; the stack is started only after the client's first failed attempt."""
+    import types
+
+    import system_fixtures as sf
+    from redis_server import free_port
+
+    import specserve.client as client_module
+
+    retrying = threading.Event()
+    slept: list[float] = []
+
+    def recording_sleep(seconds: float) -> None:
+        slept.append(seconds)
+        retrying.set()
+        threading.Event().wait(seconds)
+
+    monkeypatch.setattr(client_module, "time", types.SimpleNamespace(sleep=recording_sleep))
+    port = free_port()
+
+    def run():
+        with Client(f"127.0.0.1:{port}", retries=30, backoff=0.25, max_backoff=1.0) as client:
+            return client.generate(PROMPT, max_new_tokens=5, temperature=0)
+
+    future = asyncio.ensure_future(asyncio.to_thread(run))
+    assert await asyncio.to_thread(retrying.wait, 30), "the client never retried"
+    async with sf.local_stack(pair, redis_server.url, port=port):
+        result = await asyncio.wait_for(future, 60)
+    assert len(result.token_ids) == 5
+    assert len(slept) >= 1
