@@ -94,6 +94,10 @@ class ReplicaSet:
     def is_up(self, endpoint: str) -> bool:
         return self._health[endpoint].down_until <= self._clock()
 
+    def failures(self, endpoint: str) -> int:
+        """Consecutive failures of ``endpoint`` since it last answered."""
+        return self._health[endpoint].failures
+
     def choose(self, key: str) -> str | None:
         """The first endpoint of ``key``'s preference list that is not backing off."""
         if self._ring is None:

@@ -71,24 +71,29 @@ def load_reference(model_dir: Path):
 
 
 def reference_greedy(
-    model_dir: Path, prompt: Sequence[int], max_new_tokens: int, eos_token_id: int = 0
+    model_dir: Path,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    eos_token_id: int = 0,
+    ignore_eos: bool = False,
 ) -> list[int]:
-    """The target's own ``generate(do_sample=False)``, cut after its first EOS."""
+    """The target's own ``generate(do_sample=False)``, cut after its first EOS (unless ``ignore_eos``)."""
     import torch
+    from transformers import GenerationConfig
 
     model = load_reference(model_dir)
     ids = torch.tensor([list(prompt)], dtype=torch.long)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None if ignore_eos else eos_token_id,
+        pad_token_id=eos_token_id,
+    )
     with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos_token_id,
-            pad_token_id=eos_token_id,
-        )
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     new = out[0, len(prompt) :].tolist()
-    if eos_token_id in new:
+    if not ignore_eos and eos_token_id in new:
         new = new[: new.index(eos_token_id) + 1]
     return new
 
