@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 import tiny_models
+from draft_helpers import draft_settings
 
 from draft_service.server import start_draft
-from specserve.config import DraftSettings
 from specserve.models import load_model
-
-MAX_GAMMA = 8
 
 
 @pytest.fixture(scope="session", params=["llama", "gpt2"])
@@ -26,11 +24,6 @@ def llama_draft(tmp_path_factory):
     """One Llama draft, for tests that need only one architecture."""
     _, draft_dir = tiny_models.make_tiny_pair(tmp_path_factory.mktemp("draft_llama_only"), seed=21)
     return load_model(draft_dir, device="cpu", dtype="float32")
-
-
-def draft_settings(**overrides) -> DraftSettings:
-    fields = {"host": "127.0.0.1", "port": 0, "max_gamma": MAX_GAMMA, "warmup": False, **overrides}
-    return DraftSettings(**fields)
 
 
 @pytest.fixture
