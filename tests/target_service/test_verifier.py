@@ -120,8 +120,11 @@ GAMMAS = ((0, 2, 5, 3), (4, 0, 1, 5), (2, 3, 0, 1))
 REJECT = ((None, 1, 3, None), (0, None, None, 4), (1, None, None, 0))
 
 
-@pytest.mark.parametrize("mode", ["greedy", "sampled"])
-@pytest.mark.parametrize("inline_catchup_max", [32, 2], ids=["inline-prefill", "separate-prefill"])
+@pytest.mark.parametrize(
+    ("mode", "inline_catchup_max"),
+    [("greedy", 32), ("sampled", 32), ("sampled", 2)],
+    ids=["greedy", "sampled", "sampled-separate-prefill"],
+)
 async def test_batch_equals_each_session_verified_alone(target, draft, store, mode, inline_catchup_max):
     """Sessions with different prompt and proposal lengths, verified together in one padded pass, give row by
     row the verdicts and cache contents of each verified alone (fixed seeds), over three rounds."""
@@ -210,28 +213,28 @@ async def test_stop_inside_a_proposal_commits_nothing_after_it(target, store, ki
     """One plain step, then a fully acceptable greedy proposal of 5 in which a stop falls on the 2nd token."""
     chain = greedy_continuation(target, PROMPT, 6)
     text = target.tokenizer.decode
+    end = 3  # the stop falls on chain[end - 1]
     if kind == "max_new_tokens":
         stop, reason = StopConditions(max_new_tokens=3, ignore_eos=True), common_pb2.FINISH_REASON_LENGTH
     elif kind == "stop_token":
+        assert chain[2] != chain[0]
         stop = StopConditions(stop_token_ids=(chain[2],), ignore_eos=True)
         reason = common_pb2.FINISH_REASON_STOP_TOKEN
-        assert chain[2] not in chain[:2]
+        end = chain.index(chain[2], 1) + 1  # the first occurrence after the plain step ends it
     else:
         stop_string = text(chain[:3], skip_special_tokens=True)
         assert stop_string and stop_string not in text(chain[:2], skip_special_tokens=True)
-        stop, reason = (
-            StopConditions(stop_strings=(stop_string,), ignore_eos=True),
-            common_pb2.FINISH_REASON_STOP_STRING,
-        )
+        stop = StopConditions(stop_strings=(stop_string,), ignore_eos=True)
+        reason = common_pb2.FINISH_REASON_STOP_STRING
     verifier = make_verifier(target, store)
     record = await new_session(store, PROMPT, GREEDY, stop)
     first = (await verify_one(verifier, record)).verdict
     assert first.committed_token_ids == (chain[0],) and first.finish_reason == 0
     verdict = (await verify_one(verifier, await store.load(record.session_id), chain[1:6])).verdict
-    assert verdict.committed_token_ids == tuple(chain[1:3])
+    assert verdict.committed_token_ids == tuple(chain[1:end])
     assert verdict.finish_reason == reason
-    assert verdict.accepted_count == 2 and not verdict.bonus
-    committed = PROMPT + tuple(chain[:3])
+    assert verdict.accepted_count == end - 1 and not verdict.bonus
+    committed = PROMPT + tuple(chain[:end])
     assert await store.read_tokens(record.session_id) == committed
     assert_cache_holds(verifier, record.session_id, committed)
     verifier.close()
@@ -269,8 +272,7 @@ async def test_session_rebuilt_from_redis_continues_identically(target, draft, s
     other.close()
 
 
-@pytest.mark.parametrize("proposer", ["none", "draft"])
-@pytest.mark.parametrize("penalty", [1.0, 1.3])
+@pytest.mark.parametrize(("proposer", "penalty"), [("none", 1.0), ("draft", 1.3)])
 async def test_greedy_chain_reproduces_target_generate(target, draft, store, proposer, penalty):
     """Verifying empty proposals (gamma = 0), or greedy draft proposals, round after round commits exactly
     the target's own ``generate(do_sample=False)`` output (float32)."""
