@@ -114,7 +114,13 @@ class Proposer(abc.ABC):
 
 
 class ModelProposer(Proposer):
-    """The small draft model, with a KV cache per session (:class:`~specserve.kvcache.SessionCacheStore`)."""
+    """The small draft model, with a KV cache per session (:class:`~specserve.kvcache.SessionCacheStore`).
+
+    After a proposal the session's cache holds ``C + x1..x_{gamma-1}`` (the branch);
+    the next reconcile keeps whichever of those tokens were committed. Near the
+    model's context limit it proposes fewer tokens, so that ``C + x1..x_gamma``
+    still fits in ``max_position_embeddings``.
+    """
 
     kind = common_pb2.PROPOSER_KIND_MODEL
 
@@ -124,6 +130,9 @@ class ModelProposer(Proposer):
     def propose(self, request: DraftRequest) -> Drafted:
         cache, _created = self.caches.get_or_create(request.session_id)
         reconciled = cache.reconcile(request.committed)
+        gamma = request.gamma
+        if cache.max_positions is not None:  # the target must be able to feed C + x1..x_gamma
+            gamma = max(0, min(gamma, cache.max_positions - len(request.committed)))
         logits = reconciled.logits  # [vocab]
         assert logits is not None
         params = request.sampling
@@ -131,7 +140,7 @@ class ModelProposer(Proposer):
         context = list(request.committed)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
-        for i in range(request.gamma):
+        for i in range(gamma):
             q32 = draft_distribution(
                 logits.unsqueeze(0), params, [context], request.draft_top_k
             )  # [1, vocab]
@@ -143,7 +152,7 @@ class ModelProposer(Proposer):
                 rows.append(q32[0])
             tokens.append(token)
             context.append(token)
-            if i + 1 < request.gamma:
+            if i + 1 < gamma:
                 logits = cache.extend([token])[-1]  # [vocab]
         self.caches.trim(protect=(request.session_id,))
         probs = None if params.greedy or not tokens else torch.stack(rows)  # [gamma, vocab] float32

@@ -99,6 +99,9 @@ class SessionCache:
         self.model = model
         self.session_id = session_id
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        #: Most tokens the model can attend over (``max_position_embeddings``); ``None`` when unknown.
+        self.max_positions: int | None = int(limit) if limit else None
         self._device = next(model.parameters()).device
         self._cache = DynamicCache(config=model.config)
         self._tokens: list[int] = []
@@ -152,9 +155,17 @@ class SessionCache:
             if not 0 <= int(t) < self.vocab_size:
                 raise InvalidArgument(f"token id {t} is out of range; ids must be in [0, {self.vocab_size})")
 
+    def _check_room(self, start: int, n: int) -> None:
+        if self.max_positions is not None and start + n > self.max_positions:
+            raise InvalidArgument(
+                f"session {self.session_id!r} would hold {start + n} tokens but the model handles at most "
+                f"{self.max_positions} positions; end the generation earlier (max_new_tokens) or shorten the prompt"
+            )
+
     @torch.inference_mode()
     def _feed(self, token_ids: Sequence[int], *, logits_to_keep: int) -> torch.Tensor:
         """Feed tokens through the model; return the last ``logits_to_keep`` rows of logits."""
+        self._check_room(len(self._tokens), len(token_ids))
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)  # [1, n]
         out = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
         self._tokens.extend(int(t) for t in token_ids)
@@ -212,6 +223,7 @@ class SessionCache:
         if not c:
             raise InvalidArgument("the committed prefix is empty: a session needs at least one prompt token")
         self._check_ids(c)
+        self._check_room(0, len(c))
         want = len(c) - 1 if pending else len(c)
         # Keep the longest common prefix, but always leave one token to feed when we need logits.
         keep = min(common_prefix_len(self._tokens, c), want if pending else want - 1)
@@ -274,6 +286,7 @@ class SessionCache:
                 )
         if self._tokens:
             self._full_attention_layers()
+        self._check_room(len(self._tokens), n)
         for i, (k, v) in enumerate(layer_kvs):
             self._cache.update(k, v, i)
         self._tokens.extend(int(t) for t in token_ids)

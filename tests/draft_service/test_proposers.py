@@ -103,3 +103,14 @@ def test_model_proposer_samples_from_the_vectors_it_ships(draft_model):
     assert again.token_ids == drafted.token_ids and again.prefill_tokens == 1
     torch.testing.assert_close(again.probs_f32, drafted.probs_f32, atol=1e-5, rtol=0)
     assert proposer.release("s") and not proposer.release("s")
+
+
+def test_model_proposer_stops_at_the_context_limit(draft_model):
+    store = SessionCacheStore(draft_model.model, max_sessions=4, budget_bytes=10**9, ttl_s=60)
+    limit = store.get_or_create("probe")[0].max_positions
+    assert limit == 512  # the tiny models' max_position_embeddings
+    committed = tuple((7 * i) % 300 + 1 for i in range(limit - 2))
+    drafted = ModelProposer(store).propose(
+        DraftRequest("long", committed, gamma=5, sampling=SamplingParams(temperature=0.0), seed=0)
+    )
+    assert len(drafted.token_ids) == 2  # C + x1 + x2 fills the context exactly

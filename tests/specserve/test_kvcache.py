@@ -254,3 +254,14 @@ def test_store_checks_its_config(model):
         SessionCacheStore(model, max_sessions=0, budget_bytes=1, ttl_s=1)
     with pytest.raises(ValueError, match="ttl_s"):
         SessionCacheStore(model, max_sessions=1, budget_bytes=1, ttl_s=0)
+
+
+def test_context_limit_is_refused_without_changing_the_cache(model):
+    cache = SessionCache(model, "s")
+    cache.reconcile(PROMPT)
+    assert cache.max_positions == 512
+    with pytest.raises(InvalidArgument, match="at most 512 positions"):
+        cache.reconcile([1] * 513)
+    with pytest.raises(InvalidArgument, match="at most 512 positions"):
+        cache.extend([1] * (513 - len(PROMPT)))
+    assert_consistent(cache, PROMPT, len(PROMPT))
