@@ -581,14 +581,25 @@ def test_coordinator_lists_one_endpoint_per_possible_worker_replica(rendered, va
         ]
         got = env[f"SPECSERVE_{tier.upper()}_ENDPOINTS"].split(",")
         assert got == want
-        assert sts["spec"]["replicas"] <= hpa["spec"]["maxReplicas"]
+
+
+@ALL
+def test_hpa_managed_workloads_leave_the_replica_count_to_the_hpa(rendered, variant):
+    """A `replicas` field on an autoscaled workload would reset the count on every `kubectl apply`
+    (and, for the target tier, move sessions)."""
+    docs = rendered[variant]
+    for tier in TIERS:
+        assert "replicas" not in tier_workload(docs, tier)["spec"], tier
 
 
 def test_cpu_demo_runs_one_replica_of_each_tier(rendered):
     docs = rendered["cpu-demo"]
     for tier in TIERS:
-        assert tier_workload(docs, tier)["spec"]["replicas"] == 1
-        assert one(docs, "HorizontalPodAutoscaler", tier)["spec"]["minReplicas"] == 1
+        hpa = one(docs, "HorizontalPodAutoscaler", tier)
+        assert hpa["spec"]["minReplicas"] == 1
+        assert tier_workload(docs, tier)["spec"].get("replicas", 1) == 1  # the API's default
+    assert one(docs, "HorizontalPodAutoscaler", "draft")["spec"]["maxReplicas"] == 1
+    assert one(docs, "HorizontalPodAutoscaler", "target")["spec"]["maxReplicas"] == 1
     assert one(docs, "StatefulSet", "redis")["spec"]["replicas"] == 1
 
 
