@@ -1,0 +1,208 @@
+"""target_service.servicer over real gRPC on 127.0.0.1: precise status codes, sessions left intact, retries.
+
+A real target server (tiny Llama, float32) on a free port with max_gamma = 4,
+max_batch_size = 3 and a 16 KiB message limit, and a real Redis.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import grpc
+import pytest
+import torch
+from target_helpers import greedy_continuation, new_session, next_probs
+
+from specserve.config import TargetSettings
+from specserve.params import SamplingParams
+from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specserve.verification import draft_probs_to_pb
+from target_service.server import start_target
+
+PROMPT = (5, 17, 42, 99, 3, 250, 7, 11)
+SAMPLED = SamplingParams(temperature=1.0, seed=42)
+MAX_MESSAGE_BYTES = 16 * 1024
+
+
+@pytest.fixture
+async def target_app(llama_target, store):
+    settings = TargetSettings(
+        host="127.0.0.1",
+        port=0,
+        max_gamma=4,
+        max_batch_size=3,
+        max_message_bytes=MAX_MESSAGE_BYTES,
+        warmup=False,
+    )
+    app = await start_target(settings, model=llama_target, store=store)
+    yield app
+    await app.stop(grace=1.0)
+
+
+@pytest.fixture
+async def stub(target_app):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{target_app.port}") as channel:
+        yield target_pb2_grpc.TargetServiceStub(channel)
+
+
+def verify_item(record, tokens=(), distributions=(), version=None, committed_len=None):
+    return target_pb2.VerifyItem(
+        base=common_pb2.SessionBase(
+            session_id=record.session_id,
+            committed_len=record.committed_len if committed_len is None else committed_len,
+            version=record.version if version is None else version,
+        ),
+        proposal=common_pb2.Proposal(token_ids=list(tokens), distributions=list(distributions)),
+    )
+
+
+def dense(values) -> common_pb2.DraftDistribution:
+    raw = struct.pack(f"<{len(values)}f", *values)
+    return common_pb2.DraftDistribution(dense=common_pb2.DenseDistribution(probs_f32le=raw))
+
+
+def uniform_dist(vocab_size: int) -> common_pb2.DraftDistribution:
+    return dense([1.0 / vocab_size] * vocab_size)
+
+
+async def expect_status(stub, request, code: grpc.StatusCode) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Verify(request)
+    assert info.value.code() == code, info.value.details()
+    return info.value.details()
+
+
+async def test_bad_requests_get_precise_statuses_and_leave_sessions_intact(target_app, stub, store):
+    """Every malformed request fails whole with its precise status (never INTERNAL), nothing is committed for
+    any item, and afterwards a good request on the same session still works."""
+    vocab = target_app.model.vocab_size
+    record = await new_session(store, PROMPT, SAMPLED)
+    bystander = await new_session(store, PROMPT, SAMPLED)
+    ok = verify_item(bystander, (1,), (uniform_dist(vocab),))  # a good item riding along with a bad one
+    nan = [1.0 / vocab] * vocab
+    nan[3] = math.nan
+    negative = [1.0 / (vocab - 2)] * vocab
+    negative[3], negative[4] = -0.5, 0.5
+    zero_at_token = [1.0 / (vocab - 1)] * vocab
+    zero_at_token[7] = 0.0
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    cases = {
+        "token id out of range": ([verify_item(record, (vocab,)), ok], invalid),
+        "gamma above max_gamma": ([verify_item(record, (1, 2, 3, 4, 5)), ok], invalid),
+        "NaN in a draft distribution": ([verify_item(record, (1,), (dense(nan),)), ok], invalid),
+        "negative draft mass": ([verify_item(record, (1,), (dense(negative),)), ok], invalid),
+        "q = 0 at the proposed token": ([verify_item(record, (7,), (dense(zero_at_token),)), ok], invalid),
+        "dense vector of the wrong size": ([verify_item(record, (1,), (dense([1.0]),)), ok], invalid),
+        "distribution count != token count": (
+            [verify_item(record, (1, 2), (uniform_dist(vocab),)), ok],
+            invalid,
+        ),
+        "sparse support with a duplicate id": (
+            [
+                verify_item(
+                    record,
+                    (1,),
+                    (
+                        common_pb2.DraftDistribution(
+                            sparse=common_pb2.SparseDistribution(token_ids=[1, 1], probs=[0.5, 0.5])
+                        ),
+                    ),
+                ),
+                ok,
+            ],
+            invalid,
+        ),
+        "the same session twice": ([verify_item(record), verify_item(record, (1,))], invalid),
+        "no base": ([target_pb2.VerifyItem(), ok], invalid),
+        "empty request": ([], invalid),
+        "more items than max_batch_size": (
+            [verify_item(record), ok, verify_item(await new_session(store, PROMPT)), verify_item(record)],
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
+        "message over max_message_bytes": (
+            [verify_item(record, (1,), (dense([0.0] * (MAX_MESSAGE_BYTES // 4)),))],
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
+    }
+    for name, (items, code) in cases.items():
+        details = await expect_status(stub, target_pb2.VerifyRequest(items=items), code)
+        assert details, name
+    for rec in (record, bystander):
+        assert await store.read_tokens(rec.session_id) == PROMPT, "a refused call committed something"
+        assert (await store.load(rec.session_id)).version == 0
+    # The sessions are intact: good requests work.
+    reply = await stub.Verify(target_pb2.VerifyRequest(items=[verify_item(record, (1,)), ok]))
+    assert [r.WhichOneof("outcome") for r in reply.results] == ["verdict", "verdict"]
+    assert reply.results[0].verdict.new_version == 1
+
+
+async def test_per_item_state_errors_carry_their_codes(target_app, stub, store):
+    """Unknown session -> NOT_FOUND, base version that does not match -> ABORTED, base length that does not
+    match -> FAILED_PRECONDITION, as per-item errors; the good item commits; the refused session still works."""
+    record = await new_session(store, PROMPT)
+    good = await new_session(store, PROMPT)
+    ghost = verify_item(record)
+    ghost.base.session_id = "never-created"
+    request = target_pb2.VerifyRequest(
+        items=[ghost, verify_item(record, (1,), version=5), verify_item(good, (2,))]
+    )
+    reply = await stub.Verify(request)
+    errors = [r.error.code if r.WhichOneof("outcome") == "error" else None for r in reply.results]
+    assert errors == [grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.ABORTED.value[0], None]
+    assert reply.results[0].session_id == "never-created"
+    assert reply.results[2].verdict.new_version == 1
+    reply = await stub.Verify(target_pb2.VerifyRequest(items=[verify_item(record, committed_len=3)]))
+    assert reply.results[0].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert await store.read_tokens(record.session_id) == PROMPT
+    reply = await stub.Verify(target_pb2.VerifyRequest(items=[verify_item(record, (1,))]))
+    assert reply.results[0].verdict.committed_len > len(PROMPT)
+
+
+async def test_retried_verify_replays_the_recorded_verdict(target_app, stub, store):
+    """The same Verify sent twice returns the same verdict, ``replayed`` on the second, and the log grows once."""
+    model = target_app.model
+    record = await new_session(store, PROMPT, SAMPLED)
+    seq, tokens, rows = list(PROMPT), [], []
+    for _ in range(3):
+        q = next_probs(model, seq, SamplingParams(temperature=1.3))  # a draft-like q different from p
+        token = int(torch.multinomial(q, 1, generator=torch.Generator().manual_seed(len(seq))))
+        tokens.append(token)
+        rows.append(q)
+        seq.append(token)
+    dists = draft_probs_to_pb(torch.stack(rows).float(), sparse=False)
+    request = target_pb2.VerifyRequest(items=[verify_item(record, tokens, dists)])
+    first = await stub.Verify(request)
+    second = await stub.Verify(request)
+    assert not first.results[0].replayed and second.results[0].replayed
+    assert first.results[0].verdict == second.results[0].verdict
+    assert first.positions_processed >= 4 and second.positions_processed == 0
+    assert first.verify_ns >= first.forward_ns > 0
+    assert await store.read_tokens(record.session_id) == PROMPT + tuple(
+        first.results[0].verdict.committed_token_ids
+    )
+    assert (await store.load(record.session_id)).version == 1
+
+
+async def test_info_release_and_rebuild(target_app, stub, store):
+    """GetTargetInfo reports the model and limits; a released session is NOT_FOUND to release again and is
+    rebuilt from Redis by the next Verify, which continues target-only greedy decoding."""
+    info = await stub.GetTargetInfo(target_pb2.GetTargetInfoRequest())
+    model = target_app.model
+    assert (info.model.vocab_size, info.model.vocab_fingerprint) == (
+        model.vocab_size,
+        model.vocab_fingerprint,
+    )
+    assert (info.max_gamma, info.max_batch_size, info.model.dtype) == (4, 3, "float32")
+    record = await new_session(store, PROMPT)
+    await stub.Verify(target_pb2.VerifyRequest(items=[verify_item(record)]))
+    await stub.ReleaseTargetSession(target_pb2.ReleaseTargetSessionRequest(session_id=record.session_id))
+    assert record.session_id not in target_app.caches
+    with pytest.raises(grpc.aio.AioRpcError) as info_err:
+        await stub.ReleaseTargetSession(target_pb2.ReleaseTargetSessionRequest(session_id=record.session_id))
+    assert info_err.value.code() == grpc.StatusCode.NOT_FOUND
+    record = await store.load(record.session_id)
+    chain = greedy_continuation(model, record.token_ids, 3)
+    reply = await stub.Verify(target_pb2.VerifyRequest(items=[verify_item(record, chain[:2])]))
+    assert list(reply.results[0].verdict.committed_token_ids) == chain
+    assert reply.positions_processed == len(record.token_ids) + 2  # re-prefilled from Redis
