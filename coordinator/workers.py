@@ -36,10 +36,8 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.SpecServeError]] = {
 }
 
 
-class WorkerError(errors.SpecServeError):
+class WorkerError(errors.Unavailable):
     """A worker failed in a way that is its bug (INTERNAL, UNKNOWN, ...): the coordinator treats it as down."""
-
-    grpc_code_name = "UNAVAILABLE"
 
 
 def error_from_rpc(exc: grpc.RpcError, endpoint: str) -> errors.SpecServeError:

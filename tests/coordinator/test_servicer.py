@@ -1,0 +1,88 @@
+"""Bad Generate requests get INVALID_ARGUMENT with a message that says what to fix, and the
+server keeps serving others (real coordinator, target and draft servers on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import pytest_asyncio
+import system_fixtures as sf
+
+from specserve.v1 import common_pb2, coordinator_pb2
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+LIMITS = {"max_prompt_tokens": 16, "max_new_tokens_limit": 32, "default_max_new_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return sf.tiny_pair(tmp_path_factory)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(pair, redis_server):
+    async with sf.local_stack(pair, redis_server.url, coordinator_overrides=LIMITS) as s:
+        yield s
+
+
+def _no_prompt():
+    return coordinator_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(temperature=0))
+
+
+def _with(req, mutate):
+    mutate(req)
+    return req
+
+
+BAD = {
+    "no prompt": (_no_prompt, "prompt is empty"),
+    "empty text": (lambda: sf.request(""), "prompt is empty"),
+    "empty token list": (lambda: sf.request([]), "prompt is empty"),
+    "token outside vocabulary": (lambda: sf.request([1, 2, 384]), "outside the model's vocabulary"),
+    "negative temperature": (lambda: sf.request([1, 2], temperature=-0.5), "temperature must be >= 0"),
+    "top_p zero": (lambda: sf.request([1, 2], temperature=1.0, top_p=0.0), "top_p must be in (0, 1]"),
+    "top_p above one": (lambda: sf.request([1, 2], temperature=1.0, top_p=1.5), "top_p must be in (0, 1]"),
+    "max_new_tokens above limit": (lambda: sf.request([1, 2], max_new_tokens=33), "at most 32"),
+    "prompt too long": (lambda: sf.request(list(range(1, 18))), "limit of 16"),
+    "unknown proposer": (lambda: sf.request([1, 2], proposer=7), "unknown proposer 7"),
+    "gamma above max": (lambda: sf.request([1, 2], gamma=9), "maximum of 8"),
+    "draft_top_k above vocabulary": (lambda: sf.request([1, 2], draft_top_k=999), "draft_top_k=999"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+async def test_bad_request_is_invalid_argument_saying_what_to_fix(stack, case):
+    make, message = BAD[case]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await sf.generate(stack.address, make())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+
+
+async def test_server_keeps_serving_while_bad_requests_fail(stack, pair):
+    prompt = pair.tokenizer.encode("def add(a, b):", add_special_tokens=False)
+    good = [sf.generate(stack.address, sf.request(prompt, max_new_tokens=12, gamma=2)) for _ in range(3)]
+    bad = [sf.generate(stack.address, make()) for make, _ in BAD.values()]
+    results = await asyncio.gather(*good, *bad, return_exceptions=True)
+    goods, bads = results[:3], results[3:]
+    want = sf.reference_greedy(pair.target_dir, prompt, 12)
+    for out in goods:
+        assert not isinstance(out, BaseException), out
+        assert out.token_ids == want
+    for exc in bads:
+        assert isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert stack.coordinator.coordinator.active_sessions == 0
+
+
+async def test_default_max_new_tokens_and_text_prompt(stack, pair):
+    """max_new_tokens = 0 means the server's default; a text prompt is tokenized by the server."""
+    text = "for i in range(10):"
+    out = await sf.generate(stack.address, sf.request(text, max_new_tokens=0, ignore_eos=True))
+    prompt = pair.tokenizer.encode(text, add_special_tokens=False)
+    assert out.stats.prompt_tokens == len(prompt)
+    assert out.token_ids == sf.reference_greedy(pair.target_dir, prompt, 8, ignore_eos=True)
+    assert out.stats.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert out.text == pair.tokenizer.decode(out.token_ids, skip_special_tokens=True)

@@ -1,0 +1,209 @@
+"""The coordinator's worker clients against real draft and target servers, and idempotent commit.
+
+A Verify retried for the same (session, version) after its reply was lost gets
+the recorded verdict back (``replayed``) and commits nothing new; a stale
+version is refused (VersionConflict) and the target's branch is rolled back to
+the committed log. The round loop uses a replayed verdict exactly once.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import pytest_asyncio
+import system_fixtures as sf
+
+from coordinator.policy import FixedGamma
+from coordinator.requests import SpeculationSettings
+from coordinator.rounds import RoundLoop
+from coordinator.session import Session
+from coordinator.workers import DraftClient, TargetClient, error_from_rpc
+from specserve import errors
+from specserve.config import CoordinatorSettings
+from specserve.params import SamplingParams, SessionBase, StopConditions
+from specserve.store import SessionStore
+from specserve.v1 import common_pb2, target_pb2
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SAMPLING = SamplingParams(temperature=1.0, seed=1234)
+STOP = StopConditions(max_new_tokens=64, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return sf.tiny_pair(tmp_path_factory)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(pair, redis_server):
+    async with sf.local_stack(pair, redis_server.url) as s:
+        yield s
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def store(redis_server):
+    s = SessionStore.from_url(redis_server.url)
+    yield s
+    await s.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def target(stack):
+    client = TargetClient(f"127.0.0.1:{stack.target_ports[0]}", CoordinatorSettings(target_endpoints=["x:1"]))
+    yield client
+    await client.close()
+
+
+def _item(session_id: str, committed_len: int, version: int, proposal=None) -> target_pb2.VerifyItem:
+    return target_pb2.VerifyItem(
+        base=SessionBase(session_id, committed_len, version).to_pb(),
+        proposal=proposal or common_pb2.Proposal(),
+    )
+
+
+async def _new_session(store: SessionStore, prompt=(5, 6, 7, 8)) -> str:
+    sid = f"test-{uuid.uuid4().hex}"
+    await store.create(sid, prompt, SAMPLING, STOP)
+    return sid
+
+
+async def test_retried_verify_replays_the_recorded_verdict(stack, store, target):
+    sid = await _new_session(store)
+    first = (await target.verify([_item(sid, 4, 0)])).results[0]
+    assert first.error is None and not first.replayed
+    assert first.verdict.new_version == 1 and first.verdict.committed_len == 5
+    log_after_first = await store.load(sid)
+    # The reply was "lost": the same (session, version) is sent again.
+    again = (await target.verify([_item(sid, 4, 0)])).results[0]
+    assert again.replayed and again.verdict == first.verdict
+    log_after_retry = await store.load(sid)
+    assert log_after_retry.token_ids == log_after_first.token_ids and log_after_retry.version == 1
+
+
+async def test_stale_version_is_refused_and_the_branch_rolled_back(stack, store, target):
+    sid = await _new_session(store)
+    v1 = (await target.verify([_item(sid, 4, 0)])).results[0].verdict
+    v2 = (await target.verify([_item(sid, v1.committed_len, 1)])).results[0].verdict
+    assert v2.new_version == 2
+    # A proposal on top of the stale version 0: refused, nothing committed.
+    proposal = common_pb2.Proposal(token_ids=[9, 10])
+    stale = (await target.verify([_item(sid, 4, 0, proposal)])).results[0]
+    assert stale.verdict is None and isinstance(
+        stale.error, errors.VersionConflict | errors.FailedPrecondition
+    )
+    record = await store.load(sid)
+    assert record.version == 2 and record.committed_len == v2.committed_len
+    cache = stack.targets[0].caches.get(sid)
+    assert cache is not None
+    # Pending-token convention: the target caches C[:-1]; nothing of the refused branch remains.
+    assert cache.tokens == record.token_ids[:-1]
+    # The session continues from the right version.
+    v3 = (await target.verify([_item(sid, record.committed_len, 2)])).results[0]
+    assert v3.error is None and v3.verdict.new_version == 3
+
+
+async def test_round_loop_uses_a_replayed_verdict_once(stack, store, target):
+    """The old replica committed version 0 -> 1 but its reply never arrived: the round loop
+    sends (session, 0) again, gets the recorded verdict, and emits those tokens exactly once."""
+    prompt = (5, 6, 7, 8)
+    sid = await _new_session(store, prompt)
+    lost = (await target.verify([_item(sid, 4, 0)])).results[0].verdict
+    session = Session(
+        sid, prompt, SAMPLING, STOP, SpeculationSettings(gamma=0, proposer=common_pb2.PROPOSER_KIND_MODEL)
+    )
+    coordinator = stack.coordinator.coordinator
+    loop = RoundLoop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
+    emitted = list(await loop.step())
+    assert emitted == list(lost.committed_token_ids)
+    assert session.version == 1
+    for _ in range(3):
+        emitted += await loop.step()
+    record = await store.load(sid)
+    assert record.version == session.version == 4
+    assert list(record.generated_token_ids) == emitted
+    loop.detach()
+    await loop.release()
+    assert sid not in stack.targets[0].caches
+
+
+async def test_round_loop_resyncs_after_a_conflict(stack, store, target):
+    """Someone else committed (version 0 -> 2) behind the session's back: the round loop's item is
+    refused, it re-reads the log and emits only the tokens it had not emitted."""
+    prompt = (5, 6, 7, 8)
+    sid = await _new_session(store, prompt)
+    v1 = (await target.verify([_item(sid, 4, 0)])).results[0].verdict
+    await target.verify([_item(sid, v1.committed_len, 1)])
+    session = Session(
+        sid, prompt, SAMPLING, STOP, SpeculationSettings(gamma=0, proposer=common_pb2.PROPOSER_KIND_MODEL)
+    )
+    coordinator = stack.coordinator.coordinator
+    loop = RoundLoop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
+    emitted = list(await loop.step())
+    emitted += await loop.step()
+    record = await store.load(sid)
+    assert list(record.generated_token_ids) == emitted
+    assert session.version == record.version == 3
+    loop.detach()
+    await loop.release()
+
+
+async def test_draft_client_and_error_mapping(stack, store):
+    settings = CoordinatorSettings(target_endpoints=["x:1"], rpc_timeout_s=5)
+    client = DraftClient(f"127.0.0.1:{stack.draft_port}", settings)
+    try:
+        info = await client.info()
+        assert info.model.vocab_size == 384 and info.max_gamma >= 8
+        base = SessionBase("draft-client-test", 4, 0)
+        reply = await client.propose(
+            base,
+            start_position=0,
+            token_ids=(5, 6, 7, 8),
+            sampling=SAMPLING,
+            gamma=3,
+            proposer=common_pb2.PROPOSER_KIND_MODEL,
+            draft_top_k=0,
+        )
+        assert len(reply.proposal.token_ids) == 3 and len(reply.proposal.distributions) == 3
+        # A draft that lacks the earlier tokens refuses a partial resend.
+        with pytest.raises(errors.FailedPrecondition):
+            await client.propose(
+                SessionBase("never-seen", 6, 0),
+                start_position=4,
+                token_ids=(9, 10),
+                sampling=SAMPLING,
+                gamma=1,
+                proposer=common_pb2.PROPOSER_KIND_MODEL,
+                draft_top_k=0,
+            )
+        assert await client.release("draft-client-test") is True
+        assert await client.release("draft-client-test") is False
+    finally:
+        await client.close()
+    dead = DraftClient("127.0.0.1:1", settings)
+    try:
+        with pytest.raises(errors.Unavailable):
+            await dead.info(timeout_s=2)
+    finally:
+        await dead.close()
+
+
+async def test_error_from_rpc_covers_every_status_code():
+    import grpc
+
+    class Fake(grpc.RpcError):
+        def __init__(self, code):
+            self._code = code
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return "boom"
+
+    for code in grpc.StatusCode:
+        err = error_from_rpc(Fake(code), "h:1")
+        assert isinstance(err, errors.SpecServeError) and "boom" in err.message
+    assert isinstance(error_from_rpc(Fake(grpc.StatusCode.ABORTED), "h:1"), errors.VersionConflict)
+    assert isinstance(error_from_rpc(Fake(grpc.StatusCode.INTERNAL), "h:1"), errors.Unavailable)
