@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -536,7 +537,7 @@ def test_settings_classes_accept_the_rendered_environment(rendered, variant, mon
     for c in (c for c in containers(docs) if is_specserve_server(c)):
         env = resolve_env(docs, c, secret_placeholder="redis://:placeholder@redis:6379/0")
         with monkeypatch.context() as m:
-            for name in [k for k in __import__("os").environ if k.startswith("SPECSERVE_")]:
+            for name in [k for k in os.environ if k.startswith("SPECSERVE_")]:
                 m.delenv(name)
             for name, value in env.items():
                 m.setenv(name, value)
@@ -547,6 +548,27 @@ def test_settings_classes_accept_the_rendered_environment(rendered, variant, mon
         annotations = pod_template(one(docs, *_kind_name(docs, c.workload)))["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == str(settings.metrics_port)
         assert named_port(c.spec, "metrics") == settings.metrics_port
+
+
+def _settings(docs: list[dict], role: str, monkeypatch) -> object:
+    c = next(c for c in containers(docs) if is_specserve_server(c) and role_of(c) == role)
+    env = resolve_env(docs, c, secret_placeholder="redis://:placeholder@redis:6379/0")
+    with monkeypatch.context() as m:
+        for name in [k for k in os.environ if k.startswith("SPECSERVE_")]:
+            m.delenv(name)
+        for name, value in env.items():
+            m.setenv(name, value)
+        return SETTINGS[role]()
+
+
+@ALL
+def test_coordinator_limits_fit_the_workers(rendered, variant, monkeypatch):
+    """A full Verify batch is one the targets accept (and fills their batch occupancy to 1);
+    the largest gamma the coordinator picks is one both workers accept."""
+    docs = rendered[variant]
+    coordinator, draft, target = (_settings(docs, role, monkeypatch) for role in TIERS)
+    assert coordinator.max_batch_size == target.max_batch_size
+    assert coordinator.max_gamma <= min(draft.max_gamma, target.max_gamma)
 
 
 def _kind_name(docs: list[dict], workload: str) -> tuple[str, str]:
