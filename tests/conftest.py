@@ -1,10 +1,22 @@
 """Shared fixtures. ``tests/`` is put on ``sys.path`` so test modules can
 ``import tiny_models`` and ``import redis_server``."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# Tiny test models gain nothing from intra-op threads, and on a small shared
+# machine oversubscribed OpenMP threads slow every process down. Subprocesses
+# (servers started by tests) inherit the limit.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+try:
+    import torch
+
+    torch.set_num_threads(1)
+except ImportError:  # the SDK-only environment
+    pass
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
