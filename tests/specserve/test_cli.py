@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
+import signal
+import socket
+import sys
+from asyncio.subprocess import PIPE
+
 import pytest
+import pytest_asyncio
 
 from specserve import cli
 
@@ -80,3 +89,134 @@ def test_gamma_flag_parsing():
     assert cli._parse_gamma("3") == 3
     with pytest.raises(cli.CliError, match="--gamma must be"):
         cli._parse_gamma("lots")
+
+
+# --------------------------------------------------------------------------- against real servers
+
+module_loop = pytest.mark.asyncio(loop_scope="module")
+
+#: Prepended to a subprocess's code: torch and the serving stack cannot be imported there.
+HIDE_SERVING_STACK = """
+import sys
+class _Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "transformers", "redis", "structlog", "numpy", "pydantic"):
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)", name=name)
+sys.meta_path.insert(0, _Hide())
+"""
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pair(tmp_path_factory):
+    import system_fixtures as sf
+
+    return sf.tiny_pair(tmp_path_factory)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(redis_server, pair):
+    import system_fixtures as sf
+
+    async with sf.local_stack(pair, redis_server.url) as s:
+        yield s
+
+
+async def run(args: list[str], *, cwd, prelude: str = "") -> tuple[int, str, str]:
+    code = prelude + "import sys\nfrom specserve.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, *args, cwd=cwd, stdout=PIPE, stderr=PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 180)
+    return proc.returncode, out.decode(), err.decode()
+
+
+@module_loop
+async def test_generate_streams_text_to_stdout_and_stats_to_stderr_without_torch(stack, tmp_path):
+    from specserve import AsyncClient
+
+    prompt = "def add(a, b):\n"
+    args = ["generate", prompt, "--addr", stack.address, "--temperature", "0", "--max-new-tokens", "9"]
+    code, out, err = await run([*args, "--gamma", "2", "--json"], cwd=tmp_path, prelude=HIDE_SERVING_STACK)
+    assert code == 0, err
+    async with AsyncClient(stack.address) as client:
+        expected = await client.generate(prompt, max_new_tokens=9, temperature=0, gamma=2)
+    assert out == expected.text + "\n"
+    stats = json.loads(err.strip().splitlines()[-1])
+    assert stats["completion_tokens"] == 9 and stats["finish_reason"] == "length"
+    assert stats["rounds"] >= 1 and len(stats["accepted_per_position"]) >= 1
+
+    code, out, err = await run([*args, "--proposer", "ngram", "--seed", "5"], cwd=tmp_path)
+    assert code == 0, err
+    assert out == expected.text + "\n"
+    assert "draft tokens proposed" in err and "seed 5" in err
+
+    code, out, err = await run([*args, "--top-p", "0"], cwd=tmp_path)
+    assert code == 1
+    assert "error: InvalidArgument: top_p must be in (0, 1]" in err
+
+
+@module_loop
+async def test_up_serves_with_a_private_redis_and_stops_on_sigterm(pair, tmp_path):
+    from redis_server import free_port
+
+    from specserve import AsyncClient
+
+    port = free_port()
+    code = "import sys\nfrom specserve.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    args = [
+        "up",
+        "--port",
+        str(port),
+        "--target-model",
+        str(pair.target_dir),
+        "--draft-model",
+        str(pair.draft_dir),
+    ]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, *args, cwd=tmp_path, stdout=PIPE, stderr=PIPE
+    )
+    try:
+        lines: list[str] = []
+        while not any(line.startswith("stop with Ctrl-C") for line in lines):
+            line = await asyncio.wait_for(proc.stdout.readline(), 180)
+            assert line, f"up exited early: {(await proc.stderr.read()).decode()}"
+            lines.append(line.decode())
+        assert f"serving on 127.0.0.1:{port}" in lines[0]
+        redis_url = re.search(r"redis://127\.0\.0\.1:(\d+)/0", "".join(lines))
+        assert redis_url, lines
+        redis_port = int(redis_url.group(1))
+
+        async with AsyncClient(f"127.0.0.1:{port}") as client:
+            result = await client.generate("for i in range(3):\n", max_new_tokens=6, temperature=0)
+        assert len(result.token_ids) == 6
+        with socket.create_connection(("127.0.0.1", redis_port), timeout=2):
+            pass  # the private redis-server is up
+
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        assert "stopping" in (await proc.stdout.read()).decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    with pytest.raises(OSError):  # the private redis-server went away with it
+        socket.create_connection(("127.0.0.1", redis_port), timeout=2).close()
+
+
+def test_demo_streams_a_completion_and_compares_with_the_target_alone(pair, capsys, monkeypatch):
+    """In this process (the subprocess path is covered by ``up`` above); its own private redis-server."""
+    import structlog
+
+    import specserve.logs
+
+    monkeypatch.setattr(specserve.logs, "configure_logging", lambda *a, **k: None)  # leave the test's logging
+    args = ["demo", "--target-model", str(pair.target_dir), "--draft-model", str(pair.draft_dir)]
+    with structlog.testing.capture_logs():  # keep log lines out of the captured stdout
+        assert cli.main([*args, "--prompt", "def f(x):\n", "--max-new-tokens", "8", "--gamma", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def f(x):\n")
+    assert "-- speculative decoding (draft + target) --" in out
+    assert "-- the target alone (gamma = 0), same request --" in out
+    assert "accepted per position" in out and "tokens/s" in out
+    assert "greedy output identical to the target alone" in out
+    assert re.search(r"tokens 8 \(prompt \d+\)", out)
