@@ -12,6 +12,8 @@ from scipy import stats
 from specserve.errors import InvalidArgument
 from specserve.rng import Purpose, uniform
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ALPHA = 0.001
 
 

@@ -25,6 +25,8 @@ from specserve.sampling import (
     sample_rows,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 VOCAB = 48
 
 TEMPERATURES = (0.0, 0.5, 1.0, 1.7)

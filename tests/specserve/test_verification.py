@@ -45,6 +45,8 @@ from specserve.verification import (
     verify_greedy,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 F64 = torch.float64
 N0 = 7  # sequence index of the first proposed token in the exact and statistical tests
 
@@ -351,20 +353,26 @@ Q_STAT = f64([[0.6, 0.1, 0.3], [0.1, 0.6, 0.3], [0.5, 0.2, 0.3]])
 
 def biased_verify_batch(target_probs, proposals, seeds, positions) -> list[VerifyOutcome]:
     """The wrong verifier DESIGN.md warns about: a rejected token is replaced by a plain sample of p_i
-    instead of the residual norm(max(0, p_i - q_i)). Acceptance and randomness are the real ones."""
+    instead of the residual norm(max(0, p_i - q_i)). Acceptance and randomness are the real ones.
+    (Proposals here all have probs and the same length.)"""
+    batch = len(proposals)
+    gamma = proposals[0].gamma
+    x = torch.tensor([proposal.token_ids for proposal in proposals])  # [batch, gamma]
+    q = torch.stack([proposal.probs for proposal in proposals])  # [batch, gamma, V]
+    rows, steps = torch.arange(batch)[:, None], torch.arange(gamma)[None, :]
+    ratios = acceptance_probs(target_probs[rows, steps, x], q[rows, steps, x]).tolist()  # [batch][gamma]
     stops = []
-    for b, proposal in enumerate(proposals):
-        stop = proposal.gamma
-        for i, x in enumerate(proposal.token_ids):
-            a = float(acceptance_probs(target_probs[b, i, x], proposal.probs[i, x]))
-            if not uniform(seeds[b], positions[b] + i, Purpose.ACCEPT) < a:
+    for b in range(batch):
+        stop = gamma
+        for i in range(gamma):
+            if not uniform(seeds[b], positions[b] + i, Purpose.ACCEPT) < ratios[b][i]:
                 stop = i
                 break
         stops.append(stop)
-    rows = target_probs[torch.arange(len(proposals)), torch.tensor(stops)]  # [batch, V]
-    us = [uniform(seeds[b], positions[b] + stops[b], Purpose.RESAMPLE) for b in range(len(proposals))]
-    tokens = sample_rows(rows, us)
-    return [VerifyOutcome(stops[b], tokens[b], stops[b] == proposals[b].gamma) for b in range(len(proposals))]
+    chosen = target_probs[torch.arange(batch), torch.tensor(stops)]  # [batch, V]
+    us = [uniform(seeds[b], positions[b] + stops[b], Purpose.RESAMPLE) for b in range(batch)]
+    tokens = sample_rows(chosen, us)
+    return [VerifyOutcome(stops[b], tokens[b], stops[b] == gamma) for b in range(batch)]
 
 
 def _simulate_round(verifier, contexts: list[int], seeds: list[int], position: int) -> list[tuple[int, ...]]:
