@@ -189,3 +189,57 @@ async def generate(
             else:
                 stats = reply.stats
         return Generated(chunks, stats)
+
+
+def tiny_vocab_pair(tmp_path_factory, *, vocab_size: int = 6, seed: int = 0) -> TinyPair:
+    """A target and a draft with a ``vocab_size``-token word-level vocabulary (``<|endoftext|>`` = 0),
+    small enough that every short continuation can be enumerated."""
+    key = ("tiny-vocab", vocab_size, seed)
+    if key in _PAIRS:
+        return _PAIRS[key]
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tiny_models.EOS: 0, **{chr(ord("a") + i): i + 1 for i in range(vocab_size - 1)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=tiny_models.EOS))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=tiny_models.EOS, bos_token=tiny_models.EOS, pad_token=tiny_models.EOS
+    )
+    root = tmp_path_factory.mktemp(f"tiny-vocab-{vocab_size}-{seed}")
+    dirs = []
+    for name, size, model_seed in (("target", "target", seed), ("draft", "draft", seed + 1)):
+        out = root / name
+        fast.save_pretrained(out)
+        tiny_models.make_tiny_model(out, arch="llama", vocab_size=vocab_size, seed=model_seed, size=size)
+        dirs.append(out)
+    _PAIRS[key] = TinyPair(dirs[0], dirs[1])
+    return _PAIRS[key]
+
+
+def exact_joint(
+    model_dir: Path, prompt: Sequence[int], params: Any, length: int
+) -> dict[tuple[int, ...], float]:
+    """P(first ``length`` generated tokens) under target-only sampling with ``params``
+    (``specserve.sampling.logits_to_probs``: the same processing), by enumeration; EOS is an ordinary token."""
+    import torch
+
+    from specserve.sampling import logits_to_probs
+
+    model = load_reference(model_dir)
+    joint: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        prefixes = [p for p, mass in joint.items() if mass > 0]
+        ids = torch.tensor([list(prompt) + list(p) for p in prefixes], dtype=torch.long)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[:, -1, :].float()  # [n_prefixes, vocab]
+        probs = logits_to_probs(
+            logits, params, [list(prompt) + list(p) for p in prefixes]
+        )  # [n_prefixes, vocab]
+        joint = {
+            (*p, t): joint[p] * float(probs[i, t])
+            for i, p in enumerate(prefixes)
+            for t in range(probs.shape[1])
+            if probs[i, t] > 0
+        }
+    return joint
