@@ -17,7 +17,7 @@ import structlog
 from specserve.config import TargetSettings
 from specserve.interceptors import RequestIdInterceptor
 from specserve.kvcache import SessionCacheStore
-from specserve.logs import configure_logging
+from specserve.logs import configure_logging, settings_secrets
 from specserve.models import LoadedModel, load_model, resolve_model_path
 from specserve.server import (
     Registration,
@@ -126,9 +126,7 @@ async def start_target(
 
 async def serve(settings: TargetSettings) -> None:
     """Run a target replica until SIGTERM / SIGINT, then shut it down gracefully."""
-    configure_logging(
-        settings.log_format, settings.log_level, secrets=[settings.redis_url.get_secret_value()]
-    )
+    configure_logging(settings.log_format, settings.log_level, secrets=settings_secrets(settings))
     app = await start_target(settings)
     start_metrics_server(settings.metrics_port, settings.host)
     try:

@@ -53,6 +53,7 @@ so caches never see a half-done round.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -139,9 +140,12 @@ class Verifier:
         async with self._lock:
             self.caches.release(session_id)
             self._update_cache_gauges()
+        log.info("session_released", session_id=session_id, reason="request")
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        # The caller's contextvars (request_id bound by the interceptor) go along, for the logs.
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, ctx.run, fn, *args)
 
     async def _verify(self, batch: VerifyBatch) -> BatchResult:
         start = time.perf_counter_ns()
@@ -171,6 +175,14 @@ class Verifier:
         metrics.TARGET_FORWARD_SECONDS.observe(forward_ns / 1e9)
         done = tuple(r for r in results if r is not None)
         assert len(done) == len(batch.items)
+        for r in done:
+            log.debug(
+                "verified",
+                session_id=r.session_id,
+                version=r.verdict.new_version if r.verdict else None,
+                committed=len(r.verdict.committed_token_ids) if r.verdict else 0,
+                error=type(r.error).__name__ if r.error else None,
+            )
         return BatchResult(
             results=done,
             verify_ns=time.perf_counter_ns() - start,
