@@ -11,6 +11,10 @@ sessions under load without any waiting when the replica is idle and alone.
 A failure of the whole call (replica down, deadline) is set on every future of
 that batch; per-item errors (stale version, finished session) arrive as
 :class:`~coordinator.workers.ItemResult` with ``error`` set.
+
+The call carries the request ids of its items (comma-separated ``x-request-id``),
+so each request id appears in the target's logs; the items waiting for a batch
+are exported as ``specserve_target_verify_queue_depth{target=...}``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 import structlog
 
 from coordinator.workers import ItemResult, TargetClient, VerifyReply
+from specserve import metrics
+from specserve.interceptors import current_request_id
 from specserve.v1 import target_pb2
 
 log = structlog.get_logger(__name__)
@@ -46,6 +52,7 @@ class _Pending:
     item: target_pb2.VerifyItem
     future: asyncio.Future[BatchedResult]
     submitted_ns: int
+    request_id: str | None = None
 
 
 class VerifyBatcher:
@@ -80,6 +87,7 @@ class VerifyBatcher:
         #: Items sent and calls made, for the load estimate and tests.
         self.items_sent = 0
         self.calls_made = 0
+        self._depth = metrics.VERIFY_QUEUE_DEPTH.labels(target=client.endpoint)
 
     @property
     def queued(self) -> int:
@@ -94,7 +102,8 @@ class VerifyBatcher:
         if self._closed:
             raise RuntimeError("the batcher is closed")
         future: asyncio.Future[BatchedResult] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(item, future, time.perf_counter_ns()))
+        self._queue.append(_Pending(item, future, time.perf_counter_ns(), current_request_id()))
+        self._depth.set(len(self._queue))
         self._wakeup.set()
         return await future
 
@@ -107,6 +116,7 @@ class VerifyBatcher:
                 if len(self._queue) < self.max_batch_size and self.max_wait_s > 0:
                     await self._wait_for_more()
                 batch, self._queue = self._queue[: self.max_batch_size], self._queue[self.max_batch_size :]
+                self._depth.set(len(self._queue))
                 batch = [p for p in batch if not p.future.done()]  # cancelled while queued
                 if not batch:
                     self._slots.release()
@@ -127,6 +137,9 @@ class VerifyBatcher:
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
 
     async def _call(self, batch: list[_Pending]) -> None:
+        # This task's own context: the Verify call carries the request ids of its items.
+        ids = dict.fromkeys(p.request_id for p in batch if p.request_id)
+        structlog.contextvars.bind_contextvars(request_id=",".join(ids) or None)
         sent_ns = time.perf_counter_ns()
         try:
             reply: VerifyReply = await self.client.verify([p.item for p in batch])
@@ -179,3 +192,4 @@ class VerifyBatcher:
             if not p.future.done():
                 p.future.set_exception(RuntimeError("the coordinator is shutting down"))
         self._queue.clear()
+        self._depth.set(0)

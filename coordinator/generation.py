@@ -37,6 +37,8 @@ log = structlog.get_logger(__name__)
 
 #: How long a session's owner lease lasts; renewed every third of it while rounds run.
 LEASE_TTL_S = 30.0
+#: The retry hint sent with RESOURCE_EXHAUSTED when a session limit is reached.
+SESSION_LIMIT_RETRY_AFTER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class Coordinator:
         )
         self._cleanups: set[asyncio.Task] = set()
         self._active = 0
+        self._per_client: dict[str, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -107,13 +110,31 @@ class Coordinator:
         gamma = request.speculation.gamma
         return self.adaptive if gamma is None else FixedGamma(gamma)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk | Finished]:
-        """Run one session to its end, yielding chunks then the statistics."""
+    def _admit(self, client: str | None) -> None:
+        """Refuse a session over the total or the per-client limit (RESOURCE_EXHAUSTED with a retry hint)."""
         if self._active >= self.settings.max_sessions:
+            metrics.REQUESTS.labels(status="resource_exhausted").inc()
             raise errors.ResourceExhausted(
                 f"the coordinator is running its maximum of {self.settings.max_sessions} sessions; retry shortly",
-                retry_after_s=1.0,
+                retry_after_s=SESSION_LIMIT_RETRY_AFTER_S,
             )
+        limit = self.settings.max_sessions_per_client
+        if client is not None and self._per_client.get(client, 0) >= limit:
+            metrics.REQUESTS.labels(status="resource_exhausted").inc()
+            raise errors.ResourceExhausted(
+                f"this client already runs its maximum of {limit} concurrent sessions; "
+                "wait for one to finish and retry",
+                retry_after_s=SESSION_LIMIT_RETRY_AFTER_S,
+            )
+
+    async def generate(
+        self, request: GenerationRequest, *, client: str | None = None
+    ) -> AsyncIterator[Chunk | Finished]:
+        """Run one session to its end, yielding chunks then the statistics.
+
+        ``client`` identifies the caller for ``max_sessions_per_client`` (None: not limited per client).
+        """
+        self._admit(client)
         session = Session(
             uuid.uuid4().hex,
             request.prompt_token_ids,
@@ -123,6 +144,8 @@ class Coordinator:
         )
         sid = session.session_id
         self._active += 1
+        if client is not None:
+            self._per_client[client] = self._per_client.get(client, 0) + 1
         self._idle.clear()
         self.pool.active_sessions += 1
         metrics.ACTIVE_SESSIONS.inc()
@@ -136,6 +159,7 @@ class Coordinator:
             await self.store.create(sid, request.prompt_token_ids, request.sampling, request.stop)
             await self.store.acquire_lease(sid, self.owner, LEASE_TTL_S)
             lease_renewed = time.monotonic()
+            last_emit: float | None = None
             bound.info(
                 "session_started",
                 prompt_tokens=session.prompt_len,
@@ -147,6 +171,7 @@ class Coordinator:
             while not session.finished:
                 new = await loop.step()
                 if new:
+                    last_emit = _observe_inter_token(last_emit, len(new))
                     text = detok.push(new)
                     if session.finished:
                         text += detok.finish()
@@ -182,6 +207,10 @@ class Coordinator:
         finally:
             loop.detach()
             self._active -= 1
+            if client is not None:
+                self._per_client[client] -= 1
+                if not self._per_client[client]:
+                    del self._per_client[client]
             if self._active == 0:
                 self._idle.set()
             self.pool.active_sessions -= 1
@@ -213,3 +242,16 @@ class Coordinator:
         await self.drain()
         await self.pool.close()
         await self.store.close()
+
+
+def _observe_inter_token(last_emit: float | None, n: int) -> float:
+    """Observe the time since the last emitted tokens spread over the ``n`` new ones; returns now.
+
+    The first tokens of a session are time to first token, not an inter-token gap.
+    """
+    now = time.monotonic()
+    if last_emit is not None:
+        gap = (now - last_emit) / n
+        for _ in range(n):
+            metrics.INTER_TOKEN_LATENCY.observe(gap)
+    return now

@@ -79,6 +79,7 @@ class RoundLoop:
         self._drafts_used: set[str] = set()
         self._targets_used: set[str] = set()
         self._fruitless = 0
+        self._network_ns = 0  # this round's Propose call time minus the draft's own account
         self._log = log.bind(session_id=session.session_id)
 
     # ---- plumbing ----------------------------------------------------------------------
@@ -104,6 +105,7 @@ class RoundLoop:
         self.pool.assign(s.session_id, self.pool.targets.choose(s.session_id))
         gamma = self.choose_gamma()
         proposal = common_pb2.Proposal()
+        self._network_ns = 0
         if gamma > 0:
             drafted = await self._propose(gamma)
             if drafted is not None:
@@ -114,6 +116,7 @@ class RoundLoop:
         result = batched.item
         s.stats.verify_ns += batched.call_ns
         s.stats.queue_ns += batched.queue_ns
+        _observe_stages(batched, self._network_ns)
         if result.verdict is not None:
             verdict = result.verdict
             new = s.apply_verdict(verdict)
@@ -164,7 +167,8 @@ class RoundLoop:
         cm = self.pool.cost_model
         cm.observe_draft(tokens=n, ns=reply.draft_ns, prefill_tokens=reply.prefill_tokens)
         cm.observe_rtt(ns=wall - reply.draft_ns, tokens=len(reply.proposal.distributions))
-        metrics.STAGE_SECONDS.labels(stage="draft").observe(wall / 1e9)
+        metrics.STAGE_SECONDS.labels(stage="draft").observe(reply.draft_ns / 1e9)
+        self._network_ns = max(0, wall - reply.draft_ns)
         if n > gamma:
             self._log.error("draft_overproposed", asked=gamma, got=n)
             return None
@@ -259,6 +263,14 @@ class RoundLoop:
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             self._log.info("release_incomplete", errors=[type(e).__name__ for e in failed])
+
+
+def _observe_stages(batched: BatchedResult, propose_network_ns: int) -> None:
+    """Per-round stage times: queue (waiting for a batch), verify (the target's account), network (the rest)."""
+    metrics.STAGE_SECONDS.labels(stage="queue").observe(batched.queue_ns / 1e9)
+    metrics.STAGE_SECONDS.labels(stage="verify").observe(batched.verify_ns / 1e9)
+    network_ns = propose_network_ns + max(0, batched.call_ns - batched.verify_ns)
+    metrics.STAGE_SECONDS.labels(stage="network").observe(network_ns / 1e9)
 
 
 def _count_round(proposed: int, accepted: int, committed: int) -> None:

@@ -25,7 +25,7 @@ from coordinator.workers import WorkerInfo
 from specserve import errors
 from specserve.config import CoordinatorSettings
 from specserve.interceptors import BearerTokenInterceptor
-from specserve.logs import configure_logging
+from specserve.logs import configure_logging, settings_secrets
 from specserve.models import check_same_vocabulary, resolve_model_path
 from specserve.server import (
     Registration,
@@ -153,8 +153,7 @@ async def start_coordinator(
 
 async def serve(settings: CoordinatorSettings) -> None:
     """Run a coordinator until SIGTERM / SIGINT, then shut it down gracefully."""
-    secrets = [settings.redis_url.get_secret_value(), *(t.get_secret_value() for t in settings.auth_tokens)]
-    configure_logging(settings.log_format, settings.log_level, secrets=secrets)
+    configure_logging(settings.log_format, settings.log_level, secrets=settings_secrets(settings))
     app = await start_coordinator(settings)
     start_metrics_server(settings.metrics_port, settings.host)
     try:

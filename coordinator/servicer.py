@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from coordinator.generation import Coordinator
+from specserve.interceptors import client_identity
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -25,5 +26,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         generation = self.coordinator.parse(request)
-        async for event in self.coordinator.generate(generation):
+        client = client_identity(context, by_token=bool(self.coordinator.settings.auth_tokens))
+        async for event in self.coordinator.generate(generation, client=client):
             yield event.to_pb()

@@ -20,7 +20,7 @@ from draft_service.proposers import ModelProposer, NgramProposer
 from draft_service.servicer import DraftServicer
 from specserve.config import DraftSettings
 from specserve.kvcache import SessionCacheStore
-from specserve.logs import configure_logging
+from specserve.logs import configure_logging, settings_secrets
 from specserve.models import LoadedModel, load_model, resolve_model_path
 from specserve.server import (
     Registration,
@@ -105,7 +105,7 @@ async def start_draft(settings: DraftSettings, *, model: LoadedModel | None = No
 
 async def serve(settings: DraftSettings) -> None:
     """Run a draft replica until SIGTERM / SIGINT, then shut it down gracefully."""
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.log_format, settings.log_level, secrets=settings_secrets(settings))
     app = await start_draft(settings)
     start_metrics_server(settings.metrics_port, settings.host)
     try:

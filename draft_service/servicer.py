@@ -9,6 +9,7 @@ converts back. Domain errors propagate to :class:`specserve.server.ErrorIntercep
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -34,7 +35,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        # The caller's contextvars (request_id bound by the interceptor) go along, for the logs.
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, ctx.run, fn, *args)
 
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext

@@ -143,10 +143,13 @@ def _resolve_models(args: argparse.Namespace) -> tuple[str, str]:
 
 @contextlib.asynccontextmanager
 async def _local_stack(args: argparse.Namespace, redis_url: str, port: int):
+    from urllib.parse import urlsplit
+
     from specserve.local import start_local_stack
     from specserve.logs import configure_logging
 
-    configure_logging("console", args.log_level)
+    password = urlsplit(redis_url).password
+    configure_logging("console", args.log_level, secrets=[password] if password else [])
     target, draft = _resolve_models(args)
     try:
         stack = await start_local_stack(
@@ -178,6 +181,11 @@ async def _up(args: argparse.Namespace, redis_url: str) -> None:
     stop = _stop_event()
     async with _local_stack(args, redis_url, args.port) as stack:
         print(f"specserve is serving on {stack.address} (coordinator, draft and target in this process)")
+        if args.metrics_port is not None:
+            from specserve.server import start_metrics_server
+
+            bound = start_metrics_server(args.metrics_port, args.host)
+            print(f"metrics: http://{args.host}:{bound}/metrics (all three roles)")
         print(f"redis: {_redis_note(args, redis_url)}")
         print(f"try: specserve generate 'def fibonacci(n):' --addr {stack.address} --temperature 0")
         print("stop with Ctrl-C", flush=True)
@@ -256,11 +264,9 @@ def _role_parser(role: str, settings_cls: Any) -> argparse.ArgumentParser:
 
 
 def _secrets(settings: Any) -> list[str]:
-    from urllib.parse import urlsplit
+    from specserve.logs import settings_secrets
 
-    found = [t.get_secret_value() for t in getattr(settings, "auth_tokens", ())]
-    password = urlsplit(settings.redis_url.get_secret_value()).password
-    return [*found, *([password] if password else [])]
+    return settings_secrets(settings)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -342,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run coordinator, draft and target in one process until Ctrl-C")
     up.add_argument("--port", type=int, default=50051, help="client port (0 picks a free one)")
+    up.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one)")
     _add_stack_flags(up)
     up.set_defaults(func=cmd_up)
 

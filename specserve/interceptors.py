@@ -70,6 +70,18 @@ def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     return None
 
 
+def client_identity(context: grpc.aio.ServicerContext, *, by_token: bool) -> str:
+    """Who is calling, for per-client limits: ``token:<fingerprint>`` when ``by_token`` (auth is on)
+    and the call carries a bearer token, else ``peer:<address without port>``."""
+    if by_token:
+        token = bearer_token(context.invocation_metadata())
+        if token:
+            return f"token:{token_fingerprint(token)}"
+    peer = context.peer() or "unknown"
+    host = peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
+    return f"peer:{host}"
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Admits calls carrying one of ``tokens`` as ``authorization: Bearer <token>``."""
 

@@ -3,7 +3,9 @@
 ``configure_logging`` is called once by each server's entry point (never at
 import time). Library modules only do ``log = structlog.get_logger(__name__)``
 and log key-value events with ``session_id``. Values listed as secrets (bearer
-tokens, Redis passwords) are replaced by ``***`` wherever they appear in an event.
+tokens, Redis passwords) are replaced by ``***`` wherever they appear in an event;
+:func:`settings_secrets` lists them for a role's settings, and every entry point
+passes that list to :func:`configure_logging`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,20 @@ from collections.abc import Iterable
 from typing import Any
 
 import structlog
+
+
+def settings_secrets(settings: Any) -> list[str]:
+    """The secrets in a role's settings: its bearer tokens and the Redis URL's password."""
+    from urllib.parse import unquote, urlsplit
+
+    found = [t.get_secret_value() for t in getattr(settings, "auth_tokens", ())]
+    redis_url = getattr(settings, "redis_url", None)
+    if redis_url is not None:
+        url = redis_url.get_secret_value() if hasattr(redis_url, "get_secret_value") else str(redis_url)
+        password = urlsplit(url).password
+        if password:
+            found += [password] if unquote(password) == password else [password, unquote(password)]
+    return found
 
 
 def _redactor(secrets: Iterable[str]):
