@@ -1,0 +1,102 @@
+"""The Verify batcher against a real target server: many sessions' items share calls, each
+future gets its own session's result, and a failed call fails every item of its batch."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import pytest_asyncio
+import system_fixtures as sf
+
+from coordinator.batcher import VerifyBatcher
+from coordinator.workers import TargetClient
+from specserve import errors
+from specserve.config import CoordinatorSettings
+from specserve.params import SamplingParams, SessionBase, StopConditions
+from specserve.store import SessionStore
+from specserve.v1 import common_pb2, target_pb2
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SETTINGS = CoordinatorSettings(target_endpoints=["x:1"], rpc_timeout_s=10)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return sf.tiny_pair(tmp_path_factory)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(pair, redis_server):
+    async with sf.local_stack(pair, redis_server.url, with_draft=False) as s:
+        yield s
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def store(redis_server):
+    s = SessionStore.from_url(redis_server.url)
+    yield s
+    await s.close()
+
+
+async def _sessions(store, n):
+    ids = [f"batch-{uuid.uuid4().hex}" for _ in range(n)]
+    for i, sid in enumerate(ids):
+        await store.create(
+            sid, (5, 6, 7 + i), SamplingParams(temperature=0.0), StopConditions(max_new_tokens=4)
+        )
+    return ids
+
+
+def _item(sid):
+    return target_pb2.VerifyItem(base=SessionBase(sid, 3, 0).to_pb(), proposal=common_pb2.Proposal())
+
+
+async def test_items_of_many_sessions_share_calls_and_get_their_own_results(stack, store):
+    client = TargetClient(f"127.0.0.1:{stack.target_ports[0]}", SETTINGS)
+    calls = []
+    batcher = VerifyBatcher(
+        client, max_batch_size=4, max_wait_s=0.05, on_call=lambda **kw: calls.append(kw), expected=lambda: 10
+    )
+    try:
+        ids = await _sessions(store, 10)
+        results = await asyncio.gather(*(batcher.submit(_item(sid)) for sid in ids))
+        assert [r.item.session_id for r in results] == ids
+        assert all(r.item.verdict is not None and r.item.verdict.new_version == 1 for r in results)
+        assert batcher.items_sent == 10 and batcher.calls_made == len(calls) == 3  # 4 + 4 + 2
+        assert [c["batch_size"] for c in calls] == [4, 4, 2]
+        assert all(r.batch_size in (2, 4) and r.queue_ns >= 0 for r in results)
+        for sid in ids:
+            assert (await store.load(sid)).version == 1
+    finally:
+        await batcher.close()
+        await client.close()
+
+
+async def test_a_lone_session_does_not_wait(stack, store):
+    """With nobody else expected, the batch goes at once even with a long max wait."""
+    client = TargetClient(f"127.0.0.1:{stack.target_ports[0]}", SETTINGS)
+    batcher = VerifyBatcher(client, max_batch_size=8, max_wait_s=30.0, expected=lambda: 0)
+    try:
+        (sid,) = await _sessions(store, 1)
+        result = await asyncio.wait_for(batcher.submit(_item(sid)), timeout=20)
+        assert result.batch_size == 1
+    finally:
+        await batcher.close()
+        await client.close()
+
+
+async def test_a_failed_call_fails_every_item_of_its_batch(stack, store):
+    client = TargetClient("127.0.0.1:1", SETTINGS)  # nothing listens there
+    batcher = VerifyBatcher(client, max_batch_size=8, max_wait_s=0.01, expected=lambda: 3)
+    try:
+        ids = await _sessions(store, 3)
+        results = await asyncio.gather(*(batcher.submit(_item(sid)) for sid in ids), return_exceptions=True)
+        assert all(isinstance(r, errors.Unavailable) for r in results)
+        for sid in ids:
+            assert (await store.load(sid)).version == 0
+    finally:
+        await batcher.close()
+        await client.close()
