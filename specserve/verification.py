@@ -198,7 +198,7 @@ def verify_batch(
         flat_b += [b] * gammas[b]
         flat_i += range(gammas[b])
         flat_x += proposal.token_ids
-        if proposal.probs is None:
+        if proposal.probs is None or gammas[b] == 0:
             flat_q += [-1] * gammas[b]
         else:
             flat_q += range(q_rows, q_rows + gammas[b])
@@ -212,12 +212,12 @@ def verify_batch(
 
     ratios: list[float] = []
     if flat_x:
-        x = torch.tensor(flat_x, dtype=torch.int64, device=device)  # [tokens]
-        p_x = p[torch.tensor(flat_b, device=device), torch.tensor(flat_i, device=device), x]  # [tokens]
+        x = _index(flat_x, device)  # [tokens]
+        p_x = p[_index(flat_b, device), _index(flat_i, device), x]  # [tokens]
         q_x = torch.ones_like(p_x)  # [tokens]
         if q_all is not None:
-            has_q = torch.tensor([k for k, r in enumerate(flat_q) if r >= 0], device=device)
-            q_x[has_q] = q_all[torch.tensor([r for r in flat_q if r >= 0], device=device), x[has_q]]
+            has_q = _index([k for k, r in enumerate(flat_q) if r >= 0], device)
+            q_x[has_q] = q_all[_index([r for r in flat_q if r >= 0], device), x[has_q]]
             zero = torch.nonzero(q_x <= 0).reshape(-1)
             if zero.numel():
                 k = int(zero[0])
@@ -240,31 +240,28 @@ def verify_batch(
     if rejected:
         flat = [offsets[b] + stops[b] for b in rejected]  # the rejected tokens
         index = torch.arange(len(rejected), device=device)  # [rejected]
-        p_rej = p[
-            torch.tensor(rejected, device=device), torch.tensor([stops[b] for b in rejected], device=device)
-        ]
+        p_rej = p[_index(rejected, device), _index([stops[b] for b in rejected], device)]  # [rejected, vocab]
         q_rej = torch.zeros_like(p_rej)  # [rejected, vocab]
-        q_rej[index, torch.tensor([flat_x[k] for k in flat], device=device)] = 1.0  # point masses
+        q_rej[index, _index([flat_x[k] for k in flat], device)] = 1.0  # point masses
         with_q = [j for j, k in enumerate(flat) if flat_q[k] >= 0]
         if with_q and q_all is not None:
-            q_rej[torch.tensor(with_q, device=device)] = q_all[
-                torch.tensor([flat_q[flat[j]] for j in with_q], device=device)
-            ]
+            q_rej[_index(with_q, device)] = q_all[_index([flat_q[flat[j]] for j in with_q], device)]
         residual = residual_distribution(p_rej, q_rej)  # [rejected, vocab]
         us = [uniform(int(seeds[b]), int(positions[b]) + stops[b], Purpose.RESAMPLE) for b in rejected]
         next_token.update(zip(rejected, sample_rows(residual, us), strict=True))
     completed = [b for b in range(batch) if stops[b] == gammas[b]]
     if completed:
-        p_bonus = p[
-            torch.tensor(completed, device=device),
-            torch.tensor([gammas[b] for b in completed], device=device),
-        ]  # [completed, vocab]
+        p_bonus = p[_index(completed, device), _index([gammas[b] for b in completed], device)]
         us = [uniform(int(seeds[b]), int(positions[b]) + gammas[b], Purpose.RESAMPLE) for b in completed]
         next_token.update(zip(completed, sample_rows(p_bonus, us), strict=True))
     return [
         VerifyOutcome(accepted=stops[b], next_token=next_token[b], bonus=stops[b] == gammas[b])
         for b in range(batch)
     ]
+
+
+def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)  # [len(values)]
 
 
 def _require_distributions(probs: torch.Tensor, used: torch.Tensor | None, what: str) -> None:

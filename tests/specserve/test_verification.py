@@ -573,6 +573,28 @@ def test_same_seed_same_tokens_whatever_the_batch():
     assert mixed[7:] == reference
 
 
+def test_mixed_proposal_kinds_in_one_batch():
+    """Dense q, point masses, and empty proposals (with probs None or an empty [0, vocab] tensor) side by
+    side: each row's outcome is the one it gets alone."""
+    generator = torch.Generator().manual_seed(9)
+    vocab = 20
+    target = torch.softmax(torch.randn(5, 4, vocab, generator=generator, dtype=F64), -1)
+    q = torch.softmax(torch.randn(3, vocab, generator=generator, dtype=F64), -1)
+    proposals = [
+        DraftProposal((), torch.zeros(0, vocab, dtype=F64)),
+        DraftProposal((4, 5, 6), None),
+        DraftProposal((int(q[0].argmax()), int(q[1].argmax()), int(q[2].argmax())), q),
+        DraftProposal((), None),
+        DraftProposal((1,), None),
+    ]
+    seeds, positions = [3, 1, 4, 1, 5], [0, 10, 20, 30, 40]
+    together = verify_batch(target, proposals, seeds, positions)
+    for b, proposal in enumerate(proposals):
+        alone = verify_batch(target[b : b + 1], [proposal], [seeds[b]], [positions[b]])
+        assert alone == [together[b]]
+    assert together[0].bonus and together[0].accepted == 0 and together[3].bonus
+
+
 def test_the_seed_matters():
     target, proposals, seeds, positions = _random_batch(0)
     reference = verify_batch(target, proposals, seeds, positions)
