@@ -44,10 +44,13 @@ class RowInput:
     past: LayerKV | None  # per layer [1, heads, past_len, head_dim]; None when past_len == 0
     past_len: int
     input_ids: tuple[int, ...]  # tokens to feed, at positions past_len, past_len + 1, ...
+    logits_needed: int | None = None  # logits wanted for the last this-many inputs; None: all
 
     def __post_init__(self) -> None:
         if not self.input_ids:
             raise ValueError("a row must feed at least one token")
+        if self.logits_needed is not None and not 1 <= self.logits_needed <= len(self.input_ids):
+            raise ValueError(f"logits_needed must be in [1, {len(self.input_ids)}], got {self.logits_needed}")
         if (self.past is None) != (self.past_len == 0):
             raise ValueError("past must be given exactly when past_len > 0")
 
@@ -62,6 +65,8 @@ class PackedBatch:
     cache: DynamicCache | None  # per layer [batch, heads, L, head_dim]; None when L == 0
     past_width: int  # L
     input_lens: tuple[int, ...]  # t_b, real inputs per row
+    logits_needed: tuple[int, ...]  # k_b: logits kept for row b's last k_b real inputs
+    logits_from: int  # first input column whose logits the pass computes (min over rows of t_b - k_b)
 
     @property
     def positions_processed(self) -> int:
@@ -86,6 +91,7 @@ def pack(rows: Sequence[RowInput], *, config, device: torch.device | str) -> Pac
         # Padded queries repeat the last real position; their outputs are discarded.
         position_ids[b] = torch.arange(row.past_len, row.past_len + longest).clamp(max=row.past_len + t - 1)
     cache = _padded_cache(rows, width, config) if width > 0 else None
+    needed = tuple(r.logits_needed or len(r.input_ids) for r in rows)
     return PackedBatch(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
@@ -93,6 +99,8 @@ def pack(rows: Sequence[RowInput], *, config, device: torch.device | str) -> Pac
         cache=cache,
         past_width=width,
         input_lens=tuple(len(r.input_ids) for r in rows),
+        logits_needed=needed,
+        logits_from=min(len(r.input_ids) - k for r, k in zip(rows, needed, strict=True)),
     )
 
 
@@ -113,7 +121,8 @@ def _padded_cache(rows: Sequence[RowInput], width: int, config) -> DynamicCache:
 
 
 def forward(model, packed: PackedBatch) -> tuple[Tensor, DynamicCache]:
-    """Run ``model`` once over ``packed``; returns logits ``[batch, T, vocab]`` (float32) and the grown cache."""
+    """Run ``model`` once over ``packed``; returns logits ``[batch, T - logits_from, vocab]`` (float32) and the
+    grown cache. Only the columns some row needs get logits (a long catch-up row costs no vocab-wide rows)."""
     cache = packed.cache if packed.cache is not None else DynamicCache(config=model.config)
     with torch.no_grad():
         out = model(
@@ -122,13 +131,15 @@ def forward(model, packed: PackedBatch) -> tuple[Tensor, DynamicCache]:
             position_ids=packed.position_ids,
             cache=cache,
             use_cache=True,
+            logits_to_keep=packed.input_ids.shape[1] - packed.logits_from,
         )
     return out.logits.float(), cache
 
 
 def row_logits(logits: Tensor, packed: PackedBatch, b: int) -> Tensor:
-    """Row ``b``'s logits at its real inputs: ``[t_b, vocab]`` from ``[batch, T, vocab]``."""
-    return logits[b, : packed.input_lens[b]]
+    """Row ``b``'s logits at its last ``k_b`` real inputs: ``[k_b, vocab]`` from :func:`forward`'s logits."""
+    stop = packed.input_lens[b] - packed.logits_from
+    return logits[b, stop - packed.logits_needed[b] : stop]
 
 
 def new_kv(cache: DynamicCache, packed: PackedBatch, b: int) -> LayerKV:

@@ -32,9 +32,10 @@ One call (:meth:`Verifier.verify`) for a :class:`~target_service.messages.Verify
    crop the rest; ``C[-1]`` is the *pending token*), then feed every
    session's missing committed tokens, pending token and proposal in **one**
    padded forward pass (:mod:`target_service.batching`). A session missing
-   more than ``inline_catchup_max`` committed tokens (a cold start in a batch
-   of several) is prefilled first by its own pass, so one long prompt does not
-   pad every row. A batch of one session runs on its own cache, unpadded.
+   more than ``inline_catchup_max`` committed tokens (a cold start, a long
+   prompt) is prefilled first by its own pass (``SessionCache.reconcile``),
+   so one long prompt does not pad every row. A batch of one session runs on
+   its own cache, unpadded.
 3. Process the logits at every position exactly as target-only decoding would
    (:func:`specserve.sampling.logits_to_probs`) and decide with
    :func:`specserve.verification.verify_batch` (sampled sessions, randomness
@@ -255,7 +256,7 @@ class Verifier:
             cache, _created = self.caches.get_or_create(w.item.session_id)
             committed = w.record.token_ids
             keep = min(common_prefix_len(cache.tokens, committed), w.n - 1)
-            if len(work) > 1 and w.n - 1 - keep > self.inline_catchup_max:
+            if w.n - 1 - keep > self.inline_catchup_max:
                 t0 = time.perf_counter_ns()
                 reconciled = cache.reconcile(committed, pending=True)  # a separate prefill pass
                 forward_ns += time.perf_counter_ns() - t0
@@ -276,13 +277,20 @@ class Verifier:
             for w in work:
                 assert w.cache is not None
                 past = tuple(w.cache.layer_kv())
-                rows.append(batching.RowInput(past=past or None, past_len=w.cache.seq_len, input_ids=w.feed))
+                rows.append(
+                    batching.RowInput(
+                        past=past or None,
+                        past_len=w.cache.seq_len,
+                        input_ids=w.feed,
+                        logits_needed=w.item.gamma + 1,
+                    )
+                )
             packed = batching.pack(rows, config=self.model.model.config, device=self.model.device)
             logits, grown = batching.forward(self.model.model, packed)
             for b, w in enumerate(work):
                 assert w.cache is not None
                 w.cache.append_kv(batching.new_kv(grown, packed, b), w.feed)
-                w.logits = batching.row_logits(logits, packed, b)[-(w.item.gamma + 1) :]
+                w.logits = batching.row_logits(logits, packed, b)  # [gamma + 1, vocab]
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
         forward_ns += time.perf_counter_ns() - t0
