@@ -6,6 +6,7 @@
     specserve up [--port 50051]         # coordinator + draft + target in one process, until Ctrl-C
     specserve serve {draft,target,coordinator} [--FIELD VALUE ...]   # one role (env SPECSERVE_<FIELD>)
     specserve generate PROMPT --addr HOST:PORT [--temperature 0 ...]  # stream from a running coordinator
+    specserve bench [...]               # the benchmark harness (bench/harness.py)
 
 Imports are lazy: ``generate`` needs only grpcio and protobuf; ``up``, ``demo``
 and ``serve`` load the serving stack (torch, transformers, redis) when they run.
@@ -263,19 +264,13 @@ def _role_parser(role: str, settings_cls: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _secrets(settings: Any) -> list[str]:
-    from specserve.logs import settings_secrets
-
-    return settings_secrets(settings)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import importlib
 
     from pydantic import ValidationError
 
     from specserve import config
-    from specserve.logs import configure_logging
+    from specserve.logs import configure_logging, settings_secrets
 
     class_name, module_name = ROLES[args.role]
     settings_cls = getattr(config, class_name)
@@ -284,7 +279,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings = settings_cls(**{k: v for k, v in vars(options).items() if v is not None})
     except ValidationError as exc:
         raise CliError(f"invalid {args.role} settings:\n{exc}") from None
-    configure_logging(settings.log_format, settings.log_level, secrets=_secrets(settings))
+    configure_logging(settings.log_format, settings.log_level, secrets=settings_secrets(settings))
     module = importlib.import_module(module_name)
     asyncio.run(module.serve(settings))
     return 0
@@ -331,6 +326,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.harness import main as bench_main
+
+    return bench_main(args.options)
+
+
+def _bench_passthrough(argv: list[str]) -> bool:
+    # argparse cannot hand "--help" and leading flags to a REMAINDER, so bench is dispatched by hand.
+    return bool(argv) and argv[0] == "bench"
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -343,7 +349,13 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="specserve",
+        description="Distributed speculative decoding over gRPC. New here? Run `specserve demo`.",
+        epilog="examples:\n"
+        + "\n".join(line for line in __doc__.splitlines() if line.startswith("    specserve")),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = sub.add_parser("up", help="run coordinator, draft and target in one process until Ctrl-C")
@@ -377,6 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("options", nargs=argparse.REMAINDER, help="the role's flags")
     serve.set_defaults(func=cmd_serve)
 
+    bench = sub.add_parser(
+        "bench", help="benchmark speculative decoding against baselines (bench.harness)", add_help=False
+    )
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the harness's flags (see --help)")
+    bench.set_defaults(func=cmd_bench)
+
     gen = sub.add_parser("generate", help="stream a completion from a running coordinator")
     gen.add_argument("prompt", help="prompt text ('-' reads standard input)")
     gen.add_argument("--addr", default="127.0.0.1:50051", help="coordinator host:port")
@@ -409,7 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specserve`` command; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _bench_passthrough(argv):
+        args = argparse.Namespace(func=cmd_bench, options=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     from specserve.errors import SpecServeError
 
     try:
