@@ -118,6 +118,7 @@ class AcceptanceTracker:
             "fall": _DecayedCounts(decay),
             "rise": _DecayedCounts(decay),
         }  # rounds since each was 0
+        self._curve: list[float] | None = None  # expected_tokens(g) for g = 0.., cached until the next change
         self._prior_alpha = prior_alpha
         self._prior_weight = prior_weight
         self._shrinkage = position_shrinkage
@@ -146,10 +147,11 @@ class AcceptanceTracker:
         reached = min(proposed, accepted + 1)
         self.last_accepted = accepted
         alarm = False
+        estimates = [min(max(self.position_alpha(i), 0.02), 0.98) for i in range(1, reached + 1)]
+        self._curve = None
         for kind in ("fall", "rise"):
             total = self._cusum[kind]
-            for i in range(1, reached + 1):
-                a = min(max(self.position_alpha(i), 0.02), 0.98)
+            for i, a in enumerate(estimates, start=1):
                 alt = a / 2.0 if kind == "fall" else (1.0 + a) / 2.0
                 total += math.log(alt / a) if i <= accepted else math.log((1.0 - alt) / (1.0 - a))
             segment = self._segment[kind]
@@ -192,8 +194,12 @@ class AcceptanceTracker:
         """Expected committed tokens of a round with ``gamma`` proposals: ``1 + sum_k prod_{i<=k} a_i``."""
         if gamma < 0:
             raise ValueError("gamma must be >= 0")
-        total, survive = 1.0, 1.0
-        for k in range(1, gamma + 1):
-            survive *= self.position_alpha(k)
-            total += survive
-        return total
+        curve = self._curve
+        if curve is None or len(curve) <= gamma:
+            curve = [1.0]
+            survive = 1.0
+            for k in range(1, max(gamma, 8) + 1):
+                survive *= self.position_alpha(k)
+                curve.append(curve[-1] + survive)
+            self._curve = curve
+        return curve[gamma]

@@ -46,6 +46,7 @@ The module is pure Python: no torch, no gRPC, no logging.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -111,9 +112,10 @@ class DecayingLeastSquares:
 
     Minimises ``sum_i decay**(n - i) * (y_i - x_i . theta)**2 + sum_j w_j * (y_j - x_j . theta)**2``
     over ``theta >= 0``, where the second sum runs over constant prior rows
-    ``(x_j, y_j, w_j)`` that never decay. Solved exactly by an active-set loop
-    over the few coefficients (a coefficient that comes out negative is fixed at
-    0 and the rest re-solved). Pure Python; ``n_features`` is meant to be small.
+    ``(x_j, y_j, w_j)`` that never decay. The normal equations are solved in
+    closed form; a coefficient that comes out negative is fixed at 0 and the
+    rest re-solved (an active-set step, exact when at most one bound is active).
+    Pure Python, solved lazily when a coefficient is read; at most 3 features.
     """
 
     def __init__(
@@ -123,8 +125,8 @@ class DecayingLeastSquares:
         decay: float,
         prior_rows: Sequence[tuple[Sequence[float], float, float]] = (),
     ) -> None:
-        if n_features < 1:
-            raise ValueError("n_features must be >= 1")
+        if not 1 <= n_features <= 3:
+            raise ValueError("n_features must be 1, 2 or 3")
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self._n = n_features
@@ -173,7 +175,10 @@ class DecayingLeastSquares:
         return self._coef
 
     def predict(self, x: Sequence[float]) -> float:
-        return sum(c * v for c, v in zip(self.coef, x, strict=True))
+        coef = self.coef
+        if len(x) != len(coef):
+            raise ValueError(f"expected {len(coef)} features, got {len(x)}")
+        return math.fsum(map(operator.mul, coef, x))
 
     def _solve(self) -> tuple[float, ...]:
         n = self._n
@@ -199,25 +204,34 @@ class DecayingLeastSquares:
 
 
 def _solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when (numerically) singular."""
+    """Solves ``a x = b`` (``a`` symmetric positive semi-definite, n <= 3) by Cramer's rule.
+
+    Returns None when ``a`` is (numerically) singular.
+    """
     n = len(b)
-    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
-    scale = max((abs(v) for row in a for v in row), default=0.0)
+    scale = max(a[i][i] for i in range(n)) if n else 0.0  # bounds every |a_ij| of a PSD matrix
     if scale == 0.0:
         return None
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) <= 1e-12 * scale:
+    if n == 1:
+        return [b[0] / a[0][0]] if abs(a[0][0]) > 1e-12 * scale else None
+    if n == 2:
+        det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
+        if abs(det) <= 1e-12 * scale * scale:
             return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
-            for c in range(col, n + 1):
-                m[r][c] -= f * m[col][c]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
-    return x
+        return [(b[0] * a[1][1] - a[0][1] * b[1]) / det, (a[0][0] * b[1] - b[0] * a[1][0]) / det]
+    if n != 3:
+        raise ValueError("only up to 3 unknowns")
+    (p, q, r), (s_, t, u), (v, w, x) = a
+    c0, c1, c2 = t * x - u * w, u * v - s_ * x, s_ * w - t * v  # cofactors of the first row
+    det = p * c0 + q * c1 + r * c2
+    if abs(det) <= 1e-12 * scale**3:
+        return None
+    b0, b1, b2 = b
+    return [
+        (b0 * c0 + q * (u * b2 - b1 * x) + r * (b1 * w - t * b2)) / det,
+        (p * (b1 * x - u * b2) + b0 * c1 + r * (s_ * b2 - b1 * v)) / det,
+        (p * (t * b2 - b1 * w) + q * (b1 * v - s_ * b2) + b0 * c2) / det,
+    ]
 
 
 @dataclass(frozen=True)
@@ -345,9 +359,13 @@ class CostModel:
         """Predicted wall time of one round of one session; see the module docstring for the formula."""
         if gamma < 0 or batch_size < 1:
             raise ValueError("need gamma >= 0 and batch_size >= 1")
-        total = self.rtt_ns(gamma) + self.verify_ns(batch_size, batch_size * (gamma + 1))
+        d = self._draft.coef[0]
+        v0, vb, vp = self._verify.coef
+        r0, r1 = self._rtt.coef if self._rtt.n_observations else (0.0, 0.0)
+        rtt = r0 + r1 * gamma
+        total = rtt + v0 + vb * batch_size + vp * batch_size * (gamma + 1)
         if gamma > 0:
-            total += self.rtt_ns(gamma) + self.draft_ns(gamma)
+            total += rtt + d * gamma
         return total
 
     def target_step_ns(self, batch_size: int = 1) -> float:
