@@ -581,3 +581,20 @@ async def test_client_retries_until_the_coordinator_comes_up(pair, redis_server,
         result = await asyncio.wait_for(future, 60)
     assert len(result.token_ids) == 5
     assert len(slept) >= 1
+
+
+@module_loop
+async def test_the_module_docstring_examples_run(stack, capsys):
+    """The examples users copy from ``specserve.client`` work as written (address aside)."""
+    import textwrap
+
+    import specserve.client
+
+    blocks = [b.split("\n\n")[0] for b in specserve.client.__doc__.split("::\n\n")[1:3]]
+    sync_code, async_code = (textwrap.dedent(b).replace("127.0.0.1:50051", stack.address) for b in blocks)
+    await asyncio.to_thread(exec, sync_code, {})
+    namespace = {"AsyncClient": AsyncClient}
+    exec("async def example():\n" + textwrap.indent(async_code, "    "), namespace)
+    await namespace["example"]()
+    out = capsys.readouterr().out
+    assert out.strip()
