@@ -184,6 +184,22 @@ async def test_retried_verify_replays_the_recorded_verdict(target_app, stub, sto
     assert (await store.load(record.session_id)).version == 1
 
 
+async def test_health_serving_then_not_serving_after_stop(target_app):
+    """The server reports SERVING for the TargetService on the standard health service, NOT_SERVING once stopped."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from target_service.server import SERVICE_NAME
+
+    assert SERVICE_NAME == "specserve.v1.TargetService"
+    request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{target_app.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert (await health.Check(request)).status == health_pb2.HealthCheckResponse.SERVING
+        await target_app.running.stop(grace=0.5)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await health.Check(request, timeout=2)  # stopped: the server no longer answers
+
+
 async def test_info_release_and_rebuild(target_app, stub, store):
     """GetTargetInfo reports the model and limits; a released session is NOT_FOUND to release again and is
     rebuilt from Redis by the next Verify, which continues target-only greedy decoding."""
