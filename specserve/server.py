@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specserve.config import CommonSettings
-from specserve.errors import SpecServeError
+from specserve.errors import InvalidArgument, SpecServeError
 from specserve.interceptors import RequestIdInterceptor
 
 log = structlog.get_logger(__name__)
@@ -51,8 +51,27 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     await context.abort(code, f"internal error in {method}: {type(exc).__name__} (see server log)")
 
 
+def _parser(deserializer: Callable[[bytes], Any] | None, method: str) -> Callable[[Any], Any]:
+    """Parse the raw request body inside the handler, so that bytes which are not a valid
+    message become INVALID_ARGUMENT (grpc itself would answer UNKNOWN)."""
+
+    def parse(raw: Any) -> Any:
+        if deserializer is None:
+            return raw
+        try:
+            return deserializer(raw)
+        except Exception as exc:
+            raise InvalidArgument(f"the request body is not a valid message for {method}: {exc}") from exc
+
+    return parse
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps :class:`SpecServeError` to its status code; anything else is INTERNAL (a bug)."""
+    """Maps :class:`SpecServeError` to its status code; anything else is INTERNAL (a bug).
+
+    It also parses the request body itself (the handler it returns takes raw bytes), so
+    an undecodable body is INVALID_ARGUMENT rather than grpc's UNKNOWN.
+    """
 
     async def intercept_service(
         self,
@@ -63,35 +82,32 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
+        parse = _parser(handler.request_deserializer, method)
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    return await inner_uu(request, context)
+                    return await inner_uu(parse(request), context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as exc:
                     await _abort(context, exc, method)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
         if handler.unary_stream is not None:
             inner_us = handler.unary_stream
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
-                    async for reply in inner_us(request, context):
+                    async for reply in inner_us(parse(request), context):
                         yield reply
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as exc:
                     await _abort(context, exc, method)
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_stream_rpc_method_handler(unary_stream, None, handler.response_serializer)
         return handler
 
 
