@@ -1,0 +1,261 @@
+"""Helpers for the reliability tests: roles as real subprocesses, an event loop in a thread,
+streaming a Generate call while watching its progress, and the nothing-lost checks.
+
+* :func:`start_role` runs ``python -m specserve.cli serve ROLE --FLAG VALUE ...`` on a free
+  127.0.0.1 port (float32 on CPU, no warm-up); :meth:`RoleProcess.kill` is ``kill -9``;
+  :func:`wait_serving` polls the standard gRPC health service until every role answers
+  SERVING (or one exits, whose log tail is then shown).
+* :class:`LoopThread` runs an asyncio loop in a daemon thread, so that synchronous tests
+  (hypothesis cannot drive ``async def`` tests) can host real ``grpc.aio`` servers.
+* :class:`Stream` runs one Generate call and records every streamed token as it arrives,
+  its closing stats, and the status it ended with.
+* :func:`assert_stream_is_log` is the check of DESIGN.md invariant 4: what the client
+  received is exactly the committed log after the prompt, each token once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis_server import free_port
+
+from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+T = TypeVar("T")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+#: Statuses a server may answer to bad input. INTERNAL and UNKNOWN mean a bug escaped.
+CLEAN_CODES = frozenset(
+    {
+        grpc.StatusCode.OK,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
+
+
+# --------------------------------------------------------------------------- subprocess roles
+
+
+@dataclass
+class RoleProcess:
+    """One role running as its own process (``specserve serve ROLE``)."""
+
+    role: str
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """``kill -9``: no drain, no goodbye."""
+        if self.alive:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGTERM (graceful), then SIGKILL after a few seconds."""
+        if self.alive:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+
+def start_role(role: str, flags: Mapping[str, Any], *, log_dir: Path) -> RoleProcess:
+    """Start ``python -m specserve.cli serve ROLE`` on a free loopback port with ``flags``
+    (``{"redis_url": ..., "model": ...}``; True/False become ``--x`` / ``--no-x``)."""
+    port = free_port()
+    args = [sys.executable, "-m", "specserve.cli", "serve", role, "--host", "127.0.0.1", "--port", str(port)]
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is False:
+            args.append("--no-" + name.replace("_", "-"))
+        elif isinstance(value, (list, tuple)):
+            args += [flag, ",".join(str(v) for v in value)]
+        else:
+            args += [flag, str(value)]
+    log_path = log_dir / f"{role}-{port}.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+    return RoleProcess(role=role, port=port, proc=proc, log_path=log_path)
+
+
+def worker_flags(model_dir: Path, redis_url: str, **extra: Any) -> dict[str, Any]:
+    """Flags of a draft or target process: float32 on CPU (greedy identity), no warm-up."""
+    return {
+        "redis_url": redis_url,
+        "model": str(model_dir),
+        "device": "cpu",
+        "dtype": "float32",
+        "warmup": False,
+        "log_level": "warning",
+        **extra,
+    }
+
+
+def wait_serving(roles: list[RoleProcess], *, timeout_s: float) -> None:
+    """Block until every role's health service says SERVING; raise with its log if one dies."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(roles)
+    while pending:
+        for role in list(pending):
+            if not role.alive:
+                raise RuntimeError(f"{role.role} exited with {role.proc.returncode}:\n{role.log_tail()}")
+            with grpc.insecure_channel(role.address) as channel:
+                try:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                except grpc.RpcError:
+                    continue
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                pending.remove(role)
+        if pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{[r.role for r in pending]} not serving after {timeout_s} s:\n"
+                    + "\n".join(r.log_tail(1500) for r in pending)
+                )
+            time.sleep(0.25)
+
+
+# --------------------------------------------------------------------------- a loop in a thread
+
+
+class LoopThread:
+    """An asyncio event loop running in a daemon thread; :meth:`run` executes a coroutine there."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="reliability-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Awaitable[T], timeout_s: float | None = 120.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+# --------------------------------------------------------------------------- streams
+
+
+@dataclass
+class Stream:
+    """One Generate call: tokens as they arrive, the stats, and how it ended."""
+
+    request: coordinator_pb2.GenerateRequest
+    tokens: list[int] = field(default_factory=list)
+    stats: coordinator_pb2.GenerationStats | None = None
+    code: grpc.StatusCode | None = None  # None while running
+    details: str = ""
+    after_stats: int = 0  # messages received after the stats (must stay 0)
+
+    @property
+    def done(self) -> bool:
+        return self.code is not None
+
+    @property
+    def ok(self) -> bool:
+        return self.code == grpc.StatusCode.OK
+
+    @property
+    def session_id(self) -> str | None:
+        return self.stats.session_id if self.stats is not None else None
+
+    async def run(self, address: str, *, timeout_s: float = 120.0, metadata=None) -> Stream:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(
+                self.request, timeout=timeout_s, metadata=metadata
+            )
+            try:
+                async for reply in call:
+                    if self.stats is not None:
+                        self.after_stats += 1
+                    if reply.WhichOneof("event") == "chunk":
+                        self.tokens.extend(reply.chunk.token_ids)
+                    else:
+                        self.stats = reply.stats
+                self.code = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                self.code, self.details = exc.code(), exc.details() or ""
+            except asyncio.CancelledError:
+                self.code, self.details = grpc.StatusCode.CANCELLED, "cancelled by the test"
+                raise
+        return self
+
+
+async def wait_until(predicate: Callable[[], bool], *, timeout_s: float, what: str, poll_s: float = 0.005) -> None:
+    """Poll ``predicate`` until it holds; TimeoutError naming ``what`` otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(poll_s)
+
+
+async def assert_stream_is_log(store: Any, stream: Stream) -> tuple[int, ...]:
+    """The stream finished and carried exactly the committed log after the prompt; returns it."""
+    assert stream.ok, f"stream ended with {stream.code}: {stream.details}"
+    assert stream.stats is not None and stream.after_stats == 0
+    record = await store.load(stream.session_id)
+    generated = record.generated_token_ids
+    assert tuple(stream.tokens) == generated, (
+        f"session {stream.session_id}: streamed {len(stream.tokens)} tokens, the log holds {len(generated)}; "
+        f"first difference at {_first_difference(stream.tokens, generated)}"
+    )
+    assert stream.stats.completion_tokens == len(generated)
+    assert record.finished, f"session {stream.session_id} streamed its stats but its log is not finished"
+    return generated
+
+
+def _first_difference(a, b) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def rss_mib() -> float:
+    """Resident memory of this process in MiB (Linux /proc)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
