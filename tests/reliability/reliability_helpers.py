@@ -139,7 +139,9 @@ def wait_serving(roles: list[RoleProcess], *, timeout_s: float) -> None:
                 raise RuntimeError(f"{role.role} exited with {role.proc.returncode}:\n{role.log_tail()}")
             with grpc.insecure_channel(role.address) as channel:
                 try:
-                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    reply = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=1.0
+                    )
                 except grpc.RpcError:
                     continue
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -221,7 +223,9 @@ class Stream:
         return self
 
 
-async def wait_until(predicate: Callable[[], bool], *, timeout_s: float, what: str, poll_s: float = 0.005) -> None:
+async def wait_until(
+    predicate: Callable[[], bool], *, timeout_s: float, what: str, poll_s: float = 0.005
+) -> None:
     """Poll ``predicate`` until it holds; TimeoutError naming ``what`` otherwise."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -246,7 +250,7 @@ async def assert_stream_is_log(store: Any, stream: Stream) -> tuple[int, ...]:
 
 
 def _first_difference(a, b) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return min(len(a), len(b))

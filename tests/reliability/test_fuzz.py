@@ -50,7 +50,11 @@ FUZZ = settings(
     max_examples=50,
     deadline=None,
     database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
 )
 
 U32 = st.integers(0, 2**32 - 1)
@@ -102,14 +106,33 @@ def _dense_bytes(kind: str, seed: int, token: int) -> bytes:
 @st.composite
 def distribution(draw, token: int) -> common_pb2.DraftDistribution:
     kind = draw(
-        st.sampled_from(["good", "good", "nan", "negative", "unnormalised", "zero_at_token", "inf", "bytes", "sparse", "empty"])
+        st.sampled_from(
+            [
+                "good",
+                "good",
+                "nan",
+                "negative",
+                "unnormalised",
+                "zero_at_token",
+                "inf",
+                "bytes",
+                "sparse",
+                "empty",
+            ]
+        )
     )
     if kind == "bytes":  # wrong length, or random content of the right length
         raw = draw(st.one_of(st.binary(max_size=64), st.binary(min_size=4 * VOCAB, max_size=4 * VOCAB)))
         return common_pb2.DraftDistribution(dense=common_pb2.DenseDistribution(probs_f32le=raw))
     if kind == "sparse":
         ids = draw(st.lists(TOKEN, max_size=6))
-        probs = draw(st.lists(st.one_of(st.just(1.0 / max(len(ids), 1)), FLOAT), min_size=len(ids), max_size=len(ids) + draw(st.integers(0, 1))))
+        probs = draw(
+            st.lists(
+                st.one_of(st.just(1.0 / max(len(ids), 1)), FLOAT),
+                min_size=len(ids),
+                max_size=len(ids) + draw(st.integers(0, 1)),
+            )
+        )
         return common_pb2.DraftDistribution(sparse=common_pb2.SparseDistribution(token_ids=ids, probs=probs))
     if kind == "empty":  # neither support set
         return common_pb2.DraftDistribution()
@@ -130,8 +153,18 @@ def verify_item_plan(draw) -> dict:
     elif mode == "per_token":
         dists = [draw(distribution(t)) for t in tokens]
     else:
-        dists = [draw(distribution(0)) for _ in range(len(tokens) + draw(st.sampled_from([-1, 1, 2])) if tokens else 1)]
-    return {"sid": sid, "committed_len": committed_len, "version": version, "tokens": tokens, "dists": dists, "has_base": draw(st.booleans()) or sid == KNOWN}
+        dists = [
+            draw(distribution(0))
+            for _ in range(len(tokens) + draw(st.sampled_from([-1, 1, 2])) if tokens else 1)
+        ]
+    return {
+        "sid": sid,
+        "committed_len": committed_len,
+        "version": version,
+        "tokens": tokens,
+        "dists": dists,
+        "has_base": draw(st.booleans()) or sid == KNOWN,
+    }
 
 
 @st.composite
@@ -171,7 +204,12 @@ def generate_plan(draw) -> coordinator_pb2.GenerateRequest:
         req.text = draw(st.text(max_size=80))
     elif prompt == "tokens":
         req.tokens.token_ids.extend(
-            draw(st.one_of(TOKENS, st.lists(st.integers(0, VOCAB - 1), min_size=MAX_PROMPT + 1, max_size=MAX_PROMPT + 40)))
+            draw(
+                st.one_of(
+                    TOKENS,
+                    st.lists(st.integers(0, VOCAB - 1), min_size=MAX_PROMPT + 1, max_size=MAX_PROMPT + 40),
+                )
+            )
         )
         if not req.tokens.token_ids and draw(st.booleans()):
             req.tokens.SetInParent()  # an empty but present prompt
@@ -282,7 +320,9 @@ def test_target_verify_survives_bad_input(fuzz_stack, channels, plan):
         item = request.items.add()
         if it["has_base"]:
             item.base.session_id = known if it["sid"] == KNOWN else it["sid"]
-            item.base.committed_len = record.committed_len if it["committed_len"] is None else it["committed_len"]
+            item.base.committed_len = (
+                record.committed_len if it["committed_len"] is None else it["committed_len"]
+            )
             item.base.version = record.version if it["version"] is None else it["version"]
         item.proposal.token_ids.extend(it["tokens"])
         item.proposal.distributions.extend(it["dists"])
@@ -332,7 +372,9 @@ def test_draft_propose_survives_bad_input(channels, plan):
     if plan["has_base"]:
         sid = f"fuzz-{uuid.uuid4().hex}" if plan["sid"] == "fresh" else plan["sid"]
         request.base.CopyFrom(
-            common_pb2.SessionBase(session_id=sid, committed_len=plan["committed_len"], version=plan["version"])
+            common_pb2.SessionBase(
+                session_id=sid, committed_len=plan["committed_len"], version=plan["version"]
+            )
         )
     code, details = _code(lambda: stub.Propose(request, timeout=60))
     _assert_clean(code, details, request)
@@ -381,7 +423,9 @@ def test_coordinator_still_generates_correctly(channels, pair):
     stub = coordinator_pb2_grpc.CoordinatorServiceStub(channels["coordinator"])
     received = [
         t
-        for reply in stub.Generate(sf.request(PROMPT, max_new_tokens=MAX_NEW_LIMIT, ignore_eos=True), timeout=60)
+        for reply in stub.Generate(
+            sf.request(PROMPT, max_new_tokens=MAX_NEW_LIMIT, ignore_eos=True), timeout=60
+        )
         if reply.WhichOneof("event") == "chunk"
         for t in reply.chunk.token_ids
     ]
