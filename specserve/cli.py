@@ -151,6 +151,10 @@ async def _local_stack(args: argparse.Namespace, redis_url: str, port: int):
 
     password = urlsplit(redis_url).password
     configure_logging("console", args.log_level, secrets=[password] if password else [])
+    if args.log_level != "debug":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" bars would clutter the terminal
     target, draft = _resolve_models(args)
     try:
         stack = await start_local_stack(
