@@ -50,15 +50,25 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _propose(self, call: ProposeCall) -> ProposeResult:
         """On the model thread: the domain call, then the cache gauges (the store is not thread-safe)."""
         result = self.engine.propose(call)
+        self._update_gauges()
+        return result
+
+    def _release(self, session_id: str) -> None:
+        """On the model thread: drop the session, then the cache gauges."""
+        try:
+            self.engine.release(session_id)
+        finally:
+            self._update_gauges()
+
+    def _update_gauges(self) -> None:
         if self.caches is not None:
             metrics.CACHED_SESSIONS.labels(role="draft").set(len(self.caches))
             metrics.KV_CACHE_BYTES.labels(role="draft").set(self.caches.total_bytes)
-        return result
 
     async def ReleaseDraftSession(
         self, request: draft_pb2.ReleaseDraftSessionRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ReleaseDraftSessionResponse:
-        await self._run(self.engine.release, request.session_id)
+        await self._run(self._release, request.session_id)
         return draft_pb2.ReleaseDraftSessionResponse()
 
     async def GetDraftInfo(
