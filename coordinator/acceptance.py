@@ -48,6 +48,15 @@ class _DecayedCounts:
         self.reached_total = other.reached_total
         self.accepted_total = other.accepted_total
 
+    def scale_to(self, reached_total: float) -> None:
+        """Scales every count down so that at most ``reached_total`` reached positions remain."""
+        if self.reached_total > reached_total > 0.0:
+            f = reached_total / self.reached_total
+            self.reached = [v * f for v in self.reached]
+            self.accepted = [v * f for v in self.accepted]
+            self.reached_total *= f
+            self.accepted_total *= f
+
     def clear(self) -> None:
         self.reached, self.accepted = [], []
         self.reached_total = self.accepted_total = 0.0
@@ -81,12 +90,15 @@ class AcceptanceTracker:
         decay: weight the slow memory keeps at each speculative round (0.97:
             half-life ~23 rounds, ~70 tokens at 3 per round). A round with
             ``proposed == 0`` teaches nothing and forgets nothing.
-        fall_threshold: CUSUM alarm level of the fall detector, in nats (7.0: a fall
-            from 0.9 to 0.1 is believed within ~3-9 rounds; on stationary sequences
-            false alarms, which cost a few rounds of lower gamma, are ~1 per 1,000
-            rounds; 5.0 halved the delay but tripled the false alarms at alpha 0.95).
-        rise_threshold: the same for the rise detector (5.0: a false rise only lets
-            gamma climb, one rung per round, so it may be quicker).
+        fall_threshold: CUSUM alarm level of the fall detector, in nats (8.0: a fall
+            from 0.95 to 0.05 is believed within 3-6 rounds; on stationary sequences
+            false alarms are ~1 per 1,000 rounds; 5.0 halved the delay but tripled the
+            false alarms, each of which costs a dip of gamma for a few rounds).
+        rise_threshold: the same for the rise detector (6.0: a false rise only lets
+            gamma climb, one rung per round, so it may be a little quicker).
+        reset_weight: after an alarm, the rounds since the change are kept with at
+            most this many reached positions' weight (4.0), so the next few rounds
+            move the estimate quickly, whether the alarm was true or false.
         prior_alpha: acceptance assumed before data.
         prior_weight: the prior's weight, in reached positions.
         position_shrinkage: weight, in reached positions, of the pooled estimate in each
@@ -97,8 +109,9 @@ class AcceptanceTracker:
         self,
         *,
         decay: float = 0.97,
-        fall_threshold: float = 7.0,
-        rise_threshold: float = 5.0,
+        fall_threshold: float = 8.0,
+        rise_threshold: float = 6.0,
+        reset_weight: float = 4.0,
         prior_alpha: float = 0.6,
         prior_weight: float = 2.0,
         position_shrinkage: float = 4.0,
@@ -109,8 +122,8 @@ class AcceptanceTracker:
             raise ValueError(f"prior_alpha must be in [0, 1], got {prior_alpha}")
         if prior_weight <= 0 or position_shrinkage < 0:
             raise ValueError("prior_weight must be > 0 and position_shrinkage >= 0")
-        if fall_threshold <= 0 or rise_threshold <= 0:
-            raise ValueError("fall_threshold and rise_threshold must be > 0")
+        if fall_threshold <= 0 or rise_threshold <= 0 or reset_weight <= 0:
+            raise ValueError("fall_threshold, rise_threshold and reset_weight must be > 0")
         self._slow = _DecayedCounts(decay)
         self._threshold = {"fall": fall_threshold, "rise": rise_threshold}  # CUSUM alarm levels, nats
         self._cusum = {"fall": 0.0, "rise": 0.0}  # detector sums, nats
@@ -119,6 +132,7 @@ class AcceptanceTracker:
             "rise": _DecayedCounts(decay),
         }  # rounds since each was 0
         self._curve: list[float] | None = None  # expected_tokens(g) for g = 0.., cached until the next change
+        self._reset_weight = reset_weight
         self._prior_alpha = prior_alpha
         self._prior_weight = prior_weight
         self._shrinkage = position_shrinkage
@@ -164,6 +178,7 @@ class AcceptanceTracker:
             if total > self._threshold[kind] and not alarm:
                 alarm = True
                 self._slow.copy_from(segment)
+                self._slow.scale_to(self._reset_weight)
         if alarm:
             self.changes += 1
             for kind in ("fall", "rise"):

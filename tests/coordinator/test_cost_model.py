@@ -1,0 +1,239 @@
+"""The cost model: the speedup formula, the decaying least-squares fits, and round-time predictions."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from coordinator.cost_model import (
+    CostModel,
+    CostPrior,
+    DecayingLeastSquares,
+    _solve_linear,
+    expected_tokens_iid,
+    predicted_speedup,
+)
+
+# ---- the essay's formulas -----------------------------------------------------------------------
+
+
+def test_expected_tokens_matches_the_essay_and_the_sum() -> None:
+    # "With alpha equal to 0.8 and gamma equal to four, that sum is 3.3616."
+    assert expected_tokens_iid(0.8, 4) == pytest.approx(3.3616, abs=1e-12)
+    for alpha in (0.0, 0.3, 0.69, 0.99, 1.0):
+        for gamma in range(10):
+            assert expected_tokens_iid(alpha, gamma) == pytest.approx(sum(alpha**k for k in range(gamma + 1)))
+    assert expected_tokens_iid(1.0, 7) == 8.0
+    assert expected_tokens_iid(0.0, 7) == 1.0
+
+
+@pytest.mark.parametrize(("alpha", "gamma"), [(-0.1, 1), (1.1, 1), (0.5, -1)])
+def test_expected_tokens_rejects_nonsense(alpha: float, gamma: int) -> None:
+    with pytest.raises(ValueError):
+        expected_tokens_iid(alpha, gamma)
+
+
+def test_predicted_speedup_matches_the_essay_example() -> None:
+    # 10 ms target step, 1 ms per draft token, verifying 4 proposals + 1 costs 12 ms:
+    # 16 ms per round for 3.3616 tokens, "about 2.1 times".
+    speedup = predicted_speedup(0.8, 4, 1e6, 12e6, 10e6)
+    assert speedup == pytest.approx(3.3616 * 10 / 16)
+    assert 2.05 < speedup < 2.15
+    # A callable verify cost is evaluated at gamma + 1 positions.
+    seen: list[int] = []
+
+    def verify(k: int) -> float:
+        seen.append(k)
+        return 10e6 + 0.5e6 * (k - 1)
+
+    assert predicted_speedup(0.8, 4, 1e6, verify, 10e6) == pytest.approx(speedup)
+    assert seen == [5]
+
+
+def test_predicted_speedup_edges() -> None:
+    # gamma = 0 is target-only decoding: speedup 1 when verifying one position costs a step.
+    assert predicted_speedup(0.5, 0, 1e6, 10e6, 10e6) == pytest.approx(1.0)
+    # A draft as expensive as the target never pays, whatever the acceptance below 1.
+    for alpha in (0.0, 0.5, 0.9, 0.99):
+        for gamma in range(1, 9):
+            assert predicted_speedup(alpha, gamma, 10e6, lambda k: 10e6, 10e6) < 1.0
+    with pytest.raises(ValueError):
+        predicted_speedup(0.5, 2, 1e6, 0.0, 10e6)
+    with pytest.raises(ValueError):
+        predicted_speedup(0.5, 2, 1e6, 10e6, 0.0)
+
+
+# ---- the linear solver and the decaying fit ----------------------------------------------------
+
+
+def test_solve_linear_matches_elimination_on_random_spd_systems() -> None:
+    rng = random.Random(0)
+    for n in (1, 2, 3):
+        for _ in range(50):
+            m = [[rng.gauss(0, 1) for _ in range(n)] for _ in range(n)]
+            a = [
+                [sum(m[i][k] * m[j][k] for k in range(n)) + (0.1 if i == j else 0.0) for j in range(n)]
+                for i in range(n)
+            ]
+            x_true = [rng.gauss(0, 1) for _ in range(n)]
+            b = [sum(a[i][j] * x_true[j] for j in range(n)) for i in range(n)]
+            x = _solve_linear(a, b)
+            assert x is not None
+            assert x == pytest.approx(x_true, rel=1e-6, abs=1e-6)
+    assert _solve_linear([[1.0, 1.0], [1.0, 1.0]], [1.0, 1.0]) is None
+    assert _solve_linear([[0.0]], [1.0]) is None
+
+
+def test_fit_recovers_coefficients_from_varied_data() -> None:
+    fit = DecayingLeastSquares(3, decay=0.98, prior_rows=[((1.0, 1.0, 1.0), 100.0, 1e-6)])
+    for b in range(1, 9):
+        for p in range(b, 5 * b):
+            fit.add((1.0, b, p), 7.0 + 2.0 * b + 0.5 * p)
+    assert fit.coef == pytest.approx((7.0, 2.0, 0.5), rel=1e-4)
+    assert fit.predict((1.0, 3.0, 10.0)) == pytest.approx(18.0, rel=1e-4)
+
+
+def test_fit_forgets_old_data() -> None:
+    fit = DecayingLeastSquares(1, decay=0.9)
+    for _ in range(100):
+        fit.add((1.0,), 10.0)
+    for _ in range(100):
+        fit.add((1.0,), 20.0)
+    # 0.9**100 ~ 3e-5 of the weight is left on the old regime.
+    assert fit.coef[0] == pytest.approx(20.0, rel=1e-3)
+    assert fit.weight == pytest.approx((1 - 0.9**200) / 0.1)
+    assert fit.n_observations == 200
+
+
+def test_fit_keeps_coefficients_non_negative() -> None:
+    # Data that a free fit would explain with a negative slope: y = 10 - x.
+    fit = DecayingLeastSquares(2, decay=1.0)
+    for x in range(1, 6):
+        fit.add((1.0, float(x)), 10.0 - x)
+    c0, c1 = fit.coef
+    assert c1 == 0.0
+    assert c0 == pytest.approx(7.0)  # the mean, the best constant
+
+
+def test_fit_uses_prior_rows_where_data_cannot_separate_coefficients() -> None:
+    # Every observation has x = (1, 1): only c0 + c1 is identified; the prior row says c1 = 0.25 c0.
+    fit = DecayingLeastSquares(2, decay=0.98, prior_rows=[((-0.25, 1.0), 0.0, 0.5)])
+    for _ in range(30):
+        fit.add((1.0, 1.0), 10.0)
+    c0, c1 = fit.coef
+    assert c0 + c1 == pytest.approx(10.0, rel=1e-3)
+    assert c1 == pytest.approx(0.25 * c0, rel=1e-3)
+
+
+def test_fit_validates() -> None:
+    with pytest.raises(ValueError):
+        DecayingLeastSquares(4, decay=0.9)
+    with pytest.raises(ValueError):
+        DecayingLeastSquares(1, decay=0.0)
+    fit = DecayingLeastSquares(2, decay=0.9)
+    with pytest.raises(ValueError):
+        fit.add((1.0,), 1.0)
+    with pytest.raises(ValueError):
+        fit.add((1.0, 2.0), math.nan)
+
+
+# ---- the cost model -----------------------------------------------------------------------------
+
+
+def _true_verify(b: int, p: int) -> float:
+    return 6e6 + 0.4e6 * b + 0.3e6 * p
+
+
+def test_cost_model_learns_costs_from_noisy_calls() -> None:
+    """Multiplicative log-normal noise (sigma 5%), 400 calls of each kind, seed 0."""
+    rng = random.Random(0)
+    cm = CostModel()
+    assert not cm.ready
+    for _ in range(400):
+        g = rng.choice((1, 2, 3, 4, 6, 8))
+        b = rng.randint(1, 8)
+        noise = math.exp(rng.gauss(0, 0.05))
+        cm.observe_draft(tokens=g, ns=int(0.8e6 * g * noise), prefill_tokens=0)
+        cm.observe_verify(batch_size=b, positions=b * (g + 1), ns=int(_true_verify(b, b * (g + 1)) * noise))
+        cm.observe_rtt(ns=int(0.4e6 * noise), tokens=g)
+    assert cm.ready
+    assert cm.draft_ns_per_token() == pytest.approx(0.8e6, rel=0.03)
+    assert cm.verify_ns_per_position() == pytest.approx(0.3e6, rel=0.1)
+    for b, p in ((1, 1), (1, 5), (4, 12), (8, 72)):
+        assert cm.verify_ns(b, p) == pytest.approx(_true_verify(b, p), rel=0.05)
+    assert cm.rtt_ns(3) == pytest.approx(0.4e6, rel=0.05)
+
+
+def test_round_ns_is_the_documented_sum_of_parts() -> None:
+    cm = CostModel()
+    for g in (1, 2, 4):
+        cm.observe_draft(tokens=g, ns=int(1e6 * g))
+        cm.observe_verify(batch_size=2, positions=2 * (g + 1), ns=int(_true_verify(2, 2 * (g + 1))))
+        cm.observe_rtt(ns=500_000, tokens=g)
+    for b in (1, 3, 16):
+        assert cm.round_ns(0, b) == pytest.approx(cm.rtt_ns(0) + cm.verify_ns(b, b))
+        assert cm.target_step_ns(b) == cm.round_ns(0, b)
+        for g in (1, 3, 8):
+            parts = 2 * cm.rtt_ns(g) + cm.draft_ns(g) + cm.verify_ns(b, b * (g + 1))
+            assert cm.round_ns(g, b) == pytest.approx(parts)
+    with pytest.raises(ValueError):
+        cm.round_ns(-1, 1)
+    with pytest.raises(ValueError):
+        cm.round_ns(1, 0)
+
+
+def test_prior_answers_before_data_and_yields_to_it() -> None:
+    prior = CostPrior(verify_step_ns=20e6, draft_token_ns=2e6)
+    cm = CostModel(prior=prior)
+    assert cm.verify_ns(1, 1) == pytest.approx(20e6, rel=1e-6)
+    assert cm.draft_ns_per_token() == pytest.approx(2e6, rel=1e-6)
+    assert cm.rtt_ns(4) == 0.0
+    cm.observe_draft(tokens=3, ns=1_500_000)
+    cm.observe_verify(batch_size=1, positions=4, ns=5_000_000)
+    assert cm.draft_ns_per_token() == pytest.approx(0.5e6, rel=1e-3)
+    assert cm.verify_ns(1, 4) == pytest.approx(5e6, rel=1e-3)
+
+
+def test_prior_ratios_fill_in_what_one_gamma_cannot_tell() -> None:
+    """One session at one gamma feeds 4 positions every time: the slope comes from the prior ratio."""
+    cm = CostModel()
+    for _ in range(50):
+        cm.observe_verify(batch_size=1, positions=4, ns=8_000_000)
+    v0, vb, vp = (
+        cm.snapshot()[k] for k in ("verify_fixed_ns", "verify_ns_per_item", "verify_ns_per_position")
+    )
+    assert cm.verify_ns(1, 4) == pytest.approx(8e6, rel=1e-3)
+    assert vb == pytest.approx(cm.prior.per_item_ratio * v0, rel=0.05)
+    assert vp == pytest.approx(cm.prior.per_position_ratio * (v0 + vb), rel=0.05)
+
+
+def test_estimates_scale_with_the_machine() -> None:
+    """The prior is stated in ratios, so a machine twice as slow gets estimates twice as large."""
+    fast, slow = CostModel(), CostModel()
+    for cm, k in ((fast, 1), (slow, 2)):
+        for g in (2, 2, 3, 3, 2):
+            cm.observe_draft(tokens=g, ns=k * 700_000 * g)
+            cm.observe_verify(batch_size=1, positions=g + 1, ns=k * (9_000_000 + 400_000 * g))
+            cm.observe_rtt(ns=k * 300_000, tokens=g)
+    for g in range(9):
+        for b in (1, 5):
+            assert slow.round_ns(g, b) == pytest.approx(2 * fast.round_ns(g, b), rel=1e-3)
+
+
+def test_observations_are_validated() -> None:
+    cm = CostModel()
+    with pytest.raises(ValueError):
+        cm.observe_verify(batch_size=0, positions=1, ns=1)
+    with pytest.raises(ValueError):
+        cm.observe_verify(batch_size=2, positions=1, ns=1)
+    with pytest.raises(ValueError):
+        cm.observe_draft(tokens=-1, ns=1)
+    with pytest.raises(ValueError):
+        cm.observe_rtt(ns=1, tokens=-1)
+    # A draft call that drafted nothing and fed nothing carries no information.
+    cm.observe_draft(tokens=0, ns=123)
+    assert not cm.ready
+    with pytest.raises(ValueError):
+        CostPrior(verify_step_ns=0)
