@@ -171,6 +171,9 @@ class Verifier:
                     raise
                 for w, result in zip(work, await self._commit_all(work), strict=True):
                     results[w.index] = result
+                self.caches.trim(
+                    protect=[w.item.session_id for w in work]
+                )  # the caches grew: keep the budget
             self._update_cache_gauges()
         metrics.TARGET_POSITIONS.inc(positions)
         metrics.TARGET_FORWARD_SECONDS.observe(forward_ns / 1e9)

@@ -21,7 +21,7 @@ from target_helpers import (
 )
 
 from specserve.errors import NotFound, SessionFinished, VersionConflict
-from specserve.params import SamplingParams, StopConditions
+from specserve.params import SamplingParams, StopConditions, Verdict
 from specserve.v1 import common_pb2
 from target_service.messages import VerifyBatch
 
@@ -330,4 +330,54 @@ async def test_per_item_state_errors_leave_other_items_and_sessions_intact(targe
     again = (await verifier.verify(VerifyBatch(items=(item(good, (4,)),)))).results[0]
     assert again.replayed and again.verdict == results[2].verdict
     assert await store.read_tokens(good.session_id) == PROMPT + results[2].verdict.committed_token_ids
+    verifier.close()
+
+
+class RacingStore:
+    """The real SessionStore (real Redis) with one twist, named here as a test double: before each ``commit``
+    a rival writer commits ``rivals`` one-token verdicts to the same session first, so the race happens on cue."""
+
+    def __init__(self, store, rivals: int):
+        self._store = store
+        self.rivals = rivals
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    async def commit(self, session_id, base_version, verdict):
+        length = verdict.committed_len - len(verdict.committed_token_ids)
+        for i in range(self.rivals):
+            rival = Verdict(
+                accepted_count=0,
+                committed_token_ids=(1,),
+                bonus=False,
+                new_version=base_version + i + 1,
+                committed_len=length + i + 1,
+            )
+            await self._store.commit(session_id, base_version + i, rival)
+        return await self._store.commit(session_id, base_version, verdict)
+
+
+@pytest.mark.parametrize("rivals", [1, 2])
+async def test_lost_compare_and_set_rolls_the_branch_back(target, store, rivals):
+    """Another writer commits between this replica's load and its compare-and-set. With one rival commit ours
+    is, to the store, a retry of the same base: the rival's verdict comes back as a replay. With two, ours is
+    stale: VersionConflict (ABORTED). Either way nothing of this round is committed and the cache is rolled
+    back to the prefix the round started from."""
+    verifier = make_verifier(target, RacingStore(store, rivals))
+    record = await new_session(store, PROMPT)
+    chain = greedy_continuation(target, PROMPT, 4)
+    result = await verify_one(verifier, record, chain[:3])
+    if rivals == 1:
+        assert result.replayed and result.verdict.committed_token_ids == (1,)
+    else:
+        assert isinstance(result.error, VersionConflict)
+    assert await store.read_tokens(record.session_id) == PROMPT + (1,) * rivals
+    assert verifier.caches.get(record.session_id).tokens == PROMPT[:-1]  # branch rolled back
+    # The next round on this replica reconciles with the log and decodes as target-only decoding would.
+    current = await store.load(record.session_id)
+    verifier.store = store
+    nxt = await verify_one(verifier, current)
+    assert nxt.verdict.committed_token_ids == tuple(greedy_continuation(target, current.token_ids, 1))
+    assert_cache_holds(verifier, record.session_id, current.token_ids + nxt.verdict.committed_token_ids)
     verifier.close()
