@@ -155,6 +155,7 @@ async def test_generate_streams_text_to_stdout_and_stats_to_stderr_without_torch
     assert "error: InvalidArgument: top_p must be in (0, 1]" in err
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 @module_loop
 async def test_up_serves_with_a_private_redis_and_stops_on_sigterm(pair, tmp_path):
     from redis_server import free_port
@@ -222,6 +223,7 @@ def test_demo_streams_a_completion_and_compares_with_the_target_alone(pair, caps
     assert re.search(r"tokens 8 \(prompt \d+\)", out)
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 @module_loop
 async def test_serve_runs_one_role_from_environment_and_flags_until_sigterm(pair, redis_server, tmp_path):
     """``specserve serve draft`` as a container runs it: settings from SPECSERVE_* plus flags."""
@@ -257,3 +259,15 @@ async def test_serve_runs_one_role_from_environment_and_flags_until_sigterm(pair
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def test_up_on_a_busy_port_says_to_pick_another(pair, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["up", "--port", str(port), "--target-model", str(pair.target_dir)]
+        assert cli.main([*args, "--draft-model", str(pair.draft_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"could not listen on 127.0.0.1:{port}" in err
+    assert "Pass --port with a free port" in err
