@@ -372,6 +372,19 @@ class CostModel:
         """Predicted wall time of a target-only round (``round_ns(0, batch_size)``)."""
         return self.round_ns(0, batch_size)
 
+    def predicted_speedup(self, alpha: float, gamma: int, batch_size: int = 1) -> float:
+        """The bound with the learnt costs, round trips included: ``E(alpha, gamma) * round(0) / round(gamma)``.
+
+        ``round`` is :meth:`round_ns` at ``batch_size``; with no round trip and one session this is
+        :func:`predicted_speedup` with ``T_draft = draft_ns_per_token()``, ``T_verify = verify_ns(1, .)``
+        and ``T_target = verify_ns(1, 1)``.
+        """
+        return (
+            expected_tokens_iid(alpha, gamma)
+            * self.round_ns(0, batch_size)
+            / self.round_ns(gamma, batch_size)
+        )
+
     def snapshot(self) -> dict[str, float]:
         """Current estimates, for logs, metrics and the benchmark report."""
         v0, vb, vp = self._verify.coef

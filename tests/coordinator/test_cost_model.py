@@ -237,3 +237,20 @@ def test_observations_are_validated() -> None:
     assert not cm.ready
     with pytest.raises(ValueError):
         CostPrior(verify_step_ns=0)
+
+
+def test_learnt_speedup_is_the_formula_with_learnt_costs() -> None:
+    cm = CostModel()
+    for _ in range(20):
+        for g in (1, 2, 4, 8):
+            cm.observe_draft(tokens=g, ns=1_000_000 * g)
+            cm.observe_verify(batch_size=1, positions=g + 1, ns=10_000_000 + 500_000 * g)
+            cm.observe_rtt(ns=0, tokens=g)
+    for alpha in (0.3, 0.8):
+        for g in (0, 1, 4, 8):
+            expected = predicted_speedup(
+                alpha, g, cm.draft_ns_per_token(), lambda k: cm.verify_ns(1, k), cm.verify_ns(1, 1)
+            )
+            assert cm.predicted_speedup(alpha, g) == pytest.approx(expected, rel=1e-6)
+    # The essay's example in these units: 4 proposals at 0.8 with 1 ms drafts and a 12 ms verify of 5.
+    assert cm.predicted_speedup(0.8, 4) == pytest.approx(3.3616 * 10 / 16, rel=2e-3)
