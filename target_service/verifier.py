@@ -41,7 +41,10 @@ One call (:meth:`Verifier.verify`) for a :class:`~target_service.messages.Verify
    :func:`specserve.verification.verify_batch` (sampled sessions, randomness
    keyed by session seed and position) or :func:`~specserve.verification.verify_greedy`.
 4. Cut the new tokens at the first stop condition (:mod:`target_service.stops`)
-   and commit through one compare-and-set on ``v`` per session.
+   and commit through one compare-and-set on ``v`` per session. The verdict's
+   ``accepted_count`` counts the draft tokens actually committed (a stop may
+   cut accepted ones) and ``bonus`` holds only when the bonus token itself was
+   committed.
 5. Leave each cache holding exactly the committed prefix without its pending
    token: the accepted draft tokens stay cached, the rest of the branch is
    cropped; on a conflict or error the branch is rolled back to ``C[:-1]``.
