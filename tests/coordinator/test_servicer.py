@@ -86,3 +86,17 @@ async def test_default_max_new_tokens_and_text_prompt(stack, pair):
     assert out.token_ids == sf.reference_greedy(pair.target_dir, prompt, 8, ignore_eos=True)
     assert out.stats.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert out.text == pair.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+async def test_stop_string_ends_the_generation_and_cuts_the_text(stack, pair):
+    prompt = "def add(a, b):"
+    full = await sf.generate(stack.address, sf.request(prompt, max_new_tokens=24, ignore_eos=True))
+    text = full.text
+    assert len(text) > 6
+    stop = text[3:6]  # a string the greedy completion contains
+    out = await sf.generate(
+        stack.address, sf.request(prompt, max_new_tokens=24, ignore_eos=True, stop_strings=[stop])
+    )
+    assert out.stats.finish_reason == common_pb2.FINISH_REASON_STOP_STRING
+    assert out.text == text[: text.index(stop) + len(stop)]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) < len(full.token_ids)
