@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator.policy import (
     AcceptanceTracker,
@@ -404,3 +406,35 @@ def test_waste_charge_is_zero_with_spare_room_and_grows_with_pressure() -> None:
     assert policy.pressure(LoadSnapshot(active_sessions=30, batch_occupancy=0.4, verify_queue_depth=8)) == 0.5
     # The batch is never larger than the sessions there are.
     assert policy.batch_size(LoadSnapshot(active_sessions=3, batch_occupancy=1.0, verify_queue_depth=0)) == 3
+
+
+# ---- properties over arbitrary histories -----------------------------------------------------
+
+_round_strategy = st.tuples(
+    st.integers(0, 8),  # accepted (clipped to the proposal)
+    st.floats(0.0, 1.0),  # occupancy
+    st.integers(0, 40),  # queue depth
+    st.integers(1, 16),  # batch size of an extra Verify observed
+    st.floats(0.2e6, 50e6),  # its time
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_round_strategy, min_size=1, max_size=80), st.floats(0.0, 2.0))
+def test_any_history_keeps_choices_on_the_ladder_and_growth_bounded(rounds: list, c: float) -> None:
+    cm = CostModel()
+    policy = AdaptiveGamma(cm, LADDER, max_batch_size=16)
+    tracker = AcceptanceTracker()
+    previous = None
+    for accepted, occupancy, queue, b, verify_ns in rounds:
+        load = LoadSnapshot(active_sessions=20, batch_occupancy=occupancy, verify_queue_depth=queue)
+        g = policy.choose_gamma(tracker, load)
+        assert g in LADDER
+        if previous is not None:
+            assert _rung(g) - _rung(previous) <= 1
+        assert all(math.isfinite(v) and v > 0 for v in policy.scores(tracker, load).values())
+        if g:
+            cm.observe_draft(tokens=g, ns=int(c * 10e6 * g))
+        cm.observe_verify(batch_size=b, positions=b * (g + 1), ns=int(verify_ns))
+        tracker.observe(proposed=g, accepted=min(accepted, g))
+        previous = g
