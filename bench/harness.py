@@ -322,10 +322,10 @@ def greedy_identity(runs: list[Run]) -> dict:
 
 
 async def run_all(args) -> dict:
-    from specserve.local import start_local_stack
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specserve.client import AsyncClient
+    from specserve.local import start_local_stack
 
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
@@ -430,16 +430,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
-    from specserve.local import private_redis
-
     from bench.report import write_report
+    from specserve.cli import private_redis
 
     async def go():
-        if args.redis_url is None:
-            with private_redis() as url:
-                args.redis_url = url
-                return await run_all(args)
-        return await run_all(args)
+        with private_redis(args.redis_url) as url:
+            args.redis_url = url
+            return await run_all(args)
 
     data = asyncio.run(go())
     args.out.mkdir(parents=True, exist_ok=True)
