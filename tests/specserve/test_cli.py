@@ -155,6 +155,26 @@ async def test_generate_streams_text_to_stdout_and_stats_to_stderr_without_torch
     assert "error: InvalidArgument: top_p must be in (0, 1]" in err
 
 
+@module_loop
+async def test_generate_reads_the_prompt_from_stdin(stack, monkeypatch, capsys):
+    import io
+
+    import structlog
+
+    from specserve import AsyncClient
+
+    prompt = "class Point:\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(prompt))
+    args = ["generate", "-", "--addr", stack.address, "--temperature", "0", "--max-new-tokens", "5"]
+    with structlog.testing.capture_logs():  # the servers share this process's stdout
+        assert await asyncio.to_thread(cli.main, args) == 0
+    captured = capsys.readouterr()
+    async with AsyncClient(stack.address) as client:
+        expected = await client.generate(prompt, max_new_tokens=5, temperature=0)
+    assert captured.out == expected.text + "\n"
+    assert "tokens 5 (prompt" in captured.err
+
+
 @pytest.mark.slow  # a subprocess that imports torch
 @module_loop
 async def test_up_serves_with_a_private_redis_and_stops_on_sigterm(pair, tmp_path):
