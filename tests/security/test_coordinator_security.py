@@ -69,6 +69,10 @@ async def roles(captured_logs, sec_pair, sec_models, secret_redis):
         "auth_tokens": [SecretStr(t) for t in TOKENS.values()],
         "max_sessions": 2,
         "max_sessions_per_client": 1,
+        "max_prompt_tokens": 64,
+        "max_new_tokens_limit": 32,
+        "default_max_new_tokens": 16,
+        "max_message_bytes": 64 * 1024,
     }
     async with running_roles(
         sec_pair, sec_models, secret_redis.url, coordinator=coordinator, proxy_target=True
@@ -113,13 +117,30 @@ async def test_generate_needs_a_valid_bearer_token(roles):
             await client.generate(prompt_token_ids=PROMPT, max_new_tokens=2)
 
 
+async def test_request_size_limits(roles):
+    """Over-long prompts and max_new_tokens are INVALID_ARGUMENT (resending cannot help); an oversize
+    message is refused by gRPC itself with RESOURCE_EXHAUSTED; the server keeps serving."""
+    auth = _auth(TOKENS["a"])
+    too_long = await _refused(roles.address, sf.request(list(range(1, 66)), max_new_tokens=4), auth)
+    assert too_long.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit of 64" in too_long.details()
+    too_many = await _refused(roles.address, sf.request(PROMPT, max_new_tokens=33), auth)
+    assert too_many.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit of 32" in too_many.details()
+    huge = sf.request([300] * 40_000, max_new_tokens=4)  # about 80 KB on the wire, over the 64 KiB limit
+    assert huge.ByteSize() > 64 * 1024
+    assert (await _refused(roles.address, huge, auth)).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    out = await _generate(
+        roles.address, sf.request(PROMPT, max_new_tokens=32, gamma=0, ignore_eos=True), auth
+    )
+    assert out.stats is not None and out.stats.completion_tokens == 32
+
+
 class _Held:
     """A Generate stream opened and read up to its first chunk, then left running until cancelled."""
 
     def __init__(self, address: str, token: str) -> None:
         self.channel = grpc.aio.insecure_channel(address)
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
-        req = sf.request(PROMPT, max_new_tokens=400, gamma=0, ignore_eos=True)
+        req = sf.request(PROMPT, max_new_tokens=32, gamma=0, ignore_eos=True)
         self.call = stub.Generate(req, timeout=120, metadata=_auth(token))
 
     async def start(self) -> _Held:
