@@ -39,7 +39,8 @@ even be encoded (an unknown proposer, a negative gamma) raise
 
 Retries. A call that fails with UNAVAILABLE *before any message arrived* is
 retried up to ``retries`` times with exponential backoff (``backoff`` seconds,
-doubling, capped at ``max_backoff``; a server's retry-after hint wins). Once a
+doubling, capped at ``max_backoff``, times a random factor in [0.5, 1]; a
+server's retry-after hint wins). Once a
 token has arrived a request is never re-sent, so output is never duplicated.
 ``timeout`` is the deadline of each attempt.
 """
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -366,7 +368,8 @@ class _Config:
     def delay(self, attempt: int, err: errors.SpecServeError) -> float:
         if err.retry_after_s is not None:
             return err.retry_after_s
-        return min(self.max_backoff, self.backoff * 2**attempt)
+        # Equal jitter: many clients reconnecting at once do not retry in lockstep.
+        return min(self.max_backoff, self.backoff * 2**attempt) * random.uniform(0.5, 1.0)
 
     def should_retry(self, err: errors.SpecServeError, attempt: int, received: bool) -> bool:
         return not received and isinstance(err, errors.Unavailable) and attempt < self.retries
@@ -398,8 +401,7 @@ class _Collector:
 
 
 class _StreamBase:
-    def __init__(self, address: str) -> None:
-        self._address = address
+    def __init__(self) -> None:
         self._result: GenerateResult | None = None
 
     @property
@@ -425,7 +427,7 @@ class TokenStream(_StreamBase, Iterator[StreamChunk]):
     """Iterator of :class:`StreamChunk`; ``.result`` / ``.stats`` once exhausted; ``.cancel()``."""
 
     def __init__(self, client: Client, request: coordinator_pb2.GenerateRequest) -> None:
-        super().__init__(client.address)
+        super().__init__()
         self._client = client
         self._call: Any = None
         self._gen = self._run(request)
@@ -599,7 +601,7 @@ class AsyncTokenStream(_StreamBase, AsyncIterator[StreamChunk]):
     """Async iterator of :class:`StreamChunk`; ``.result`` / ``.stats`` once exhausted; ``.cancel()``."""
 
     def __init__(self, client: AsyncClient, request: coordinator_pb2.GenerateRequest) -> None:
-        super().__init__(client.address)
+        super().__init__()
         self._client = client
         self._call: Any = None
         self._gen = self._run(request)
