@@ -1,0 +1,157 @@
+"""``kill -9`` of worker processes mid-generation (each worker is its own ``specserve serve`` process).
+
+Two target processes and one draft process are started with
+``python -m specserve.cli serve ROLE`` on free loopback ports (tiny float32
+Llama pair, the session's real Redis); the coordinator runs in the test process
+so the test can see which replica each session is bound to.
+
+* One of two targets is killed with SIGKILL while sessions stream: the
+  sessions bound to it move to the other replica, which rebuilds them from
+  Redis, and finish with the target's own greedy output.
+* The draft is killed with SIGKILL while sessions stream: they continue at
+  gamma = 0 and finish with the same greedy output; a later session runs
+  without any proposals.
+
+After each: every stream equals its committed log after the prompt (each token
+once), every greedy stream equals ``generate()`` of the target alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+import system_fixtures as sf
+from pydantic import SecretStr
+from reliability_helpers import (
+    Stream,
+    assert_stream_is_log,
+    start_role,
+    wait_serving,
+    wait_until,
+    worker_flags,
+)
+
+from specserve.config import CoordinatorSettings
+from specserve.store import SessionStore
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+TEXTS = ("class Point:\n    def", "for i in range(", "def add(a, b):", "import os\nimport", "the quick brown")
+MAX_NEW = 96
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return sf.tiny_pair(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    return [tuple(pair.tokenizer.encode(t, add_special_tokens=False)) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def workers(pair, redis_server, tmp_path_factory):
+    """{"targets": [RoleProcess, RoleProcess], "draft": RoleProcess}, started in parallel."""
+    log_dir = tmp_path_factory.mktemp("role-logs")
+    common = {"shutdown_grace_s": 1}
+    targets = [
+        start_role("target", worker_flags(pair.target_dir, redis_server.url, **common), log_dir=log_dir)
+        for _ in range(2)
+    ]
+    draft = start_role("draft", worker_flags(pair.draft_dir, redis_server.url, **common), log_dir=log_dir)
+    roles = [*targets, draft]
+    try:
+        wait_serving(roles, timeout_s=240)
+        yield {"targets": targets, "draft": draft}
+    finally:
+        for role in roles:
+            role.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def coordinator(workers, pair, redis_server):
+    from coordinator.server import start_coordinator
+
+    app = await start_coordinator(
+        CoordinatorSettings(
+            host="127.0.0.1",
+            port=0,
+            redis_url=SecretStr(redis_server.url),
+            target_endpoints=[t.address for t in workers["targets"]],
+            draft_endpoints=[workers["draft"].address],
+            tokenizer=pair.target_dir,
+            rpc_timeout_s=10.0,
+        )
+    )
+    yield app
+    await app.stop(grace=1.0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def store(redis_server):
+    s = SessionStore.from_url(redis_server.url)
+    yield s
+    await s.close()
+
+
+def reference(pair, prompt, n):
+    return sf.reference_greedy(pair.target_dir, prompt, n, ignore_eos=True)
+
+
+async def test_kill_9_of_one_target_moves_its_sessions_to_the_other(
+    coordinator, workers, store, pair, prompts
+):
+    address = f"127.0.0.1:{coordinator.port}"
+    pool = coordinator.coordinator.pool
+    streams = [Stream(sf.request(p, max_new_tokens=MAX_NEW, ignore_eos=True, gamma=2)) for p in prompts]
+    tasks = [asyncio.create_task(s.run(address, timeout_s=120)) for s in streams]
+    await wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), timeout_s=90, what="3 tokens each")
+
+    # Kill the replica holding most sessions now (the coordinator's routing table says which).
+    assigned = dict(pool._assigned)  # session id -> target endpoint, for sessions in a round
+    by_endpoint = {
+        t.address: [sid for sid, ep in assigned.items() if ep == t.address] for t in workers["targets"]
+    }
+    victim = max(workers["targets"], key=lambda t: len(by_endpoint[t.address]))
+    victim.kill()
+    at_kill = {id(s): len(s.tokens) for s in streams}
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=150)
+
+    for prompt, s in zip(prompts, streams, strict=True):
+        await assert_stream_is_log(store, s)
+        assert s.tokens == reference(pair, prompt, MAX_NEW)
+    moved = [s for s in streams if s.session_id in by_endpoint[victim.address]]
+    assert any(at_kill[id(s)] < MAX_NEW for s in moved), "no session was mid-generation on the killed target"
+    assert pool.targets.failures(victim.address) >= 1 or not pool.targets.is_up(victim.address)
+
+
+async def test_kill_9_of_the_draft_continues_at_gamma_0(coordinator, workers, store, pair, prompts):
+    address = f"127.0.0.1:{coordinator.port}"
+    pool = coordinator.coordinator.pool
+    draft = workers["draft"]
+    greedy = [Stream(sf.request(p, max_new_tokens=MAX_NEW, ignore_eos=True, gamma=4)) for p in prompts[:3]]
+    sampled = Stream(
+        sf.request(prompts[3], max_new_tokens=MAX_NEW, temperature=1.0, seed=3, ignore_eos=True, gamma=4)
+    )
+    streams = [*greedy, sampled]
+    tasks = [asyncio.create_task(s.run(address, timeout_s=120)) for s in streams]
+    await wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), timeout_s=90, what="3 tokens each")
+    draft.kill()
+    at_kill = [len(s.tokens) for s in streams]
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=150)
+
+    assert any(n < MAX_NEW for n in at_kill), "every session had finished before the kill"
+    for s in streams:
+        await assert_stream_is_log(store, s)
+    for prompt, s in zip(prompts, greedy, strict=False):
+        assert s.tokens == reference(pair, prompt, MAX_NEW)
+    assert pool.drafts.failures(draft.address) >= 1 or not pool.drafts.is_up(draft.address)
+
+    # A session started after the kill runs at gamma = 0 throughout: no proposals, same output.
+    after = await Stream(sf.request(prompts[4], max_new_tokens=16, ignore_eos=True, gamma=4)).run(address)
+    await assert_stream_is_log(store, after)
+    assert after.tokens == reference(pair, prompts[4], 16)
+    assert after.stats.proposed_tokens == 0
