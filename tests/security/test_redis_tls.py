@@ -1,0 +1,80 @@
+"""Redis over TLS with a password (``rediss://:PASSWORD@host:port/0?ssl_ca_certs=CA``).
+
+A real redis-server listens on a TLS port only (``--port 0``), presents the
+test CA's server certificate and requires a password. The whole stack runs
+against it, and a plaintext ``redis://`` client cannot use it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+
+import pytest
+import system_fixtures as sf
+from redis_server import free_port
+from security_helpers import running_roles
+
+from specserve import errors
+from specserve.params import SamplingParams, StopConditions
+from specserve.store import SessionStore
+
+PASSWORD = f"pw-{uuid.uuid4().hex}"
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tmp_path_factory, pki):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis-tls")
+    args = [
+        binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+        "--tls-cert-file", str(pki.server.cert), "--tls-key-file", str(pki.server.key),
+        "--tls-ca-cert-file", str(pki.ca), "--tls-auth-clients", "no",
+        "--requirepass", PASSWORD, "--save", "", "--appendonly", "no", "--dir", str(workdir),
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("redis-server with TLS did not start") from None
+                time.sleep(0.02)
+        yield f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={pki.ca}", port
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_the_stack_runs_on_a_password_protected_tls_redis(tls_redis, sec_pair, sec_models):
+    url, port = tls_redis
+    plain = SessionStore.from_url(f"redis://:{PASSWORD}@127.0.0.1:{port}/0")
+    try:
+        with pytest.raises(errors.Unavailable):  # the TLS port does not speak plaintext
+            await plain.create("x", [1], SamplingParams(), StopConditions())
+    finally:
+        await plain.close()
+    wrong = SessionStore.from_url(url.replace(PASSWORD, "wrong-password"))
+    try:
+        with pytest.raises(errors.Unavailable) as info:
+            await wrong.create("y", [1], SamplingParams(), StopConditions())
+        assert "Authentication" in str(info.value) and PASSWORD not in str(info.value)
+    finally:
+        await wrong.close()
+
+    async with running_roles(sec_pair, sec_models, url) as roles:
+        req = sf.request([5, 6, 7, 8], max_new_tokens=6, gamma=2, ignore_eos=True)
+        out = await sf.generate(roles.address, req)
+        assert out.stats is not None and len(out.token_ids) == 6
+        record = await roles.coordinator.coordinator.store.load(out.stats.session_id)
+        assert list(record.token_ids[4:]) == out.token_ids
