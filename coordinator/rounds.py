@@ -110,9 +110,9 @@ class RoundLoop:
             drafted = await self._propose(gamma)
             if drafted is not None:
                 proposal = drafted
-        proposed = len(proposal.token_ids)
         item = target_pb2.VerifyItem(base=s.base.to_pb(), proposal=proposal)
-        batched = await self._verify(item)
+        batched, item = await self._verify(item)
+        proposed = len(item.proposal.token_ids)
         result = batched.item
         s.stats.verify_ns += batched.call_ns
         s.stats.queue_ns += batched.queue_ns
@@ -145,7 +145,7 @@ class RoundLoop:
             except errors.FailedPrecondition:
                 # The draft lacks tokens before start_position: resend everything.
                 reply = await self._shielded(self._call_propose(client, 0, s.token_ids, gamma))
-        except errors.SpecServeError as exc:
+        except Exception as exc:  # any draft fault: this round runs at gamma = 0
             wall = time.perf_counter_ns() - start_ns
             s.stats.draft_ns += wall
             s.draft_endpoint = None
@@ -155,7 +155,7 @@ class RoundLoop:
                 "draft_fault_gamma_0",
                 endpoint=endpoint,
                 error=type(exc).__name__,
-                message=exc.message,
+                message=str(exc),
                 backoff_s=backoff,
             )
             return None
@@ -187,7 +187,13 @@ class RoundLoop:
         )
 
     # ---- Verify -------------------------------------------------------------------------
-    async def _verify(self, item: target_pb2.VerifyItem) -> BatchedResult:
+    async def _verify(self, item: target_pb2.VerifyItem) -> tuple[BatchedResult, target_pb2.VerifyItem]:
+        """Verify ``item`` on the session's replica, failing over; returns the result and the item sent.
+
+        A batch refused as malformed (INVALID_ARGUMENT: one item's proposal is bad, e.g. a draft bug)
+        commits nothing for anyone; each of its sessions then retries with an empty proposal
+        (gamma = 0), which cannot be malformed, so a bad draft never fails the sessions it rode with.
+        """
         s = self.session
         last_exc: Exception | None = None
         for attempt in range(MAX_VERIFY_ATTEMPTS):
@@ -206,13 +212,20 @@ class RoundLoop:
                 metrics.REPLICA_FAILURES.labels(tier="target").inc()
                 self._log.warning("target_failover", endpoint=endpoint, error=str(exc), version=s.version)
                 continue
+            except errors.InvalidArgument as exc:
+                if not item.proposal.token_ids:
+                    raise
+                last_exc = exc
+                self._log.error("verify_refused_proposal_gamma_0", endpoint=endpoint, error=exc.message)
+                item = target_pb2.VerifyItem(base=item.base, proposal=common_pb2.Proposal())
+                continue
             except (errors.DeadlineExceeded, errors.ResourceExhausted) as exc:
                 last_exc = exc
                 self._log.warning("verify_retry", endpoint=endpoint, error=str(exc), version=s.version)
                 await asyncio.sleep(0.05 * (attempt + 1))
                 continue
             self.pool.targets.mark_ok(endpoint)
-            return batched
+            return batched, item
         raise errors.Unavailable(
             f"no target replica could verify session {s.session_id} after {MAX_VERIFY_ATTEMPTS} attempts"
             + (f" (last error: {last_exc})" if last_exc else ""),

@@ -90,6 +90,16 @@ async def build_coordinator(
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings)
     store = store or SessionStore.from_url(settings.redis_url.get_secret_value())
     pool = WorkerPool(settings, CostModel())
+    try:
+        return await _check_workers(settings, pool, store, tokenizer)
+    except BaseException:
+        await pool.close()
+        raise
+
+
+async def _check_workers(
+    settings: CoordinatorSettings, pool: WorkerPool, store: SessionStore, tokenizer: Any
+) -> Coordinator:
     targets = await _infos(pool.target_clients)
     drafts = await _infos(pool.draft_clients)
     max_gamma = settings.max_gamma
@@ -100,12 +110,14 @@ async def build_coordinator(
         max_gamma = min(max_gamma, *(i.max_gamma for i in targets.values()))
         for info in (*targets.values(), *drafts.values()):
             check_same_vocabulary(info.model, first.model)
+        target_batch = min(i.max_batch_size or settings.max_batch_size for i in targets.values())
+        for batcher in pool.batchers.values():
+            batcher.max_batch_size = min(batcher.max_batch_size, target_batch)
     else:
         log.warning("no_target_reachable_at_start", endpoints=settings.target_endpoints)
     if drafts:
         max_gamma = min(max_gamma, *(i.max_gamma for i in drafts.values()))
     if len(tokenizer) > vocab_size:
-        await pool.close()
         raise errors.VocabularyMismatch(
             f"the coordinator's tokenizer has {len(tokenizer)} tokens but the target's vocabulary only {vocab_size}; "
             "point `tokenizer` at the target model's directory"

@@ -207,3 +207,41 @@ async def test_error_from_rpc_covers_every_status_code():
         assert isinstance(err, errors.SpecServeError) and "boom" in err.message
     assert isinstance(error_from_rpc(Fake(grpc.StatusCode.ABORTED), "h:1"), errors.VersionConflict)
     assert isinstance(error_from_rpc(Fake(grpc.StatusCode.INTERNAL), "h:1"), errors.Unavailable)
+
+
+async def test_a_malformed_proposal_falls_back_to_gamma_zero_instead_of_failing(stack, store):
+    """A draft bug (a token outside the vocabulary) makes the target refuse the whole batch; the
+    round retries with an empty proposal and commits a plain target step."""
+    prompt = (5, 6, 7, 8)
+    sid = await _new_session(store, prompt)
+    session = Session(
+        sid, prompt, SAMPLING, STOP, SpeculationSettings(gamma=2, proposer=common_pb2.PROPOSER_KIND_MODEL)
+    )
+    loop = RoundLoop(
+        session, pool=stack.coordinator.coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8
+    )
+    bad = target_pb2.VerifyItem(
+        base=session.base.to_pb(), proposal=common_pb2.Proposal(token_ids=[100000, 3])
+    )
+    batched, sent = await loop._verify(bad)
+    assert not sent.proposal.token_ids
+    assert batched.item.verdict is not None and batched.item.verdict.new_version == 1
+    assert (await store.load(sid)).version == 1
+    loop.detach()
+    await loop.release()
+
+
+async def test_a_draft_with_another_vocabulary_is_refused_at_start(
+    stack, pair, tmp_path_factory, redis_server
+):
+    from coordinator.server import build_coordinator
+
+    other = sf.tiny_vocab_pair(tmp_path_factory, vocab_size=6)
+    async with sf.local_stack(other, redis_server.url, with_draft=True) as foreign:
+        settings = CoordinatorSettings(
+            redis_url=redis_server.url,
+            target_endpoints=[f"127.0.0.1:{stack.target_ports[0]}"],
+            draft_endpoints=[f"127.0.0.1:{foreign.draft_port}"],
+        )
+        with pytest.raises(errors.VocabularyMismatch, match="vocabulary"):
+            await build_coordinator(settings, tokenizer=pair.tokenizer)
