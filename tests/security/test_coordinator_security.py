@@ -137,11 +137,11 @@ async def test_request_size_limits(roles):
 class _Held:
     """A Generate stream opened and read up to its first chunk, then left running until cancelled."""
 
-    def __init__(self, address: str, token: str) -> None:
+    def __init__(self, address: str, token: str | None) -> None:
         self.channel = grpc.aio.insecure_channel(address)
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
         req = sf.request(PROMPT, max_new_tokens=32, gamma=0, ignore_eos=True)
-        self.call = stub.Generate(req, timeout=120, metadata=_auth(token))
+        self.call = stub.Generate(req, timeout=120, metadata=_auth(token) if token else ())
 
     async def start(self) -> _Held:
         first = await self.call.read()
@@ -234,3 +234,23 @@ async def test_no_secret_in_logs_and_one_request_id_across_all_three_roles(roles
 
 def secret_redis_url() -> str:
     return f"redis://:{REDIS_PASSWORD}@127.0.0.1/0"
+
+
+async def test_without_auth_the_per_client_limit_keys_on_the_peer_address(sec_pair, sec_models, redis_server):
+    """Auth off: every local client is 127.0.0.1, so a second concurrent session from here is refused."""
+    limits = {"max_sessions_per_client": 1}
+    async with running_roles(
+        sec_pair, sec_models, redis_server.url, coordinator=limits, proxy_target=True
+    ) as r:
+        r.proxy.delay_s = HOLD_DELAY_S
+        held = _Held(r.address, token=None)
+        try:
+            await held.start()
+            refused = await _refused(r.address, sf.request(PROMPT, max_new_tokens=2, gamma=0))
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "this client" in refused.details()
+            # A token does not make a new client while authentication is off.
+            refused = await _refused(r.address, sf.request(PROMPT, max_new_tokens=2), _auth("made-up"))
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            r.proxy.delay_s = 0.0
+            await held.cancel()
