@@ -94,3 +94,27 @@ async def test_model_proposer_is_accepted_sometimes(stack, prompts, expected):
     out = await sf.generate(stack.address, sf.request(prompts[0], max_new_tokens=MAX_NEW, gamma=4))
     assert out.token_ids == expected[0]
     assert out.stats.proposed_tokens >= 4
+
+
+@pytest.mark.parametrize("draft_top_k", [0, 5], ids=["dense", "sparse-top5"])
+async def test_sampled_generation_is_reproducible_by_seed_and_is_the_log(stack, store, prompts, draft_top_k):
+    """The same seed with the same (fixed) speculation schedule reproduces the same tokens; a
+    different seed gives a different sample; every stream equals its Redis log."""
+
+    def req(seed):
+        return sf.request(
+            prompts[1],
+            max_new_tokens=MAX_NEW,
+            temperature=1.0,
+            seed=seed,
+            gamma=3,
+            draft_top_k=draft_top_k,
+            ignore_eos=True,
+        )
+
+    a, b, c = await asyncio.gather(*(sf.generate(stack.address, req(seed)) for seed in (42, 42, 43)))
+    assert a.token_ids == b.token_ids and len(a.token_ids) == MAX_NEW
+    assert c.token_ids != a.token_ids
+    assert a.stats.seed == 42 and a.stats.proposed_tokens > 0
+    for out in (a, b, c):
+        await assert_stream_is_log(store, out)
