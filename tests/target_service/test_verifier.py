@@ -12,6 +12,7 @@ import torch
 from target_helpers import (
     GREEDY,
     assert_cache_holds,
+    fresh_logits,
     greedy_continuation,
     item,
     make_verifier,
@@ -22,7 +23,9 @@ from target_helpers import (
 
 from specserve.errors import NotFound, SessionFinished, VersionConflict
 from specserve.params import SamplingParams, StopConditions, Verdict
+from specserve.sampling import logits_to_probs
 from specserve.v1 import common_pb2
+from specserve.verification import DraftProposal, verify_batch
 from target_service.messages import VerifyBatch
 
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 11)
@@ -380,4 +383,67 @@ async def test_lost_compare_and_set_rolls_the_branch_back(target, store, rivals)
     nxt = await verify_one(verifier, current)
     assert nxt.verdict.committed_token_ids == tuple(greedy_continuation(target, current.token_ids, 1))
     assert_cache_holds(verifier, record.session_id, current.token_ids + nxt.verdict.committed_token_ids)
+    verifier.close()
+
+
+async def test_sampled_verdicts_equal_the_sampler_on_target_only_distributions(target, draft, store):
+    """Over several rounds of draft proposals with every processor on (temperature, top-k, top-p, min-p,
+    repetition penalty), each verdict equals ``verify_batch`` run by hand on target-only distributions from
+    fresh prefills with the tentative prefix as penalty context: the verifier feeds the sampler the right p."""
+    params = SamplingParams(
+        temperature=0.9, top_k=60, top_p=0.9, min_p=0.01, repetition_penalty=1.3, seed=2024
+    )
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT, params)
+    gen = torch.Generator().manual_seed(11)
+    seen: set[int] = set()
+    for _ in range(6):
+        # q = half the draft's distribution, half the target's: any q is exact; this one gets accepted often.
+        seq, tokens, rows, p_rows = list(record.token_ids), [], [], []
+        for _ in range(3):
+            p_i = next_probs(target, seq, params)
+            q_i = 0.5 * next_probs(draft, seq, params) + 0.5 * p_i
+            tokens.append(int(torch.multinomial(q_i, 1, generator=gen)))
+            rows.append(q_i)
+            p_rows.append(p_i)
+            seq.append(tokens[-1])
+        p_rows.append(next_probs(target, seq, params))
+        p, probs = torch.stack(p_rows), torch.stack(rows)  # [4, vocab], [3, vocab]
+        want = verify_batch(
+            p[None], [DraftProposal(tuple(tokens), probs)], [params.seed], [record.committed_len]
+        )[0]
+        got = (await verify_one(verifier, record, tokens, probs)).verdict
+        assert got.accepted_count == want.accepted and got.bonus == want.bonus
+        assert got.committed_token_ids == want.emitted(tokens)
+        seen.add(want.accepted)
+        record = await store.load(record.session_id)
+    assert len(seen) >= 2, f"accepted counts {seen}: the rounds should mix acceptance and rejection"
+    assert_cache_holds(verifier, record.session_id, record.token_ids)
+    verifier.close()
+
+
+async def test_repetition_penalty_sees_the_tentative_prefix(target, store):
+    """Greedy with a strong repetition penalty, at a prompt where penalising the proposed x1 changes the argmax
+    of the next position: the target-only chain [x1, x2] (x1 penalised at position 2) is accepted whole, which
+    holds only if position i is processed with the context C + x[:i]."""
+    params = SamplingParams(temperature=0.0, repetition_penalty=3.0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(80):  # find a prompt where the tentative prefix matters (precondition of the test)
+        prompt = tuple(torch.randint(0, target.vocab_size, (6,), generator=gen).tolist())
+        x1 = int(next_probs(target, prompt, params).argmax())
+        logits = fresh_logits(target, (*prompt, x1))[-1:]
+        right = int(logits_to_probs(logits, params, [(*prompt, x1)])[0].argmax())
+        if right != int(logits_to_probs(logits, params, [prompt])[0].argmax()):
+            break
+    else:
+        pytest.fail("no prompt where the penalty context changes the argmax")
+    verifier = make_verifier(target, store)
+    record = await new_session(store, prompt, params)
+    verdict = (await verify_one(verifier, record, (x1, right))).verdict
+    assert verdict.accepted_count == 2 and verdict.bonus
+    assert verdict.committed_token_ids == (
+        x1,
+        right,
+        *greedy_continuation(target, (*prompt, x1, right), 1, params),
+    )
     verifier.close()
