@@ -338,8 +338,8 @@ async def run_all(args) -> dict:
 
     files, heldout_ok = heldout_files(args.target)
     prompts = {
-        "code": code_prompts(files, args.code_prompts),
-        "prose": prose_prompts(files, args.prose_prompts),
+        "code": code_prompts(files, args.code_prompts, max_chars=args.prompt_chars),
+        "prose": prose_prompts(files, args.prose_prompts, max_chars=args.prompt_chars // 2),
     }
     costs = measure_costs(target, draft, repeats=args.cost_repeats)
 
@@ -421,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--code-prompts", type=int, default=4)
     parser.add_argument("--prose-prompts", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--prompt-chars", type=int, default=600, help="characters of each prompt")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
     parser.add_argument("--load-duration-s", type=float, default=15.0)

@@ -29,6 +29,9 @@ log = structlog.get_logger(__name__)
 
 #: Trailing metadata key carrying ``SpecServeError.retry_after_s``.
 RETRY_AFTER_KEY = "specserve-retry-after-s"
+#: Trailing metadata key naming the exact error class, so the SDK can raise
+#: ``VersionConflict`` rather than only the ``Aborted`` its status code implies.
+ERROR_CLASS_KEY = "specserve-error"
 
 
 def status_code_for(exc: BaseException) -> grpc.StatusCode:
@@ -43,8 +46,10 @@ def status_code_for(exc: BaseException) -> grpc.StatusCode:
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     code = status_code_for(exc)
     if isinstance(exc, SpecServeError):
+        trailers = [(ERROR_CLASS_KEY, type(exc).__name__)]
         if exc.retry_after_s is not None:
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{exc.retry_after_s:g}"),))
+            trailers.append((RETRY_AFTER_KEY, f"{exc.retry_after_s:g}"))
+        context.set_trailing_metadata(tuple(trailers))
         log.info("rpc_error", method=method, code=code.name, message=exc.message)
         await context.abort(code, exc.message)
     log.error("rpc_internal_error", method=method, exc_info=exc)
@@ -154,7 +159,9 @@ def server_credentials(settings: CommonSettings) -> grpc.ServerCredentials | Non
     key = settings.tls_key_file.read_bytes()
     cert = settings.tls_cert_file.read_bytes()
     ca = settings.tls_ca_file.read_bytes() if settings.tls_ca_file else None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 async def create_server(

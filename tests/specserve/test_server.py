@@ -9,7 +9,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specserve import errors
 from specserve.config import CommonSettings
-from specserve.server import RETRY_AFTER_KEY, Registration, create_server, status_code_for
+from specserve.server import ERROR_CLASS_KEY, RETRY_AFTER_KEY, Registration, create_server, status_code_for
 
 SERVICE = "test.Raiser"
 
@@ -54,6 +54,7 @@ async def test_every_domain_error_maps_to_its_status(running, cls):
     assert info.value.code() == grpc.StatusCode[cls.grpc_code_name]
     assert info.value.code() != grpc.StatusCode.INTERNAL
     assert info.value.details() == f"{cls.__name__} happened"
+    assert dict(info.value.trailing_metadata())[ERROR_CLASS_KEY] == cls.__name__
 
 
 def test_every_error_class_names_a_real_non_ok_code():
