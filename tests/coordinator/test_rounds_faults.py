@@ -5,6 +5,8 @@
   greedy output, each token streamed once.
 * The draft service stops: generation continues at gamma = 0 and finishes with
   the same greedy output; later sessions run without a draft.
+* The draft is slow (behind a delaying link): its deadline expires, the round
+  runs at gamma = 0, same greedy output.
 * A client cancels: the session's caches are released on the draft and the
   target, its lease is dropped, and it commits nothing more.
 """
@@ -156,3 +158,39 @@ async def test_cancellation_releases_caches_on_both_workers(pair, redis_server, 
         await asyncio.sleep(0.3)
         assert (await store.load(sid)).version == record.version, "a cancelled session must stop committing"
         assert stack.coordinator.coordinator.active_sessions == 0
+
+
+async def test_slow_draft_hits_its_deadline_and_the_round_runs_at_gamma_zero(
+    pair, redis_server, prompt, expected
+):
+    """The draft is reachable only through a link adding 5 s per chunk; with a 2 s deadline the
+    Propose call fails with DEADLINE_EXCEEDED, the draft's breaker opens, and the session
+    finishes at gamma = 0 with the target's greedy output."""
+    from tcp_proxy import DelayProxy
+
+    from coordinator.server import start_coordinator
+    from specserve.config import CoordinatorSettings
+
+    async with sf.local_stack(pair, redis_server.url) as stack:
+        proxy = await DelayProxy("127.0.0.1", stack.draft_port, delay_s=0.0).start()
+        settings = CoordinatorSettings(
+            host="127.0.0.1",
+            port=0,
+            redis_url=redis_server.url,
+            target_endpoints=[f"127.0.0.1:{p}" for p in stack.target_ports],
+            draft_endpoints=[proxy.address],
+            rpc_timeout_s=2.0,
+        )
+        app = await start_coordinator(settings, tokenizer=pair.tokenizer)
+        try:
+            proxy.delay_s = 5.0
+            out = await sf.generate(
+                f"127.0.0.1:{app.port}", sf.request(prompt, max_new_tokens=8, gamma=2, ignore_eos=True)
+            )
+            assert out.token_ids == expected[:8]
+            assert out.stats.proposed_tokens == 0
+            assert out.stats.draft_ns >= 2e9  # it did wait for the draft, up to the deadline
+            assert app.coordinator.pool.drafts.failures(proxy.address) >= 1
+        finally:
+            await app.stop(0.5)
+            await proxy.stop()
