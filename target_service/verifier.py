@@ -61,7 +61,7 @@ import contextvars
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -99,7 +99,6 @@ class _Work:
     logits: torch.Tensor | None = None  # [gamma + 1, vocab] float32: p_1..p_{gamma+1} before processing
     outcome: VerifyOutcome | None = None
     verdict: Verdict | None = None
-    contexts: list[tuple[int, ...]] = field(default_factory=list)
 
     @property
     def n(self) -> int:
