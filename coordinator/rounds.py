@@ -206,7 +206,7 @@ class RoundLoop:
             self.pool.assign(s.session_id, endpoint)
             try:
                 batched = await self._shielded(self.pool.batchers[endpoint].submit(item))
-            except (errors.Unavailable, WorkerError) as exc:
+            except (errors.Unavailable, WorkerError, errors.Cancelled) as exc:  # Cancelled: by the server
                 last_exc = exc
                 self.pool.targets.mark_failed(endpoint)
                 metrics.REPLICA_FAILURES.labels(tier="target").inc()
