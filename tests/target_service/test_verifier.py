@@ -7,6 +7,8 @@ prefills without any cache.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from target_helpers import (
@@ -446,4 +448,32 @@ async def test_repetition_penalty_sees_the_tentative_prefix(target, store):
         right,
         *greedy_continuation(target, (*prompt, x1, right), 1, params),
     )
+    verifier.close()
+
+
+async def test_concurrent_and_cancelled_calls_commit_once(target, store):
+    """Two concurrent Verify calls for the same (session, version) commit once: the second replays the first's
+    verdict. A call cancelled by its caller after it started still finishes its round (caches never see half a
+    round), and the caller's retry gets that verdict back as a replay."""
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT)
+    chain = greedy_continuation(target, PROMPT, 3)
+    batch = VerifyBatch(items=(item(record, chain[:2]),))
+    first, second = await asyncio.gather(verifier.verify(batch), verifier.verify(batch))
+    assert [first.results[0].replayed, second.results[0].replayed] == [False, True]
+    assert first.results[0].verdict == second.results[0].verdict
+    assert await store.read_tokens(record.session_id) == PROMPT + tuple(chain)
+
+    record = await store.load(record.session_id)
+    batch = VerifyBatch(items=(item(record),))
+    call = asyncio.ensure_future(verifier.verify(batch))
+    await asyncio.sleep(0)  # the call starts its round ...
+    call.cancel()  # ... and its caller goes away
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    retry = (await verifier.verify(batch)).results[0]
+    assert retry.replayed and retry.verdict.new_version == record.version + 1
+    committed = await store.read_tokens(record.session_id)
+    assert committed == record.token_ids + retry.verdict.committed_token_ids
+    assert_cache_holds(verifier, record.session_id, committed)
     verifier.close()
