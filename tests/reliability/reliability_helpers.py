@@ -2,7 +2,9 @@
 streaming a Generate call while watching its progress, and the nothing-lost checks.
 
 * :func:`start_role` runs ``python -m specserve.cli serve ROLE --FLAG VALUE ...`` on a free
-  127.0.0.1 port (float32 on CPU, no warm-up); :meth:`RoleProcess.kill` is ``kill -9``;
+  127.0.0.1 port; :class:`RoleLauncher` runs the same ``specserve.cli.main(["serve", ...])``
+  in processes forked from one pre-imported launcher (start-up in seconds instead of a
+  torch import per role); :meth:`RoleProcess.kill` is ``kill -9``;
   :func:`wait_serving` polls the standard gRPC health service until every role answers
   SERVING (or one exits, whose log tail is then shown).
 * :class:`LoopThread` runs an asyncio loop in a daemon thread, so that synchronous tests
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -61,8 +64,9 @@ class RoleProcess:
 
     role: str
     port: int
-    proc: subprocess.Popen
+    pid: int
     log_path: Path
+    popen: subprocess.Popen | None = None  # set when this process started it (not the launcher)
 
     @property
     def address(self) -> str:
@@ -70,22 +74,35 @@ class RoleProcess:
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        if self.popen is not None:
+            return self.popen.poll() is None
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _wait_gone(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.alive:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def kill(self) -> None:
         """``kill -9``: no drain, no goodbye."""
-        if self.alive:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        if not self._wait_gone(30):
+            raise RuntimeError(f"{self.role} (pid {self.pid}) survived SIGKILL")
 
     def stop(self) -> None:
         """SIGTERM (graceful), then SIGKILL after a few seconds."""
-        if self.alive:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+        if not self._wait_gone(10):
+            self.kill()
 
     def log_tail(self, chars: int = 3000) -> str:
         try:
@@ -94,26 +111,86 @@ class RoleProcess:
             return "(no log)"
 
 
-def start_role(role: str, flags: Mapping[str, Any], *, log_dir: Path) -> RoleProcess:
-    """Start ``python -m specserve.cli serve ROLE`` on a free loopback port with ``flags``
-    (``{"redis_url": ..., "model": ...}``; True/False become ``--x`` / ``--no-x``)."""
-    port = free_port()
-    args = [sys.executable, "-m", "specserve.cli", "serve", role, "--host", "127.0.0.1", "--port", str(port)]
+def serve_argv(role: str, port: int, flags: Mapping[str, Any]) -> list[str]:
+    """``serve ROLE --host 127.0.0.1 --port PORT --flag value ...`` (True/False: ``--x`` / ``--no-x``)."""
+    argv = ["serve", role, "--host", "127.0.0.1", "--port", str(port)]
     for name, value in flags.items():
         flag = "--" + name.replace("_", "-")
         if value is True:
-            args.append(flag)
+            argv.append(flag)
         elif value is False:
-            args.append("--no-" + name.replace("_", "-"))
+            argv.append("--no-" + name.replace("_", "-"))
         elif isinstance(value, (list, tuple)):
-            args += [flag, ",".join(str(v) for v in value)]
+            argv += [flag, ",".join(str(v) for v in value)]
         else:
-            args += [flag, str(value)]
+            argv += [flag, str(value)]
+    return argv
+
+
+def _child_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def start_role(role: str, flags: Mapping[str, Any], *, log_dir: Path) -> RoleProcess:
+    """Start ``python -m specserve.cli serve ROLE`` on a free loopback port with ``flags``
+    (``{"redis_url": ..., "model": ...}``)."""
+    port = free_port()
+    args = [sys.executable, "-m", "specserve.cli", *serve_argv(role, port, flags)]
     log_path = log_dir / f"{role}-{port}.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-    return RoleProcess(role=role, port=port, proc=proc, log_path=log_path)
+        proc = subprocess.Popen(
+            args, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=_child_env()
+        )
+    return RoleProcess(role=role, port=port, pid=proc.pid, log_path=log_path, popen=proc)
+
+
+class RoleLauncher:
+    """Starts roles as forks of one pre-imported process (``role_zygote.py``), each running
+    ``specserve.cli.main(["serve", ROLE, ...])``: the same CLI path as :func:`start_role`,
+    without paying the torch/transformers import once per role. Close it to end the launcher."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self._stderr = open(log_dir / "launcher.log", "wb")
+        self._proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("role_zygote.py"))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            cwd=REPO_ROOT,
+            env=_child_env(),
+            text=True,
+        )
+        self._ready = False
+
+    def _wait_ready(self) -> None:
+        if not self._ready:
+            line = self._proc.stdout.readline().strip()
+            if line != "ready":
+                raise RuntimeError(
+                    f"the role launcher did not start: {line!r} (see {self.log_dir}/launcher.log)"
+                )
+            self._ready = True
+
+    def start(self, role: str, flags: Mapping[str, Any]) -> RoleProcess:
+        self._wait_ready()
+        port = free_port()
+        log_path = self.log_dir / f"{role}-{port}.log"
+        request = {"argv": serve_argv(role, port, flags), "log": str(log_path)}
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        pid = int(self._proc.stdout.readline())
+        return RoleProcess(role=role, port=port, pid=pid, log_path=log_path)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._stderr.close()
 
 
 def worker_flags(model_dir: Path, redis_url: str, **extra: Any) -> dict[str, Any]:
@@ -136,7 +213,7 @@ def wait_serving(roles: list[RoleProcess], *, timeout_s: float) -> None:
     while pending:
         for role in list(pending):
             if not role.alive:
-                raise RuntimeError(f"{role.role} exited with {role.proc.returncode}:\n{role.log_tail()}")
+                raise RuntimeError(f"{role.role} (pid {role.pid}) exited:\n{role.log_tail()}")
             with grpc.insecure_channel(role.address) as channel:
                 try:
                     reply = health_pb2_grpc.HealthStub(channel).Check(

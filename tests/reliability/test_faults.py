@@ -17,6 +17,8 @@ target's own ``generate()``.
   UNAVAILABLE to the coordinator instead of the reply. The retry must get the
   recorded verdict back (``replayed``), identical to the dropped one, and
   nothing is streamed twice.
+* **Redis stall** (``CLIENT PAUSE ALL`` for 2.5 s, data kept): sessions pause and
+  resume; nothing lost or repeated.
 * **Network delay to the draft**: the coordinator reaches the draft through a
   TCP proxy adding 30 ms to every chunk; generation completes with the draft
   still in use (proposals made, its breaker never opened) and the same output.
@@ -293,3 +295,27 @@ async def test_network_delay_to_the_draft_still_completes_with_the_same_output(p
     assert pool.drafts.failures(draft_ep) == 0 and pool.drafts.is_up(draft_ep), (
         "the delay opened the draft's breaker"
     )
+
+
+async def test_redis_stall_pauses_sessions_which_then_resume(proxied, store, redis_server, pair, prompts):
+    """Redis answers nothing for 2.5 s (``CLIENT PAUSE ALL``, shorter than the clients' 5 s socket
+    timeout): sessions wait and then resume, losing and repeating nothing."""
+    app, _, _ = proxied
+    max_new = 40
+    greedy = [Stream(sf.request(p, max_new_tokens=max_new, ignore_eos=True, gamma=2)) for p in prompts[:3]]
+    sampled = Stream(
+        sf.request(prompts[3], max_new_tokens=max_new, temperature=1.0, seed=9, ignore_eos=True, gamma=2)
+    )
+    streams = [*greedy, sampled]
+    tasks = [asyncio.create_task(s.run(_address(app), timeout_s=90)) for s in streams]
+    await wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), timeout_s=60, what="3 tokens each")
+    async with aioredis.Redis.from_url(redis_server.url) as admin:
+        await admin.execute_command("CLIENT", "PAUSE", 2500, "ALL")
+    at_pause = [len(s.tokens) for s in streams]
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
+
+    assert any(n < max_new for n in at_pause), "every session had finished before the stall"
+    for s in streams:
+        await assert_stream_is_log(store, s)
+    for p, s in zip(prompts, greedy, strict=False):
+        assert s.tokens == reference(pair, p, max_new)

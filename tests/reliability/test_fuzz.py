@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 import pytest
 import system_fixtures as sf
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from reliability_helpers import CLEAN_CODES, LoopThread
 
@@ -64,21 +64,42 @@ FLOAT = st.one_of(
     st.sampled_from([0.0, 0.5, 1.0, -1.0, float("nan"), float("inf"), -float("inf"), 1e-45, 3.4e38]),
     st.floats(width=32),
 )
-TOKEN = st.one_of(st.integers(0, VOCAB - 1), st.integers(0, VOCAB - 1), U32)
-TOKENS = st.lists(TOKEN, max_size=24)
+GOOD_TOKEN = st.integers(0, VOCAB - 1)
+TOKEN = st.one_of(GOOD_TOKEN, GOOD_TOKEN, U32)
+
+
+def defects(draw, fields: list[str]) -> set[str]:
+    """Which fields of a request to draw from their wild strategy: none (a well-formed
+    request, reaching the model and Redis) in about a third of the examples, else one or two."""
+    return draw(st.sets(st.sampled_from(fields), max_size=2))
+
+
+def pick(draw, bad: set[str], name: str, good, wild):
+    return draw(wild if name in bad else good)
 
 
 @st.composite
-def sampling(draw) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(
-        temperature=draw(st.one_of(st.sampled_from([0.0, 0.7, 1.0]), FLOAT)),
-        top_k=draw(st.one_of(st.just(0), st.integers(1, VOCAB + 2), U32)),
-        min_p=draw(st.one_of(st.just(0.0), FLOAT)),
-    )
-    if draw(st.booleans()):
-        pb.top_p = draw(st.one_of(st.sampled_from([0.9, 1.0]), FLOAT))
-    if draw(st.booleans()):
-        pb.repetition_penalty = draw(st.one_of(st.sampled_from([1.0, 1.3]), FLOAT))
+def sampling(draw, wild: bool = False) -> common_pb2.SamplingParams:
+    if not wild:
+        pb = common_pb2.SamplingParams(
+            temperature=draw(st.sampled_from([0.0, 0.0, 0.7, 1.0, 1.5])),
+            top_k=draw(st.sampled_from([0, 0, 1, 5, VOCAB])),
+            min_p=draw(st.sampled_from([0.0, 0.0, 0.05])),
+        )
+        if draw(st.booleans()):
+            pb.top_p = draw(st.sampled_from([0.5, 0.9, 1.0]))
+        if draw(st.booleans()):
+            pb.repetition_penalty = draw(st.sampled_from([1.0, 1.3, 0.8]))
+    else:
+        pb = common_pb2.SamplingParams(
+            temperature=draw(FLOAT),
+            top_k=draw(st.one_of(st.integers(0, VOCAB + 2), U32)),
+            min_p=draw(FLOAT),
+        )
+        if draw(st.booleans()):
+            pb.top_p = draw(FLOAT)
+        if draw(st.booleans()):
+            pb.repetition_penalty = draw(FLOAT)
     if draw(st.booleans()):
         pb.seed = draw(U64)
     return pb
@@ -104,33 +125,32 @@ def _dense_bytes(kind: str, seed: int, token: int) -> bytes:
 
 
 @st.composite
-def distribution(draw, token: int) -> common_pb2.DraftDistribution:
+def distribution(draw, token: int, wild: bool) -> common_pb2.DraftDistribution:
+    """The distribution shipped with ``token``: a valid dense or sparse one, or a broken one."""
+    if not wild:
+        if draw(st.booleans()):
+            raw = _dense_bytes("good", draw(st.integers(0, 2**16)), token)
+            return common_pb2.DraftDistribution(dense=common_pb2.DenseDistribution(probs_f32le=raw))
+        support = sorted({token, *draw(st.lists(GOOD_TOKEN, max_size=4))})
+        probs = [1.0 / len(support)] * len(support)
+        return common_pb2.DraftDistribution(
+            sparse=common_pb2.SparseDistribution(token_ids=support, probs=probs)
+        )
     kind = draw(
         st.sampled_from(
-            [
-                "good",
-                "good",
-                "nan",
-                "negative",
-                "unnormalised",
-                "zero_at_token",
-                "inf",
-                "bytes",
-                "sparse",
-                "empty",
-            ]
+            ["nan", "negative", "unnormalised", "zero_at_token", "inf", "bytes", "sparse", "empty"]
         )
     )
     if kind == "bytes":  # wrong length, or random content of the right length
         raw = draw(st.one_of(st.binary(max_size=64), st.binary(min_size=4 * VOCAB, max_size=4 * VOCAB)))
         return common_pb2.DraftDistribution(dense=common_pb2.DenseDistribution(probs_f32le=raw))
-    if kind == "sparse":
+    if kind == "sparse":  # bad ids, bad or mismatched probabilities
         ids = draw(st.lists(TOKEN, max_size=6))
         probs = draw(
             st.lists(
                 st.one_of(st.just(1.0 / max(len(ids), 1)), FLOAT),
-                min_size=len(ids),
-                max_size=len(ids) + draw(st.integers(0, 1)),
+                min_size=max(len(ids) - 1, 0),
+                max_size=len(ids) + 1,
             )
         )
         return common_pb2.DraftDistribution(sparse=common_pb2.SparseDistribution(token_ids=ids, probs=probs))
@@ -140,87 +160,130 @@ def distribution(draw, token: int) -> common_pb2.DraftDistribution:
     return common_pb2.DraftDistribution(dense=common_pb2.DenseDistribution(probs_f32le=raw))
 
 
-@st.composite
-def verify_item_plan(draw) -> dict:
-    """A VerifyItem with placeholders (KNOWN, None = the known session's current value)."""
-    sid = draw(st.sampled_from([KNOWN, KNOWN, KNOWN, "", "no-such-session"]) | st.text(max_size=20))
-    committed_len = draw(st.sampled_from([None, None, 0]) | U32)
-    version = draw(st.sampled_from([None, None, 0, 1]) | U64)
-    tokens = draw(st.one_of(TOKENS, st.lists(st.integers(0, VOCAB - 1), min_size=17, max_size=40)))
-    mode = draw(st.sampled_from(["none", "per_token", "per_token", "count_mismatch"]))
-    if mode == "none":
-        dists = []
-    elif mode == "per_token":
-        dists = [draw(distribution(t)) for t in tokens]
-    else:
-        dists = [
-            draw(distribution(0))
-            for _ in range(len(tokens) + draw(st.sampled_from([-1, 1, 2])) if tokens else 1)
-        ]
-    return {
-        "sid": sid,
-        "committed_len": committed_len,
-        "version": version,
-        "tokens": tokens,
-        "dists": dists,
-        "has_base": draw(st.booleans()) or sid == KNOWN,
-    }
+VERIFY_FIELDS = ["sid", "committed_len", "version", "tokens", "dists", "dist_count", "base", "items"]
 
 
 @st.composite
 def verify_plan(draw) -> dict:
-    greedy = draw(st.booleans())
-    items = draw(st.lists(verify_item_plan(), max_size=3))
-    if draw(st.integers(0, 19)) == 0:
-        items = items * 20  # more items than max_batch_size (and duplicate sessions)
-    return {"greedy": greedy, "items": items}
+    """One VerifyRequest, as placeholders: KNOWN is a session created for the example,
+    None its current length / version."""
+    bad = defects(draw, VERIFY_FIELDS)
+    tokens = pick(
+        draw,
+        bad,
+        "tokens",
+        st.lists(GOOD_TOKEN, max_size=6),
+        st.one_of(st.lists(TOKEN, max_size=24), st.lists(GOOD_TOKEN, min_size=17, max_size=40)),
+    )
+    with_dists = "dists" in bad or draw(st.booleans())
+    dists = [draw(distribution(t, wild="dists" in bad)) for t in tokens] if with_dists else []
+    if "dist_count" in bad:
+        dists = dists[:-1] if dists else [draw(distribution(0, wild=False))]
+    item = {
+        "sid": pick(
+            draw, bad, "sid", st.just(KNOWN), st.sampled_from(["", "no-such-session"]) | st.text(max_size=20)
+        ),
+        "committed_len": pick(draw, bad, "committed_len", st.none(), st.sampled_from([0, 1]) | U32),
+        "version": pick(draw, bad, "version", st.none(), st.sampled_from([1, 2]) | U64),
+        "tokens": tokens,
+        "dists": dists,
+        "has_base": "base" not in bad,
+    }
+    items = [item]
+    if "items" in bad:
+        items = draw(st.sampled_from([[], [item, item], [item] * 40]))  # none, duplicates, too many
+    return {"greedy": draw(st.booleans()), "items": items}
+
+
+PROPOSE_FIELDS = [
+    "sid",
+    "base",
+    "start",
+    "tokens",
+    "committed_len",
+    "version",
+    "gamma",
+    "proposer",
+    "top_k",
+    "sampling",
+]
 
 
 @st.composite
 def propose_plan(draw) -> dict:
-    tokens = draw(st.one_of(TOKENS, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24)))
-    start = draw(st.sampled_from([0, 0, 0, 1]) | U32)
-    consistent = draw(st.booleans())
+    bad = defects(draw, PROPOSE_FIELDS)
+    tokens = pick(
+        draw, bad, "tokens", st.lists(GOOD_TOKEN, min_size=1, max_size=24), st.lists(TOKEN, max_size=24)
+    )
+    start = pick(draw, bad, "start", st.just(0), st.sampled_from([1, 5]) | U32)
+    consistent = start + len(tokens)
     return {
-        "sid": draw(st.sampled_from(["fresh", "fresh", "", "known-to-none"]) | st.text(max_size=20)),
+        "sid": pick(draw, bad, "sid", st.just("fresh"), st.sampled_from([""]) | st.text(max_size=20)),
         "start": start,
         "tokens": tokens,
-        "committed_len": start + len(tokens) if consistent and start + len(tokens) < 2**32 else draw(U32),
-        "version": draw(st.sampled_from([0, 1]) | U64),
-        "gamma": draw(st.one_of(st.integers(0, 6), st.integers(17, 64), U32)),
-        "proposer": draw(ENUM),
-        "draft_top_k": draw(st.one_of(st.just(0), st.integers(1, VOCAB + 1), U32)),
+        "committed_len": consistent if "committed_len" not in bad and consistent < 2**32 else draw(U32),
+        "version": pick(draw, bad, "version", st.just(0), U64),
+        "gamma": pick(draw, bad, "gamma", st.integers(0, 8), st.one_of(st.integers(17, 64), U32)),
+        "proposer": pick(draw, bad, "proposer", st.sampled_from([0, 1, 2]), ENUM),
+        "draft_top_k": pick(
+            draw, bad, "top_k", st.sampled_from([0, 0, 3, 50]), st.one_of(st.integers(0, VOCAB + 1), U32)
+        ),
         "seed": draw(U64),
-        "sampling": draw(sampling()),
-        "has_base": draw(st.integers(0, 9)) > 0,
+        "sampling": draw(sampling(wild="sampling" in bad)),
+        "has_base": "base" not in bad,
     }
+
+
+GENERATE_FIELDS = ["prompt", "sampling", "max_new", "stop_ids", "stop_strings", "gamma", "proposer", "top_k"]
 
 
 @st.composite
 def generate_plan(draw) -> coordinator_pb2.GenerateRequest:
-    req = coordinator_pb2.GenerateRequest(sampling=draw(sampling()))
-    prompt = draw(st.sampled_from(["text", "tokens", "tokens", "none"]))
-    if prompt == "text":
-        req.text = draw(st.text(max_size=80))
-    elif prompt == "tokens":
-        req.tokens.token_ids.extend(
-            draw(
-                st.one_of(
-                    TOKENS,
-                    st.lists(st.integers(0, VOCAB - 1), min_size=MAX_PROMPT + 1, max_size=MAX_PROMPT + 40),
-                )
-            )
+    bad = defects(draw, GENERATE_FIELDS)
+    req = coordinator_pb2.GenerateRequest(sampling=draw(sampling(wild="sampling" in bad)))
+    if "prompt" not in bad:
+        if draw(st.booleans()):
+            req.text = draw(st.text(min_size=1, max_size=40).filter(str.strip))
+        else:
+            req.tokens.token_ids.extend(draw(st.lists(GOOD_TOKEN, min_size=1, max_size=MAX_PROMPT)))
+    else:
+        kind = draw(
+            st.sampled_from(["none", "empty_text", "empty_tokens", "oversize", "bad_ids", "odd_text"])
         )
-        if not req.tokens.token_ids and draw(st.booleans()):
-            req.tokens.SetInParent()  # an empty but present prompt
-    req.stop.max_new_tokens = draw(st.one_of(st.integers(0, MAX_NEW_LIMIT), U32))
-    req.stop.stop_token_ids.extend(draw(st.lists(TOKEN, max_size=3)))
-    req.stop.stop_strings.extend(draw(st.lists(st.text(max_size=4), max_size=3)))
+        if kind == "empty_text":
+            req.text = ""
+        elif kind == "empty_tokens":
+            req.tokens.SetInParent()
+        elif kind == "oversize":
+            req.tokens.token_ids.extend(
+                draw(st.lists(GOOD_TOKEN, min_size=MAX_PROMPT + 1, max_size=MAX_PROMPT + 60))
+            )
+        elif kind == "bad_ids":
+            req.tokens.token_ids.extend(draw(st.lists(TOKEN, min_size=1, max_size=10)))
+        elif kind == "odd_text":
+            req.text = draw(st.text(max_size=200))
+    req.stop.max_new_tokens = pick(draw, bad, "max_new", st.integers(0, MAX_NEW_LIMIT), U32)
+    req.stop.stop_token_ids.extend(
+        pick(draw, bad, "stop_ids", st.lists(GOOD_TOKEN, max_size=2), st.lists(TOKEN, max_size=4))
+    )
+    req.stop.stop_strings.extend(
+        pick(
+            draw,
+            bad,
+            "stop_strings",
+            st.lists(st.sampled_from(["\n", "def", ")"]), max_size=2),
+            st.lists(st.text(max_size=4), max_size=3),
+        )
+    )
     req.stop.ignore_eos = draw(st.booleans())
-    if draw(st.booleans()):
-        req.speculation.gamma = draw(st.one_of(st.integers(0, 8), U32))
-    req.speculation.proposer = draw(ENUM)
-    req.speculation.draft_top_k = draw(st.one_of(st.just(0), st.integers(1, VOCAB + 1), U32))
+    if "gamma" in bad:
+        req.speculation.gamma = draw(st.one_of(st.integers(9, 64), U32))
+    elif draw(st.booleans()):
+        req.speculation.gamma = draw(st.integers(0, 8))
+    req.speculation.proposer = pick(draw, bad, "proposer", st.sampled_from([0, 1, 2]), ENUM)
+    req.speculation.draft_top_k = pick(
+        draw, bad, "top_k", st.sampled_from([0, 0, 3, 50]), st.one_of(st.integers(VOCAB - 1, VOCAB + 1), U32)
+    )
     return req
 
 
@@ -291,6 +354,7 @@ def _code(fn) -> tuple[grpc.StatusCode, str]:
 
 
 def _assert_clean(code: grpc.StatusCode, details: str, request) -> None:
+    event(f"status {code.name}")  # shown by --hypothesis-show-statistics
     assert code in CLEAN_CODES, f"{code.name}: {details}\nrequest: {str(request)[:2000]}"
 
 
@@ -326,12 +390,18 @@ def test_target_verify_survives_bad_input(fuzz_stack, channels, plan):
             item.base.version = record.version if it["version"] is None else it["version"]
         item.proposal.token_ids.extend(it["tokens"])
         item.proposal.distributions.extend(it["dists"])
-    code, details = _code(lambda: stub.Verify(request, timeout=60))
+    replies = []
+    code, details = _code(lambda: replies.append(stub.Verify(request, timeout=60)))
     _assert_clean(code, details, request)
-    if known is not None:  # whatever happened, the log is a well-formed extension of the prompt
+    if known is not None:  # whatever happened, the log is the prompt plus at most one verdict
         after = loop.run(store.load(known))
-        assert after.token_ids[: len(PROMPT)] == PROMPT
-        assert after.version in (0, 1) and (after.version == 1) == (after.committed_len > len(PROMPT))
+        verdicts = [
+            r.verdict for r in (replies[0].results if replies else ()) if r.WhichOneof("outcome") == "verdict"
+        ]
+        assert len(verdicts) <= 1
+        committed = tuple(verdicts[0].committed_token_ids) if verdicts else ()
+        assert after.token_ids == PROMPT + committed and after.version == (1 if verdicts else 0)
+        event("committed a verdict" if verdicts else "committed nothing")
 
 
 def test_target_still_verifies_correctly(fuzz_stack, channels, pair):

@@ -1,7 +1,9 @@
 """``kill -9`` of worker processes mid-generation (each worker is its own ``specserve serve`` process).
 
-Two target processes and one draft process are started with
-``python -m specserve.cli serve ROLE`` on free loopback ports (tiny float32
+Two target processes and one draft process run ``specserve serve ROLE``
+(``specserve.cli.main``) on free loopback ports, forked from one launcher that
+imported the stack once (``role_zygote.py``: start-up in seconds, not a torch
+import per process) (tiny float32
 Llama pair, the session's real Redis); the coordinator runs in the test process
 so the test can see which replica each session is bound to.
 
@@ -27,7 +29,6 @@ from pydantic import SecretStr
 from reliability_helpers import (
     Stream,
     assert_stream_is_log,
-    start_role,
     wait_serving,
     wait_until,
     worker_flags,
@@ -53,17 +54,19 @@ def prompts(pair):
 
 
 @pytest.fixture(scope="module")
-def workers(pair, redis_server, tmp_path_factory):
-    """{"targets": [RoleProcess, RoleProcess], "draft": RoleProcess}, started in parallel."""
-    log_dir = tmp_path_factory.mktemp("role-logs")
-    common = {"shutdown_grace_s": 1}
-    targets = [
-        start_role("target", worker_flags(pair.target_dir, redis_server.url, **common), log_dir=log_dir)
-        for _ in range(2)
-    ]
-    draft = start_role("draft", worker_flags(pair.draft_dir, redis_server.url, **common), log_dir=log_dir)
-    roles = [*targets, draft]
+def workers(role_launcher, pair, redis_server):
+    """{"targets": [RoleProcess, RoleProcess], "draft": RoleProcess}: ``specserve serve`` processes
+    forked from one pre-imported launcher (see ``role_zygote.py``)."""
+    launcher = role_launcher
+    roles = []
     try:
+        common = {"shutdown_grace_s": 1}
+        targets = [
+            launcher.start("target", worker_flags(pair.target_dir, redis_server.url, **common))
+            for _ in range(2)
+        ]
+        draft = launcher.start("draft", worker_flags(pair.draft_dir, redis_server.url, **common))
+        roles = [*targets, draft]
         wait_serving(roles, timeout_s=240)
         yield {"targets": targets, "draft": draft}
     finally:

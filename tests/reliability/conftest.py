@@ -1,0 +1,45 @@
+"""Fixtures of the reliability tests.
+
+``role_launcher`` (session): a :class:`~reliability_helpers.RoleLauncher` that forks
+``specserve serve ROLE`` processes from one pre-imported process. When the collected
+tests include ``test_kill.py`` it is started right after collection, so that its
+torch/transformers import runs while the earlier modules' tests do; it is closed at the
+end of the session (the role processes themselves are stopped by the tests' fixtures).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from reliability_helpers import RoleLauncher
+
+_LAUNCHER = pytest.StashKey[RoleLauncher]()
+_LOG_DIR = pytest.StashKey[Path]()
+
+
+def _start(config: pytest.Config) -> RoleLauncher:
+    if _LAUNCHER not in config.stash:
+        log_dir = Path(tempfile.mkdtemp(prefix="specserve-role-logs-"))
+        config.stash[_LOG_DIR] = log_dir
+        config.stash[_LAUNCHER] = RoleLauncher(log_dir)
+    return config.stash[_LAUNCHER]
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items) -> None:
+    if any(item.path.name == "test_kill.py" for item in items):
+        _start(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    launcher = config.stash.get(_LAUNCHER, None)
+    if launcher is not None:
+        launcher.close()
+        shutil.rmtree(config.stash[_LOG_DIR], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def role_launcher(request) -> RoleLauncher:
+    return _start(request.config)
