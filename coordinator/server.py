@@ -11,7 +11,6 @@ SIGINT (the CLI's entry point): health NOT_SERVING, drain the sessions, stop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,14 +24,12 @@ from coordinator.workers import WorkerInfo
 from specserve import errors
 from specserve.config import CoordinatorSettings
 from specserve.interceptors import BearerTokenInterceptor
-from specserve.logs import configure_logging, settings_secrets
 from specserve.models import check_same_vocabulary, resolve_model_path
 from specserve.server import (
     Registration,
     RunningServer,
     create_server,
-    serve_until_signal,
-    start_metrics_server,
+    run_role,
 )
 from specserve.store import SessionStore
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -165,11 +162,4 @@ async def start_coordinator(
 
 async def serve(settings: CoordinatorSettings) -> None:
     """Run a coordinator until SIGTERM / SIGINT, then shut it down gracefully."""
-    configure_logging(settings.log_format, settings.log_level, secrets=settings_secrets(settings))
-    app = await start_coordinator(settings)
-    start_metrics_server(settings.metrics_port, settings.host)
-    try:
-        await serve_until_signal(app.running, grace=settings.shutdown_grace_s)
-    finally:
-        with contextlib.suppress(Exception):
-            await app.stop()
+    await run_role(settings, lambda: start_coordinator(settings))

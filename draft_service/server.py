@@ -20,14 +20,12 @@ from draft_service.proposers import ModelProposer, NgramProposer
 from draft_service.servicer import DraftServicer
 from specserve.config import DraftSettings
 from specserve.kvcache import SessionCacheStore
-from specserve.logs import configure_logging, settings_secrets
 from specserve.models import LoadedModel, load_model, resolve_model_path
 from specserve.server import (
     Registration,
     RunningServer,
     create_server,
-    serve_until_signal,
-    start_metrics_server,
+    run_role,
 )
 from specserve.v1 import draft_pb2, draft_pb2_grpc
 
@@ -105,11 +103,4 @@ async def start_draft(settings: DraftSettings, *, model: LoadedModel | None = No
 
 async def serve(settings: DraftSettings) -> None:
     """Run a draft replica until SIGTERM / SIGINT, then shut it down gracefully."""
-    configure_logging(settings.log_format, settings.log_level, secrets=settings_secrets(settings))
-    app = await start_draft(settings)
-    start_metrics_server(settings.metrics_port, settings.host)
-    try:
-        assert app.running is not None
-        await serve_until_signal(app.running, grace=settings.shutdown_grace_s)
-    finally:
-        await app.stop()
+    await run_role(settings, lambda: start_draft(settings))

@@ -357,7 +357,6 @@ class SessionCacheStore:
         """Drop a session's cache; :class:`NotFound` when the store does not hold it."""
         if self._sessions.pop(session_id, None) is None:
             raise NotFound(f"session {session_id!r} has no cache here (never seen, released or evicted)")
-        log.info("session_released", session_id=session_id, reason="request")
 
     def release_expired(self) -> list[str]:
         """Release sessions idle for longer than ``ttl_s``; return their ids."""

@@ -51,6 +51,11 @@ def _redactor(secrets: Iterable[str]):
     return redact
 
 
+def _current_stderr(*_args: Any) -> structlog.PrintLogger:
+    """A logger writing to whatever ``sys.stderr`` is at the time of the call (it may be swapped)."""
+    return structlog.PrintLogger(file=sys.stderr)
+
+
 def configure_logging(
     fmt: str = "console", level: str = "info", *, secrets: Iterable[str] = (), stream: Any = None
 ) -> None:
@@ -69,6 +74,6 @@ def configure_logging(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=stream) if stream is not None else _current_stderr,
         cache_logger_on_first_use=False,
     )

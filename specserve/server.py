@@ -14,13 +14,14 @@ import asyncio
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specserve import logs
 from specserve.config import CommonSettings
 from specserve.errors import InvalidArgument, SpecServeError
 from specserve.interceptors import RequestIdInterceptor
@@ -226,3 +227,26 @@ def start_metrics_server(port: int | None, host: str = "0.0.0.0") -> int | None:
     bound = http_server.server_port
     log.info("metrics_started", port=bound)
     return bound
+
+
+class RoleApp(Protocol):
+    """What a role's ``start_*`` returns: its running server and a clean stop."""
+
+    running: RunningServer | None
+
+    async def stop(self, grace: float | None = None) -> None: ...
+
+
+async def run_role(settings: CommonSettings, start: Callable[[], Awaitable[RoleApp]]) -> None:
+    """The ``serve()`` of every role: logging, start, ``/metrics``, run until SIGTERM/SIGINT, stop."""
+    logs.configure_logging(settings.log_format, settings.log_level, secrets=logs.settings_secrets(settings))
+    app = await start()
+    start_metrics_server(settings.metrics_port, settings.host)
+    try:
+        assert app.running is not None
+        await serve_until_signal(app.running, grace=settings.shutdown_grace_s)
+    finally:
+        try:
+            await app.stop()
+        except Exception:
+            log.exception("stop_failed")

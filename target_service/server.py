@@ -15,16 +15,13 @@ from dataclasses import dataclass
 import structlog
 
 from specserve.config import TargetSettings
-from specserve.interceptors import RequestIdInterceptor
 from specserve.kvcache import SessionCacheStore
-from specserve.logs import configure_logging, settings_secrets
 from specserve.models import LoadedModel, load_model, resolve_model_path
 from specserve.server import (
     Registration,
     RunningServer,
     create_server,
-    serve_until_signal,
-    start_metrics_server,
+    run_role,
 )
 from specserve.store import SessionStore
 from specserve.v1 import target_pb2, target_pb2_grpc
@@ -110,7 +107,6 @@ async def start_target(
     app.running = await create_server(
         settings,
         [Registration(target_pb2_grpc.add_TargetServiceServicer_to_server, app.servicer, SERVICE_NAME)],
-        interceptors=[RequestIdInterceptor()],
         drain=app.drain,
     )
     log.info(
@@ -126,11 +122,4 @@ async def start_target(
 
 async def serve(settings: TargetSettings) -> None:
     """Run a target replica until SIGTERM / SIGINT, then shut it down gracefully."""
-    configure_logging(settings.log_format, settings.log_level, secrets=settings_secrets(settings))
-    app = await start_target(settings)
-    start_metrics_server(settings.metrics_port, settings.host)
-    try:
-        assert app.running is not None
-        await serve_until_signal(app.running, grace=settings.shutdown_grace_s)
-    finally:
-        await app.stop()
+    await run_role(settings, lambda: start_target(settings))
