@@ -17,8 +17,10 @@ Faults, and what a round does about them:
   sent to the next replica on the session's ring. That replica rebuilds the
   session from Redis; if the old replica had committed before dying, the new
   one answers with the recorded verdict (``replayed``), which is used exactly
-  like a fresh one. A deadline is retried on the same replica (the commit is
-  idempotent).
+  like a fresh one. A Verify past its deadline is treated the same way (a hung
+  replica is left for the next one; safe because the item is idempotent per
+  ``(session, version)``: whichever replica commits first, the other gets the
+  recorded verdict). RESOURCE_EXHAUSTED is retried on the same replica.
 * **Stale version** (ABORTED) or **log mismatch** (FAILED_PRECONDITION): the
   session re-reads its log from Redis and continues from there, emitting only
   tokens it had not emitted.
@@ -206,7 +208,8 @@ class RoundLoop:
             self.pool.assign(s.session_id, endpoint)
             try:
                 batched = await self._shielded(self.pool.batchers[endpoint].submit(item))
-            except (errors.Unavailable, WorkerError, errors.Cancelled) as exc:  # Cancelled: by the server
+            except (errors.Unavailable, WorkerError, errors.Cancelled, errors.DeadlineExceeded) as exc:
+                # Cancelled: by the server. DeadlineExceeded: the replica hangs; the item is idempotent.
                 last_exc = exc
                 self.pool.targets.mark_failed(endpoint)
                 metrics.REPLICA_FAILURES.labels(tier="target").inc()
@@ -219,7 +222,7 @@ class RoundLoop:
                 self._log.error("verify_refused_proposal_gamma_0", endpoint=endpoint, error=exc.message)
                 item = target_pb2.VerifyItem(base=item.base, proposal=common_pb2.Proposal())
                 continue
-            except (errors.DeadlineExceeded, errors.ResourceExhausted) as exc:
+            except errors.ResourceExhausted as exc:
                 last_exc = exc
                 self._log.warning("verify_retry", endpoint=endpoint, error=str(exc), version=s.version)
                 await asyncio.sleep(0.05 * (attempt + 1))
