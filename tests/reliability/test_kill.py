@@ -7,6 +7,8 @@ import per process) (tiny float32
 Llama pair, the session's real Redis); the coordinator runs in the test process
 so the test can see which replica each session is bound to.
 
+* One of two targets hangs (SIGSTOP): after the coordinator's deadline on a
+  Verify to it, its sessions move to the other replica and finish unchanged.
 * One of two targets is killed with SIGKILL while sessions stream: the
   sessions bound to it move to the other replica, which rebuilds them from
   Redis, and finish with the target's own greedy output.
@@ -21,6 +23,8 @@ once), every greedy stream equals ``generate()`` of the target alone.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 import pytest_asyncio
@@ -41,6 +45,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 TEXTS = ("class Point:\n    def", "for i in range(", "def add(a, b):", "import os\nimport", "the quick brown")
 MAX_NEW = 96
+RPC_TIMEOUT_S = 3.0  # the coordinator's deadline on worker calls: a hung replica is left after it
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +91,7 @@ async def coordinator(workers, pair, redis_server):
             target_endpoints=[t.address for t in workers["targets"]],
             draft_endpoints=[workers["draft"].address],
             tokenizer=pair.target_dir,
-            rpc_timeout_s=10.0,
+            rpc_timeout_s=RPC_TIMEOUT_S,
         )
     )
     yield app
@@ -102,6 +107,35 @@ async def store(redis_server):
 
 def reference(pair, prompt, n):
     return sf.reference_greedy(pair.target_dir, prompt, n, ignore_eos=True)
+
+
+async def test_a_hung_target_is_left_after_the_deadline(coordinator, workers, store, pair, prompts):
+    """SIGSTOP (a replica that hangs, neither answering nor refusing): once a Verify to it
+    passes its deadline the sessions bound to it move to the other replica and finish
+    with the same output; the hung replica's late commits, if any, change nothing."""
+    address = f"127.0.0.1:{coordinator.port}"
+    pool = coordinator.coordinator.pool
+    max_new = 48
+    streams = [Stream(sf.request(p, max_new_tokens=max_new, ignore_eos=True, gamma=2)) for p in prompts[:4]]
+    tasks = [asyncio.create_task(s.run(address, timeout_s=120)) for s in streams]
+    await wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), timeout_s=90, what="3 tokens each")
+    assigned = dict(pool._assigned)
+    by_endpoint = {
+        t.address: [sid for sid, ep in assigned.items() if ep == t.address] for t in workers["targets"]
+    }
+    victim = max(workers["targets"], key=lambda t: len(by_endpoint[t.address]))
+    at_stop = {id(s): len(s.tokens) for s in streams}
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=100)
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    for prompt, s in zip(prompts, streams, strict=False):
+        await assert_stream_is_log(store, s)
+        assert s.tokens == reference(pair, prompt, max_new)
+    moved = [s for s in streams if s.session_id in by_endpoint[victim.address]]
+    assert any(at_stop[id(s)] < max_new for s in moved), "no session was mid-generation on the hung target"
+    assert pool.targets.failures(victim.address) >= 1 or not pool.targets.is_up(victim.address)
 
 
 async def test_kill_9_of_one_target_moves_its_sessions_to_the_other(
