@@ -5,13 +5,13 @@ fault each session's streamed tokens must equal its committed log after the
 prompt (each token once, none missing), and every greedy session must equal the
 target's own ``generate()``.
 
-* **Redis restart** (``RedisServer.restart()``: killed, back on the same port,
-  empty): writes are paused first (``CLIENT PAUSE WRITE``) so the test knows
-  exactly what was committed. Each session either finished before, or fails with
+* **Redis restart** (killed, back on the same port, empty): writes are paused
+  first (``CLIENT PAUSE WRITE``) so the test knows exactly what was committed. Each session either finished before, or fails with
   a clean status (UNAVAILABLE / FAILED_PRECONDITION, never INTERNAL) having
   streamed a prefix of its committed log and nothing beyond it; nothing of the
-  old sessions is written to the new Redis (no half-applied commit); a new
-  session afterwards works (the store reconnected).
+  old sessions is written to the new Redis (no half-applied commit); a session
+  asked for while Redis is down is refused with UNAVAILABLE; a new session
+  afterwards works (the store reconnected).
 * **Dropped Verify reply**: a client interceptor on the coordinator's target
   channel lets a Verify reach the target (which commits) and then raises
   UNAVAILABLE to the coordinator instead of the reply. The retry must get the
@@ -99,7 +99,11 @@ async def test_redis_restart_fails_sessions_cleanly_and_never_half_applies(pair,
             await admin.execute_command("CLIENT", "PAUSE", 20000, "WRITE")  # commits wait; reads go on
             committed = await _snapshot(admin)
             streamed_at_pause = [len(s.tokens) for s in streams]
-            server.restart()  # killed while paused: everything is lost, same port
+            server.stop()  # killed while paused: everything is lost
+            # While Redis is down a new session is refused with UNAVAILABLE, before any token.
+            refused = await Stream(sf.request(prompts[4], max_new_tokens=4)).run(stack.address, timeout_s=30)
+            assert refused.code == grpc.StatusCode.UNAVAILABLE and not refused.tokens, refused.details
+            server.start()  # back on the same port, empty
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
 
             by_prompt = {tuple(c["tokens"][: c["prompt_len"]]): (sid, c) for sid, c in committed.items()}
