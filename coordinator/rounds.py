@@ -20,7 +20,11 @@ Faults, and what a round does about them:
   like a fresh one. A Verify past its deadline is treated the same way (a hung
   replica is left for the next one; safe because the item is idempotent per
   ``(session, version)``: whichever replica commits first, the other gets the
-  recorded verdict). RESOURCE_EXHAUSTED is retried on the same replica.
+  recorded verdict). RESOURCE_EXHAUSTED is retried on the same replica. A
+  failed batch opens its replica's breaker once (not once per session in it);
+  while every replica is backing off the round waits for the first breaker to
+  let a call through. The session fails with UNAVAILABLE after
+  ``MAX_VERIFY_ATTEMPTS`` failed calls or ``MAX_ALL_DOWN_WAIT_S`` of waiting.
 * **Stale version** (ABORTED) or **log mismatch** (FAILED_PRECONDITION): the
   session re-reads its log from Redis and continues from there, emitting only
   tokens it had not emitted.
@@ -55,6 +59,10 @@ T = TypeVar("T")
 
 #: Attempts of one Verify item across replicas and retries before the session fails.
 MAX_VERIFY_ATTEMPTS = 6
+#: Longest a round waits, in all, while every target replica is backing off (above the
+#: breaker's longest back-off, so a replica that recovers is tried before the session fails).
+MAX_ALL_DOWN_WAIT_S = 15.0
+ALL_DOWN_POLL_S = 0.25
 #: Re-reads of the log in a row that bring no progress before the session fails (a bug guard).
 MAX_FRUITLESS_RESYNCS = 3
 
@@ -198,12 +206,19 @@ class RoundLoop:
         """
         s = self.session
         last_exc: Exception | None = None
-        for attempt in range(MAX_VERIFY_ATTEMPTS):
+        attempt = 0
+        waited_s = 0.0
+        while attempt < MAX_VERIFY_ATTEMPTS:
             endpoint = self.pool.targets.choose(s.session_id)
             if endpoint is None:
-                # Every replica is backing off; wait for the soonest to be retried.
-                await asyncio.sleep(min(0.5 * (attempt + 1), 2.0))
+                # Every replica is backing off: wait (without spending an attempt) until a breaker
+                # lets a call through, so a replica that recovers within its back-off is used.
+                if waited_s >= MAX_ALL_DOWN_WAIT_S:
+                    break
+                await asyncio.sleep(ALL_DOWN_POLL_S)
+                waited_s += ALL_DOWN_POLL_S
                 continue
+            attempt += 1
             self._targets_used.add(endpoint)
             self.pool.assign(s.session_id, endpoint)
             try:
@@ -211,8 +226,9 @@ class RoundLoop:
             except (errors.Unavailable, WorkerError, errors.Cancelled, errors.DeadlineExceeded) as exc:
                 # Cancelled: by the server. DeadlineExceeded: the replica hangs; the item is idempotent.
                 last_exc = exc
-                self.pool.targets.mark_failed(endpoint)
-                metrics.REPLICA_FAILURES.labels(tier="target").inc()
+                if self.pool.targets.is_up(endpoint):  # one failed batch counts once, not once per session
+                    self.pool.targets.mark_failed(endpoint)
+                    metrics.REPLICA_FAILURES.labels(tier="target").inc()
                 self._log.warning("target_failover", endpoint=endpoint, error=str(exc), version=s.version)
                 continue
             except errors.InvalidArgument as exc:
@@ -225,12 +241,12 @@ class RoundLoop:
             except errors.ResourceExhausted as exc:
                 last_exc = exc
                 self._log.warning("verify_retry", endpoint=endpoint, error=str(exc), version=s.version)
-                await asyncio.sleep(0.05 * (attempt + 1))
+                await asyncio.sleep(0.05 * attempt)
                 continue
             self.pool.targets.mark_ok(endpoint)
             return batched, item
         raise errors.Unavailable(
-            f"no target replica could verify session {s.session_id} after {MAX_VERIFY_ATTEMPTS} attempts"
+            f"no target replica could verify session {s.session_id} after {attempt} attempts"
             + (f" (last error: {last_exc})" if last_exc else ""),
             retry_after_s=1.0,
         )
