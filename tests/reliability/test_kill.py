@@ -9,9 +9,10 @@ so the test can see which replica each session is bound to.
 
 * One of two targets hangs (SIGSTOP): after the coordinator's deadline on a
   Verify to it, its sessions move to the other replica and finish unchanged.
-* One of two targets is killed with SIGKILL while sessions stream: the
-  sessions bound to it move to the other replica, which rebuilds them from
-  Redis, and finish with the target's own greedy output.
+* One of two targets is killed with SIGKILL while sessions stream, at a moment
+  when the other's circuit breaker is still open from earlier failures (8-10 s
+  back-off): the sessions wait for it, move to it, it rebuilds them from Redis,
+  and they finish with the target's own greedy output.
 * The draft is killed with SIGKILL while sessions stream: they continue at
   gamma = 0 and finish with the same greedy output; a later session runs
   without any proposals.
@@ -33,6 +34,8 @@ from pydantic import SecretStr
 from reliability_helpers import (
     Stream,
     assert_stream_is_log,
+    fork_roles,
+    start_role,
     wait_serving,
     wait_until,
     worker_flags,
@@ -59,18 +62,26 @@ def prompts(pair):
 
 
 @pytest.fixture(scope="module")
-def workers(role_launcher, pair, redis_server):
-    """{"targets": [RoleProcess, RoleProcess], "draft": RoleProcess}: ``specserve serve`` processes
-    forked from one pre-imported launcher (see ``role_zygote.py``)."""
-    launcher = role_launcher
+def workers(request, pair, redis_server, tmp_path_factory):
+    """{"targets": [RoleProcess, RoleProcess], "draft": RoleProcess}: ``specserve serve`` processes,
+    forked from the pre-imported launcher (``role_launcher``), or with
+    ``SPECSERVE_TEST_FORK_ROLES=0`` started as ``python -m specserve.cli serve ...`` each."""
+    if fork_roles():
+        launcher = request.getfixturevalue("role_launcher")
+        start = launcher.start
+    else:
+        log_dir = tmp_path_factory.mktemp("role-logs")
+
+        def start(role, flags):
+            return start_role(role, flags, log_dir=log_dir)
+
     roles = []
     try:
         common = {"shutdown_grace_s": 1}
         targets = [
-            launcher.start("target", worker_flags(pair.target_dir, redis_server.url, **common))
-            for _ in range(2)
+            start("target", worker_flags(pair.target_dir, redis_server.url, **common)) for _ in range(2)
         ]
-        draft = launcher.start("draft", worker_flags(pair.draft_dir, redis_server.url, **common))
+        draft = start("draft", worker_flags(pair.draft_dir, redis_server.url, **common))
         roles = [*targets, draft]
         wait_serving(roles, timeout_s=240)
         yield {"targets": targets, "draft": draft}
@@ -153,6 +164,11 @@ async def test_kill_9_of_one_target_moves_its_sessions_to_the_other(
         t.address: [sid for sid, ep in assigned.items() if ep == t.address] for t in workers["targets"]
     }
     victim = max(workers["targets"], key=lambda t: len(by_endpoint[t.address]))
+    (survivor,) = [t for t in workers["targets"] if t is not victim]
+    # The survivor failed recently and has recovered, but its breaker is still open for 8-10 s:
+    # the sessions must wait for it rather than give up while every replica is backing off.
+    backoff = max(pool.targets.mark_failed(survivor.address) for _ in range(5))
+    assert backoff >= 8.0
     victim.kill()
     at_kill = {id(s): len(s.tokens) for s in streams}
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=150)
