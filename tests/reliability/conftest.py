@@ -2,7 +2,7 @@
 
 ``role_launcher`` (session): a :class:`~reliability_helpers.RoleLauncher` that forks
 ``specserve serve ROLE`` processes from one pre-imported process. When the collected
-tests include ``test_kill.py`` it is started right after collection, so that its
+tests include ``test_kill.py`` (and ``SPECSERVE_TEST_FORK_ROLES`` is not ``0``) it is started right after collection, so that its
 torch/transformers import runs while the earlier modules' tests do; it is closed at the
 end of the session (the role processes themselves are stopped by the tests' fixtures).
 """
@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from reliability_helpers import RoleLauncher
+from reliability_helpers import RoleLauncher, fork_roles
 
 _LAUNCHER = pytest.StashKey[RoleLauncher]()
 _LOG_DIR = pytest.StashKey[Path]()
@@ -29,7 +29,7 @@ def _start(config: pytest.Config) -> RoleLauncher:
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items) -> None:
-    if any(item.path.name == "test_kill.py" for item in items):
+    if fork_roles() and any(item.path.name == "test_kill.py" for item in items):
         _start(config)
 
 

@@ -144,6 +144,12 @@ def start_role(role: str, flags: Mapping[str, Any], *, log_dir: Path) -> RolePro
     return RoleProcess(role=role, port=port, pid=proc.pid, log_path=log_path, popen=proc)
 
 
+def fork_roles() -> bool:
+    """Whether role processes are forked from a :class:`RoleLauncher` (default) or each started
+    as ``python -m specserve.cli serve`` (``SPECSERVE_TEST_FORK_ROLES=0``)."""
+    return os.environ.get("SPECSERVE_TEST_FORK_ROLES", "1") != "0"
+
+
 class RoleLauncher:
     """Starts roles as forks of one pre-imported process (``role_zygote.py``), each running
     ``specserve.cli.main(["serve", ROLE, ...])``: the same CLI path as :func:`start_role`,
