@@ -688,9 +688,11 @@ and training samples random {m['seq_len']}-token windows.
 - objective: {objective}
 - {steps} optimizer steps of batch {m['batch']} x {m['seq_len']} tokens ({steps * m['batch'] * m['seq_len']:,} tokens seen), AdamW (betas 0.9/0.95, weight decay 0.1), peak lr {lr}, {a['warmup']} warm-up steps, then cosine decay to 10% driven by a wall-clock budget of {budget:g} minutes (`--{role}-minutes`): the schedule follows max(step fraction, time fraction) and the phase ends when the budget is used{' (stopped early at the deadline)' if early else ''}
 - float32 on CPU, {a['threads']} torch thread(s), seed {m['seed']}. bf16 autocast was measured and not used: this CPU has no AVX-512 bf16, so bf16 was many times slower than float32.
-- the machine (2 cores) was shared with other engineers' test runs (load average around 10), which is why training was short.
+- the machine (2 cores) was shared with other engineers' test runs at the same time, which is why training was short.
 
-Held-out loss during training (float32 where final; {m['heldout_eval']}):
+{chr(10).join("- " + n for n in m.get("notes", []))}
+
+Held-out loss during training ({m['heldout_eval']}):
 
 {_fmt_hist(m['history'])}
 
@@ -710,8 +712,8 @@ can flip an argmax, so token identity is only guaranteed in float32.
 ## Reproduce
 
 ```
-python scripts/train_demo_pair.py {' '.join(m.get('argv', [])) or '(see training_meta.json: args)'}
-python -m bench.demo_pair --target models/{target_name} --draft models/{draft_name} --json models/{target_name}/bench_demo_pair.json
+{chr(10).join(m["commands"]) if m.get("commands") else "python scripts/train_demo_pair.py " + " ".join(m.get("argv", []))}
+{b['command']}
 python scripts/train_demo_pair.py --write-cards models/{target_name}/bench_demo_pair.json
 ```
 
