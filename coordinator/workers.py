@@ -1,6 +1,7 @@
 """Async gRPC clients of the draft and target workers, with deadlines and error translation.
 
-Each call carries a deadline of ``settings.rpc_timeout_s`` and a failed call
+Each call carries a deadline (``settings.draft_timeout_s`` for Propose,
+``settings.rpc_timeout_s`` for the rest) and a failed call
 becomes one of :mod:`specserve.errors` (:func:`error_from_rpc`), so the round
 loop reasons about ``Unavailable`` / ``DeadlineExceeded`` / ``VersionConflict``
 and never about ``grpc.RpcError``. Channels use the coordinator's message
@@ -125,6 +126,7 @@ class DraftClient:
     def __init__(self, endpoint: str, settings: CoordinatorSettings) -> None:
         self.endpoint = endpoint
         self._timeout = settings.rpc_timeout_s
+        self._propose_timeout = settings.draft_timeout_s
         self._channel = _channel(endpoint, settings)
         self._stub = draft_pb2_grpc.DraftServiceStub(self._channel)
 
@@ -155,7 +157,7 @@ class DraftClient:
         )
         try:
             reply = await self._stub.Propose(
-                request, timeout=timeout_s or self._timeout, metadata=outgoing_metadata()
+                request, timeout=timeout_s or self._propose_timeout, metadata=outgoing_metadata()
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.endpoint) from exc

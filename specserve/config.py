@@ -108,6 +108,9 @@ class CoordinatorSettings(CommonSettings):
     max_sessions_per_client: int = Field(64, ge=1, description="Concurrent sessions per authenticated client.")
     max_gamma: int = Field(8, ge=0, le=64, description="Largest gamma the policy may pick.")
     rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of each call to a worker.")
+    draft_timeout_s: float = Field(
+        5.0, gt=0, description="Deadline of each Propose; a slower draft makes that round run at gamma 0."
+    )
     auth_tokens: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="Bearer tokens accepted from clients; empty disables auth."
     )
