@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -120,18 +121,41 @@ def item_result_from_pb(pb: target_pb2.VerifyResult) -> ItemResult:
     return ItemResult(pb.session_id, None, False, cls(pb.error.message))
 
 
-class DraftClient:
-    """One draft replica."""
+class _WorkerClient:
+    """A channel to one worker replica; calls carry deadlines and the request id, errors become domain errors."""
 
-    def __init__(self, endpoint: str, settings: CoordinatorSettings) -> None:
+    def __init__(self, endpoint: str, settings: CoordinatorSettings, stub_class: type) -> None:
         self.endpoint = endpoint
         self._timeout = settings.rpc_timeout_s
-        self._propose_timeout = settings.draft_timeout_s
         self._channel = _channel(endpoint, settings)
-        self._stub = draft_pb2_grpc.DraftServiceStub(self._channel)
+        self._stub = stub_class(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()
+
+    async def _call(self, rpc: str, request: Any, timeout_s: float | None = None) -> Any:
+        # Looked up at call time: a test may swap the stub to inject faults.
+        method = getattr(self._stub, rpc)
+        try:
+            return await method(request, timeout=timeout_s or self._timeout, metadata=outgoing_metadata())
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, self.endpoint) from exc
+
+    async def _release(self, rpc: str, request: Any) -> bool:
+        """Drop a session on the worker; False when the worker did not hold it."""
+        try:
+            await self._call(rpc, request)
+        except errors.NotFound:
+            return False
+        return True
+
+
+class DraftClient(_WorkerClient):
+    """One draft replica."""
+
+    def __init__(self, endpoint: str, settings: CoordinatorSettings) -> None:
+        super().__init__(endpoint, settings, draft_pb2_grpc.DraftServiceStub)
+        self._propose_timeout = settings.draft_timeout_s
 
     async def propose(
         self,
@@ -155,61 +179,29 @@ class DraftClient:
             draft_top_k=draft_top_k,
             seed=sampling.seed,
         )
-        try:
-            reply = await self._stub.Propose(
-                request, timeout=timeout_s or self._propose_timeout, metadata=outgoing_metadata()
-            )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, self.endpoint) from exc
+        reply = await self._call("Propose", request, timeout_s or self._propose_timeout)
         return ProposeResult(reply.proposal, reply.draft_ns, reply.prefill_tokens)
 
     async def release(self, session_id: str) -> bool:
         """Drop the session's draft cache; False when the draft did not hold it."""
-        try:
-            await self._stub.ReleaseDraftSession(
-                draft_pb2.ReleaseDraftSessionRequest(session_id=session_id),
-                timeout=self._timeout,
-                metadata=outgoing_metadata(),
-            )
-        except grpc.RpcError as exc:
-            err = error_from_rpc(exc, self.endpoint)
-            if isinstance(err, errors.NotFound):
-                return False
-            raise err from exc
-        return True
+        return await self._release(
+            "ReleaseDraftSession", draft_pb2.ReleaseDraftSessionRequest(session_id=session_id)
+        )
 
     async def info(self, timeout_s: float | None = None) -> WorkerInfo:
-        try:
-            reply = await self._stub.GetDraftInfo(
-                draft_pb2.GetDraftInfoRequest(),
-                timeout=timeout_s or self._timeout,
-                metadata=outgoing_metadata(),
-            )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, self.endpoint) from exc
+        reply = await self._call("GetDraftInfo", draft_pb2.GetDraftInfoRequest(), timeout_s)
         return WorkerInfo(ModelInfo.from_pb(reply.model), reply.max_gamma)
 
 
-class TargetClient:
+class TargetClient(_WorkerClient):
     """One target replica."""
 
     def __init__(self, endpoint: str, settings: CoordinatorSettings) -> None:
-        self.endpoint = endpoint
-        self._timeout = settings.rpc_timeout_s
-        self._channel = _channel(endpoint, settings)
-        self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
-
-    async def close(self) -> None:
-        await self._channel.close()
+        super().__init__(endpoint, settings, target_pb2_grpc.TargetServiceStub)
 
     async def verify(self, items: Sequence[target_pb2.VerifyItem]) -> VerifyReply:
         """One batched Verify call; a failure of the whole call raises, per-item errors come back in results."""
-        try:
-            reply = await self._stub.Verify(
-                target_pb2.VerifyRequest(items=items), timeout=self._timeout, metadata=outgoing_metadata()
-            )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, self.endpoint) from exc
+        reply = await self._call("Verify", target_pb2.VerifyRequest(items=items))
         if len(reply.results) != len(items):
             raise WorkerError(
                 f"{self.endpoint}: Verify returned {len(reply.results)} results for {len(items)} items"
@@ -223,26 +215,10 @@ class TargetClient:
 
     async def release(self, session_id: str) -> bool:
         """Drop the session's target cache; False when the target did not hold it."""
-        try:
-            await self._stub.ReleaseTargetSession(
-                target_pb2.ReleaseTargetSessionRequest(session_id=session_id),
-                timeout=self._timeout,
-                metadata=outgoing_metadata(),
-            )
-        except grpc.RpcError as exc:
-            err = error_from_rpc(exc, self.endpoint)
-            if isinstance(err, errors.NotFound):
-                return False
-            raise err from exc
-        return True
+        return await self._release(
+            "ReleaseTargetSession", target_pb2.ReleaseTargetSessionRequest(session_id=session_id)
+        )
 
     async def info(self, timeout_s: float | None = None) -> WorkerInfo:
-        try:
-            reply = await self._stub.GetTargetInfo(
-                target_pb2.GetTargetInfoRequest(),
-                timeout=timeout_s or self._timeout,
-                metadata=outgoing_metadata(),
-            )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, self.endpoint) from exc
+        reply = await self._call("GetTargetInfo", target_pb2.GetTargetInfoRequest(), timeout_s)
         return WorkerInfo(ModelInfo.from_pb(reply.model), reply.max_gamma, reply.max_batch_size)
