@@ -322,7 +322,7 @@ def train_model(
             log.info("%s step %d/%d loss(ema) %.4f lr %.2e %s %.2f s/step", name, done, steps, ema, lr, extra, rate)
         if done % args.eval_every == 0 or done == steps:
             hl = heldout_loss(model, windows, args.bf16)
-            history.append({"step": done, "train_loss_ema": ema, "heldout_loss": hl, "elapsed_s": time.time() - t0, **extra})
+            history.append({"step": done, "train_loss_ema": ema, "heldout_loss": hl, "elapsed_s": elapsed_before + time.time() - t0, **extra})
             log.info("%s step %d held-out loss %.4f", name, done, hl)
         if done % args.ckpt_every == 0 or done == steps:
             save(done)
@@ -590,10 +590,10 @@ def write_cards(out_dir: Path, target_name: str, draft_name: str, bench_json: Pa
 {b['command']}
 ```
 
-on {b['date_utc']}, {b['machine']}. The machine was shared with other jobs
-(1-minute load average {b['cpu_load_avg_1m_at_start']:.1f} at the start, {b['cpu_load_avg_1m_at_end']:.1f}
-at the end, on 2 cores), so absolute times are inflated and noisy; ratios are
-more meaningful than milliseconds. Full results: `bench_demo_pair.json` in
+on {b['date_utc']}, {b['machine']}. Other engineers' jobs share this
+2-core machine (1-minute load average {b['cpu_load_avg_1m_at_start']:.1f} at the start, {b['cpu_load_avg_1m_at_end']:.1f}
+at the end), so milliseconds are noisy; the interleaved ratios are more
+meaningful than absolute times. Full results: `bench_demo_pair.json` in
 `{target_name}/`.
 
 | what | value |
