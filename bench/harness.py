@@ -433,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.report import write_report
     from specserve.cli import private_redis
+    from specserve.logs import configure_logging
+
+    configure_logging("console", "warning")  # per-round debug events would be timed too
 
     async def go():
         with private_redis(args.redis_url) as url:

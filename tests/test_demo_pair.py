@@ -2,7 +2,7 @@
 
 Loads both through ``AutoModelForCausalLM`` / ``AutoTokenizer`` exactly as a
 user would, checks they share one vocabulary, are float16 safetensors within
-the size budget, load quickly, and that greedy speculative decoding with them
+the size budget, and that greedy speculative decoding with them
 (draft proposes, target verifies argmax) reproduces the target's own
 ``generate(do_sample=False)`` on held-out code.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,6 @@ MODELS = Path(os.environ.get("SPECSERVE_DEMO_MODELS_DIR", Path(__file__).resolve
 TARGET = MODELS / "specserve-demo-target"
 DRAFT = MODELS / "specserve-demo-draft"
 BUDGET_BYTES = 40 * 1000 * 1000
-LOAD_LIMIT_S = 5.0
 
 
 def _dir_bytes(d: Path) -> int:
@@ -43,10 +41,9 @@ def loaded():
 
     out = {}
     for name, d in (("target", TARGET), ("draft", DRAFT)):
-        t0 = time.perf_counter()
         tok = AutoTokenizer.from_pretrained(d)
         model = AutoModelForCausalLM.from_pretrained(d).eval()
-        out[name] = (tok, model, time.perf_counter() - t0)
+        out[name] = (tok, model)
     return out
 
 
@@ -65,10 +62,9 @@ def test_files_are_fp16_safetensors_within_budget():
     assert total <= BUDGET_BYTES, f"{total / 1e6:.1f} MB > {BUDGET_BYTES / 1e6:.0f} MB"
 
 
-def test_load_fast_fp16_and_shared_vocab(loaded):
-    ttok, target, t_load = loaded["target"]
-    dtok, draft, d_load = loaded["draft"]
-    assert t_load < LOAD_LIMIT_S and d_load < LOAD_LIMIT_S, (t_load, d_load)
+def test_load_fp16_and_shared_vocab(loaded):
+    ttok, target = loaded["target"]
+    dtok, draft = loaded["draft"]
     assert next(target.parameters()).dtype == torch.float16
     assert next(draft.parameters()).dtype == torch.float16
     assert type(target).__name__ == type(draft).__name__ == "LlamaForCausalLM"
