@@ -15,7 +15,6 @@ from coordinator.workers import TargetClient
 from specserve import errors
 from specserve.config import CoordinatorSettings
 from specserve.params import SamplingParams, SessionBase, StopConditions
-from specserve.store import SessionStore
 from specserve.v1 import common_pb2, target_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -32,13 +31,6 @@ def pair(tmp_path_factory):
 async def stack(pair, redis_server):
     async with sf.local_stack(pair, redis_server.url, with_draft=False) as s:
         yield s
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store(redis_server):
-    s = SessionStore.from_url(redis_server.url)
-    yield s
-    await s.close()
 
 
 async def _sessions(store, n):

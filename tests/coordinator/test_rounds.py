@@ -47,13 +47,6 @@ async def stack(pair, redis_server):
         yield s
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store(redis_server):
-    s = SessionStore.from_url(redis_server.url)
-    yield s
-    await s.close()
-
-
 async def assert_stream_is_log(store: SessionStore, out: sf.Generated) -> None:
     assert out.stats is not None, "the stream must end with GenerationStats"
     record = await store.load(out.stats.session_id)

@@ -17,10 +17,8 @@ import asyncio
 
 import grpc
 import pytest
-import pytest_asyncio
 import system_fixtures as sf
 
-from specserve.store import SessionStore
 from specserve.v1 import coordinator_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -41,13 +39,6 @@ def prompt(pair):
 @pytest.fixture(scope="module")
 def expected(pair, prompt):
     return sf.reference_greedy(pair.target_dir, prompt, MAX_NEW, ignore_eos=True)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store(redis_server):
-    s = SessionStore.from_url(redis_server.url)
-    yield s
-    await s.close()
 
 
 async def _stream(stack, req):

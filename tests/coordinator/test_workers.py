@@ -42,13 +42,6 @@ async def stack(pair, redis_server):
         yield s
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store(redis_server):
-    s = SessionStore.from_url(redis_server.url)
-    yield s
-    await s.close()
-
-
 @pytest_asyncio.fixture(loop_scope="module")
 async def target(stack):
     client = TargetClient(f"127.0.0.1:{stack.target_ports[0]}", CoordinatorSettings(target_endpoints=["x:1"]))
