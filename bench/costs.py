@@ -1,6 +1,10 @@
 """Model-level costs on this machine: one decode step of each model, and one
 target pass over k positions (what verifying k - 1 draft tokens costs), all
-with a warm KV cache, batch 1, float32. Medians of ``repeats`` timings."""
+with a warm KV cache, batch 1, float32. Medians of ``repeats`` timings.
+
+The speculation bound these costs predict is the coordinator's own cost model
+(:func:`coordinator.cost_model.predicted_speedup`), not a copy of it.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+
+from bench.pair import forward, prefilled
+from coordinator.cost_model import predicted_speedup as cost_model_speedup
 
 
 @dataclass
@@ -25,20 +31,16 @@ class Costs:
 
 
 def _prefilled(model, length: int):
-    ids = torch.randint(0, model.config.vocab_size, (1, length))
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-    return cache
+    return prefilled(model, torch.randint(0, model.config.vocab_size, (length,)).tolist())
 
 
 def _time_pass(model, cache, k: int, repeats: int) -> float:
     times = []
-    ids = torch.randint(0, model.config.vocab_size, (1, k))
+    ids = torch.randint(0, model.config.vocab_size, (k,)).tolist()
     with torch.inference_mode():
         for _ in range(repeats + 3):
             start = time.perf_counter()
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            forward(model, ids, cache)
             times.append(time.perf_counter() - start)
             cache.crop(-k)
     return 1000.0 * statistics.median(times[3:])
@@ -53,14 +55,8 @@ def measure_costs(target, draft, *, context: int = 128, max_k: int = 9, repeats:
     )
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Expected committed tokens of a round with i.i.d. acceptance alpha: (1 - a^(g+1)) / (1 - a)."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
 def predicted_speedup(alpha: float, gamma: int, costs: Costs) -> float:
-    """Cost-model bound: tokens per round x target step / (gamma draft steps + one verify pass)."""
-    round_ms = gamma * costs.draft_step_ms + costs.verify_ms[gamma]
-    return expected_tokens(alpha, gamma) * costs.target_step_ms / round_ms
+    """The cost model's bound with these measured costs (``T_verify(k) = verify_ms[k - 1]``)."""
+    return cost_model_speedup(
+        alpha, gamma, costs.draft_step_ms, lambda k: costs.verify_ms[k - 1], costs.target_step_ms
+    )

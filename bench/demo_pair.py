@@ -38,43 +38,29 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
-
-def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype=torch.float32):
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    dtok = AutoTokenizer.from_pretrained(draft_dir)
-    if tok.get_vocab() != dtok.get_vocab():
-        raise ValueError("draft and target vocabularies differ")
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
-    return tok, target, draft
+from bench.pair import forward as _fwd
+from bench.pair import load_pair
+from bench.prompts import heldout_files
 
 
 def heldout_texts(model_dir: str | Path) -> list[tuple[str, str]]:
-    """``(relative path, text)`` of the held-out stdlib files of this pair."""
-    meta = json.loads((Path(model_dir) / "heldout_files.json").read_text())
+    """``(path relative to the stdlib, text)`` of the held-out stdlib files of this pair."""
+    files, listed = heldout_files(Path(model_dir))
+    if not listed:
+        raise FileNotFoundError(f"none of the held-out files of {model_dir} exist under the stdlib")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for rel in meta["files"]:
-        p = stdlib / rel
-        if p.exists():
-            out.append((rel, p.read_text(encoding="utf-8")))
-    if not out:
-        raise FileNotFoundError(f"none of the held-out files of {model_dir} exist under {stdlib}")
-    return out
+    return [(str(p.relative_to(stdlib)), p.read_text(encoding="utf-8")) for p in files]
 
 
 # --------------------------------------------------------------------------- decoding
 
 
-def _fwd(model, ids: list[int], cache: DynamicCache) -> torch.Tensor:
-    return model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0]
-
-
 @torch.inference_mode()
-def speculative_greedy(target, draft, prompt: list[int], max_new: int, gamma: int = 4,
-                       eos_id: int | None = None) -> tuple[list[int], dict]:
+def speculative_greedy(
+    target, draft, prompt: list[int], max_new: int, gamma: int = 4, eos_id: int | None = None
+) -> tuple[list[int], dict]:
     """Greedy speculative decoding in-process, both models with KV caches.
 
     Returns the new tokens (identical to target-only greedy decoding up to
@@ -101,7 +87,7 @@ def speculative_greedy(target, draft, prompt: list[int], max_new: int, gamma: in
                     logits = _fwd(draft, props[-1:], dc)[-1]
                     d_len += 1
         logits = _fwd(target, seq[t_len:] + props, tc)
-        best = logits[-(g + 1):].argmax(-1).tolist()
+        best = logits[-(g + 1) :].argmax(-1).tolist()
         k = 0
         while k < g and props[k] == best[k]:
             k += 1
@@ -152,7 +138,7 @@ def prompts_from(texts, tok, n: int, prompt_len: int, max_new: int) -> list[tupl
         if len(ids) < prompt_len + max_new:
             continue
         mid = (len(ids) - prompt_len) // 2
-        out.append((rel, ids[mid: mid + prompt_len]))
+        out.append((rel, ids[mid : mid + prompt_len]))
         if len(out) == n:
             break
     return out
@@ -170,7 +156,7 @@ def teacher_forced(target, draft, texts, tok, n_windows: int, seq_len: int) -> d
     alpha_sum = agree = n = 0.0
     ce_t = ce_d = 0.0
     for st in starts.tolist():
-        w = s[st: st + seq_len + 1][None]
+        w = s[st : st + seq_len + 1][None]
         lp = torch.log_softmax(target(input_ids=w[:, :-1]).logits[0].float(), -1)
         lq = torch.log_softmax(draft(input_ids=w[:, :-1]).logits[0].float(), -1)
         y = w[0, 1:]
@@ -179,8 +165,15 @@ def teacher_forced(target, draft, texts, tok, n_windows: int, seq_len: int) -> d
         ce_t += -lp.gather(1, y[:, None]).sum().item()
         ce_d += -lq.gather(1, y[:, None]).sum().item()
         n += len(y)
-    return {"alpha_T1": alpha_sum / n, "greedy_agreement": agree / n, "target_loss": ce_t / n,
-            "draft_loss": ce_d / n, "positions": int(n), "windows": n_windows, "window_len": seq_len}
+    return {
+        "alpha_T1": alpha_sum / n,
+        "greedy_agreement": agree / n,
+        "target_loss": ce_t / n,
+        "draft_loss": ce_d / n,
+        "positions": int(n),
+        "windows": n_windows,
+        "window_len": seq_len,
+    }
 
 
 @torch.inference_mode()
@@ -208,9 +201,14 @@ def step_costs(target, draft, gamma: int, context: int, steps: int, warmup: int,
             t_step.append(t2 - t1)
             t_verify.append(t3 - t2)
     ms = lambda xs: 1000 * statistics.median(xs)  # noqa: E731
-    out = {"target_step_ms": ms(t_step), "draft_step_ms": ms(d_step),
-           f"target_verify_{gamma + 1}_ms": ms(t_verify), "steps": steps, "warmup": warmup,
-           "context_tokens": context}
+    out = {
+        "target_step_ms": ms(t_step),
+        "draft_step_ms": ms(d_step),
+        f"target_verify_{gamma + 1}_ms": ms(t_verify),
+        "steps": steps,
+        "warmup": warmup,
+        "context_tokens": context,
+    }
     out["target_over_draft_step"] = out["target_step_ms"] / out["draft_step_ms"]
     out[f"verify_{gamma + 1}_over_target_step"] = out[f"target_verify_{gamma + 1}_ms"] / out["target_step_ms"]
     return out
@@ -235,14 +233,30 @@ def greedy_acceptance(target, draft, prompts, gamma: int, max_new: int, eos_id: 
         accepted += st["accepted"]
         rounds += st["rounds"]
         tokens += len(new)
-        per_prompt.append({"file": rel, "acceptance": st["accepted"] / max(1, st["proposed"]),
-                           "identical_to_target_greedy": same, **st})
-    return {"gamma": gamma, "acceptance": accepted / proposed, "proposed": proposed, "accepted": accepted,
-            "rounds": rounds, "tokens": tokens, "tokens_per_round": tokens / rounds,
-            "prompts": len(prompts), "max_new_tokens": max_new,
-            "outputs_identical_to_target_greedy": len(prompts) - mismatches,
-            "target_only_s": t_ref, "speculative_s": t_spec, "wall_clock_speedup": t_ref / t_spec,
-            "per_prompt": per_prompt}
+        per_prompt.append(
+            {
+                "file": rel,
+                "acceptance": st["accepted"] / max(1, st["proposed"]),
+                "identical_to_target_greedy": same,
+                **st,
+            }
+        )
+    return {
+        "gamma": gamma,
+        "acceptance": accepted / proposed,
+        "proposed": proposed,
+        "accepted": accepted,
+        "rounds": rounds,
+        "tokens": tokens,
+        "tokens_per_round": tokens / rounds,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new,
+        "outputs_identical_to_target_greedy": len(prompts) - mismatches,
+        "target_only_s": t_ref,
+        "speculative_s": t_spec,
+        "wall_clock_speedup": t_ref / t_spec,
+        "per_prompt": per_prompt,
+    }
 
 
 def main(argv=None) -> dict:
@@ -274,12 +288,15 @@ def main(argv=None) -> dict:
         "command": "python -m bench.demo_pair " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}), "
-                   f"torch {torch.__version__}, {args.threads} threads, float32, batch 1",
+        f"torch {torch.__version__}, {args.threads} threads, float32, batch 1",
         "cpu_load_avg_1m_at_start": os.getloadavg()[0],
-        "target": str(args.target), "draft": str(args.draft),
+        "target": str(args.target),
+        "draft": str(args.draft),
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
-        "load_s": load_s, "heldout_files": len(texts), "prompt_len": args.prompt_len,
+        "load_s": load_s,
+        "heldout_files": len(texts),
+        "prompt_len": args.prompt_len,
         "args": vars(args),
     }
     res["greedy"] = greedy_acceptance(target, draft, prompts, args.gamma, args.max_new, tok.eos_token_id)
@@ -293,20 +310,37 @@ def main(argv=None) -> dict:
         f"greedy_acceptance_gamma{args.gamma}_ge_0.6": g["acceptance"] >= 0.6,
     }
     rows = [
-        (f"(a) greedy acceptance, gamma={args.gamma}", f"{g['acceptance']:.3f}",
-         f"{g['accepted']}/{g['proposed']} over {g['rounds']} rounds, {g['prompts']} prompts"),
+        (
+            f"(a) greedy acceptance, gamma={args.gamma}",
+            f"{g['acceptance']:.3f}",
+            f"{g['accepted']}/{g['proposed']} over {g['rounds']} rounds, {g['prompts']} prompts",
+        ),
         ("    tokens per target pass", f"{g['tokens_per_round']:.2f}", ""),
-        ("    outputs == target-only greedy", f"{g['outputs_identical_to_target_greedy']}/{g['prompts']}", ""),
-        ("    wall-clock speedup vs target-only", f"{g['wall_clock_speedup']:.2f}x",
-         f"{g['target_only_s']:.2f}s -> {g['speculative_s']:.2f}s"),
+        (
+            "    outputs == target-only greedy",
+            f"{g['outputs_identical_to_target_greedy']}/{g['prompts']}",
+            "",
+        ),
+        (
+            "    wall-clock speedup vs target-only",
+            f"{g['wall_clock_speedup']:.2f}x",
+            f"{g['target_only_s']:.2f}s -> {g['speculative_s']:.2f}s",
+        ),
         ("(b) alpha at T=1", f"{tf['alpha_T1']:.3f}", f"{tf['positions']} teacher-forced positions"),
         ("(c) greedy agreement", f"{tf['greedy_agreement']:.3f}", ""),
-        ("    held-out loss target / draft", f"{tf['target_loss']:.3f} / {tf['draft_loss']:.3f}", "nats/token"),
+        (
+            "    held-out loss target / draft",
+            f"{tf['target_loss']:.3f} / {tf['draft_loss']:.3f}",
+            "nats/token",
+        ),
         ("(d) target decode step", f"{c['target_step_ms']:.2f} ms", f"median of {c['steps']}"),
         ("    draft decode step", f"{c['draft_step_ms']:.2f} ms", ""),
         ("    target / draft step", f"{c['target_over_draft_step']:.2f}x", ""),
-        (f"    target pass over {k} positions", f"{c[f'target_verify_{k}_ms']:.2f} ms",
-         f"{c[f'verify_{k}_over_target_step']:.2f}x one step"),
+        (
+            f"    target pass over {k} positions",
+            f"{c[f'target_verify_{k}_ms']:.2f} ms",
+            f"{c[f'verify_{k}_over_target_step']:.2f}x one step",
+        ),
     ]
     w = max(len(r[0]) for r in rows)
     print(f"{res['date_utc']}  {res['machine']}")

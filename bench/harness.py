@@ -2,11 +2,16 @@
 
 ``python -m bench.harness`` (or ``specserve bench``) measures, side by side:
 
-1. **Single stream** on code and prose prompts, greedy and temperature 1:
-   Hugging Face ``generate()`` of the target alone, Hugging Face assisted
-   generation (``assistant_model=`` the draft), and specserve through the whole
-   gRPC path with gamma = 0, fixed gamma in {1, 2, 4, 8}, the n-gram proposer
-   and the adaptive policy. Wall-clock per committed token, time to first token.
+1. **Single stream** on held-out prompt sets (``--prompt-sets``; for a chat
+   pair such as the default SmolLM2 pair: held-out chat questions, held-out code
+   requests, and ``copy``, requests whose answer repeats code given in the
+   prompt), greedy and temperature 0.7: Hugging Face ``generate()`` of the
+   target alone, Hugging Face assisted generation (``assistant_model=`` the
+   draft), Hugging Face prompt-lookup decoding (``prompt_lookup_num_tokens=8``),
+   and specserve through the whole gRPC path with gamma = 0, fixed gamma in
+   {1, 2, 4, 8}, the n-gram proposer and the adaptive policy (with the draft
+   model, and with the n-gram proposer). Wall-clock per committed token, time
+   to first token.
 2. **Under load**: open-loop Poisson arrivals at several rates for gamma = 0,
    the best fixed gamma and adaptive: throughput, TTFT and inter-token latency
    p50/p99, queue delay, target forward passes and positions (the accelerator
@@ -14,9 +19,32 @@
 3. **The bound**: the cost model's predicted speedup per gamma from the
    measured acceptance and measured draft / verify costs, and measured /
    predicted as the implementation's efficiency.
+4. **Sampling modes** (``--sampling-modes``): acceptance and ms/token of the
+   coupled mode against the optimal one at temperatures 0.7 and 1.0, and the
+   verdict on the default (:mod:`bench.sampling_modes`).
+   ``--only-sampling-modes`` runs this phase alone and writes
+   ``<out>/sampling_modes.json`` and ``<out>/sampling_modes.md`` instead::
+
+       specserve bench --only-sampling-modes --target DIR --draft DIR --out DIR
 
 Raw figures go to ``<out>/bench.json``; ``bench.report`` renders the Markdown
 report and the PNG plots from that file.
+
+``--predicted-outputs`` runs another mode instead (``bench/prediction.py``):
+ms per token with a prediction equal to the greedy continuation (and sent as
+text, and half wrong) against gamma = 0, into ``<out>/prediction.json`` and
+``prediction.md``; the full report renders the section too once the JSON is
+there.
+
+``--draft-scaling`` runs another mode instead (``bench/draft_scaling.py``):
+draft and verify ms per round and throughput for 1..32 concurrent sessions,
+with the draft's batching on and off, into ``<out>/draft_scaling.json``,
+``draft_scaling.md`` and ``draft_scaling.png``; the full report renders the
+section too once the JSON is there.
+
+The stack the harness starts admits as many sessions as a load point sends
+(no per-client cap), verifies up to 32 sessions per call and drafts up to
+``--draft-batch`` per pass (1: no draft batching).
 """
 
 from __future__ import annotations
@@ -36,12 +64,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench import sampling_modes
 from bench.costs import measure_costs
-from bench.prompts import Prompt, code_prompts, heldout_files, prose_prompts
+from bench.pair import ignore_eos, load_pair
+from bench.prompts import code_prompts, heldout_files
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TARGET = ROOT / "models" / "specserve-demo-target"
-DEFAULT_DRAFT = ROOT / "models" / "specserve-demo-draft"
+DEFAULT_TARGET = "smollm2-135m-instruct"  # registered names (specserve.model_registry), or directories
+DEFAULT_DRAFT = "specserve-smollm2-draft"
 
 #: specserve modes: name -> (gamma or None for adaptive, proposer)
 SPEC_MODES: dict[str, tuple[int | None, str]] = {
@@ -51,6 +81,7 @@ SPEC_MODES: dict[str, tuple[int | None, str]] = {
     "specserve gamma=4": (4, "model"),
     "specserve gamma=8": (8, "model"),
     "specserve n-gram gamma=4": (4, "ngram"),
+    "specserve n-gram adaptive": (None, "ngram"),
     "specserve adaptive": (None, "model"),
 }
 FIXED_GAMMAS = (1, 2, 4, 8)
@@ -83,18 +114,19 @@ class Run:
 
 
 def _hf_generate(
-    model, ids: torch.Tensor, max_new: int, temperature: float, seed: int, assistant=None
+    model, ids: torch.Tensor, max_new: int, temperature: float, seed: int, assistant=None, lookup: int = 0
 ) -> Run:
     kwargs = {
         "max_new_tokens": max_new,
-        "min_new_tokens": max_new,  # same token count as specserve's ignore_eos runs
         "do_sample": temperature > 0,
-        "pad_token_id": model.config.eos_token_id,
+        **ignore_eos(model),  # as specserve's ignore_eos runs
     }
     if temperature > 0:
         kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
     if assistant is not None:
         kwargs["assistant_model"] = assistant
+    if lookup:
+        kwargs["prompt_lookup_num_tokens"] = lookup
     torch.manual_seed(seed)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -151,23 +183,32 @@ async def _spec_generate(
 
 
 async def single_stream(
-    client, target, draft, tokenizer, prompts: dict[str, list[Prompt]], temperatures, max_new: int, seed: int
+    client,
+    target,
+    draft,
+    prompts: dict[str, list[tuple[str, list[int]]]],
+    temperatures,
+    max_new: int,
+    seed: int,
 ) -> list[Run]:
+    """Every (prompt set, prompt, temperature) through every mode, one after another."""
     runs: list[Run] = []
     jobs = [(s, p, t) for s, ps in prompts.items() for p in ps for t in temperatures]
-    modes = ["hf target-only", "hf assisted", *SPEC_MODES]
+    modes = ["hf target-only", "hf assisted", "hf prompt lookup", *SPEC_MODES]
     bar = tqdm(total=len(jobs) * len(modes), desc="single stream", unit="gen")
-    for set_name, prompt, temp in jobs:
-        ids = tokenizer(prompt.text, return_tensors="pt").input_ids
+    for set_name, (name, token_ids), temp in jobs:
+        ids = torch.tensor([token_ids])
         for mode in modes:
             if mode == "hf target-only":
                 run = _hf_generate(target, ids, max_new, temp, seed)
             elif mode == "hf assisted":
                 run = _hf_generate(target, ids, max_new, temp, seed, assistant=draft)
+            elif mode == "hf prompt lookup":
+                run = _hf_generate(target, ids, max_new, temp, seed, lookup=8)
             else:
                 gamma, proposer = SPEC_MODES[mode]
-                run, _ = await _spec_generate(client, ids[0].tolist(), max_new, temp, seed, gamma, proposer)
-            run.mode, run.prompt_set, run.prompt = mode, set_name, prompt.name
+                run, _ = await _spec_generate(client, token_ids, max_new, temp, seed, gamma, proposer)
+            run.mode, run.prompt_set, run.prompt = mode, set_name, name
             runs.append(run)
             bar.update()
     bar.close()
@@ -196,10 +237,19 @@ class LoadPoint:
     target_forward_passes: int
 
 
-def _metric(name: str) -> float:
-    from prometheus_client import REGISTRY
+def _metric(url: str, name: str) -> float:
+    """An unlabelled sample of the target's Prometheus metrics at ``url`` (the target runs in its own process)."""
+    from urllib.request import urlopen
 
-    return REGISTRY.get_sample_value(name) or 0.0
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and not sample.labels:
+                return float(sample.value)
+    return 0.0
 
 
 async def load_point(
@@ -212,6 +262,7 @@ async def load_point(
     gamma: int | None,
     mode: str,
     seed: int,
+    metrics_url: str,
 ) -> LoadPoint:
     rng = np.random.default_rng(seed)
     arrivals, t = [], 0.0
@@ -220,8 +271,8 @@ async def load_point(
         if t > duration_s:
             break
         arrivals.append(t)
-    positions0 = _metric("specserve_target_positions_processed_total")
-    passes0 = _metric("specserve_target_forward_seconds_count")
+    positions0 = _metric(metrics_url, "specserve_target_positions_processed_total")
+    passes0 = _metric(metrics_url, "specserve_target_forward_seconds_count")
     results: list[tuple[Run, list[tuple[float, int]]] | BaseException] = []
     start = time.perf_counter()
 
@@ -268,8 +319,8 @@ async def load_point(
         proposed_tokens=proposed,
         accepted_tokens=accepted,
         wasted_tokens=proposed - accepted,
-        target_positions=int(_metric("specserve_target_positions_processed_total") - positions0),
-        target_forward_passes=int(_metric("specserve_target_forward_seconds_count") - passes0),
+        target_positions=int(_metric(metrics_url, "specserve_target_positions_processed_total") - positions0),
+        target_forward_passes=int(_metric(metrics_url, "specserve_target_forward_seconds_count") - passes0),
     )
 
 
@@ -322,29 +373,29 @@ def greedy_identity(runs: list[Run]) -> dict:
 
 
 async def run_all(args) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from specserve.client import AsyncClient
-    from specserve.local import start_local_stack
+    from specserve.local import start_process_stack
+    from specserve.redis_server import free_port
 
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    target = AutoModelForCausalLM.from_pretrained(
-        args.target, local_files_only=True, dtype=torch.float32
-    ).eval()
-    draft = AutoModelForCausalLM.from_pretrained(
-        args.draft, local_files_only=True, dtype=torch.float32
-    ).eval()
+    tokenizer, target, draft = load_pair(args.target, args.draft)
 
-    files, heldout_ok = heldout_files(args.target)
-    prompts = {
-        "code": code_prompts(files, args.code_prompts, max_chars=args.prompt_chars),
-        "prose": prose_prompts(files, args.prose_prompts, max_chars=args.prompt_chars // 2),
-    }
+    names = args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer, copy=True)
+    prompts = sampling_modes.load_prompt_sets(names, tokenizer, args.target, args.prompts, args.prompt_chars)
+    heldout_ok = all(n in ("chat", "chat-code", "copy") for n in names) or heldout_files(args.target)[1]
     costs = measure_costs(target, draft, repeats=args.cost_repeats)
 
-    stack = await start_local_stack(
-        target_model=args.target, draft_model=args.draft, redis_url=args.redis_url
+    metrics_port = free_port()
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    # One process per role, as in production and in `specserve up`: the roles share no GIL with each other
+    # or with the HF baselines, which run here while the stack waits.
+    stack = await start_process_stack(
+        target_model=str(args.target),
+        draft_model=str(args.draft),
+        redis_url=args.redis_url,
+        target_overrides={"metrics_port": metrics_port},
+        draft_overrides={"max_batch_size": args.draft_batch},
+        coordinator_overrides=_coordinator_overrides(args.draft_batch),
     )
     try:
         async with AsyncClient(stack.address, timeout=600) as client:
@@ -352,10 +403,13 @@ async def run_all(args) -> dict:
             for gamma in (0, 4, None):
                 await _spec_generate(client, [1, 2, 3], 8, 0.0, 0, gamma, "model")
             runs = await single_stream(
-                client, target, draft, tokenizer, prompts, args.temperatures, args.max_new_tokens, args.seed
+                client, target, draft, prompts, args.temperatures, args.max_new_tokens, args.seed
             )
             summary = summarize_single(runs)
-            greedy_code = summary.get("code T=0", {})
+            first = next(
+                iter(prompts)
+            )  # the fixed gamma for the load sweep: the best on the first set, greedy
+            greedy_code = summary.get(f"{first} T=0", {})
             best_fixed = min(
                 FIXED_GAMMAS,
                 key=lambda g: greedy_code.get(f"specserve gamma={g}", {}).get(
@@ -363,7 +417,7 @@ async def run_all(args) -> dict:
                 ),
             )
             load: list[LoadPoint] = []
-            load_prompts = [tokenizer(p.text).input_ids for p in prompts["code"]]
+            load_prompts = [ids for _, ids in prompts[first]]
             modes = [
                 ("specserve gamma=0", 0),
                 (f"specserve gamma={best_fixed}", best_fixed),
@@ -383,23 +437,21 @@ async def run_all(args) -> dict:
                             gamma,
                             mode,
                             args.seed,
+                            metrics_url,
                         )
                     )
                     bar.update()
             bar.close()
+            comparison = (
+                await sampling_modes.run_phase(client, tokenizer, args) if args.sampling_modes else None
+            )
     finally:
         await stack.stop()
 
     return {
         "command": " ".join(["python -m bench.harness", *sys.argv[1:]]),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        "machine": _machine(),
         "models": {"target": str(args.target), "draft": str(args.draft)},
         "heldout_prompts": heldout_ok,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -409,41 +461,303 @@ async def run_all(args) -> dict:
         "runs": [asdict(r) | {"ms_per_token": r.ms_per_token} for r in runs],
         "best_fixed_gamma": best_fixed,
         "load": [asdict(p) for p in load],
+        **({"sampling_modes": comparison} if comparison is not None else {}),
     }
+
+
+def _run_header(args) -> dict:
+    """What every mode's JSON starts with: the command, when, the machine, the pair."""
+    return {
+        "command": " ".join(["python -m bench.harness", *sys.argv[1:]]),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "machine": _machine(),
+        "target": str(args.target),
+        "draft": str(args.draft),
+    }
+
+
+def _machine() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpus": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _coordinator_overrides(draft_batch: int) -> dict:
+    """Settings of the benchmark's coordinator: no admission cap below what a load point sends."""
+    return {
+        "max_sessions": 4096,
+        "max_sessions_per_client": 4096,
+        "max_batch_size": 32,
+        "draft_max_batch_size": draft_batch,
+    }
+
+
+def _code_prompts(args, tokenizer, n: int) -> tuple[list[tuple[str, list[int]]], bool]:
+    """``n`` held-out code prompts as (name, token ids), and whether they are held out: the held-out
+    code requests through the chat template for a chat pair, else cuts of held-out stdlib files."""
+    if getattr(tokenizer, "chat_template", None):
+        return sampling_modes.load_prompt_sets(["chat-code"], tokenizer, args.target, n, args.prompt_chars)[
+            "chat-code"
+        ], True
+    files, heldout_ok = heldout_files(args.target)
+    return [
+        (p.name, tokenizer(p.text).input_ids) for p in code_prompts(files, n, max_chars=args.prompt_chars)
+    ], heldout_ok
+
+
+async def run_draft_scaling(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from bench.draft_scaling import measure, to_json
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
+    named, heldout_ok = _code_prompts(args, tokenizer, 8)
+    prompts = [ids for _, ids in named]
+    sessions = tuple(args.sessions)
+    bar = tqdm(total=2 * len(sessions) * args.scaling_repeats, desc="draft scaling", unit="point")
+    runs = await measure(
+        target=args.target,
+        draft=args.draft,
+        redis_url=args.redis_url,
+        prompts=prompts,
+        sessions=sessions,
+        gamma=args.scaling_gamma,
+        max_new_tokens=args.scaling_max_new_tokens,
+        repeats=args.scaling_repeats,
+        draft_batch=args.draft_batch if args.draft_batch > 1 else 32,
+        progress=bar.update,
+    )
+    bar.close()
+    settings = {
+        "command": " ".join(["python -m bench.harness", *sys.argv[1:]]),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "platform": platform.platform(),
+        "cpus": torch.get_num_threads(),
+        "target": str(args.target),
+        "draft": str(args.draft),
+        "heldout_prompts": heldout_ok,
+        "sessions": list(sessions),
+        "gamma": args.scaling_gamma,
+        "max_new_tokens": args.scaling_max_new_tokens,
+        "repeats": args.scaling_repeats,
+        "draft_batch": args.draft_batch if args.draft_batch > 1 else 32,
+    }
+    return to_json(runs, settings)
+
+
+async def run_latency(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from bench.latency import measure, to_json
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
+    sets = args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer)
+    prompts = sampling_modes.load_prompt_sets(
+        sets[:1], tokenizer, args.target, args.latency_prompts, args.prompt_chars
+    )
+    prompts_list = next(iter(prompts.values()))
+    total = len(args.rtts_ms) * 2 * 5 * len(prompts_list)
+    bar = tqdm(total=total, desc="latency", unit="gen")
+    runs = await measure(
+        target=args.target,
+        draft=args.draft,
+        redis_url=args.redis_url,
+        prompts=prompts_list,
+        rtts_ms=tuple(args.rtts_ms),
+        max_new_tokens=args.latency_max_new_tokens,
+        progress=bar.update,
+    )
+    bar.close()
+    settings = {
+        **_run_header(args),
+        "prompt_set": next(iter(prompts)),
+        "prompts": len(prompts_list),
+        "rtts_ms": list(args.rtts_ms),
+        "max_new_tokens": args.latency_max_new_tokens,
+    }
+    return to_json(runs, settings)
+
+
+async def run_prediction(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from bench.prediction import measure, to_json
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
+    prompts, heldout_ok = _code_prompts(args, tokenizer, args.prediction_prompts)
+    bar = tqdm(total=5 * len(prompts) * args.prediction_repeats, desc="predicted outputs", unit="gen")
+    runs, gamma = await measure(
+        target=args.target,
+        draft=args.draft,
+        redis_url=args.redis_url,
+        prompts=prompts,
+        tokenizer=tokenizer,
+        max_new_tokens=args.prediction_max_new_tokens,
+        block=args.prediction_block,
+        repeats=args.prediction_repeats,
+        progress=bar.update,
+    )
+    bar.close()
+    settings = {
+        **_run_header(args),
+        "heldout_prompts": heldout_ok,
+        "prompts": len(prompts),
+        "max_new_tokens": args.prediction_max_new_tokens,
+        "block": args.prediction_block,
+        "repeats": args.prediction_repeats,
+        "fixed_gamma": gamma,
+    }
+    return to_json(runs, settings)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", type=Path, default=DEFAULT_TARGET)
-    parser.add_argument("--draft", type=Path, default=DEFAULT_DRAFT)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="a registered model name or a directory")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="a registered model name or a directory")
     parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
-    parser.add_argument("--code-prompts", type=int, default=4)
-    parser.add_argument("--prose-prompts", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--prompt-chars", type=int, default=600, help="characters of each prompt")
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
+    parser.add_argument(
+        "--prompt-sets",
+        nargs="+",
+        choices=sampling_modes.PROMPT_SETS,
+        default=None,
+        help="held-out prompt sets (default: chat chat-code copy with a chat template, else code prose)",
+    )
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--prompt-chars", type=int, default=600, help="characters of each prompt (code, prose)"
+    )
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0, 16.0])
     parser.add_argument("--load-duration-s", type=float, default=15.0)
     parser.add_argument("--load-max-new-tokens", type=int, default=64)
     parser.add_argument("--cost-repeats", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    lat = parser.add_argument_group("network latency between the tiers (bench/latency.py)")
+    lat.add_argument(
+        "--latency",
+        action="store_true",
+        help="run only the latency mode: RTTs injected to the draft, then to the target; writes latency.json",
+    )
+    lat.add_argument("--rtts-ms", type=float, nargs="+", default=[0.0, 2.0, 10.0])
+    lat.add_argument("--latency-prompts", type=int, default=3, help="held-out prompts (the first set)")
+    lat.add_argument("--latency-max-new-tokens", type=int, default=64)
+    modes = parser.add_argument_group("sampling modes (coupled against optimal, bench/sampling_modes.py)")
+    modes.add_argument("--sampling-modes", action="store_true", help="add the sampling-mode comparison")
+    modes.add_argument(
+        "--only-sampling-modes",
+        action="store_true",
+        help="run only the comparison; writes sampling_modes.json and sampling_modes.md to --out",
+    )
+    modes.add_argument(
+        "--mode-prompt-sets",
+        nargs="+",
+        choices=sampling_modes.PROMPT_SETS,
+        default=None,
+        help="held-out prompt sets (default: chat chat-code with a chat template, else code prose)",
+    )
+    modes.add_argument("--mode-prompts", type=int, default=8, help="prompts per set")
+    modes.add_argument(
+        "--mode-temperatures", type=float, nargs="+", default=list(sampling_modes.TEMPERATURES)
+    )
+    modes.add_argument(
+        "--mode-gammas", nargs="+", default=list(sampling_modes.GAMMAS), help="'auto' (adaptive) or integers"
+    )
+    modes.add_argument("--mode-max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--draft-batch", type=int, default=32, help="sessions the draft drafts per pass (1: batching off)"
+    )
+    parser.add_argument(
+        "--draft-scaling",
+        action="store_true",
+        help="run only the draft-scaling mode: 1..32 concurrent sessions, draft batching on and off",
+    )
+    predicted = parser.add_argument_group("Predicted Outputs (bench/prediction.py)")
+    predicted.add_argument(
+        "--predicted-outputs",
+        action="store_true",
+        help="run only the Predicted Outputs mode: a prediction equal to the greedy continuation (and half "
+        "wrong) against gamma = 0; writes prediction.json and prediction.md to --out",
+    )
+    predicted.add_argument("--prediction-prompts", type=int, default=4, help="held-out code prompts")
+    predicted.add_argument("--prediction-max-new-tokens", type=int, default=128)
+    predicted.add_argument(
+        "--prediction-block", type=int, default=16, help="half-wrong: every other block of this many tokens"
+    )
+    predicted.add_argument("--prediction-repeats", type=int, default=1)
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--scaling-gamma", type=int, default=4)
+    parser.add_argument("--scaling-max-new-tokens", type=int, default=48)
+    parser.add_argument("--scaling-repeats", type=int, default=1)
     args = parser.parse_args(argv)
+    for g in args.mode_gammas:
+        if g != "auto" and not g.isdigit():
+            parser.error(f"--mode-gammas takes 'auto' or integers >= 0, got {g!r}")
+    if args.draft_batch < 1:
+        parser.error("--draft-batch must be >= 1")
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    from specserve.models import resolve_model_path
+
+    # A registered name (fetched once into the cache), a directory or a hub id: from here on, a directory.
+    args.target = Path(resolve_model_path(str(args.target), "target"))
+    args.draft = Path(resolve_model_path(str(args.draft), "draft"))
 
     from bench.report import write_report
-    from specserve.cli import private_redis
     from specserve.logs import configure_logging
+    from specserve.redis_server import private_redis
 
     configure_logging("console", "warning")  # per-round debug events would be timed too
 
-    async def go():
+    async def go(run):
         with private_redis(args.redis_url) as url:
             args.redis_url = url
-            return await run_all(args)
+            if args.only_sampling_modes:
+                return {
+                    "command": " ".join(["python -m bench.harness", *sys.argv[1:]]),
+                    "machine": _machine(),
+                    **await sampling_modes.run_only(args),
+                }
+            return await run(args)
 
-    data = asyncio.run(go())
+    if args.latency:
+        from bench.report import write_latency
+
+        data = asyncio.run(go(run_latency))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "latency.json").write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {args.out / 'latency.json'} and {write_latency(data, args.out)}")
+        return 0
+    if args.predicted_outputs:
+        from bench.report import write_prediction
+
+        data = asyncio.run(go(run_prediction))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "prediction.json").write_text(json.dumps(data, indent=1) + "\n")
+        written = write_prediction(data, args.out)  # README.md is left alone, as for --draft-scaling
+        print(f"wrote {args.out / 'prediction.json'} and {written}")
+        return 0
+    if args.draft_scaling:
+        from bench.report import write_draft_scaling
+
+        scaling = asyncio.run(go(run_draft_scaling))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "draft_scaling.json").write_text(json.dumps(scaling, indent=1) + "\n")
+        # README.md is left alone (it may carry analysis added by hand); the next full run or
+        # `python -m bench.report <out>` includes the section in it.
+        written = write_draft_scaling(scaling, args.out)
+        print(f"wrote {args.out / 'draft_scaling.json'} and {written}")
+        return 0
+    data = asyncio.run(go(run_all))
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.only_sampling_modes:
+        for path in sampling_modes.write(data, args.out):
+            print(f"wrote {path}")
+        return 0
     (args.out / "bench.json").write_text(json.dumps(data, indent=1) + "\n")
     write_report(data, args.out)
     print(f"wrote {args.out / 'bench.json'} and {args.out / 'README.md'}")

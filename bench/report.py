@@ -1,6 +1,12 @@
 """Render ``bench.json`` (from ``bench.harness``) as a Markdown report with PNG plots.
 
 ``python -m bench.report docs/benchmarks`` re-renders without re-measuring.
+When the folder holds ``draft_scaling.json`` (``bench.harness --draft-scaling``),
+the report gains its section and plot; :func:`write_draft_scaling` writes that
+section alone as ``draft_scaling.md``. Likewise ``prediction.json``
+(``bench.harness --predicted-outputs``) and :func:`write_prediction`,
+``latency.json`` (``bench.harness --latency``) and :func:`write_latency`, and
+``sampling_modes.json`` (``--only-sampling-modes``).
 """
 
 from __future__ import annotations
@@ -14,9 +20,23 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from bench.costs import Costs, expected_tokens, predicted_speedup
+from bench.costs import Costs, predicted_speedup
+from bench.latency import section as latency_section
+from bench.overhead import section as overhead_section
+from bench.sampling_modes import section as sampling_modes_section
+from coordinator.cost_model import expected_tokens_iid
 
 FIXED = (1, 2, 4, 8)
+#: A projection, not a measurement: what a pass over k positions costs on an accelerator with spare
+#: parallelism, as multiples of a one-position step (1.05x at k = 2 rising to 1.2x at k = 9).
+GPU_LIKE_VERIFY = (1.0, 1.05, 1.07, 1.09, 1.11, 1.14, 1.16, 1.18, 1.2)
+
+
+def gpu_like(costs: Costs) -> Costs:
+    """The measured costs with the verify curve replaced by :data:`GPU_LIKE_VERIFY` (draft ratio kept)."""
+    step = costs.target_step_ms
+    curve = [step * GPU_LIKE_VERIFY[min(k, len(GPU_LIKE_VERIFY) - 1)] for k in range(len(costs.verify_ms))]
+    return Costs(target_step_ms=step, draft_step_ms=costs.draft_step_ms, verify_ms=curve)
 
 
 def _alpha_from_mean_accepted(mean_accepted: float, gamma: int) -> float:
@@ -24,7 +44,7 @@ def _alpha_from_mean_accepted(mean_accepted: float, gamma: int) -> float:
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        if expected_tokens(mid, gamma) - 1.0 < mean_accepted:
+        if expected_tokens_iid(mid, gamma) - 1.0 < mean_accepted:
             lo = mid
         else:
             hi = mid
@@ -34,6 +54,7 @@ def _alpha_from_mean_accepted(mean_accepted: float, gamma: int) -> float:
 def bound_rows(data: dict) -> list[dict]:
     """Predicted vs measured speedup over HF target-only, per gamma, per (set, temperature)."""
     costs = Costs(**data["costs"])
+    projected_costs = gpu_like(costs)
     rows = []
     for key, group in data["single_stream"].items():
         base = group.get("hf target-only", {}).get("ms_per_token_median")
@@ -61,49 +82,76 @@ def bound_rows(data: dict) -> list[dict]:
                     "predicted": predicted,
                     "measured": measured,
                     "efficiency": measured / predicted,
+                    "gpu_projection": predicted_speedup(alpha, g, projected_costs),
                 }
             )
     return rows
 
 
 def targets(data: dict) -> list[tuple[str, bool, str]]:
-    """The issue's targets for the demo pair, each with its verdict and figures."""
+    """The speed targets (docs/benchmarks), each with its verdict and the figures behind it."""
     out = []
     ss = data["single_stream"]
+
+    def ms(group: dict, mode: str) -> float | None:
+        return group.get(mode, {}).get("ms_per_token_median")
+
     for key, group in ss.items():
-        ad = group.get("specserve adaptive", {}).get("ms_per_token_median")
-        hf = group.get("hf target-only", {}).get("ms_per_token_median")
-        hfa = group.get("hf assisted", {}).get("ms_per_token_median")
-        fixed = {
-            g: group[f"specserve gamma={g}"]["ms_per_token_median"]
-            for g in FIXED
-            if f"specserve gamma={g}" in group
-        }
-        if not (ad and hf and hfa and fixed):
-            continue
-        if key.endswith("T=0"):
+        hf, hfa, hfl = ms(group, "hf target-only"), ms(group, "hf assisted"), ms(group, "hf prompt lookup")
+        g0, ad, ng = (
+            ms(group, "specserve gamma=0"),
+            ms(group, "specserve adaptive"),
+            ms(group, "specserve n-gram adaptive"),
+        )
+        if hf and g0:
             out.append(
                 (
-                    f"{key}: adaptive >= 1.5x faster than HF target-only",
-                    hf / ad >= 1.5,
+                    f"{key}: gamma=0 (overhead) >= 0.95x HF target-only",
+                    hf / g0 >= 0.95,
+                    f"{hf / g0:.2f}x ({hf:.2f} -> {g0:.2f} ms/token)",
+                )
+            )
+        if hf and ad:
+            out.append(
+                (
+                    f"{key}: adaptive >= 0.95x HF target-only",
+                    hf / ad >= 0.95,
                     f"{hf / ad:.2f}x ({hf:.2f} -> {ad:.2f} ms/token)",
                 )
             )
-        out.append(
-            (
-                f"{key}: adaptive not slower than HF assisted",
-                ad <= hfa,
-                f"{hfa / ad:.2f}x ({hfa:.2f} vs {ad:.2f} ms/token)",
+        if hfa and ad:
+            out.append(
+                (
+                    f"{key}: adaptive not slower than HF assisted",
+                    ad <= hfa,
+                    f"{hfa / ad:.2f}x ({hfa:.2f} vs {ad:.2f} ms/token)",
+                )
             )
-        )
-        best_g = min(fixed, key=fixed.get)
-        out.append(
-            (
-                f"{key}: adaptive within 20% of the best fixed gamma ({best_g})",
-                ad <= 1.2 * fixed[best_g],
-                f"{ad / fixed[best_g]:.2f}x of gamma={best_g} ({fixed[best_g]:.2f} ms/token)",
+        if key.startswith("copy T=0") and hf and ng:
+            out.append(
+                (
+                    f"{key}: n-gram adaptive >= 2x HF target-only",
+                    hf / ng >= 2.0,
+                    f"{hf / ng:.2f}x ({ng:.2f} ms/token)",
+                )
             )
-        )
+            if hfl:
+                out.append(
+                    (
+                        f"{key}: n-gram adaptive at least as fast as HF prompt lookup",
+                        ng <= hfl,
+                        f"{hfl / ng:.2f}x ({hfl:.2f} vs {ng:.2f} ms/token)",
+                    )
+                )
+    for r in bound_rows(data):
+        if r["gamma"] >= 2:
+            out.append(
+                (
+                    f"{r['key']} gamma={r['gamma']}: efficiency >= 90% of the cost-model bound",
+                    r["efficiency"] >= 0.9,
+                    f"{r['efficiency']:.0%}",
+                )
+            )
     by_rate: dict[float, dict[str, float]] = {}
     for p in data["load"]:
         by_rate.setdefault(p["rate_rps"], {})[p["mode"]] = p["throughput_tok_s"]
@@ -113,8 +161,8 @@ def targets(data: dict) -> list[tuple[str, bool, str]]:
         if base and ad:
             out.append(
                 (
-                    f"load {rate:g} req/s: adaptive throughput >= 95% of gamma=0",
-                    ad >= 0.95 * base,
+                    f"load {rate:g} req/s: adaptive throughput >= gamma=0",
+                    ad >= base,
                     f"{ad:.1f} vs {base:.1f} tok/s ({ad / base:.2f})",
                 )
             )
@@ -216,8 +264,11 @@ def write_report(data: dict, out: Path) -> Path:
         f"```\n{data['command']}\n```",
         "",
         f"Models: target `{data['models']['target']}`, draft `{data['models']['draft']}`, float32. "
-        f"Prompts from held-out standard-library files: {'yes' if data['heldout_prompts'] else 'NO (list missing)'}. "
-        f"Every generation runs {data['settings']['max_new_tokens']} tokens (EOS ignored) so all modes do the same work.",
+        f"Held-out prompts: {'yes' if data['heldout_prompts'] else 'NO (list missing)'} "
+        f"(sets: {', '.join(sorted({k.split(' T=')[0] for k in data['single_stream']}))}). "
+        f"Every generation runs {data['settings']['max_new_tokens']} tokens (EOS ignored) so all modes do the same work. "
+        "specserve runs as one process per role (`specserve up`'s stack); the HF baselines run in the "
+        "benchmark's own process while the stack idles.",
         "",
         "## Targets",
         "",
@@ -268,15 +319,19 @@ def write_report(data: dict, out: Path) -> Path:
             "Predicted speedup = E[tokens per round](alpha, gamma) x target step / (gamma x draft step + "
             "target pass over gamma + 1 positions), with alpha fitted to each gamma's measured accepted "
             "tokens per round. Efficiency = measured / predicted (network, gRPC, Redis and Python overheads "
-            "are what it leaves out).",
+            "are what it leaves out). The last column is a **projection, not a measurement**: the same "
+            "bound with the same alpha and draft/target cost ratio, but the verify cost of an accelerator "
+            "with spare parallelism (a pass over k positions at "
+            + ", ".join(f"{r:g}x" for r in GPU_LIKE_VERIFY[1:])
+            + " a step for k = 2..9) instead of this CPU's measured one.",
             "",
-            "| prompts | gamma | alpha | predicted | measured | efficiency |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| prompts | gamma | alpha | predicted | measured | efficiency | projected, GPU-like verify |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in rows:
             lines.append(
                 f"| {r['key']} | {r['gamma']} | {r['alpha']:.2f} | {r['predicted']:.2f}x | "
-                f"{r['measured']:.2f}x | {r['efficiency']:.0%} |"
+                f"{r['measured']:.2f}x | {r['efficiency']:.0%} | {r['gpu_projection']:.2f}x |"
             )
         lines.append("")
     if data["load"]:
@@ -298,12 +353,173 @@ def write_report(data: dict, out: Path) -> Path:
                 f"{p['wasted_tokens']} |"
             )
         lines.append("")
+    if "sampling_modes" in data:
+        lines += sampling_modes_section(data["sampling_modes"])
+    scaling_file = out / "draft_scaling.json"
+    if scaling_file.exists():
+        scaling = json.loads(scaling_file.read_text())
+        lines += draft_scaling_section(scaling)
+        plots.append(_draft_scaling_plot(scaling, out))
+    prediction_file = out / "prediction.json"
+    if prediction_file.exists():
+        lines += prediction_section(json.loads(prediction_file.read_text()))
+    modes_file = out / "sampling_modes.json"
+    if "sampling_modes" not in data and modes_file.exists():  # from --only-sampling-modes
+        lines += sampling_modes_section(json.loads(modes_file.read_text())["sampling_modes"])
+    overhead_file = out / "overhead.json"
+    if overhead_file.exists():
+        lines += overhead_section(json.loads(overhead_file.read_text()))
+    latency_file = out / "latency.json"
+    if latency_file.exists():
+        lines += latency_section(json.loads(latency_file.read_text()))
     lines += ["## Plots", ""] + [f"![{n}]({n})" for n in plots] + [""]
     path = out / "README.md"
     path.write_text("\n".join(lines))
     return path
 
 
+def draft_scaling_section(scaling: dict) -> list[str]:
+    """The draft-scaling table (``bench/draft_scaling.py``) as Markdown lines."""
+    st = scaling["settings"]
+    rows = {(r["batching"], r["sessions"]): r for r in scaling["summary"]}
+    sessions = sorted({n for _, n in rows})
+    lines = [
+        f"## The draft tier under concurrent sessions (greedy, gamma {st['gamma']}, "
+        f"{st['max_new_tokens']} tokens, median of {st['repeats']} run(s))",
+        "",
+        f"Measured {st['date_utc']} UTC through the benchmark's in-process stack (all three roles in one Python process); "
+        f"target `{st['target']}`, draft `{st['draft']}`. Batching on: the draft drafts up to "
+        f"{st['draft_batch']} sessions per forward pass; off: each session alone. Per round, from the "
+        "clients' `GenerationStats`: draft = the Propose call as the round saw it (batching wait included), "
+        "verify = the Verify call.",
+        "",
+        "| sessions | draft ms/round on | off | verify ms/round on | off | tok/s on | off | sessions per draft batch on |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def cell(batching: bool, n: int, field: str, fmt: str = "{:.1f}") -> str:
+        r = rows.get((batching, n))
+        return fmt.format(r[field]) if r else "-"
+
+    for n in sessions:
+        lines.append(
+            f"| {n} | {cell(True, n, 'draft_ms_per_round')} | {cell(False, n, 'draft_ms_per_round')} | "
+            f"{cell(True, n, 'verify_ms_per_round')} | {cell(False, n, 'verify_ms_per_round')} | "
+            f"{cell(True, n, 'throughput_tok_s', '{:.0f}')} | {cell(False, n, 'throughput_tok_s', '{:.0f}')} | "
+            f"{cell(True, n, 'sessions_per_draft_batch', '{:.1f}')} |"
+        )
+    one_on, one_off = rows.get((True, 1)), rows.get((False, 1))
+    lines.append("")
+    for n in sessions:
+        on, off = rows.get((True, n)), rows.get((False, n))
+        if n == 16 and on and one_on and off:
+            lines.append(
+                f"At 16 sessions, draft ms per round is {on['draft_ms_per_round'] / one_on['draft_ms_per_round']:.1f}x "
+                f"the single-session figure with batching (without: "
+                f"{off['draft_ms_per_round'] / one_off['draft_ms_per_round']:.1f}x), and throughput is "
+                f"{on['throughput_tok_s'] / off['throughput_tok_s']:.2f}x the unbatched draft's."
+            )
+    errors = sum(r["errors"] for r in scaling["summary"])
+    if errors:
+        lines.append(f"**{errors} generations failed** during the measurement (see `draft_scaling.json`).")
+    lines.append("")
+    return lines
+
+
+def _draft_scaling_plot(scaling: dict, out: Path) -> str:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for batching, style in ((True, "-"), (False, "--")):
+        rows = sorted(
+            (r for r in scaling["summary"] if r["batching"] == batching), key=lambda r: r["sessions"]
+        )
+        if not rows:
+            continue
+        label = "batching on" if batching else "batching off"
+        n = [r["sessions"] for r in rows]
+        axes[0].plot(n, [r["draft_ms_per_round"] for r in rows], style, marker="o", label=f"draft, {label}")
+        axes[0].plot(n, [r["verify_ms_per_round"] for r in rows], style, marker="s", label=f"verify, {label}")
+        axes[1].plot(n, [r["throughput_tok_s"] for r in rows], style, marker="o", label=label)
+    axes[0].set(
+        xscale="log", xlabel="concurrent sessions", ylabel="ms per round", title="draft and verify per round"
+    )
+    axes[1].set(xscale="log", xlabel="concurrent sessions", ylabel="committed tokens/s", title="throughput")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "draft_scaling.png", dpi=110)
+    plt.close(fig)
+    return "draft_scaling.png"
+
+
+def write_draft_scaling(scaling: dict, out: Path) -> Path:
+    """``draft_scaling.json``'s section alone, with its plot, as ``<out>/draft_scaling.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    plot = _draft_scaling_plot(scaling, out)
+    path = out / "draft_scaling.md"
+    path.write_text("\n".join([*draft_scaling_section(scaling), f"![{plot}]({plot})", ""]))
+    return path
+
+
+def prediction_section(data: dict) -> list[str]:
+    """The Predicted Outputs table (``bench/prediction.py``) as Markdown lines."""
+    st, verdict = data["settings"], data["verdict"]
+    lines = [
+        f"## Predicted Outputs (greedy, {st['max_new_tokens']} tokens, {st['prompts']} held-out code prompts, "
+        f"{st['repeats']} repeat(s))",
+        "",
+        f"Measured {st['date_utc']} UTC through the benchmark's in-process stack (all three roles in one Python process); target "
+        f"`{st['target']}`, draft `{st['draft']}`. The prediction is the target's own greedy continuation "
+        "(the `gamma=0` run's tokens): as token ids, as text (tokenized by the server), and half wrong (every "
+        f"other block of {st['block']} tokens taken from another prompt's continuation). Speedup: median over "
+        "runs of the prompt's `gamma=0` ms/token over the run's.",
+        "",
+        "| mode | ms/token (median) | speedup vs gamma=0 | accepted prediction / completion "
+        "| rejected prediction / completion | tokens/round | identical to gamma=0 |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in data["summary"]:
+        lines.append(
+            f"| {r['mode']} | {r['ms_per_token']:.2f} | {r['speedup']:.2f}x | "
+            f"{100 * r['accepted_prediction_share']:.0f}% | {100 * r['rejected_prediction_share']:.0f}% | "
+            f"{r['tokens_per_round']:.2f} | {'yes' if r['identical'] else '**no**'} |"
+        )
+    met = "met" if verdict["met"] else "**missed**"
+    lines += [
+        "",
+        f"An exact prediction (adaptive gamma) runs at {verdict['prediction_speedup']:.2f}x the target alone "
+        f"through the service; the issue's target of {verdict['target_speedup']:g}x is {met} in this run.",
+    ]
+    if not verdict["all_identical"]:
+        lines.append(
+            "**Some output differed from gamma = 0** (see `prediction.json`): a bug, greedy output must not."
+        )
+    lines.append("")
+    return lines
+
+
+def write_prediction(data: dict, out: Path) -> Path:
+    """``prediction.json``'s section alone, as ``<out>/prediction.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "prediction.md"
+    path.write_text("\n".join(prediction_section(data)))
+    return path
+
+
+def write_latency(data: dict, out: Path) -> Path:
+    """``latency.json``'s section alone, as ``<out>/latency.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "latency.md"
+    path.write_text("\n".join(latency_section(data)))
+    return path
+
+
 if __name__ == "__main__":
     folder = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks")
-    write_report(json.loads((folder / "bench.json").read_text()), folder)
+    if (folder / "bench.json").exists():
+        write_report(json.loads((folder / "bench.json").read_text()), folder)
+    if (folder / "draft_scaling.json").exists():
+        write_draft_scaling(json.loads((folder / "draft_scaling.json").read_text()), folder)
+    if (folder / "prediction.json").exists():
+        write_prediction(json.loads((folder / "prediction.json").read_text()), folder)
+    if (folder / "latency.json").exists():
+        write_latency(json.loads((folder / "latency.json").read_text()), folder)

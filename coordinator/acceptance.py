@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["AcceptanceTracker"]
+__all__ = ["AcceptanceMemory", "AcceptanceTracker", "ProbeClock"]
 
 
 class _DecayedCounts:
@@ -60,6 +60,25 @@ class _DecayedCounts:
     def clear(self) -> None:
         self.reached, self.accepted = [], []
         self.reached_total = self.accepted_total = 0.0
+
+
+class ProbeClock:
+    """The policy's probing out of gamma = 0: rounds at 0 since the last probe, and the interval before the next.
+
+    Each session has its own, unless it was warm-started from an :class:`AcceptanceMemory`: then it shares
+    its key's, so that sessions which all learn from the same pooled acceptance also share the probing that
+    feeds it: one probe per interval across them (backing off after fruitless probes), not one per session.
+    On a pair whose draft does not pay, per-session probing cost a short request several probe rounds and the
+    draft's catch-up on its prompt, each time.
+    """
+
+    __slots__ = ("probe_interval", "rounds_at_zero")
+
+    def __init__(self) -> None:
+        #: Rounds in a row at gamma = 0 (of every session sharing the clock).
+        self.rounds_at_zero = 0
+        #: Rounds at gamma = 0 before the next probe; None: the policy's base interval.
+        self.probe_interval: int | None = None
 
 
 class AcceptanceTracker:
@@ -144,12 +163,32 @@ class AcceptanceTracker:
         self.last_accepted: int | None = None
         #: The gamma the policy chose last for this session (None before the first round).
         self.last_gamma: int | None = None
-        #: Rounds in a row the policy has kept this session at gamma = 0 (policy memory).
-        self.rounds_at_zero = 0
-        #: Rounds at gamma = 0 before the next probe; None: the policy's base interval (policy memory).
-        self.probe_interval: int | None = None
+        #: The policy's probing state (policy memory; shared with other sessions when warm-started).
+        self.probe_clock = ProbeClock()
         #: True while the round just chosen is a probe out of gamma = 0 (policy memory).
         self.probing = False
+        #: True when the policy may start at the best gamma for the prior rather than at its cautious
+        #: initial one: the prior came from other sessions' rounds (:class:`AcceptanceMemory`), or the
+        #: session's proposals cost no draft call (a proposer in the coordinator).
+        self.warm_start = False
+
+    @property
+    def rounds_at_zero(self) -> int:
+        """Rounds in a row at gamma = 0 (:attr:`probe_clock`)."""
+        return self.probe_clock.rounds_at_zero
+
+    @rounds_at_zero.setter
+    def rounds_at_zero(self, value: int) -> None:
+        self.probe_clock.rounds_at_zero = value
+
+    @property
+    def probe_interval(self) -> int | None:
+        """Rounds at gamma = 0 before the next probe; None: the policy's base interval (:attr:`probe_clock`)."""
+        return self.probe_clock.probe_interval
+
+    @probe_interval.setter
+    def probe_interval(self, value: int | None) -> None:
+        self.probe_clock.probe_interval = value
 
     def observe(self, *, proposed: int, accepted: int) -> None:
         """One round's verdict: ``proposed`` draft tokens, the first ``accepted`` of them accepted."""
@@ -218,3 +257,58 @@ class AcceptanceTracker:
                 curve.append(curve[-1] + survive)
             self._curve = curve
         return curve[gamma]
+
+
+class AcceptanceMemory:
+    """Pooled acceptance per kind of speculation, across sessions: where a new session starts from.
+
+    A session's :class:`AcceptanceTracker` learns its own acceptance, but a
+    request's first rounds would otherwise start from a fixed prior and climb
+    one rung of gamma per round, which throws away most of a short request on
+    a pair (or a proposer, such as the n-gram lookup on text that repeats its
+    input) whose acceptance the coordinator has already seen many times. This
+    keeps, per key (the caller's: proposer, local proposers, greedy or
+    sampled), decayed counts of reached and accepted draft positions over every
+    round of every session, and offers their ratio as the next session's prior
+    once ``min_reached`` positions back it.
+
+    Args:
+        decay: weight the counts keep at each round observed under the key
+            (0.995: the last few hundred rounds count).
+        min_reached: reached positions needed before :meth:`prior` answers.
+        max_keys: keys kept (least recently observed dropped first).
+    """
+
+    def __init__(self, *, decay: float = 0.995, min_reached: float = 16.0, max_keys: int = 64) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if min_reached <= 0 or max_keys < 1:
+            raise ValueError("min_reached must be > 0 and max_keys >= 1")
+        self.decay = decay
+        self.min_reached = min_reached
+        self.max_keys = max_keys
+        self._counts: dict[str, tuple[float, float]] = {}  # key -> (reached, accepted), decayed
+        self._clocks: dict[str, ProbeClock] = {}  # key -> the probing shared by its warm-started sessions
+
+    def observe(self, key: str, *, proposed: int, accepted: int) -> None:
+        """One round of a session under ``key``: ``proposed`` tokens, the first ``accepted`` accepted."""
+        if proposed <= 0:
+            return
+        reached = min(accepted + 1, proposed)
+        r, a = self._counts.pop(key, (0.0, 0.0))
+        self._counts[key] = (r * self.decay + reached, a * self.decay + accepted)
+        while len(self._counts) > self.max_keys:
+            del self._counts[next(iter(self._counts))]
+
+    def probe_clock(self, key: str) -> ProbeClock:
+        """The probing state shared by the sessions warm-started under ``key`` (:class:`ProbeClock`)."""
+        clock = self._clocks.pop(key, None) or ProbeClock()
+        self._clocks[key] = clock
+        while len(self._clocks) > self.max_keys:
+            del self._clocks[next(iter(self._clocks))]
+        return clock
+
+    def prior(self, key: str) -> float | None:
+        """Pooled per-token acceptance under ``key``, or None while too few positions back it."""
+        r, a = self._counts.get(key, (0.0, 0.0))
+        return a / r if r >= self.min_reached else None

@@ -1,93 +1,131 @@
-"""Gathers the Verify items of many sessions bound for one target replica into one call.
+"""Gathers the items of many sessions bound for one worker replica into one call.
 
-A round :meth:`VerifyBatcher.submit` s its item and awaits a future. A
-background task takes the first waiting item, waits up to ``max_wait_s`` for
-more (or until ``max_batch_size`` are waiting), sends them as one ``Verify``
-call and resolves every item's future with its own result. At most
-``max_in_flight`` calls run at once per replica: while a call is in flight the
-next rounds queue up and join the following batch, which is what batches
-sessions under load without any waiting when the replica is idle and alone.
+One :class:`Batcher` per replica and kind of call: a :class:`VerifyBatcher`
+per target replica (``Verify``), a :class:`ProposeBatcher` per draft replica
+(``ProposeBatch``). The gathering is the same for both:
+
+A round :meth:`Batcher.submit` s its item and awaits a future. A background
+task takes the first waiting item, waits up to ``max_wait_s`` for more (or
+until ``max_batch_size`` are waiting), sends them as one call and resolves
+every item's future with its own result. It waits only while ``expected()``
+says more sessions bound to this replica are about to submit, so a lone
+session never waits. At most ``max_in_flight`` calls run at once per replica:
+while a call is in flight the next rounds queue up and join the following
+batch, which is what batches sessions under load without any waiting when the
+replica is idle and alone.
 
 A failure of the whole call (replica down, deadline) is set on every future of
-that batch; per-item errors (stale version, finished session) arrive as
-:class:`~coordinator.workers.ItemResult` with ``error`` set.
+that batch; per-item errors (a stale version, a draft missing tokens) arrive in
+the item's own result. What a call cost travels with each of its results;
+exactly one result per call has ``reports_call`` set, so the pool observes
+each call's cost once.
 
 The call carries the request ids of its items (comma-separated ``x-request-id``),
-so each request id appears in the target's logs; the items waiting for a batch
-are exported as ``specserve_target_verify_queue_depth{target=...}``.
+so each request id appears in the worker's logs; the items waiting for a call
+are exported as ``specserve_target_verify_queue_depth{target=...}`` and
+``specserve_coordinator_propose_queue_depth{draft=...}``.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import structlog
 
-from coordinator.workers import ItemResult, TargetClient, VerifyReply
+from coordinator.workers import (
+    DraftClient,
+    ItemReply,
+    ProposeBatchReply,
+    ProposeItemReply,
+    TargetClient,
+    VerifyReply,
+)
 from specserve import metrics
 from specserve.interceptors import current_request_id
-from specserve.v1 import target_pb2
+from specserve.v1 import draft_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
+
+ItemT = TypeVar("ItemT")
+ResultT = TypeVar("ResultT")
 
 
 @dataclass(frozen=True)
 class BatchedResult:
-    """An item's result and what its batch cost."""
+    """A Verify item's result and what its batch cost."""
 
-    item: ItemResult
+    item: ItemReply
     queue_ns: int  # submit -> the call was sent
     call_ns: int  # the call's wall-clock time as this coordinator saw it
     verify_ns: int  # the target's own account of the call
     batch_size: int
     positions_processed: int
+    forward_ns: int = 0  # the target's forward passes in the call (VerifyResponse.forward_ns)
+    draft_tokens: int = 0  # draft distributions the whole call carried
+    reports_call: bool = False  # the one result of its call that reports the call's cost
+
+
+@dataclass(frozen=True)
+class BatchedProposal:
+    """A Propose item's result and what its batch cost."""
+
+    item: ProposeItemReply
+    queue_ns: int  # submit -> the call was sent
+    call_ns: int  # the call's wall-clock time as this coordinator saw it
+    draft_ns: int  # the draft's own account of the whole call
+    batch_size: int
+    reports_call: bool = False  # the one result of its call that reports the call's cost
 
 
 @dataclass
-class _Pending:
-    item: target_pb2.VerifyItem
-    future: asyncio.Future[BatchedResult]
+class _Pending(Generic[ItemT, ResultT]):
+    item: ItemT
+    future: asyncio.Future[ResultT]
     submitted_ns: int
     request_id: str | None = None
 
 
-class VerifyBatcher:
-    """Batches Verify items for one target replica (see the module docstring)."""
+class Batcher(abc.ABC, Generic[ItemT, ResultT]):
+    """Batches one kind of item for one replica (see the module docstring).
+
+    Subclasses say how a batch is sent (:meth:`_send`) and how its reply is
+    split into one result per item (:meth:`_split`).
+    """
 
     def __init__(
         self,
-        client: TargetClient,
+        endpoint: str,
         *,
         max_batch_size: int,
         max_wait_s: float,
         max_in_flight: int = 1,
-        on_call: Callable[..., None] | None = None,
         expected: Callable[[], int] | None = None,
+        depth: Any = None,
     ) -> None:
         if max_batch_size < 1 or max_wait_s < 0 or max_in_flight < 1:
             raise ValueError("need max_batch_size >= 1, max_wait_s >= 0, max_in_flight >= 1")
-        self.client = client
+        self.endpoint = endpoint
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
-        #: Called once per successful call with batch_size, positions, verify_ns, call_ns, tokens.
-        self._on_call = on_call
-        #: Sessions that started a round bound here and will submit soon; the batch waits only for them.
+        #: Sessions that will submit here soon; the batch waits only for them.
         self._expected = expected or (lambda: max_batch_size)
-        self._queue: list[_Pending] = []
+        self._queue: list[_Pending[ItemT, ResultT]] = []
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(max_in_flight)
         self._calls: set[asyncio.Task[None]] = set()
         self._closed = False
-        self._task = asyncio.create_task(self._run(), name=f"batcher-{client.endpoint}")
+        self._depth = depth  # a gauge (labelled child) of the items waiting, or None
+        self._task = asyncio.create_task(self._run(), name=f"{type(self).__name__}-{endpoint}")
         self.in_flight_items = 0
         #: Items sent and calls made, for the load estimate and tests.
         self.items_sent = 0
         self.calls_made = 0
-        self._depth = metrics.VERIFY_QUEUE_DEPTH.labels(target=client.endpoint)
 
     @property
     def queued(self) -> int:
@@ -97,15 +135,29 @@ class VerifyBatcher:
     def in_flight(self) -> int:
         return len(self._calls)
 
-    async def submit(self, item: target_pb2.VerifyItem) -> BatchedResult:
+    async def submit(self, item: ItemT) -> ResultT:
         """Queue ``item``; resolves when its batch returns (raises when the whole call failed)."""
         if self._closed:
             raise RuntimeError("the batcher is closed")
-        future: asyncio.Future[BatchedResult] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[ResultT] = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(item, future, time.perf_counter_ns(), current_request_id()))
-        self._depth.set(len(self._queue))
+        self._set_depth()
         self._wakeup.set()
         return await future
+
+    @abc.abstractmethod
+    async def _send(self, items: list[ItemT]) -> Any:
+        """Make the call for ``items``; raises when the whole call fails."""
+
+    @abc.abstractmethod
+    def _split(
+        self, batch: list[_Pending[ItemT, ResultT]], reply: Any, sent_ns: int, call_ns: int
+    ) -> list[ResultT]:
+        """One result per item of ``batch``, in order; the first carries ``reports_call``."""
+
+    def _set_depth(self) -> None:
+        if self._depth is not None:
+            self._depth.set(len(self._queue))
 
     async def _run(self) -> None:
         while True:
@@ -116,7 +168,7 @@ class VerifyBatcher:
                 if len(self._queue) < self.max_batch_size and self.max_wait_s > 0:
                     await self._wait_for_more()
                 batch, self._queue = self._queue[: self.max_batch_size], self._queue[self.max_batch_size :]
-                self._depth.set(len(self._queue))
+                self._set_depth()
                 batch = [p for p in batch if not p.future.done()]  # cancelled while queued
                 if not batch:
                     self._slots.release()
@@ -136,13 +188,13 @@ class VerifyBatcher:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
 
-    async def _call(self, batch: list[_Pending]) -> None:
-        # This task's own context: the Verify call carries the request ids of its items.
+    async def _call(self, batch: list[_Pending[ItemT, ResultT]]) -> None:
+        # This task's own context: the call carries the request ids of its items.
         ids = dict.fromkeys(p.request_id for p in batch if p.request_id)
         structlog.contextvars.bind_contextvars(request_id=",".join(ids) or None)
         sent_ns = time.perf_counter_ns()
         try:
-            reply: VerifyReply = await self.client.verify([p.item for p in batch])
+            reply = await self._send([p.item for p in batch])
         except Exception as exc:
             for p in batch:
                 if not p.future.done():
@@ -156,29 +208,9 @@ class VerifyBatcher:
             if self._queue:
                 self._wakeup.set()
         call_ns = time.perf_counter_ns() - sent_ns
-        if self._on_call is not None:
-            try:
-                self._on_call(
-                    batch_size=len(batch),
-                    positions=reply.positions_processed,
-                    verify_ns=reply.verify_ns,
-                    call_ns=call_ns,
-                    tokens=sum(len(p.item.proposal.distributions) for p in batch),
-                )
-            except Exception:  # statistics must never fail a batch
-                log.exception("batch_observer_failed")
-        for p, result in zip(batch, reply.results, strict=True):
+        for p, result in zip(batch, self._split(batch, reply, sent_ns, call_ns), strict=True):
             if not p.future.done():
-                p.future.set_result(
-                    BatchedResult(
-                        item=result,
-                        queue_ns=sent_ns - p.submitted_ns,
-                        call_ns=call_ns,
-                        verify_ns=reply.verify_ns,
-                        batch_size=len(batch),
-                        positions_processed=reply.positions_processed,
-                    )
-                )
+                p.future.set_result(result)
 
     async def close(self) -> None:
         """Stop batching; calls in flight finish, queued items fail."""
@@ -192,4 +224,107 @@ class VerifyBatcher:
             if not p.future.done():
                 p.future.set_exception(RuntimeError("the coordinator is shutting down"))
         self._queue.clear()
-        self._depth.set(0)
+        self._set_depth()
+
+
+class VerifyBatcher(Batcher[target_pb2.VerifyItem, BatchedResult]):
+    """Batches Verify items for one target replica.
+
+    ``on_call``: optional hook, called once per successful call with batch_size,
+    positions, verify_ns, call_ns, tokens (instrumentation; the pool reads the
+    cost from ``reports_call`` results).
+    """
+
+    def __init__(
+        self,
+        client: TargetClient,
+        *,
+        max_batch_size: int,
+        max_wait_s: float,
+        max_in_flight: int = 1,
+        on_call: Callable[..., None] | None = None,
+        expected: Callable[[], int] | None = None,
+    ) -> None:
+        self.client = client
+        self._on_call = on_call
+        super().__init__(
+            client.endpoint,
+            max_batch_size=max_batch_size,
+            max_wait_s=max_wait_s,
+            max_in_flight=max_in_flight,
+            expected=expected,
+            depth=metrics.VERIFY_QUEUE_DEPTH.labels(target=client.endpoint),
+        )
+
+    async def _send(self, items: list[target_pb2.VerifyItem]) -> VerifyReply:
+        return await self.client.verify(items)
+
+    def _split(self, batch, reply: VerifyReply, sent_ns: int, call_ns: int) -> list[BatchedResult]:
+        tokens = sum(len(p.item.proposal.distributions) for p in batch)
+        if self._on_call is not None:
+            try:
+                self._on_call(
+                    batch_size=len(batch),
+                    positions=reply.positions_processed,
+                    verify_ns=reply.verify_ns,
+                    call_ns=call_ns,
+                    tokens=tokens,
+                )
+            except Exception:  # statistics must never fail a batch
+                log.exception("batch_observer_failed")
+        live = [not p.future.done() for p in batch]
+        first = live.index(True) if any(live) else -1
+        return [
+            BatchedResult(
+                item=result,
+                queue_ns=sent_ns - p.submitted_ns,
+                call_ns=call_ns,
+                verify_ns=reply.verify_ns,
+                forward_ns=reply.forward_ns,
+                batch_size=len(batch),
+                positions_processed=reply.positions_processed,
+                draft_tokens=tokens,
+                reports_call=i == first,
+            )
+            for i, (p, result) in enumerate(zip(batch, reply.results, strict=True))
+        ]
+
+
+class ProposeBatcher(Batcher[draft_pb2.ProposeRequest, BatchedProposal]):
+    """Batches Propose requests for one draft replica into ``ProposeBatch`` calls."""
+
+    def __init__(
+        self,
+        client: DraftClient,
+        *,
+        max_batch_size: int,
+        max_wait_s: float,
+        expected: Callable[[], int] | None = None,
+    ) -> None:
+        self.client = client
+        super().__init__(
+            client.endpoint,
+            max_batch_size=max_batch_size,
+            max_wait_s=max_wait_s,
+            max_in_flight=1,
+            expected=expected,
+            depth=metrics.PROPOSE_QUEUE_DEPTH.labels(draft=client.endpoint),
+        )
+
+    async def _send(self, items: list[draft_pb2.ProposeRequest]) -> ProposeBatchReply:
+        return await self.client.propose_batch(items)
+
+    def _split(self, batch, reply: ProposeBatchReply, sent_ns: int, call_ns: int) -> list[BatchedProposal]:
+        live = [not p.future.done() for p in batch]
+        first = live.index(True) if any(live) else -1
+        return [
+            BatchedProposal(
+                item=result,
+                queue_ns=sent_ns - p.submitted_ns,
+                call_ns=call_ns,
+                draft_ns=reply.draft_ns,
+                batch_size=len(batch),
+                reports_call=i == first,
+            )
+            for i, (p, result) in enumerate(zip(batch, reply.results, strict=True))
+        ]

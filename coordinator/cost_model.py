@@ -10,10 +10,13 @@ machine):
   is mostly its forward passes, one per drafted token, and the wire cost is in
   the round trip below);
 * **verify time** of one ``Verify`` call with ``b`` items feeding ``P``
-  positions in total: ``V(b, P) = v0 + v_b * b + v_p * P``
-  (:meth:`CostModel.verify_ns`), a local linearisation: on an accelerator
-  with spare parallelism ``v_p`` comes out near 0, on a saturated one or a
-  CPU it does not;
+  positions in total: ``V(b, P) = v0 + v_b * b + v_p * P + v_m * [P > 1]``
+  (:meth:`CostModel.verify_ns`), a local linearisation plus a step: ``v_m``
+  is what a pass over more than one position costs beyond a one-token decode
+  step. On a CPU that step is large (a single row runs matrix-vector kernels,
+  two rows or more run matrix-matrix ones: feeding 2 positions costs about
+  1.7x a step on the default target here, 9 positions about 2x), on an
+  accelerator with spare parallelism ``v_m`` and ``v_p`` come out near 0;
 * **network round trip** of a call beyond the server's own time:
   ``R(k) = r0 + r1 * k`` with ``k`` draft distributions carried in the message.
 
@@ -23,6 +26,9 @@ then takes (:meth:`CostModel.round_ns`)::
     round(gamma, b) = R(gamma) + V(b, b * (gamma + 1))                 # Verify call
                     + [gamma > 0] * (R(gamma) + D(gamma))              # Propose call
 
+(``drafted=False``: a proposal from a proposer in the coordinator, which makes
+no Propose call, so the second line is 0.)
+
 assuming the other sessions of the batch propose as many tokens (the same
 policy in a similar state chooses alike; the coordinator does not know the
 others' next choice when it picks this one).
@@ -31,14 +37,18 @@ Each estimate is a decaying weighted least-squares fit
 (:class:`DecayingLeastSquares`): every new observation multiplies the weight
 of the old ones by ``decay``, and a few constant "prior rows" keep the fit
 well posed when the data cannot separate the coefficients (a single session at
-one gamma always feeds the same number of positions, so ``v0``, ``v_b`` and
-``v_p`` cannot be told apart from its data alone). The verify prior is stated
-as *ratios*, so it holds at any speed of hardware: ``v_b = 0.08 * v0`` (one more
-session in the batch costs about 8% of the fixed cost) and
-``v_p = 0.05 * (v0 + v_b)`` (one more position costs about 5% of a one-token
-step; measured here: 1-16% in bf16 and fp32 on CPU, near 0 on a GPU below
-saturation). Before any data an absolute anchor (10 ms verify step, 1 ms draft
-token) answers; it weighs nothing once data arrives.
+one gamma always feeds the same number of positions, so ``v0``, ``v_b``,
+``v_p`` and ``v_m`` cannot be told apart from its data alone, and a session
+held at gamma = 0 never shows what a longer pass costs). The verify prior is
+stated as *ratios*, so it holds at any speed of hardware: ``v_b = 0.08 * v0``
+(one more session in the batch costs about 8% of the fixed cost), and the shape
+of the one-session curve ``V(1, k) / V(1, 1)`` for ``k = 1..K`` positions as the
+target measured it at start-up (``CostPrior.verify_curve``, from
+``GetTargetInfo``), fitted once as a slope and a step (:func:`curve_shape`),
+each a row. A target that measured nothing leaves
+the generic shape: ``v_p = 0.05 * (v0 + v_b)`` and ``v_m = 0``. Before any data
+an absolute anchor (the curve's first point, else a 10 ms verify step, and a
+1 ms draft token) answers; it weighs nothing once data arrives.
 
 The module is pure Python: no torch, no gRPC, no logging.
 """
@@ -115,7 +125,7 @@ class DecayingLeastSquares:
     ``(x_j, y_j, w_j)`` that never decay. The normal equations are solved in
     closed form; a coefficient that comes out negative is fixed at 0 and the
     rest re-solved (an active-set step, exact when at most one bound is active).
-    Pure Python, solved lazily when a coefficient is read; at most 3 features.
+    Pure Python, solved lazily when a coefficient is read; at most 4 features.
     """
 
     def __init__(
@@ -125,8 +135,8 @@ class DecayingLeastSquares:
         decay: float,
         prior_rows: Sequence[tuple[Sequence[float], float, float]] = (),
     ) -> None:
-        if not 1 <= n_features <= 3:
-            raise ValueError("n_features must be 1, 2 or 3")
+        if not 1 <= n_features <= 4:
+            raise ValueError("n_features must be 1 to 4")
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self._n = n_features
@@ -203,35 +213,36 @@ class DecayingLeastSquares:
         return (0.0,) * n
 
 
-def _solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Solves ``a x = b`` (``a`` symmetric positive semi-definite, n <= 3) by Cramer's rule.
+def _verify_features(batch_size: int, positions: int) -> tuple[float, float, float, float]:
+    """``(1, b, P, [P > 1])``: the regressors of ``V(b, P)``."""
+    return (1.0, float(batch_size), float(positions), 1.0 if positions > 1 else 0.0)
 
-    Returns None when ``a`` is (numerically) singular.
+
+def _solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solves ``a x = b`` (``a`` symmetric positive semi-definite, a handful of unknowns) by Gaussian
+    elimination with partial pivoting.
+
+    Returns None when ``a`` is (numerically) singular: a pivot below ``1e-12`` of the largest diagonal entry.
     """
     n = len(b)
     scale = max(a[i][i] for i in range(n)) if n else 0.0  # bounds every |a_ij| of a PSD matrix
-    if scale == 0.0:
+    if scale <= 0.0:
         return None
-    if n == 1:
-        return [b[0] / a[0][0]] if abs(a[0][0]) > 1e-12 * scale else None
-    if n == 2:
-        det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
-        if abs(det) <= 1e-12 * scale * scale:
+    m = [[float(v) for v in row] + [float(rhs)] for row, rhs in zip(a, b, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= 1e-12 * scale:
             return None
-        return [(b[0] * a[1][1] - a[0][1] * b[1]) / det, (a[0][0] * b[1] - b[0] * a[1][0]) / det]
-    if n != 3:
-        raise ValueError("only up to 3 unknowns")
-    (p, q, r), (s_, t, u), (v, w, x) = a
-    c0, c1, c2 = t * x - u * w, u * v - s_ * x, s_ * w - t * v  # cofactors of the first row
-    det = p * c0 + q * c1 + r * c2
-    if abs(det) <= 1e-12 * scale**3:
-        return None
-    b0, b1, b2 = b
-    return [
-        (b0 * c0 + q * (u * b2 - b1 * x) + r * (b1 * w - t * b2)) / det,
-        (p * (b1 * x - u * b2) + b0 * c1 + r * (s_ * b2 - b1 * v)) / det,
-        (p * (t * b2 - b1 * w) + q * (b1 * v - s_ * b2) + b0 * c2) / det,
-    ]
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            if f:
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - math.fsum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
 
 
 @dataclass(frozen=True)
@@ -246,6 +257,10 @@ class CostPrior:
         prefill_ratio: ``p / d``: a catch-up (prefill) token of the draft costs this fraction of a drafted one.
         ratio_weight: weight of each ratio row, in observations' worth (a data row weighs 1).
         anchor_weight: weight of the absolute anchors; tiny, so one observation overrides them.
+        verify_curve: the target's own measurement, at start-up, of one session's verify pass feeding
+            ``k = 1, 2, ...`` positions (ns, index ``k - 1``); its shape replaces ``per_position_ratio``.
+            Empty: not measured.
+        curve_weight: weight of each of the curve's ratio rows.
     """
 
     verify_step_ns: float = 10e6
@@ -255,14 +270,57 @@ class CostPrior:
     prefill_ratio: float = 0.3
     ratio_weight: float = 0.5
     anchor_weight: float = 1e-6
+    verify_curve: tuple[float, ...] = ()
+    curve_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.verify_step_ns <= 0 or self.draft_token_ns < 0:
             raise ValueError("verify_step_ns must be > 0 and draft_token_ns >= 0")
         if min(self.per_item_ratio, self.per_position_ratio, self.prefill_ratio) < 0:
             raise ValueError("prior ratios must be >= 0")
-        if self.ratio_weight < 0 or self.anchor_weight <= 0:
-            raise ValueError("ratio_weight must be >= 0 and anchor_weight > 0")
+        if self.ratio_weight < 0 or self.anchor_weight <= 0 or self.curve_weight < 0:
+            raise ValueError("ratio_weight and curve_weight must be >= 0 and anchor_weight > 0")
+        if any(not (math.isfinite(t) and t > 0) for t in self.verify_curve):
+            raise ValueError("verify_curve must hold positive finite times")
+
+    def verify_rows(self) -> list[tuple[tuple[float, float, float, float], float, float]]:
+        """Prior rows of the verify fit, ``theta = (v0, v_b, v_p, v_m)`` (module docstring)."""
+        curve = self.verify_curve
+        step = curve[0] if curve else self.verify_step_ns
+        rows: list[tuple[tuple[float, float, float, float], float, float]] = [
+            ((1.0, 1.0, 1.0, 0.0), step, self.anchor_weight),
+            ((-self.per_item_ratio, 1.0, 0.0, 0.0), 0.0, self.ratio_weight),
+        ]
+        if len(curve) < 2:
+            r = self.per_position_ratio
+            rows += [((-r, -r, 1.0, 0.0), 0.0, self.ratio_weight), ((0.0, 0.0, 0.0, 1.0), 0.0, self.ratio_weight)]
+            return rows
+        # v_p = slope * V(1, 1) and v_m = step * V(1, 1), with V(1, 1) = v0 + v_b + v_p: rows that hold exactly
+        # (a row of the raw curve would not, and would pull the whole fit towards 0 before data).
+        slope, step = curve_shape(curve)
+        rows += [
+            ((-slope, -slope, 1.0 - slope, 0.0), 0.0, self.curve_weight),
+            ((-step, -step, -step, 1.0), 0.0, self.curve_weight),
+        ]
+        return rows
+
+
+def curve_shape(curve: Sequence[float]) -> tuple[float, float]:
+    """``(slope, step)``, both >= 0: the least-squares fit of ``curve[k - 1] / curve[0] = 1 + step + slope * (k - 1)``
+    over ``k >= 2`` (one position more costs ``slope`` of a step; going past one position costs ``step``)."""
+    if len(curve) < 2:
+        return 0.0, 0.0
+    xs = [float(k - 1) for k in range(2, len(curve) + 1)]
+    ys = [t / curve[0] - 1.0 for t in curve[1:]]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if n > 1 else 0.0
+    step = my - slope * mx
+    if slope < 0.0:  # a flat or falling tail: a step alone
+        slope, step = 0.0, my
+    if step < 0.0:  # no step: a line through the first point
+        slope, step = max(0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)), 0.0
+    return slope, max(step, 0.0)
 
 
 class CostModel:
@@ -292,16 +350,8 @@ class CostModel:
                 ((-pr.prefill_ratio, 1.0), 0.0, pr.ratio_weight),
             ],
         )
-        # theta = (v0, v_b, v_p); the anchor is a one-item, one-position call.
-        self._verify = DecayingLeastSquares(
-            3,
-            decay=decay,
-            prior_rows=[
-                ((1.0, 1.0, 1.0), pr.verify_step_ns, pr.anchor_weight),
-                ((-pr.per_item_ratio, 1.0, 0.0), 0.0, pr.ratio_weight),
-                ((-pr.per_position_ratio, -pr.per_position_ratio, 1.0), 0.0, pr.ratio_weight),
-            ],
-        )
+        # theta = (v0, v_b, v_p, v_m); the anchor is a one-item, one-position call.
+        self._verify = DecayingLeastSquares(4, decay=decay, prior_rows=pr.verify_rows())
         # theta = (r0, r1): round trip of a call carrying k draft distributions; r1 defaults to 0.
         self._rtt = DecayingLeastSquares(2, decay=decay, prior_rows=[((0.0, 1.0), 0.0, pr.ratio_weight)])
 
@@ -319,7 +369,7 @@ class CostModel:
         """One Verify call: ``batch_size`` items, ``positions`` fed in total, ``ns`` server time."""
         if batch_size < 1 or positions < batch_size or ns < 0:
             raise ValueError("need batch_size >= 1, positions >= batch_size, ns >= 0")
-        self._verify.add((1.0, float(batch_size), float(positions)), float(ns))
+        self._verify.add(_verify_features(batch_size, positions), float(ns))
 
     def observe_rtt(self, *, ns: int, tokens: int = 0) -> None:
         """Round trip of one call beyond the server's own time; ``tokens`` draft distributions it carried."""
@@ -334,6 +384,11 @@ class CostModel:
         """True once at least one draft and one verify call have been observed."""
         return self._draft.n_observations > 0 and self._verify.n_observations > 0
 
+    def ready_for(self, *, drafted: bool = True) -> bool:
+        """Whether a round's cost rests on data: :attr:`ready`, or for a round that makes no Propose call
+        (``drafted=False``: a proposer in the coordinator) once a verify call has been observed."""
+        return self.ready if drafted else self._verify.n_observations > 0
+
     def draft_ns_per_token(self) -> float:
         return self._draft.coef[0]
 
@@ -343,7 +398,7 @@ class CostModel:
 
     def verify_ns(self, batch_size: int, positions: int) -> float:
         """Predicted server time of a Verify call of ``batch_size`` items feeding ``positions`` in total."""
-        return self._verify.predict((1.0, float(batch_size), float(positions)))
+        return self._verify.predict(_verify_features(batch_size, positions))
 
     def verify_ns_per_position(self) -> float:
         """Marginal cost of one more position in a Verify call (``v_p``)."""
@@ -355,16 +410,18 @@ class CostModel:
             return 0.0
         return self._rtt.predict((1.0, float(tokens)))
 
-    def round_ns(self, gamma: int, batch_size: int) -> float:
-        """Predicted wall time of one round of one session; see the module docstring for the formula."""
+    def round_ns(self, gamma: int, batch_size: int, *, drafted: bool = True) -> float:
+        """Predicted wall time of one round of one session; see the module docstring for the formula.
+
+        ``drafted=False``: the proposal costs no Propose call (a proposer in the coordinator).
+        """
         if gamma < 0 or batch_size < 1:
             raise ValueError("need gamma >= 0 and batch_size >= 1")
         d = self._draft.coef[0]
-        v0, vb, vp = self._verify.coef
         r0, r1 = self._rtt.coef if self._rtt.n_observations else (0.0, 0.0)
         rtt = r0 + r1 * gamma
-        total = rtt + v0 + vb * batch_size + vp * batch_size * (gamma + 1)
-        if gamma > 0:
+        total = rtt + self.verify_ns(batch_size, batch_size * (gamma + 1))
+        if gamma > 0 and drafted:
             total += rtt + d * gamma
         return total
 
@@ -387,7 +444,7 @@ class CostModel:
 
     def snapshot(self) -> dict[str, float]:
         """Current estimates, for logs, metrics and the benchmark report."""
-        v0, vb, vp = self._verify.coef
+        v0, vb, vp, vm = self._verify.coef
         r0, r1 = self._rtt.coef if self._rtt.n_observations else (0.0, 0.0)
         return {
             "draft_ns_per_token": self.draft_ns_per_token(),
@@ -395,6 +452,7 @@ class CostModel:
             "verify_fixed_ns": v0,
             "verify_ns_per_item": vb,
             "verify_ns_per_position": vp,
+            "verify_multi_position_ns": vm,
             "rtt_ns": r0,
             "rtt_ns_per_token": r1,
         }

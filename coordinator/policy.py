@@ -1,7 +1,7 @@
 """The speculation policy: how many tokens a session drafts in its next round.
 
 The objective is wall-clock cost per committed token under the real workload
-(``../shared/DESIGN.md``, "Cost and policy"), not acceptance. Three pieces:
+(docs/design.md, "Cost and policy"), not acceptance. Three pieces:
 
 * :class:`~coordinator.cost_model.CostModel` (one per coordinator): what a round
   costs, learnt online from call timings;
@@ -13,10 +13,11 @@ The objective is wall-clock cost per committed token under the real workload
 
 How the coordinator drives them, each round of each session::
 
-    load = LoadSnapshot(active_sessions=..., batch_occupancy=..., verify_queue_depth=...)
-    gamma = min(policy.choose_gamma(session.acceptance, load), tokens_left - 1, server_max_gamma)
-    ... Propose (only when gamma > 0): cost_model.observe_draft(...), cost_model.observe_rtt(...)
-    ... Verify (batched):              cost_model.observe_verify(...), cost_model.observe_rtt(...)
+    load = pool.load()   # LoadSnapshot(active_sessions=..., batch_occupancy=..., verify_queue_depth=...)
+    local = pool.drafts_locally(session)   # the next proposal comes from the coordinator: no draft cost
+    gamma = min(policy.choose_gamma(session.acceptance, load, local_draft=local), tokens_left - 1, server_max_gamma)
+    pool.propose(...)  # the pool: cost_model.observe_draft(...), cost_model.observe_rtt(...)
+    pool.verify(...)   # the pool, once per call: cost_model.observe_verify(...), cost_model.observe_rtt(...)
     session.acceptance.observe(proposed=gamma, accepted=verdict.accepted)   # also when gamma == 0
 
 Terms: a round with ``gamma`` proposals feeds ``gamma + 1`` positions to the
@@ -37,6 +38,7 @@ from coordinator.acceptance import AcceptanceTracker
 from coordinator.cost_model import CostModel, CostPrior, expected_tokens_iid, predicted_speedup
 
 __all__ = [
+    "GAMMA_LADDER",
     "AcceptanceTracker",
     "AdaptiveGamma",
     "CostModel",
@@ -47,6 +49,10 @@ __all__ = [
     "expected_tokens_iid",
     "predicted_speedup",
 ]
+
+
+#: The one gamma ladder: fine where the optimum usually lies, coarse above, where the goodput curve is flat.
+GAMMA_LADDER: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8)
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,12 @@ class SpeculationPolicy(abc.ABC):
     """Chooses a session's gamma for its next round."""
 
     @abc.abstractmethod
-    def choose_gamma(self, acceptance: AcceptanceTracker, load: LoadSnapshot) -> int:
-        """The number of tokens to draft next round (0: a plain target decode step)."""
+    def choose_gamma(self, acceptance: AcceptanceTracker, load: LoadSnapshot, *, local_draft: bool = False) -> int:
+        """The number of tokens to draft next round (0: a plain target decode step).
+
+        ``local_draft``: the proposal will come from a proposer in the coordinator (prediction,
+        n-gram), which costs no draft call.
+        """
 
 
 class FixedGamma(SpeculationPolicy):
@@ -91,7 +101,7 @@ class FixedGamma(SpeculationPolicy):
             raise ValueError(f"gamma must be >= 0, got {gamma}")
         self.gamma = gamma
 
-    def choose_gamma(self, acceptance: AcceptanceTracker, load: LoadSnapshot) -> int:
+    def choose_gamma(self, acceptance: AcceptanceTracker, load: LoadSnapshot, *, local_draft: bool = False) -> int:
         acceptance.last_gamma = self.gamma
         return self.gamma
 
@@ -107,7 +117,7 @@ class AdaptiveGamma(SpeculationPolicy):
 
         E(g)     = 1 + sum_{k=1..g} prod_{i=1..k} a_i             expected committed tokens
         W(g)     = g + 1 - E(g)                                   expected wasted target positions
-        cost(g)  = round_ns(g, b) + lambda(load) * W(g) * v_p     ns
+        cost(g)  = round_ns(g, b) + lambda(load) * W(g) * v_p     ns   (no draft cost for a local draft)
         score(g) = E(g) / cost(g)                                 committed tokens per ns
 
     ``round_ns`` is the session's own latency (:meth:`CostModel.round_ns`: draft,
@@ -138,19 +148,29 @@ class AdaptiveGamma(SpeculationPolicy):
       may fall to any lower rung at once.
     * **Cold start**: a session's first round uses the best rung not above
       ``initial_gamma`` (just ``initial_gamma`` while the cost model has no data),
-      then climbs one rung per round at most.
+      then climbs one rung per round at most. A session whose tracker starts
+      from other sessions' acceptance (``warm_start``: the coordinator's
+      :class:`~coordinator.acceptance.AcceptanceMemory` for its proposer and
+      sampling) starts at the best rung of the whole ladder for that estimate.
     * **Probing out of 0**: a session at gamma = 0 learns nothing about
       acceptance (its tracker neither learns nor forgets on such rounds), so after
       ``probe_interval`` rounds at 0 it runs one round at the lowest non-zero rung.
       When the probe's token is rejected the interval doubles (up to
       ``max_probe_interval``), so probing a hopeless pair costs ever less; when
       it is accepted but not enough to stay, the interval halves (down to
-      ``probe_interval``); leaving 0 on the evidence resets it.
+      ``probe_interval``); leaving 0 on the evidence resets it. Sessions
+      warm-started under one key share this clock
+      (:class:`~coordinator.acceptance.ProbeClock`): the rounds at 0 of all of
+      them count towards one probe, whose outcome feeds the pooled acceptance
+      they all start from. (Sessions of a proposer in the coordinator, whose
+      acceptance belongs to the text rather than the pair, start cold and
+      probe on their own.)
 
     Tuning constants (defaults, and why):
 
-    * ``choices=(0, 1, 2, 3, 4, 6, 8)``: fine where the optimum usually lies,
-      coarse above, where the goodput curve is flat.
+    * ``choices=GAMMA_LADDER`` (0, 1, 2, 3, 4, 6, 8): fine where the optimum usually
+      lies, coarse above, where the goodput curve is flat; :meth:`up_to` cuts it
+      at a server's largest gamma.
     * ``switch_margin=0.03``: near the optimum the goodput curve is flat (on the
       test grid, neighbouring rungs often differ by 1-3%), so a wider band parks
       the choice two rungs away at a small loss; a narrower one lets estimate
@@ -175,7 +195,7 @@ class AdaptiveGamma(SpeculationPolicy):
     def __init__(
         self,
         cost_model: CostModel,
-        choices: Sequence[int] = (0, 1, 2, 3, 4, 6, 8),
+        choices: Sequence[int] = GAMMA_LADDER,
         *,
         max_batch_size: int = 16,
         initial_gamma: int = 2,
@@ -210,6 +230,11 @@ class AdaptiveGamma(SpeculationPolicy):
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
 
+    @classmethod
+    def up_to(cls, cost_model: CostModel, max_gamma: int, **kwargs: object) -> AdaptiveGamma:
+        """The policy on :data:`GAMMA_LADDER` cut at ``max_gamma`` (other arguments as the constructor)."""
+        return cls(cost_model, tuple(g for g in GAMMA_LADDER if g <= max_gamma), **kwargs)  # type: ignore[arg-type]
+
     def __repr__(self) -> str:
         return f"AdaptiveGamma(choices={self.choices}, margin={self.switch_margin})"
 
@@ -231,7 +256,9 @@ class AdaptiveGamma(SpeculationPolicy):
         others = self.batch_size(load) - 1 + load.verify_queue_depth
         return self.waste_weight * self.pressure(load) * others
 
-    def scores(self, acceptance: AcceptanceTracker, load: LoadSnapshot) -> dict[int, float]:
+    def scores(
+        self, acceptance: AcceptanceTracker, load: LoadSnapshot, *, local_draft: bool = False
+    ) -> dict[int, float]:
         """``score(g)`` (expected committed tokens per ns) for every rung of the ladder."""
         cm = self.cost_model
         b = self.batch_size(load)
@@ -239,7 +266,7 @@ class AdaptiveGamma(SpeculationPolicy):
         out: dict[int, float] = {}
         for g in self.choices:
             expected = acceptance.expected_tokens(g)
-            cost = cm.round_ns(g, b) + charge * (g + 1 - expected)
+            cost = cm.round_ns(g, b, drafted=not local_draft) + charge * (g + 1 - expected)
             out[g] = expected / max(cost, 1.0)
         return out
 
@@ -253,20 +280,21 @@ class AdaptiveGamma(SpeculationPolicy):
                 idx = i
         return idx
 
-    def choose_gamma(self, acceptance: AcceptanceTracker, load: LoadSnapshot) -> int:
+    def choose_gamma(self, acceptance: AcceptanceTracker, load: LoadSnapshot, *, local_draft: bool = False) -> int:
         last = acceptance.last_gamma
-        if last is None:
-            top = self._rung(self.initial_gamma)
-            if self.cost_model.ready:
-                scores = self.scores(acceptance, load)
+        ready = self.cost_model.ready_for(drafted=not local_draft)
+        if last is None:  # the first round: cautious, unless other sessions' rounds back the prior
+            top = len(self.choices) - 1 if acceptance.warm_start and ready else self._rung(self.initial_gamma)
+            if ready:
+                scores = self.scores(acceptance, load, local_draft=local_draft)
                 choice = max(self.choices[: top + 1], key=lambda g: scores[g])
             else:
                 choice = self.choices[top]
             return self._record(acceptance, choice)
         current = self.choices[self._rung(last)]
-        if not self.cost_model.ready:
+        if not ready:
             return self._record(acceptance, current)
-        scores = self.scores(acceptance, load)
+        scores = self.scores(acceptance, load, local_draft=local_draft)
         allowed = self.choices[: self._rung(current) + 2]  # up one rung at most, down any
         best = max(allowed, key=lambda g: scores[g])  # ties: the smaller gamma
         if best != current and scores[best] <= scores[current] * (1.0 + self.switch_margin):

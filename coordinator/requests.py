@@ -1,28 +1,38 @@
-"""A client's generation request as a checked domain object (``GenerateRequest.from_pb``).
+"""A client's generation request as a checked domain object (``GenerationRequest.from_pb``).
 
 Every check raises :class:`~specserve.errors.InvalidArgument` with a message
 that says what to fix; the server interceptor turns it into INVALID_ARGUMENT.
-Limits come from :class:`~specserve.config.CoordinatorSettings` (passed in, never
-read from the environment here).
+Limits come from :class:`~specserve.config.CoordinatorSettings` and the probed
+worker limits (passed in, never read from the environment here).
+
+Every limit holds before work is done, cheapest first: the sampling settings,
+the stop conditions (count and length of ``stop_strings`` and
+``stop_token_ids``), ``max_new_tokens`` and the speculation settings; then the
+byte size of a text prompt or of a conversation's messages, *before* it is
+tokenized or rendered with the chat template (the caller's ``tokenize`` and
+``render_chat`` run off the event loop); then the prompt's length in tokens, and
+the context: a prompt must leave room for one generated token in the smaller
+context of the two models, and ``max_new_tokens`` is capped so that prompt +
+generation fit (the generation then finishes with ``length`` at the context).
+Any front end (gRPC, HTTP) builds its request message and calls this.
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 
+from coordinator.chat import ChatMessage, messages_from_pb
 from specserve.config import CoordinatorSettings
 from specserve.errors import InvalidArgument
-from specserve.params import SamplingParams, StopConditions
-from specserve.v1 import common_pb2, coordinator_pb2
+from specserve.params import SamplingParams, StopConditions, check_top_logprobs, resolve_proposer
+from specserve.v1 import coordinator_pb2
 
-#: Proposer kinds the coordinator knows; UNSPECIFIED means the draft model.
-_PROPOSERS = {
-    common_pb2.PROPOSER_KIND_UNSPECIFIED: common_pb2.PROPOSER_KIND_MODEL,
-    common_pb2.PROPOSER_KIND_MODEL: common_pb2.PROPOSER_KIND_MODEL,
-    common_pb2.PROPOSER_KIND_NGRAM: common_pb2.PROPOSER_KIND_NGRAM,
-}
+#: Tokenizes a text prompt (off the event loop) into token ids.
+Tokenize = Callable[[str], Awaitable[tuple[int, ...]]]
+#: Renders a conversation with the chat template and tokenizes it (off the event loop).
+RenderChat = Callable[[list[ChatMessage]], Awaitable[tuple[int, ...]]]
 
 
 def random_seed() -> int:
@@ -41,73 +51,169 @@ class SpeculationSettings:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A validated Generate request: prompt tokens, sampling (seed fixed), stops, speculation."""
+    """A validated Generate request: prompt tokens, sampling (seed fixed), stops, speculation.
+
+    ``top_logprobs``: report each token's log probability with that many alternatives (None: no
+    logprobs). ``prediction_token_ids``: Predicted Outputs, the prediction tokenized once (None: none).
+    """
 
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     stop: StopConditions
     speculation: SpeculationSettings
+    top_logprobs: int | None = None
+    prediction_token_ids: tuple[int, ...] | None = None
 
     @classmethod
-    def from_pb(
+    async def from_pb(
         cls,
         pb: coordinator_pb2.GenerateRequest,
         *,
         settings: CoordinatorSettings,
-        tokenizer: Any,
+        tokenize: Tokenize,
+        render_chat: RenderChat,
         vocab_size: int,
         max_gamma: int,
+        context_tokens: int | None = None,
     ) -> GenerationRequest:
-        """Check ``pb`` against the server's limits; tokenize a text prompt."""
-        which = pb.WhichOneof("prompt")
-        if which == "text":
-            if not pb.text:
-                raise InvalidArgument("the prompt is empty: send prompt text or prompt token ids")
-            prompt = tuple(tokenizer.encode(pb.text, add_special_tokens=False))
-            if not prompt:
-                raise InvalidArgument("the prompt text tokenizes to no tokens: send a non-empty prompt")
-        elif which == "tokens":
-            prompt = tuple(pb.tokens.token_ids)
-            if not prompt:
-                raise InvalidArgument("the prompt is empty: send at least one prompt token id")
-            bad = [t for t in prompt if t >= vocab_size]
-            if bad:
-                raise InvalidArgument(
-                    f"prompt token id {bad[0]} is outside the model's vocabulary of {vocab_size} tokens "
-                    f"(ids must be in [0, {vocab_size}))"
-                )
-        else:
-            raise InvalidArgument("the prompt is empty: set GenerateRequest.text or GenerateRequest.tokens")
-        if len(prompt) > settings.max_prompt_tokens:
-            raise InvalidArgument(
-                f"the prompt has {len(prompt)} tokens, more than this server's limit of "
-                f"{settings.max_prompt_tokens}; shorten it"
-            )
+        """Check ``pb`` against the server's limits, cheapest first; tokenize a text prompt last."""
         if pb.stop.max_new_tokens > settings.max_new_tokens_limit:
             raise InvalidArgument(
                 f"max_new_tokens={pb.stop.max_new_tokens} is above this server's limit of "
                 f"{settings.max_new_tokens_limit}; ask for at most {settings.max_new_tokens_limit}"
             )
-        seed = random_seed()
-        sampling = SamplingParams.from_pb(pb.sampling, default_seed=seed)
+        _check_stop_lists(pb.stop, settings, vocab_size)
+        sampling = SamplingParams.from_pb(pb.sampling, default_seed=random_seed())
         stop = StopConditions.from_pb(pb.stop, default_max_new_tokens=settings.default_max_new_tokens)
-        bad_stop = [t for t in stop.stop_token_ids if t >= vocab_size]
-        if bad_stop:
+        speculation = _speculation_from_pb(pb.speculation, max_gamma=max_gamma, vocab_size=vocab_size)
+        top_logprobs = check_top_logprobs(pb.logprobs.top_logprobs) if pb.HasField("logprobs") else None
+        prompt = await _prompt(
+            pb, settings=settings, tokenize=tokenize, render_chat=render_chat, vocab_size=vocab_size
+        )
+        if len(prompt) > settings.max_prompt_tokens:
             raise InvalidArgument(
-                f"stop token id {bad_stop[0]} is outside the vocabulary of {vocab_size} tokens"
+                f"the prompt has {len(prompt)} tokens, more than this server's limit of "
+                f"{settings.max_prompt_tokens}; shorten it"
             )
+        if context_tokens is not None:
+            room = context_tokens - len(prompt)
+            if room < 1:
+                raise InvalidArgument(
+                    f"the prompt has {len(prompt)} tokens but the model's context holds {context_tokens}, "
+                    f"prompt and generation together; shorten the prompt to at most {context_tokens - 1} tokens"
+                )
+            if stop.max_new_tokens > room:  # generate up to the context, then finish with `length`
+                stop = replace(stop, max_new_tokens=room)
+        prediction = await _prediction_from_pb(pb, settings=settings, tokenize=tokenize, vocab_size=vocab_size)
         return cls(
             prompt_token_ids=prompt,
             sampling=sampling,
             stop=stop,
-            speculation=_speculation_from_pb(pb.speculation, max_gamma=max_gamma, vocab_size=vocab_size),
+            speculation=speculation,
+            top_logprobs=top_logprobs,
+            prediction_token_ids=prediction,
+        )
+
+
+async def _prediction_from_pb(
+    pb: coordinator_pb2.GenerateRequest, *, settings: CoordinatorSettings, tokenize: Tokenize, vocab_size: int
+) -> tuple[int, ...] | None:
+    """The prediction's tokens (Predicted Outputs), tokenized once, off the event loop; None when the
+    request has none. A prediction is held to the prompt's limits (``max_prompt_bytes`` before it is
+    tokenized, ``max_prompt_tokens`` after); an empty one is no prediction.
+    """
+    if not pb.HasField("prediction"):
+        return None
+    which = pb.prediction.WhichOneof("content")
+    if which == "text":
+        _check_bytes("the prediction", len(pb.prediction.text.encode("utf-8")), settings)
+        ids = tuple(await tokenize(pb.prediction.text)) if pb.prediction.text else ()
+    else:
+        ids = tuple(pb.prediction.tokens.token_ids)
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise InvalidArgument(
+                f"prediction token id {bad[0]} is outside the model's vocabulary of {vocab_size} tokens"
+            )
+    if len(ids) > settings.max_prompt_tokens:
+        raise InvalidArgument(
+            f"the prediction has {len(ids)} tokens, more than this server's limit of "
+            f"{settings.max_prompt_tokens} (max_prompt_tokens); shorten it"
+        )
+    return ids or None
+
+
+def _check_stop_lists(pb, settings: CoordinatorSettings, vocab_size: int) -> None:
+    """Count and length of the stop lists, before anything is built from them."""
+    if len(pb.stop_strings) > settings.max_stop_strings:
+        raise InvalidArgument(
+            f"{len(pb.stop_strings)} stop strings; this server accepts at most {settings.max_stop_strings}"
+        )
+    longest = max((len(s) for s in pb.stop_strings), default=0)
+    if longest > settings.max_stop_string_chars:
+        raise InvalidArgument(
+            f"a stop string has {longest} characters; this server accepts at most "
+            f"{settings.max_stop_string_chars} per stop string"
+        )
+    if len(pb.stop_token_ids) > settings.max_stop_token_ids:
+        raise InvalidArgument(
+            f"{len(pb.stop_token_ids)} stop token ids; this server accepts at most {settings.max_stop_token_ids}"
+        )
+    bad = [t for t in pb.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidArgument(f"stop token id {bad[0]} is outside the vocabulary of {vocab_size} tokens")
+
+
+async def _prompt(
+    pb: coordinator_pb2.GenerateRequest,
+    *,
+    settings: CoordinatorSettings,
+    tokenize: Tokenize,
+    render_chat: RenderChat,
+    vocab_size: int,
+) -> tuple[int, ...]:
+    which = pb.WhichOneof("prompt")
+    if which == "text":
+        if not pb.text:
+            raise InvalidArgument("the prompt is empty: send prompt text or prompt token ids")
+        _check_bytes("the prompt text", len(pb.text.encode("utf-8")), settings)
+        prompt = tuple(await tokenize(pb.text))
+        if not prompt:
+            raise InvalidArgument("the prompt text tokenizes to no tokens: send a non-empty prompt")
+        return prompt
+    if which == "tokens":
+        prompt = tuple(pb.tokens.token_ids)
+        if not prompt:
+            raise InvalidArgument("the prompt is empty: send at least one prompt token id")
+        bad = [t for t in prompt if t >= vocab_size]
+        if bad:
+            raise InvalidArgument(
+                f"prompt token id {bad[0]} is outside the model's vocabulary of {vocab_size} tokens "
+                f"(ids must be in [0, {vocab_size}))"
+            )
+        return prompt
+    if which == "chat":
+        size = sum(len(m.role.encode("utf-8")) + len(m.content.encode("utf-8")) for m in pb.chat.messages)
+        _check_bytes("the conversation", size, settings)
+        prompt = tuple(await render_chat(messages_from_pb(pb.chat)))
+        if not prompt:
+            raise InvalidArgument("the conversation renders to no tokens: send a non-empty message")
+        return prompt
+    raise InvalidArgument(
+        "the prompt is empty: set GenerateRequest.text, GenerateRequest.tokens or GenerateRequest.chat"
+    )
+
+
+def _check_bytes(what: str, size: int, settings: CoordinatorSettings) -> None:
+    if size > settings.max_prompt_bytes:
+        raise InvalidArgument(
+            f"{what} is {size} bytes, more than this server's limit of {settings.max_prompt_bytes} bytes; "
+            "shorten it"
         )
 
 
 def _speculation_from_pb(pb: coordinator_pb2.SpeculationParams, *, max_gamma: int, vocab_size: int):
-    if pb.proposer not in _PROPOSERS:
-        known = ", ".join(common_pb2.ProposerKind.Name(k) for k in _PROPOSERS)
-        raise InvalidArgument(f"unknown proposer {pb.proposer}; use one of {known}")
+    proposer = resolve_proposer(pb.proposer)
     gamma: int | None = None
     if pb.HasField("gamma"):
         gamma = pb.gamma
@@ -120,4 +226,4 @@ def _speculation_from_pb(pb: coordinator_pb2.SpeculationParams, *, max_gamma: in
         raise InvalidArgument(
             f"draft_top_k={pb.draft_top_k} exceeds the vocabulary size {vocab_size}; use 0 (off) or a smaller k"
         )
-    return SpeculationSettings(gamma=gamma, proposer=_PROPOSERS[pb.proposer], draft_top_k=pb.draft_top_k)
+    return SpeculationSettings(gamma=gamma, proposer=proposer, draft_top_k=pb.draft_top_k)

@@ -1,74 +1,70 @@
-"""The round loop of one session (DESIGN.md, "One round, step by step").
+"""The round loop of one session (docs/design.md, "One round, step by step").
 
-Each round: choose gamma (the policy), **Propose** to the session's draft
-replica (sending only the committed tokens it has not seen), **Verify** through
-the batcher of the session's target replica, then advance the session by the
-committed verdict and hand the new tokens to the caller to stream.
+:meth:`RoundLoop.step` only sequences one round:
 
-Faults, and what a round does about them:
+1. **choose gamma**: the policy's choice for the session's acceptance and the
+   pool's load, capped by the tokens left and the server's largest gamma;
+2. **propose**: :meth:`WorkerPool.propose`, which decides where the proposal
+   comes from (a proposer in the coordinator, or the draft model; none: the
+   round runs at gamma = 0);
+3. **verify**: :meth:`WorkerPool.verify` (batched, failing over);
+4. **apply the verdict**: advance the session by the committed tokens and hand
+   them (with their log probabilities, when the session asked for them) to
+   the caller to stream; update the session's acceptance and stats.
 
-* **Draft down, slow or failing** (any error of the Propose call): the draft's
-  circuit breaker opens for a back-off period and the round runs with
-  gamma = 0 (a plain target decode step). A draft fault never fails a session.
-  A draft that answers FAILED_PRECONDITION lacks earlier tokens (it lost or
-  never had the session): the same call is resent once with all tokens from 0.
-* **Target replica down** (UNAVAILABLE, connection refused, a worker bug): it
-  is marked down and the same item, with the same ``(session, version)``, is
-  sent to the next replica on the session's ring. That replica rebuilds the
-  session from Redis; if the old replica had committed before dying, the new
-  one answers with the recorded verdict (``replayed``), which is used exactly
-  like a fresh one. A Verify past its deadline is treated the same way (a hung
-  replica is left for the next one; safe because the item is idempotent per
-  ``(session, version)``: whichever replica commits first, the other gets the
-  recorded verdict). RESOURCE_EXHAUSTED is retried on the same replica. A
-  failed batch opens its replica's breaker once (not once per session in it);
-  while every replica is backing off the round waits for the first breaker to
-  let a call through. The session fails with UNAVAILABLE after
-  ``MAX_VERIFY_ATTEMPTS`` failed calls or ``MAX_ALL_DOWN_WAIT_S`` of waiting.
-* **Stale version** (ABORTED) or **log mismatch** (FAILED_PRECONDITION): the
-  session re-reads its log from Redis and continues from there, emitting only
-  tokens it had not emitted.
+Replicas, failover, breakers and the cost model are the pool's
+(:mod:`coordinator.pool`); the round loop uses only the pool's public methods.
+What it handles itself is the session's state:
 
-Worker calls run as tasks shielded from the caller's cancellation and are
-tracked, so that on cancellation :meth:`RoundLoop.release` waits for them to
-finish before releasing the session's caches: a release never overtakes the
-request that would re-create the cache.
+* **Stale version** (ABORTED) or **log mismatch** (FAILED_PRECONDITION) for the
+  item: the session re-reads its log from Redis and continues from there,
+  emitting only tokens it had not emitted. A session gone from Redis fails
+  with FAILED_PRECONDITION; after ``MAX_FRUITLESS_RESYNCS`` re-reads in a row
+  that bring nothing new it fails too (a guard against a bug looping). The
+  log holds tokens, not log probabilities: a session that reports them takes
+  those of the new tokens from the last verdict recorded with the log, which
+  covers them when one commit is all it missed (the only case a single owner
+  of the session can meet); otherwise it fails with FAILED_PRECONDITION rather
+  than stream tokens without them.
+* **The end**: :meth:`RoundLoop.detach` as soon as no round will start, and
+  :meth:`RoundLoop.release` (the pool waits for the session's calls in flight,
+  then drops its caches).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable
-from typing import TypeVar
+from dataclasses import dataclass
 
 import structlog
 
+from coordinator.acceptance import AcceptanceTracker
 from coordinator.batcher import BatchedResult
-from coordinator.policy import AcceptanceTracker, SpeculationPolicy
-from coordinator.pool import WorkerPool
+from coordinator.policy import SpeculationPolicy
+from coordinator.pool import Verified, WorkerPool
 from coordinator.session import Session
-from coordinator.workers import WorkerError
+from coordinator.workers import ItemReply
 from specserve import errors, metrics
+from specserve.params import PositionLogprobs, Verdict
 from specserve.store import SessionStore
 from specserve.v1 import common_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
 
-T = TypeVar("T")
-
-#: Attempts of one Verify item across replicas and retries before the session fails.
-MAX_VERIFY_ATTEMPTS = 6
-#: Longest a round waits, in all, while every target replica is backing off (above the
-#: breaker's longest back-off, so a replica that recovers is tried before the session fails).
-MAX_ALL_DOWN_WAIT_S = 15.0
-ALL_DOWN_POLL_S = 0.25
 #: Re-reads of the log in a row that bring no progress before the session fails (a bug guard).
 MAX_FRUITLESS_RESYNCS = 3
 
 
+@dataclass(frozen=True)
+class Committed:
+    """What one round committed that the session had not emitted: tokens, and their logprobs if asked."""
+
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[PositionLogprobs, ...] = ()  # one per token when the session reports logprobs
+
+
 class RoundLoop:
-    """Drives one session's rounds; :meth:`step` runs one round and returns the new tokens."""
+    """Drives one session's rounds; :meth:`step` runs one round and returns what it newly committed."""
 
     def __init__(
         self,
@@ -78,180 +74,179 @@ class RoundLoop:
         store: SessionStore,
         policy: SpeculationPolicy,
         max_gamma: int,
+        overlap: bool = False,
     ) -> None:
         self.session = session
         self.pool = pool
         self.store = store
         self.policy = policy
         self.max_gamma = max_gamma
-        self.acceptance = AcceptanceTracker()
-        self._inflight: set[asyncio.Task] = set()
-        self._drafts_used: set[str] = set()
-        self._targets_used: set[str] = set()
+        self.overlap = overlap
+        #: Overlap: the next round's proposal, drafted while this round was verified, valid only for
+        #: this committed prefix (the hypothesis it was drafted on).
+        self._ahead: tuple[tuple[int, ...], common_pb2.Proposal] | None = None
+        #: Overlap: rounds whose proposal was drafted ahead, and ahead drafts thrown away.
+        self.ahead_used = self.ahead_wasted = 0
+        #: What this session's acceptance is pooled under, across sessions (the pool's memory of it).
+        self.speculation_key = "/".join(
+            (
+                str(session.speculation.proposer),
+                "+".join(p.name for p in session.local_proposers),
+                "greedy" if session.sampling.greedy else "sampled",
+            )
+        )
+        # A local proposer's acceptance (n-gram, a prediction) is a property of the text, not of the pair:
+        # pooled over chat and over copied code it describes neither, and a session started from it at
+        # gamma 0 on a costly verify curve would not find its own text's high acceptance in time. Such a
+        # session starts from the tracker's own prior, probes on its own clock, and (its proposals cost no
+        # draft call) may open at the best rung of the whole ladder for that prior, falling at once if its
+        # text is not repeated.
+        prior = None if session.local_proposers else pool.acceptance_prior(self.speculation_key)
+        if prior is None:
+            self.acceptance = AcceptanceTracker()
+            self.acceptance.warm_start = bool(session.local_proposers)
+        else:
+            self.acceptance = AcceptanceTracker(prior_alpha=prior, prior_weight=8.0)
+            self.acceptance.warm_start = True
+            self.acceptance.probe_clock = pool.probe_clock(self.speculation_key)
         self._fruitless = 0
-        self._network_ns = 0  # this round's Propose call time minus the draft's own account
         self._log = log.bind(session_id=session.session_id)
-
-    # ---- plumbing ----------------------------------------------------------------------
-    async def _shielded(self, awaitable: Awaitable[T]) -> T:
-        """Await ``awaitable`` in its own task that the caller's cancellation does not interrupt."""
-        task = asyncio.ensure_future(awaitable)
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
-        return await asyncio.shield(task)
+        pool.attach(session)
 
     # ---- one round ---------------------------------------------------------------------
     def choose_gamma(self) -> int:
         s = self.session
         tokens_left = s.stop.max_new_tokens - (s.committed_len - s.prompt_len)
-        gamma = self.policy.choose_gamma(self.acceptance, self.pool.load())
+        gamma = self.policy.choose_gamma(
+            self.acceptance, self.pool.load(), local_draft=self.pool.drafts_locally(s)
+        )
         gamma = max(0, min(gamma, tokens_left - 1, self.max_gamma))
         metrics.GAMMA_CHOSEN.observe(gamma)
         return gamma
 
-    async def step(self) -> tuple[int, ...]:
-        """One Propose/Verify round; returns the newly committed tokens (maybe none)."""
+    async def step(self) -> Committed:
+        """One round: choose gamma, propose, verify, apply the verdict; returns what it newly committed."""
         s = self.session
-        self.pool.assign(s.session_id, self.pool.targets.choose(s.session_id))
-        gamma = self.choose_gamma()
-        proposal = common_pb2.Proposal()
-        self._network_ns = 0
-        if gamma > 0:
-            drafted = await self._propose(gamma)
-            if drafted is not None:
-                proposal = drafted
-        item = target_pb2.VerifyItem(base=s.base.to_pb(), proposal=proposal)
-        batched, item = await self._verify(item)
-        proposed = len(item.proposal.token_ids)
-        result = batched.item
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] != s.token_ids:  # the log moved otherwise (a resync): useless
+            ahead = None
+        proposed = await self.pool.propose(s, self.choose_gamma(), ahead=ahead[1] if ahead else None)
+        if ahead is not None and proposed.wall_ns == 0 and proposed.source == "model":
+            self.ahead_used += 1
+            metrics.OVERLAP_DRAFTS.labels(outcome="used").inc()
+        s.stats.draft_ns += proposed.wall_ns
+        if proposed.draft_ns is not None:
+            metrics.STAGE_SECONDS.labels(stage="draft").observe(proposed.draft_ns / 1e9)
+        item = target_pb2.VerifyItem(base=s.base.to_pb(), proposal=proposed.proposal)
+        if s.top_logprobs is not None:
+            item.logprobs.CopyFrom(common_pb2.LogprobsParams(top_logprobs=s.top_logprobs))
+        drafting = None
+        if self.overlap and proposed.source == "model" and proposed.proposal.token_ids:
+            # While the target verifies, the draft drafts the next round as if all of this one is accepted.
+            gamma = len(proposed.proposal.token_ids)
+            drafting = self.pool.propose_ahead(
+                s, proposed.proposal.token_ids, min(gamma + 1, self.max_gamma + 1)
+            )
+        try:
+            batched, item = await self._verify(item)
+        except BaseException:
+            if drafting is not None:
+                drafting.cancel()
+            raise
+        if drafting is not None:
+            await self._keep_ahead(drafting, tuple(proposed.proposal.token_ids), batched.item.verdict)
         s.stats.verify_ns += batched.call_ns
         s.stats.queue_ns += batched.queue_ns
-        _observe_stages(batched, self._network_ns)
-        if result.verdict is not None:
-            verdict = result.verdict
-            new = s.apply_verdict(verdict)
-            s.stats.observe_round(proposed=proposed, accepted=verdict.accepted_count)
-            self.acceptance.observe(proposed=proposed, accepted=min(verdict.accepted_count, proposed))
-            self._fruitless = 0
-            _count_round(proposed, verdict.accepted_count, len(verdict.committed_token_ids))
-            if result.replayed:
-                self._log.info("verdict_replayed", version=verdict.new_version)
-            return new
-        return await self._resync(result.error)
+        s.stats.target_ns += batched.verify_ns
+        s.stats.forward_ns += batched.forward_ns
+        _observe_stages(batched, proposed.network_ns)
+        if batched.item.verdict is None:
+            return await self._resync(batched.item.error)
+        return self._apply(batched.item, proposed=len(item.proposal.token_ids))
 
-    # ---- Propose ------------------------------------------------------------------------
-    async def _propose(self, gamma: int) -> common_pb2.Proposal | None:
-        s = self.session
-        endpoint = self.pool.drafts.choose(s.session_id)
-        if endpoint is None:
-            return None  # every draft replica is backing off: gamma = 0
-        client = self.pool.draft_clients[endpoint]
-        self._drafts_used.add(endpoint)
-        start_ns = time.perf_counter_ns()
-        try:
-            try:
-                start, tokens = s.unseen_by_draft(endpoint)
-                reply = await self._shielded(self._call_propose(client, start, tokens, gamma))
-            except errors.FailedPrecondition:
-                # The draft lacks tokens before start_position: resend everything.
-                reply = await self._shielded(self._call_propose(client, 0, s.token_ids, gamma))
-        except Exception as exc:  # any draft fault: this round runs at gamma = 0
-            wall = time.perf_counter_ns() - start_ns
-            s.stats.draft_ns += wall
-            s.draft_endpoint = None
-            backoff = self.pool.drafts.mark_failed(endpoint)
-            metrics.REPLICA_FAILURES.labels(tier="draft").inc()
-            self._log.warning(
-                "draft_fault_gamma_0",
-                endpoint=endpoint,
-                error=type(exc).__name__,
-                message=str(exc),
-                backoff_s=backoff,
-            )
-            return None
-        wall = time.perf_counter_ns() - start_ns
-        s.stats.draft_ns += wall
-        s.draft_caught_up(endpoint)
-        self.pool.drafts.mark_ok(endpoint)
-        n = len(reply.proposal.token_ids)
-        cm = self.pool.cost_model
-        cm.observe_draft(tokens=n, ns=reply.draft_ns, prefill_tokens=reply.prefill_tokens)
-        cm.observe_rtt(ns=wall - reply.draft_ns, tokens=len(reply.proposal.distributions))
-        metrics.STAGE_SECONDS.labels(stage="draft").observe(reply.draft_ns / 1e9)
-        self._network_ns = max(0, wall - reply.draft_ns)
-        if n > gamma:
-            self._log.error("draft_overproposed", asked=gamma, got=n)
-            return None
-        return reply.proposal
+    async def _keep_ahead(
+        self,
+        drafting: asyncio.Task[common_pb2.Proposal | None],
+        proposal: tuple[int, ...],
+        verdict: Verdict | None,
+    ) -> None:
+        """Keep the ahead draft for the next round when the verdict bears its hypothesis out.
 
-    def _call_propose(self, client, start: int, tokens, gamma: int):
-        s = self.session
-        return client.propose(
-            s.base,
-            start_position=start,
-            token_ids=tokens,
-            sampling=s.sampling,
-            gamma=gamma,
-            proposer=s.speculation.proposer,
-            draft_top_k=s.speculation.draft_top_k,
-        )
-
-    # ---- Verify -------------------------------------------------------------------------
-    async def _verify(self, item: target_pb2.VerifyItem) -> tuple[BatchedResult, target_pb2.VerifyItem]:
-        """Verify ``item`` on the session's replica, failing over; returns the result and the item sent.
-
-        A batch refused as malformed (INVALID_ARGUMENT: one item's proposal is bad, e.g. a draft bug)
-        commits nothing for anyone; each of its sessions then retries with an empty proposal
-        (gamma = 0), which cannot be malformed, so a bad draft never fails the sessions it rode with.
+        The hypothesis: every proposed token accepted and the bonus token equal to the draft's first
+        token. Then the draft drafted the rest after exactly the prefix the session now holds, with
+        the same position-keyed randomness: it is the proposal a Propose would return now (waiting
+        for it, when it is still drafting, costs less than a new call). Otherwise it is cancelled or
+        thrown away, and the next Propose resends the whole prefix (the draft recorded the
+        hypothetical one; a full resend does not depend on the order the two requests arrive in).
         """
         s = self.session
-        last_exc: Exception | None = None
-        attempt = 0
-        waited_s = 0.0
-        while attempt < MAX_VERIFY_ATTEMPTS:
-            endpoint = self.pool.targets.choose(s.session_id)
-            if endpoint is None:
-                # Every replica is backing off: wait (without spending an attempt) until a breaker
-                # lets a call through, so a replica that recovers within its back-off is used.
-                if waited_s >= MAX_ALL_DOWN_WAIT_S:
-                    break
-                await asyncio.sleep(ALL_DOWN_POLL_S)
-                waited_s += ALL_DOWN_POLL_S
-                continue
-            attempt += 1
-            self._targets_used.add(endpoint)
-            self.pool.assign(s.session_id, endpoint)
-            try:
-                batched = await self._shielded(self.pool.batchers[endpoint].submit(item))
-            except (errors.Unavailable, WorkerError, errors.Cancelled, errors.DeadlineExceeded) as exc:
-                # Cancelled: by the server. DeadlineExceeded: the replica hangs; the item is idempotent.
-                last_exc = exc
-                if self.pool.targets.is_up(endpoint):  # one failed batch counts once, not once per session
-                    self.pool.targets.mark_failed(endpoint)
-                    metrics.REPLICA_FAILURES.labels(tier="target").inc()
-                self._log.warning("target_failover", endpoint=endpoint, error=str(exc), version=s.version)
-                continue
-            except errors.InvalidArgument as exc:
-                if not item.proposal.token_ids:
-                    raise
-                last_exc = exc
-                self._log.error("verify_refused_proposal_gamma_0", endpoint=endpoint, error=exc.message)
-                item = target_pb2.VerifyItem(base=item.base, proposal=common_pb2.Proposal())
-                continue
-            except errors.ResourceExhausted as exc:
-                last_exc = exc
-                self._log.warning("verify_retry", endpoint=endpoint, error=str(exc), version=s.version)
-                await asyncio.sleep(0.05 * attempt)
-                continue
-            self.pool.targets.mark_ok(endpoint)
-            return batched, item
-        raise errors.Unavailable(
-            f"no target replica could verify session {s.session_id} after {attempt} attempts"
-            + (f" (last error: {last_exc})" if last_exc else ""),
-            retry_after_s=1.0,
+        all_in = (
+            verdict is not None
+            and not verdict.finish_reason
+            and verdict.accepted_count == len(proposal)
+            and len(verdict.committed_token_ids) == len(proposal) + 1
         )
+        ready = await drafting if all_in else None
+        if not drafting.done():
+            drafting.cancel()
+        if (
+            verdict is not None
+            and ready is not None
+            and len(ready.token_ids) > 1
+            and (ready.token_ids[0] == verdict.committed_token_ids[-1])
+        ):
+            rest = common_pb2.Proposal(token_ids=ready.token_ids[1:])
+            rest.distributions.extend(ready.distributions[1:])
+            self._ahead = (s.token_ids + tuple(verdict.committed_token_ids), rest)
+        else:
+            self.ahead_wasted += 1
+            metrics.OVERLAP_DRAFTS.labels(outcome="wasted").inc()
+            s.draft_lost()
 
-    async def _resync(self, error: errors.SpecServeError | None) -> tuple[int, ...]:
+    async def _verify(self, item: target_pb2.VerifyItem) -> Verified:
+        """The round's verify phase: ``(batched result, the item as last sent)``."""
+        return await self.pool.verify(self.session, item)
+
+    def _apply(self, result: ItemReply, *, proposed: int) -> Committed:
+        """Advance the session by a committed (fresh or replayed) verdict; returns its new tokens."""
+        s = self.session
+        verdict = result.verdict
+        assert verdict is not None
+        new = self._committed(verdict, s.apply_verdict(verdict))
+        s.stats.observe_round(proposed=proposed, accepted=verdict.accepted_count)
+        self.acceptance.observe(proposed=proposed, accepted=min(verdict.accepted_count, proposed))
+        self.pool.observe_acceptance(
+            self.speculation_key, proposed=proposed, accepted=min(verdict.accepted_count, proposed)
+        )
+        self._fruitless = 0
+        _count_round(proposed, verdict.accepted_count, len(verdict.committed_token_ids))
+        if result.replayed:
+            self._log.info("verdict_replayed", version=verdict.new_version)
+        return new
+
+    def _check_logprobs(self, verdict: Verdict) -> None:
+        """A session that reports logprobs needs one per committed token (an older target sends none)."""
+        if self.session.top_logprobs is not None and len(verdict.logprobs) != len(
+            verdict.committed_token_ids
+        ):
+            raise errors.FailedPrecondition(
+                f"session {self.session.session_id}: the target sent {len(verdict.logprobs)} logprobs for "
+                f"{len(verdict.committed_token_ids)} committed tokens; is it older than the logprobs API?"
+            )
+
+    def _committed(self, verdict: Verdict | None, new: tuple[int, ...]) -> Committed:
+        """``new`` (the tail of ``verdict``'s tokens) with its logprobs from the verdict when the session asks."""
+        if self.session.top_logprobs is None or not new:
+            return Committed(new)
+        if verdict is None or tuple(verdict.committed_token_ids[-len(new) :]) != new:
+            raise errors.FailedPrecondition(
+                f"session {self.session.session_id}: {len(new)} tokens were committed without this coordinator "
+                "seeing their verdict, so their logprobs are not known; start again"
+            )
+        self._check_logprobs(verdict)
+        return Committed(new, verdict.logprobs[-len(new) :])
+
+    async def _resync(self, error: errors.SpecServeError | None) -> Committed:
         """After an item error: re-read the log from Redis and continue from there."""
         s = self.session
         if isinstance(error, errors.NotFound):
@@ -261,6 +256,9 @@ class RoundLoop:
         if error is not None and not isinstance(error, (errors.Aborted, errors.FailedPrecondition)):
             raise error
         record = await self.store.load(s.session_id)
+        last = record.last_verdict  # the commit that made the log's current version
+        if last is not None and last.new_version != record.version:
+            last = None
         new = s.advance(record.token_ids, start=0, version=record.version, finish_reason=record.finish_reason)
         s.stats.rounds += 1
         self._log.info(
@@ -276,25 +274,16 @@ class RoundLoop:
                     f"session {s.session_id}: the target keeps refusing version {s.version} "
                     f"({error.message if error else 'no reason'})"
                 )
-        return new
+        return self._committed(last, new)
 
     # ---- the end ------------------------------------------------------------------------
     def detach(self) -> None:
-        """The session will start no more rounds: stop counting it in batch formation."""
-        self.pool.assign(self.session.session_id, None)
+        """The session will start no more rounds: stop counting it in the load and batch formation."""
+        self.pool.detach(self.session)
 
     async def release(self, *, wait_s: float = 30.0) -> None:
         """Wait for calls in flight, then drop the session's caches on every worker it used."""
-        self.pool.assign(self.session.session_id, None)
-        if self._inflight:
-            await asyncio.wait(set(self._inflight), timeout=wait_s)
-        sid = self.session.session_id
-        calls = [self.pool.draft_clients[ep].release(sid) for ep in self._drafts_used]
-        calls += [self.pool.target_clients[ep].release(sid) for ep in self._targets_used]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            self._log.info("release_incomplete", errors=[type(e).__name__ for e in failed])
+        await self.pool.release(self.session, wait_s=wait_s)
 
 
 def _observe_stages(batched: BatchedResult, propose_network_ns: int) -> None:

@@ -1,11 +1,14 @@
 """Building and running the coordinator.
 
-:func:`start_coordinator` wires the Redis store, the worker pool (clients,
-batchers, replica health), the cost model and policy, the tokenizer and the
-servicer from one :class:`~specserve.config.CoordinatorSettings`, checks the
-workers it can reach (a draft whose vocabulary differs from the target's is
-refused), and starts the gRPC server; :func:`serve` runs it until SIGTERM /
-SIGINT (the CLI's entry point): health NOT_SERVING, drain the sessions, stop.
+:func:`start_coordinator` probes the workers it can reach
+(:func:`~coordinator.limits.probe_limits`: a draft whose vocabulary differs
+from the target's is refused), then wires the Redis store, the worker pool
+(clients, batchers, replica health), the cost model and policy, the tokenizer
+and the servicer once, from one :class:`~specserve.config.CoordinatorSettings`
+and the probed limits, and starts the gRPC server and, when ``http_port`` is set, the
+OpenAI-compatible HTTP API on the same ``Coordinator`` (:mod:`coordinator.http_api`);
+:func:`serve` runs it until SIGTERM / SIGINT (the CLI's entry point): health
+NOT_SERVING, drain the sessions, stop.
 """
 
 from __future__ import annotations
@@ -16,15 +19,16 @@ from typing import Any
 
 import structlog
 
+from coordinator.cost_model import CostModel, CostPrior
 from coordinator.generation import Coordinator
-from coordinator.policy import CostModel
+from coordinator.limits import probe_limits
+from coordinator.policy import AdaptiveGamma
 from coordinator.pool import WorkerPool
 from coordinator.servicer import CoordinatorServicer
-from coordinator.workers import WorkerInfo
-from specserve import errors
+from coordinator.workers import WorkerClients
 from specserve.config import CoordinatorSettings
 from specserve.interceptors import BearerTokenInterceptor
-from specserve.models import check_same_vocabulary, resolve_model_path
+from specserve.models import resolve_model_path
 from specserve.server import (
     Registration,
     RunningServer,
@@ -38,9 +42,6 @@ log = structlog.get_logger(__name__)
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
 
-#: How long start-up waits for each worker's info before going on without it.
-INFO_TIMEOUT_S = 5.0
-
 
 @dataclass
 class CoordinatorApp:
@@ -49,78 +50,57 @@ class CoordinatorApp:
     settings: CoordinatorSettings
     coordinator: Coordinator
     running: RunningServer
+    #: The OpenAI-compatible HTTP API (``coordinator.http_server.HttpServer``), when ``http_port`` is set.
+    http: Any = None
 
     @property
     def port(self) -> int:
         return self.running.port
 
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.port
+
     async def stop(self, grace: float | None = None) -> None:
-        await self.running.stop(self.settings.shutdown_grace_s if grace is None else grace)
+        grace = self.settings.shutdown_grace_s if grace is None else grace
+        stops = [self.running.stop(grace)] + ([self.http.stop(grace)] if self.http is not None else [])
+        await asyncio.gather(*stops)
         await self.coordinator.close()
 
 
 def load_tokenizer(settings: CoordinatorSettings) -> Any:
-    """The target's tokenizer (settings.tokenizer, or the embedded demo target's)."""
+    """The target's tokenizer (settings.tokenizer, or the default target's)."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
-        resolve_model_path(settings.tokenizer, "target"), local_files_only=True
-    )
-
-
-async def _infos(clients: dict[str, Any]) -> dict[str, WorkerInfo]:
-    async def one(ep: str, client: Any) -> tuple[str, WorkerInfo | None]:
-        try:
-            return ep, await client.info(timeout_s=INFO_TIMEOUT_S)
-        except errors.SpecServeError as exc:
-            log.warning("worker_info_unavailable", endpoint=ep, error=exc.message)
-            return ep, None
-
-    pairs = await asyncio.gather(*(one(ep, c) for ep, c in clients.items()))
-    return {ep: info for ep, info in pairs if info is not None}
+    spec = resolve_model_path(settings.tokenizer, "target")
+    return AutoTokenizer.from_pretrained(spec, local_files_only=Path(spec).is_dir())
 
 
 async def build_coordinator(
     settings: CoordinatorSettings, *, tokenizer: Any = None, store: SessionStore | None = None
 ) -> Coordinator:
-    """Wire a coordinator from ``settings``; checks the workers it can reach."""
+    """Wire a coordinator from ``settings``: probe the workers it reaches, then build its parts once."""
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings)
     store = store or SessionStore.from_url(settings.redis_url.get_secret_value())
-    pool = WorkerPool(settings, CostModel())
+    clients = WorkerClients.connect(settings)
     try:
-        return await _check_workers(settings, pool, store, tokenizer)
+        limits = await probe_limits(settings, clients, tokenizer)
     except BaseException:
-        await pool.close()
+        await clients.close()
         raise
-
-
-async def _check_workers(
-    settings: CoordinatorSettings, pool: WorkerPool, store: SessionStore, tokenizer: Any
-) -> Coordinator:
-    targets = await _infos(pool.target_clients)
-    drafts = await _infos(pool.draft_clients)
-    max_gamma = settings.max_gamma
-    vocab_size = len(tokenizer)
-    if targets:
-        first = next(iter(targets.values()))
-        vocab_size = first.model.vocab_size
-        max_gamma = min(max_gamma, *(i.max_gamma for i in targets.values()))
-        for info in (*targets.values(), *drafts.values()):
-            check_same_vocabulary(info.model, first.model)
-        target_batch = min(i.max_batch_size or settings.max_batch_size for i in targets.values())
-        for batcher in pool.batchers.values():
-            batcher.max_batch_size = min(batcher.max_batch_size, target_batch)
-    else:
-        log.warning("no_target_reachable_at_start", endpoints=settings.target_endpoints)
-    if drafts:
-        max_gamma = min(max_gamma, *(i.max_gamma for i in drafts.values()))
-    if len(tokenizer) > vocab_size:
-        raise errors.VocabularyMismatch(
-            f"the coordinator's tokenizer has {len(tokenizer)} tokens but the target's vocabulary only {vocab_size}; "
-            "point `tokenizer` at the target model's directory"
-        )
+    cost_model = CostModel(prior=CostPrior(verify_curve=limits.verify_curve_ns))
+    pool = WorkerPool(
+        settings,
+        cost_model,
+        clients,
+        max_batch_size=limits.max_batch_size,
+        draft_max_batch_size=limits.draft_max_batch_size,
+    )
+    adaptive = AdaptiveGamma.up_to(cost_model, limits.max_gamma, max_batch_size=settings.max_batch_size)
     return Coordinator(
-        settings, store=store, pool=pool, tokenizer=tokenizer, vocab_size=vocab_size, max_gamma=max_gamma
+        settings, store=store, pool=pool, adaptive=adaptive, tokenizer=tokenizer, limits=limits
     )
 
 
@@ -144,20 +124,44 @@ async def start_coordinator(
             ],
             interceptors=interceptors,
             drain=coordinator.drain,
+            stream_idle_timeout_s=settings.stream_idle_timeout_s,
         )
     except BaseException:
         await coordinator.close()
         raise
+    http = None
+    if settings.http_port is not None:
+        from coordinator.http_server import start_http  # FastAPI and uvicorn only when asked for
+
+        try:
+            http = await start_http(coordinator, settings)
+        except BaseException:
+            await running.stop(0)
+            await coordinator.close()
+            raise
+        running.drain = _drain_both(http, coordinator)
     log.info(
         "coordinator_started",
         port=running.port,
+        http_port=None if http is None else http.port,
         targets=settings.target_endpoints,
         drafts=settings.draft_endpoints,
         max_gamma=coordinator.max_gamma,
         max_batch_size=settings.max_batch_size,
         max_batch_wait_ms=settings.max_batch_wait_ms,
+        draft_max_batch_size=coordinator.pool.draft_max_batch_size,
     )
-    return CoordinatorApp(settings=settings, coordinator=coordinator, running=running)
+    return CoordinatorApp(settings=settings, coordinator=coordinator, running=running, http=http)
+
+
+def _drain_both(http: Any, coordinator: Coordinator):
+    """The drain hook with the HTTP API: it stops taking new requests too, then sessions drain."""
+
+    async def drain() -> None:
+        http.begin_drain()
+        await coordinator.drain()
+
+    return drain
 
 
 async def serve(settings: CoordinatorSettings) -> None:

@@ -7,6 +7,7 @@ request, with a message that says what to fix).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,7 +26,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        generation = self.coordinator.parse(request)
+        generation = await self.coordinator.parse(request)
         client = client_identity(context, by_token=bool(self.coordinator.settings.auth_tokens))
-        async for event in self.coordinator.generate(generation, client=client):
-            yield event.to_pb()
+        async with contextlib.aclosing(self.coordinator.generate(generation, client=client)) as events:
+            async for event in events:
+                yield event.to_pb()

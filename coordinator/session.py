@@ -4,8 +4,13 @@ The committed prefix has one mutator, :meth:`Session.advance`, which takes the
 log from version ``v`` to a later version and returns exactly the tokens that
 were not emitted before; callers stream those and nothing else, so what a
 client receives is the committed log after the prompt, in order, each token
-once (DESIGN.md invariant 4), whether the tokens came from a fresh verdict, a
+once (docs/design.md, invariant 4), whether the tokens came from a fresh verdict, a
 replayed one, or a re-read of the log after a conflict.
+
+A session also owns its proposers that need no model
+(:mod:`coordinator.local_proposers`: the n-gram lookup when it drafts with
+``ngram``, the prediction when the request carries one): ``advance`` feeds
+them every newly committed token, so they follow the committed prefix exactly.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from coordinator.local_proposers import LocalProposer, NgramProposer, PredictionProposer
 from coordinator.requests import SpeculationSettings
 from specserve.errors import FailedPrecondition
 from specserve.params import SamplingParams, SessionBase, StopConditions, Verdict
@@ -35,16 +41,22 @@ class SessionStats:
     """What GenerationStats reports, accumulated round by round."""
 
     rounds: int = 0
+    #: Rounds that proposed at least one draft token (vLLM's ``num_drafts``).
+    draft_rounds: int = 0
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     draft_ns: int = 0
     verify_ns: int = 0
     queue_ns: int = 0
+    target_ns: int = 0  # the target's own account of the Verify calls
+    forward_ns: int = 0  # the target's forward passes in those calls
     first_token_ns: int = 0
 
     def observe_round(self, *, proposed: int, accepted: int) -> None:
         self.rounds += 1
+        if proposed:
+            self.draft_rounds += 1
         self.proposed_tokens += proposed
         self.accepted_tokens += accepted
         if len(self.accepted_per_position) < proposed:
@@ -65,12 +77,25 @@ class Session:
         speculation: SpeculationSettings,
         *,
         start_ns: int | None = None,
+        top_logprobs: int | None = None,
+        prediction: Sequence[int] | None = None,
     ) -> None:
         self.session_id = session_id
         self.prompt_len = len(prompt_token_ids)
         self.sampling = sampling
         self.stop = stop
         self.speculation = speculation
+        #: Report every token's log probability with this many alternatives (None: no logprobs).
+        self.top_logprobs = top_logprobs
+        #: Predicted Outputs (None: the request has no prediction).
+        self.prediction = PredictionProposer(prediction) if prediction else None
+        ngram = (
+            NgramProposer(prompt_token_ids) if speculation.proposer == common_pb2.PROPOSER_KIND_NGRAM else None
+        )
+        #: Proposers that run in the coordinator, asked in this order before the draft model.
+        self.local_proposers: tuple[LocalProposer, ...] = tuple(
+            p for p in (self.prediction, ngram) if p is not None
+        )
         self.start_ns = time.perf_counter_ns() if start_ns is None else start_ns
         self.status = SessionStatus.RUNNING
         self.finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -115,6 +140,10 @@ class Session:
         self.draft_endpoint = endpoint
         self.draft_seen = len(self._tokens)
 
+    def draft_lost(self) -> None:
+        """The draft failed: whichever draft serves the next round is sent every token."""
+        self.draft_endpoint = None
+
     # ---- the one mutator -------------------------------------------------
     def advance(
         self, log_tokens: Sequence[int], *, start: int, version: int, finish_reason: int
@@ -143,6 +172,8 @@ class Session:
             self.stats.first_token_ns = time.perf_counter_ns() - self.start_ns
         self._tokens.extend(new)
         self._version = version
+        for proposer in self.local_proposers:
+            proposer.observe(new)
         if finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self.finish_reason = finish_reason
             self.status = SessionStatus.FINISHED
@@ -176,8 +207,13 @@ class Session:
             draft_ns=s.draft_ns,
             verify_ns=s.verify_ns,
             queue_ns=s.queue_ns,
+            target_ns=s.target_ns,
+            forward_ns=s.forward_ns,
             first_token_ns=s.first_token_ns,
             total_ns=time.perf_counter_ns() - self.start_ns,
             finish_reason=self.finish_reason,
             seed=self.sampling.seed,
+            draft_rounds=s.draft_rounds,
+            accepted_prediction_tokens=self.prediction.accepted_tokens if self.prediction else 0,
+            rejected_prediction_tokens=self.prediction.rejected_tokens if self.prediction else 0,
         )

@@ -1,15 +1,18 @@
 """Async gRPC clients of the draft and target workers, with deadlines and error translation.
 
 Each call carries a deadline (``settings.draft_timeout_s`` for Propose,
-``settings.rpc_timeout_s`` for the rest) and a failed call
-becomes one of :mod:`specserve.errors` (:func:`error_from_rpc`), so the round
-loop reasons about ``Unavailable`` / ``DeadlineExceeded`` / ``VersionConflict``
-and never about ``grpc.RpcError``. Channels use the coordinator's message
-limit, keepalive, and TLS (optionally mutual) when ``worker_tls_ca_file`` is set.
+``settings.rpc_timeout_s`` for the rest) and a failed call becomes one of
+:mod:`specserve.errors` (:func:`specserve.status.worker_error_from_rpc`; a
+replica's bug is a :class:`~specserve.errors.WorkerError`), so the pool reasons
+about ``Unavailable`` / ``DeadlineExceeded`` / ``VersionConflict`` and never
+about ``grpc.RpcError``. Channels use the coordinator's message
+limit, keepalive, and TLS (optionally mutual) when ``worker_tls_ca_file`` is set;
+every call carries the shared ``worker_token`` when one is set.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,37 +24,8 @@ from specserve.config import CoordinatorSettings
 from specserve.interceptors import outgoing_metadata
 from specserve.models import ModelInfo
 from specserve.params import SamplingParams, SessionBase, Verdict
+from specserve.status import item_error, worker_error_from_rpc
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-
-#: grpc status -> the domain error it becomes on the coordinator side.
-_BY_CODE: dict[grpc.StatusCode, type[errors.SpecServeError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-    grpc.StatusCode.ABORTED: errors.VersionConflict,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
-    grpc.StatusCode.CANCELLED: errors.Cancelled,
-}
-
-
-class WorkerError(errors.Unavailable):
-    """A worker failed in a way that is its bug (INTERNAL, UNKNOWN, ...): the coordinator treats it as down."""
-
-
-def error_from_rpc(exc: grpc.RpcError, endpoint: str) -> errors.SpecServeError:
-    """The domain error for a failed call to ``endpoint``."""
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    cls = _BY_CODE.get(code, WorkerError)
-    return cls(f"{endpoint}: {code.name}: {details}")
-
-
-#: Codes after which the same call may succeed elsewhere or later (worker down or slow).
-TRANSIENT = (errors.Unavailable, errors.DeadlineExceeded, errors.ResourceExhausted, WorkerError)
 
 
 def _channel(endpoint: str, settings: CoordinatorSettings) -> grpc.aio.Channel:
@@ -60,6 +34,7 @@ def _channel(endpoint: str, settings: CoordinatorSettings) -> grpc.aio.Channel:
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.ping_timeout_ms", 10_000),  # the keepalive ping's ack (grpc's default: 60 s)
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
@@ -79,17 +54,36 @@ class WorkerInfo:
     model: ModelInfo
     max_gamma: int
     max_batch_size: int | None = None
+    #: A target's measured verify pass for 1, 2, ... positions (ns); empty: not measured (or a draft).
+    verify_curve_ns: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
-class ProposeResult:
-    proposal: common_pb2.Proposal  # passed through to Verify untouched
-    draft_ns: int
-    prefill_tokens: int
+class ProposeReply:
+    """A draft's answer: the proposal (passed through to Verify undecoded) and what it cost."""
+
+    proposal: common_pb2.Proposal
+    draft_ns: int  # the draft's own account of the call
+    prefill_tokens: int  # committed tokens it fed to catch up before drafting
+    queue_ns: int = 0  # waiting in the coordinator for its ProposeBatch call to leave
 
 
 @dataclass(frozen=True)
-class ItemResult:
+class ProposeItemReply:
+    """One ProposeBatch item's outcome: a proposal, or the error that kept it from being drafted."""
+
+    reply: ProposeReply | None
+    error: errors.SpecServeError | None
+
+
+@dataclass(frozen=True)
+class ProposeBatchReply:
+    results: tuple[ProposeItemReply, ...]
+    draft_ns: int  # the draft's own account of the whole call
+
+
+@dataclass(frozen=True)
+class ItemReply:
     """One Verify item's outcome: a verdict (maybe replayed) or the error that kept it uncommitted."""
 
     session_id: str
@@ -100,25 +94,16 @@ class ItemResult:
 
 @dataclass(frozen=True)
 class VerifyReply:
-    results: tuple[ItemResult, ...]
+    results: tuple[ItemReply, ...]
     verify_ns: int
     forward_ns: int
     positions_processed: int
 
 
-_ITEM_CODES: dict[int, type[errors.SpecServeError]] = {
-    grpc.StatusCode.NOT_FOUND.value[0]: errors.NotFound,
-    grpc.StatusCode.ABORTED.value[0]: errors.VersionConflict,
-    grpc.StatusCode.FAILED_PRECONDITION.value[0]: errors.FailedPrecondition,
-    grpc.StatusCode.INVALID_ARGUMENT.value[0]: errors.InvalidArgument,
-}
-
-
-def item_result_from_pb(pb: target_pb2.VerifyResult) -> ItemResult:
+def item_reply_from_pb(pb: target_pb2.VerifyResult) -> ItemReply:
     if pb.WhichOneof("outcome") == "verdict":
-        return ItemResult(pb.session_id, Verdict.from_pb(pb.verdict), pb.replayed, None)
-    cls = _ITEM_CODES.get(pb.error.code, errors.FailedPrecondition)
-    return ItemResult(pb.session_id, None, False, cls(pb.error.message))
+        return ItemReply(pb.session_id, Verdict.from_pb(pb.verdict), pb.replayed, None)
+    return ItemReply(pb.session_id, None, False, item_error(pb.error.code, pb.error.message))
 
 
 class _WorkerClient:
@@ -129,6 +114,8 @@ class _WorkerClient:
         self._timeout = settings.rpc_timeout_s
         self._channel = _channel(endpoint, settings)
         self._stub = stub_class(self._channel)
+        token = settings.worker_token
+        self._auth = () if token is None else (("authorization", f"Bearer {token.get_secret_value()}"),)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -137,9 +124,11 @@ class _WorkerClient:
         # Looked up at call time: a test may swap the stub to inject faults.
         method = getattr(self._stub, rpc)
         try:
-            return await method(request, timeout=timeout_s or self._timeout, metadata=outgoing_metadata())
+            return await method(
+                request, timeout=timeout_s or self._timeout, metadata=outgoing_metadata(self._auth)
+            )
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc, self.endpoint) from exc
+            raise worker_error_from_rpc(exc, self.endpoint) from exc
 
     async def _release(self, rpc: str, request: Any) -> bool:
         """Drop a session on the worker; False when the worker did not hold it."""
@@ -148,6 +137,37 @@ class _WorkerClient:
         except errors.NotFound:
             return False
         return True
+
+
+def propose_request(
+    base: SessionBase,
+    *,
+    start_position: int,
+    token_ids: Sequence[int],
+    sampling: SamplingParams,
+    gamma: int,
+    proposer: int,
+    draft_top_k: int,
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+) -> draft_pb2.ProposeRequest:
+    """The wire request for one session's proposal (sent alone or as an item of a ProposeBatch)."""
+    return draft_pb2.ProposeRequest(
+        base=base.to_pb(),
+        start_position=start_position,
+        token_ids=token_ids,
+        sampling=sampling.to_pb(),
+        gamma=gamma,
+        proposer=proposer,
+        draft_top_k=draft_top_k,
+        seed=sampling.seed,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=ignore_eos,
+    )
+
+
+def _propose_reply(pb: draft_pb2.ProposeResponse) -> ProposeReply:
+    return ProposeReply(pb.proposal, pb.draft_ns, pb.prefill_tokens)
 
 
 class DraftClient(_WorkerClient):
@@ -167,20 +187,47 @@ class DraftClient(_WorkerClient):
         gamma: int,
         proposer: int,
         draft_top_k: int,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
         timeout_s: float | None = None,
-    ) -> ProposeResult:
-        request = draft_pb2.ProposeRequest(
-            base=base.to_pb(),
+    ) -> ProposeReply:
+        request = propose_request(
+            base,
             start_position=start_position,
             token_ids=token_ids,
-            sampling=sampling.to_pb(),
+            sampling=sampling,
             gamma=gamma,
             proposer=proposer,
             draft_top_k=draft_top_k,
-            seed=sampling.seed,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
         )
-        reply = await self._call("Propose", request, timeout_s or self._propose_timeout)
-        return ProposeResult(reply.proposal, reply.draft_ns, reply.prefill_tokens)
+        return await self.propose_one(request, timeout_s=timeout_s)
+
+    async def propose_one(
+        self, request: draft_pb2.ProposeRequest, *, timeout_s: float | None = None
+    ) -> ProposeReply:
+        """One ``Propose`` call; the draft's refusal is raised."""
+        return _propose_reply(await self._call("Propose", request, timeout_s or self._propose_timeout))
+
+    async def propose_batch(
+        self, requests: Sequence[draft_pb2.ProposeRequest], *, timeout_s: float | None = None
+    ) -> ProposeBatchReply:
+        """One ``ProposeBatch`` call; a failure of the whole call raises, per-item errors come back in results."""
+        reply = await self._call(
+            "ProposeBatch", draft_pb2.ProposeBatchRequest(items=requests), timeout_s or self._propose_timeout
+        )
+        if len(reply.results) != len(requests):
+            raise errors.WorkerError(
+                f"{self.endpoint}: ProposeBatch returned {len(reply.results)} results for {len(requests)} items"
+            )
+        results = []
+        for r in reply.results:
+            if r.WhichOneof("outcome") == "proposal":
+                results.append(ProposeItemReply(_propose_reply(r.proposal), None))
+            else:
+                results.append(ProposeItemReply(None, item_error(r.error.code, f"{self.endpoint}: {r.error.message}")))
+        return ProposeBatchReply(results=tuple(results), draft_ns=reply.draft_ns)
 
     async def release(self, session_id: str) -> bool:
         """Drop the session's draft cache; False when the draft did not hold it."""
@@ -190,7 +237,7 @@ class DraftClient(_WorkerClient):
 
     async def info(self, timeout_s: float | None = None) -> WorkerInfo:
         reply = await self._call("GetDraftInfo", draft_pb2.GetDraftInfoRequest(), timeout_s)
-        return WorkerInfo(ModelInfo.from_pb(reply.model), reply.max_gamma)
+        return WorkerInfo(ModelInfo.from_pb(reply.model), reply.max_gamma, reply.max_batch_size or None)
 
 
 class TargetClient(_WorkerClient):
@@ -203,11 +250,11 @@ class TargetClient(_WorkerClient):
         """One batched Verify call; a failure of the whole call raises, per-item errors come back in results."""
         reply = await self._call("Verify", target_pb2.VerifyRequest(items=items))
         if len(reply.results) != len(items):
-            raise WorkerError(
+            raise errors.WorkerError(
                 f"{self.endpoint}: Verify returned {len(reply.results)} results for {len(items)} items"
             )
         return VerifyReply(
-            results=tuple(item_result_from_pb(r) for r in reply.results),
+            results=tuple(item_reply_from_pb(r) for r in reply.results),
             verify_ns=reply.verify_ns,
             forward_ns=reply.forward_ns,
             positions_processed=reply.positions_processed,
@@ -221,4 +268,28 @@ class TargetClient(_WorkerClient):
 
     async def info(self, timeout_s: float | None = None) -> WorkerInfo:
         reply = await self._call("GetTargetInfo", target_pb2.GetTargetInfoRequest(), timeout_s)
-        return WorkerInfo(ModelInfo.from_pb(reply.model), reply.max_gamma, reply.max_batch_size)
+        return WorkerInfo(
+            ModelInfo.from_pb(reply.model), reply.max_gamma, reply.max_batch_size, tuple(reply.verify_curve_ns)
+        )
+
+
+@dataclass
+class WorkerClients:
+    """A client per replica of each tier, by endpoint (channels connect on first use)."""
+
+    drafts: dict[str, DraftClient]
+    targets: dict[str, TargetClient]
+
+    @classmethod
+    def connect(cls, settings: CoordinatorSettings) -> WorkerClients:
+        """Clients of every endpoint in ``settings``; at least one target is required."""
+        if not settings.target_endpoints:
+            raise ValueError("the coordinator needs at least one target endpoint (target_endpoints)")
+        return cls(
+            drafts={ep: DraftClient(ep, settings) for ep in settings.draft_endpoints},
+            targets={ep: TargetClient(ep, settings) for ep in settings.target_endpoints},
+        )
+
+    async def close(self) -> None:
+        clients = [*self.drafts.values(), *self.targets.values()]
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)

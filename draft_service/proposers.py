@@ -4,35 +4,61 @@ A proposer gets a session's committed tokens ``C`` and drafts up to ``gamma``
 tokens after them, returning a :class:`Drafted` (the tokens and the exact float32
 vectors they were sampled from, or ``None`` for point masses). It never sees the
 verifier: the target rebuilds ``q`` from the wire form with
-``specserve.verification.draft_probs_from_pb`` (STYLE.md 4).
+``specserve.proposal.draft_probs_from_pb`` (docs/design.md, "Conventions":
+the proposer and the verifier never import each other).
 
 * :class:`ModelProposer`: the draft model. It samples ``x_i`` from its own logits
   processed exactly as the target processes its own (``SamplingParams``),
   optionally truncated to ``draft_top_k``; the vector it samples from is the one
-  it ships (:func:`draft_distribution`).
+  it ships (:func:`draft_distribution`). It drafts many sessions at once
+  (:meth:`ModelProposer.propose_batch`): one forward pass per draft step for
+  all of them, and a session drafted in a batch gets exactly what it gets
+  alone (see the class).
 * :class:`NgramProposer`: prompt lookup (no model). It finds the latest earlier
   occurrence of the last ``n`` tokens of ``C`` (``n`` from ``max_n`` down to
-  ``min_n``) and proposes what followed it, as point masses.
+  ``min_n``) and proposes what followed it, as point masses
+  (:func:`specserve.lookup.ngram_lookup`, the one implementation, which the
+  coordinator runs itself today without a draft call; this proposer answers
+  coordinators older than that).
+
+A proposer with ``needs_model`` set runs on the draft's model thread and is
+handed batches; one without (n-gram) is called at once, never waiting for a
+batch or for the model (``draft_service/engine.py``).
 
 Randomness: the token at absolute position ``j`` is drawn with
-``uniform(seed, j, Purpose.DRAFT)`` (``specserve.rng``).
+``uniform(seed, j, Purpose.DRAFT)`` (``specserve.rng``). In the coupled
+sampling mode the model proposer instead takes ``argmax(log q + G)`` with
+``G = gumbel_noise(seed, j)``, the noise the target uses for its own token at
+``j``, and ships the tokens alone (no distributions); a draft with other noise
+only loses acceptance (docs/design.md, "Two sampling modes").
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
+import structlog
 import torch
 
-from specserve.errors import InvalidArgument
-from specserve.kvcache import SessionCacheStore
+from specserve import batching, row_invariant
+from specserve.errors import InvalidArgument, SpecServeError
+from specserve.kvcache import SessionCache, SessionCacheStore, common_prefix_len
+from specserve.lookup import ngram_lookup
 from specserve.params import SamplingParams
-from specserve.rng import Purpose, uniform
-from specserve.sampling import check_distribution, logits_to_probs, sample_from
+from specserve.rng import Purpose, gumbel_noise, uniform
+from specserve.sampling import (
+    check_distribution,
+    gumbel_argmax,
+    logits_to_probs,
+    require_finite_logits,
+    sample_from,
+)
 from specserve.v1 import common_pb2
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,6 +81,9 @@ class DraftRequest:
     sampling: SamplingParams
     seed: int
     draft_top_k: int = 0
+    stop_token_ids: frozenset[int] = (
+        frozenset()
+    )  # drafting ends after one of these (nothing after it commits)
 
 
 def draft_distribution(
@@ -77,25 +106,34 @@ def draft_distribution(
     return probs.to(torch.float32)  # [N, vocab] float32
 
 
-def ngram_lookup(tokens: Sequence[int], gamma: int, *, max_n: int = 3, min_n: int = 1) -> tuple[int, ...]:
-    """Prompt lookup: what followed the latest earlier occurrence of the last ``n`` tokens.
+def draw_token(
+    logits: torch.Tensor, request: DraftRequest, position: int, context: Sequence[int]
+) -> tuple[int, torch.Tensor | None]:
+    """One draft token from the next-token logits ``[vocab]`` at absolute ``position``.
 
-    Tries ``n = max_n`` down to ``min_n``; for the first ``n`` with a match, returns
-    up to ``gamma`` tokens that followed the latest match that is not the suffix
-    itself. Returns ``()`` when nothing matches.
+    Returns the token and the float32 vector ``[vocab]`` it was sampled from
+    (shipped with the proposal), or ``None`` for greedy (a point mass) and the
+    coupled mode (``argmax(log q + G)``; the target needs the tokens alone). The
+    vector goes through :func:`draft_distribution` and ``check_distribution``,
+    exactly what the target rebuilds; the uniform is
+    ``uniform(seed, position, Purpose.DRAFT)``.
     """
-    length = len(tokens)
-    if gamma <= 0:
-        return ()
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = list(tokens[length - n :])
-        # Latest start i < length - n whose n tokens equal the suffix.
-        for i in range(length - n - 1, -1, -1):
-            if tokens[i] == suffix[0] and list(tokens[i : i + n]) == suffix:
-                follow = tuple(int(t) for t in tokens[i + n : i + n + gamma])
-                if follow:
-                    return follow
-    return ()
+    params = request.sampling
+    if params.greedy and params.repetition_penalty == 1.0:  # nothing processes the logits: their argmax
+        require_finite_logits(logits.unsqueeze(0))  # a NaN row has no argmax to propose
+        return int(logits.argmax()), None
+    q32 = draft_distribution(logits.unsqueeze(0), params, [context], request.draft_top_k)  # [1, vocab]
+    if params.greedy:
+        return int(q32[0].argmax()), None
+    if params.coupled:  # argmax(log q + G) with the target's noise at this position; no q is shipped
+        noise = gumbel_noise([request.seed], [position], q32.shape[-1], device=q32.device)  # [1, vocab]
+        return int(gumbel_argmax(q32, noise)[0]), None
+    q = check_distribution(q32[0])  # [vocab] float64, what the target rebuilds
+    return sample_from(q, uniform(request.seed, position, Purpose.DRAFT)), q32[0]
+
+
+#: What a proposer gives each request of a batch: its proposal, or why it has none.
+Outcome = Drafted | SpecServeError
 
 
 class Proposer(abc.ABC):
@@ -103,65 +141,212 @@ class Proposer(abc.ABC):
 
     #: The ``ProposerKind`` this class implements.
     kind: ClassVar[int]
+    #: Whether it runs the draft model: then it runs on the model thread, a batch at a time.
+    needs_model: ClassVar[bool] = False
 
     @abc.abstractmethod
     def propose(self, request: DraftRequest) -> Drafted:
         """Draft up to ``request.gamma`` tokens after ``request.committed``."""
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Outcome]:
+        """:meth:`propose` for each request (distinct sessions), in order; a request's error is its outcome."""
+        out: list[Outcome] = []
+        for request in requests:
+            try:
+                out.append(self.propose(request))
+            except SpecServeError as exc:
+                out.append(exc)
+        return out
 
     def release(self, session_id: str) -> bool:
         """Drop per-session state; ``False`` when there was none."""
         return False
 
 
+@dataclass(eq=False)
+class _Row:
+    """One session on its way through a batch (mutable bookkeeping, internal)."""
+
+    index: int  # position in the request list
+    request: DraftRequest
+    cache: SessionCache
+    gamma: int  # tokens wanted, capped by the context limit
+    feed: tuple[int, ...]  # step 0's inputs: the committed tokens the cache lacks (at least the last one)
+    prefill: int  # committed tokens fed to catch up (feed and any separate prefill)
+    tokens: list[int] = field(default_factory=list)  # drafted so far
+    shipped: list[torch.Tensor] = field(default_factory=list)  # each [vocab] float32, sampled sessions only
+    context: list[int] = field(default_factory=list)  # C + drafted so far (the repetition penalty reads it)
+
+    def done(self) -> bool:
+        return len(self.tokens) >= self.gamma or self.tokens[-1] in self.request.stop_token_ids
+
+
 class ModelProposer(Proposer):
     """The small draft model, with a KV cache per session (:class:`~specserve.kvcache.SessionCacheStore`).
 
-    After a proposal the session's cache holds ``C + x1..x_{gamma-1}`` (the branch);
-    the next reconcile keeps whichever of those tokens were committed. Near the
-    model's context limit it proposes fewer tokens, so that ``C + x1..x_gamma``
-    still fits in ``max_position_embeddings``.
+    :meth:`propose_batch` drafts many sessions with one forward pass per draft
+    step (:mod:`specserve.batching`, the packing the target verifies with):
+
+    1. each session's cache keeps the longest common prefix of what it holds
+       and ``C`` (at least the last token of ``C`` is re-fed, for its logits);
+       a session missing more than ``inline_catchup_max`` tokens is prefilled
+       by a pass of its own first, so one long prompt does not pad every row;
+    2. step 0 feeds every session's missing tokens and samples ``x1``; each
+       later step feeds every remaining session its last drafted token;
+    3. a session drops out of later steps once it has its ``gamma`` tokens
+       (fewer near the model's context limit, so that ``C + x1..x_gamma`` still
+       fits in ``max_position_embeddings``) or drafted a stop token (EOS unless
+       the request ignores it, or a stop token: nothing after it can commit).
+
+    Every pass is row-invariant (:mod:`specserve.row_invariant`): a session's
+    logits, hence its tokens and the ``q`` bytes it ships, are bit for bit
+    those it gets when drafted alone, whatever else shares its batch. The
+    tokens are drawn per session (:func:`draw_token`) with its own uniforms.
+
+    After a proposal the session's cache holds ``C + x1..x_{gamma-1}`` (the
+    branch); the next reconcile keeps whichever of those tokens were committed.
+    A batch that fails drops the caches of all its sessions (they are rebuilt
+    from ``C`` next time).
     """
 
     kind = common_pb2.PROPOSER_KIND_MODEL
+    needs_model = True
 
-    def __init__(self, caches: SessionCacheStore) -> None:
+    def __init__(self, caches: SessionCacheStore, *, inline_catchup_max: int = 32) -> None:
         self.caches = caches
+        self.inline_catchup_max = inline_catchup_max
+        self.model = caches.model
+        self.config = caches.model.config
+        self.device = next(caches.model.parameters()).device
+        limit = getattr(self.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        #: Most tokens the model can attend over; a proposal stops there (None: unknown).
+        self.max_positions: int | None = int(limit) if limit else None
+        row_invariant.prepare(caches.model)
 
     def propose(self, request: DraftRequest) -> Drafted:
-        cache, _created = self.caches.get_or_create(request.session_id)
-        reconciled = cache.reconcile(request.committed)
-        gamma = request.gamma
-        if cache.max_positions is not None:  # the target must be able to feed C + x1..x_gamma
-            gamma = max(0, min(gamma, cache.max_positions - len(request.committed)))
-        logits = reconciled.logits  # [vocab]
-        assert logits is not None
-        params = request.sampling
-        base = len(request.committed)
-        context = list(request.committed)
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        for i in range(gamma):
-            q32 = draft_distribution(
-                logits.unsqueeze(0), params, [context], request.draft_top_k
-            )  # [1, vocab]
-            if params.greedy:
-                token = int(q32[0].argmax())
+        outcome = self.propose_batch([request])[0]
+        if isinstance(outcome, SpecServeError):
+            raise outcome
+        return outcome
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Outcome]:
+        outcomes: list[Outcome | None] = [None] * len(requests)
+        rows: list[_Row] = []
+        for i, request in enumerate(requests):
+            try:
+                row = self._row(i, request)
+            except SpecServeError as exc:
+                outcomes[i] = exc
+                continue
+            if row is None:
+                outcomes[i] = Drafted(token_ids=(), probs_f32=None)
             else:
-                q = check_distribution(q32[0])  # [vocab] float64, what the target rebuilds
-                token = sample_from(q, uniform(request.seed, base + i, Purpose.DRAFT))
-                rows.append(q32[0])
-            tokens.append(token)
-            context.append(token)
-            if i + 1 < gamma:
-                logits = cache.extend([token])[-1]  # [vocab]
-        self.caches.trim(protect=(request.session_id,))
-        probs = None if params.greedy or not tokens else torch.stack(rows)  # [gamma, vocab] float32
-        return Drafted(
-            token_ids=tuple(tokens),
-            probs_f32=probs,
-            sparse=request.draft_top_k > 0,
-            prefill_tokens=reconciled.fed,
+                rows.append(row)
+        if rows:
+            try:
+                self._draft(rows)
+            except BaseException:
+                for row in rows:  # a half-written cache is dropped, and rebuilt from C next time
+                    self.release(row.request.session_id)
+                raise
+            for row in rows:
+                shipped = None if not row.shipped else torch.stack(row.shipped)  # [gamma, vocab] float32
+                outcomes[row.index] = Drafted(
+                    token_ids=tuple(row.tokens),
+                    probs_f32=shipped,
+                    sparse=row.request.draft_top_k > 0,
+                    prefill_tokens=row.prefill,
+                )
+            self.caches.trim(protect=[row.request.session_id for row in rows])
+        assert all(o is not None for o in outcomes)
+        return outcomes  # type: ignore[return-value]
+
+    def _row(self, index: int, request: DraftRequest) -> _Row | None:
+        """Bring the session's cache in line with ``C``; None when there is nothing to draft."""
+        committed = request.committed
+        if not committed:
+            raise InvalidArgument("the committed prefix is empty: a session needs at least one prompt token")
+        limit = self.max_positions
+        if limit is not None and len(committed) > limit:
+            raise InvalidArgument(
+                f"session {request.session_id!r} holds {len(committed)} tokens but the draft model handles at "
+                f"most {limit} positions"
+            )
+        gamma = request.gamma if limit is None else max(0, min(request.gamma, limit - len(committed)))
+        if gamma == 0:
+            return None
+        cache, _created = self.caches.get_or_create(request.session_id)
+        keep = min(common_prefix_len(cache.tokens, committed), len(committed) - 1)
+        cache.truncate(keep)
+        cache.commit(cache.branch_len)
+        missing = tuple(committed[keep:])  # [at least the last token of C]
+        if len(missing) - 1 > self.inline_catchup_max:
+            self._prefill(cache, missing[:-1])
+            missing = missing[-1:]
+        return _Row(
+            index=index,
+            request=request,
+            cache=cache,
+            gamma=gamma,
+            feed=missing,
+            prefill=len(committed) - keep,
+            context=list(committed),
         )
+
+    def _prefill(self, cache: SessionCache, token_ids: Sequence[int]) -> None:
+        """Feed committed tokens through a pass of the session's own (a long catch-up)."""
+        packed = batching.pack(
+            [self._row_input(cache, tuple(token_ids))], config=self.config, device=self.device
+        )
+        _, grown = row_invariant.forward(self.model, packed)
+        cache.append_kv(batching.new_kv(grown, packed, 0), token_ids)
+        cache.commit(cache.branch_len)
+
+    @staticmethod
+    def _row_input(cache: SessionCache, token_ids: tuple[int, ...]) -> batching.RowInput:
+        past = tuple(cache.layer_kv())
+        return batching.RowInput(
+            past=past or None, past_len=cache.seq_len, input_ids=token_ids, logits_needed=1
+        )
+
+    def _draft(self, rows: list[_Row]) -> None:
+        """The draft steps of one batch; fills each row's tokens and leaves its cache at ``C + x1..x_{gamma-1}``."""
+        packed = batching.pack(
+            [self._row_input(row.cache, row.feed) for row in rows],
+            config=self.config,
+            device=self.device,
+            room=max(row.gamma for row in rows) - 1,
+        )
+        active = list(rows)  # active[b] is row b of the current pass
+        logits, grown = row_invariant.forward(self.model, packed)
+        first = True
+        while True:
+            for b, row in enumerate(active):
+                base = len(row.request.committed)
+                token, q32 = draw_token(
+                    batching.row_logits(logits, packed, b)[-1],
+                    row.request,
+                    base + len(row.tokens),
+                    row.context,
+                )  # row logits: [vocab]
+                row.tokens.append(token)
+                row.context.append(token)
+                if q32 is not None:
+                    row.shipped.append(q32)
+            going = [b for b, row in enumerate(active) if not row.done()]
+            for b, row in enumerate(active):
+                if b not in going:  # finished: its cache takes what it was fed (C's tail, x1..x_{k-1})
+                    fed = row.feed + tuple(row.tokens[:-1])
+                    row.cache.append_kv(batching.new_kv(grown, packed, b), fed)
+                    row.cache.commit(len(row.feed))
+            if not going:
+                return
+            if first:
+                packed = batching.align_ends(packed, grown)
+                first = False
+            packed = batching.next_step(packed, grown, [active[b].tokens[-1] for b in going], going)
+            active = [active[b] for b in going]
+            logits, grown = row_invariant.forward(self.model, packed)
 
     def release(self, session_id: str) -> bool:
         if session_id not in self.caches:

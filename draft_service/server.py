@@ -1,104 +1,68 @@
-"""Building and running the draft service.
+"""The draft service's app: its parts wired from settings, in the shared worker shell.
 
-:func:`build_draft` wires a model, the KV-cache store, the committed-token
-history, the proposers (model and n-gram), the engine and the servicer from one
-:class:`~specserve.config.DraftSettings`; :func:`start_draft` also starts the
-gRPC server (tests bind port 0 and read :attr:`DraftApp.port`); :func:`serve`
-runs it until SIGTERM / SIGINT (the CLI's entry point): health NOT_SERVING,
-wait for the model call in flight, stop.
+:func:`build_draft` wires the model, the KV-cache store, the committed-token
+history, the proposers (model and n-gram), the :class:`DraftEngine` and the
+servicer from one :class:`~specserve.config.DraftSettings`. The shell
+(:class:`~specserve.worker.WorkerApp`) serves it: :func:`start_draft` binds the
+port (tests bind 0 and read :attr:`DraftApp.port`), :func:`serve` runs until
+SIGTERM / SIGINT (the CLI's entry point).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import structlog
-
 from draft_service.engine import DraftEngine
 from draft_service.history import CommittedHistory
 from draft_service.proposers import ModelProposer, NgramProposer
 from draft_service.servicer import DraftServicer
 from specserve.config import DraftSettings
-from specserve.kvcache import SessionCacheStore
-from specserve.models import LoadedModel, load_model, resolve_model_path
-from specserve.server import (
-    Registration,
-    RunningServer,
-    create_server,
-    run_role,
-)
+from specserve.models import LoadedModel
+from specserve.server import Registration, run_role
 from specserve.v1 import draft_pb2, draft_pb2_grpc
-
-log = structlog.get_logger(__name__)
+from specserve.worker import WorkerApp, load_worker_model, session_caches
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
-@dataclass
-class DraftApp:
-    """Everything one draft replica holds; ``running`` once the server is started."""
+@dataclass(kw_only=True)
+class DraftApp(WorkerApp):
+    """One draft replica: the shell's parts plus its engine (the model thread's owner) and servicer."""
 
-    settings: DraftSettings
-    model: LoadedModel
-    caches: SessionCacheStore
+    role = "draft"
     engine: DraftEngine
     servicer: DraftServicer
-    running: RunningServer | None = None
 
     @property
-    def port(self) -> int:
-        if self.running is None:
-            raise RuntimeError("the draft server is not started")
-        return self.running.port
+    def work(self) -> DraftEngine:
+        return self.engine
 
-    async def drain(self) -> None:
-        """Wait for the model call in flight (if any) to finish."""
-        await self.servicer.idle()
-
-    async def stop(self, grace: float | None = None) -> None:
-        if self.running is not None:
-            await self.running.stop(self.settings.shutdown_grace_s if grace is None else grace)
-        self.servicer.close()
+    def registration(self) -> Registration:
+        return Registration(draft_pb2_grpc.add_DraftServiceServicer_to_server, self.servicer, SERVICE_NAME)
 
 
 def build_draft(settings: DraftSettings, *, model: LoadedModel | None = None) -> DraftApp:
     """Wire a draft replica from ``settings`` (``model`` may be passed in, e.g. by tests)."""
     if model is None:
-        model = load_model(
-            resolve_model_path(settings.model, "draft"),
-            device=settings.device,
-            dtype=settings.dtype,
-            warmup=settings.warmup,
-        )
-    caches = SessionCacheStore(
-        model.model,
-        max_sessions=settings.max_sessions,
-        budget_bytes=settings.kv_budget_bytes,
-        ttl_s=settings.session_ttl_s,
-    )
+        model = load_worker_model(settings, "draft")
+    caches = session_caches(model, settings)
     history = CommittedHistory(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s)
     proposers = [ModelProposer(caches), NgramProposer()]
-    engine = DraftEngine({p.kind: p for p in proposers}, history)
-    servicer = DraftServicer(engine, model.info, max_gamma=settings.max_gamma, caches=caches)
+    engine = DraftEngine(
+        {p.kind: p for p in proposers},
+        history,
+        caches=caches,
+        max_batch_size=settings.max_batch_size,
+        eos_token_ids=model.eos_token_ids,
+    )
+    max_tokens = min(settings.max_session_tokens, model.max_positions or settings.max_session_tokens)
+    servicer = DraftServicer(engine, model.info, max_gamma=settings.max_gamma, max_tokens=max_tokens)
     return DraftApp(settings=settings, model=model, caches=caches, engine=engine, servicer=servicer)
 
 
 async def start_draft(settings: DraftSettings, *, model: LoadedModel | None = None) -> DraftApp:
-    """Build a draft replica and start its gRPC server on ``settings.host:settings.port``."""
-    app = build_draft(settings, model=model)
-    app.running = await create_server(
-        settings,
-        [Registration(draft_pb2_grpc.add_DraftServiceServicer_to_server, app.servicer, SERVICE_NAME)],
-        drain=app.drain,
-    )
-    log.info(
-        "draft_started",
-        port=app.running.port,
-        model=app.model.name,
-        vocab_size=app.model.vocab_size,
-        max_gamma=settings.max_gamma,
-    )
-    return app
+    """Build a draft replica and serve it on ``settings.host:settings.port``."""
+    return await build_draft(settings, model=model).start()
 
 
 async def serve(settings: DraftSettings) -> None:

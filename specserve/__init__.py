@@ -22,10 +22,13 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncClient",
     "AsyncTokenStream",
+    "ChatMessages",
     "Client",
     "GenerateResult",
     "GenerationStats",
+    "PositionLogprobs",
     "StreamChunk",
+    "TokenLogprob",
     "TokenStream",
     "__version__",
 ]
@@ -34,10 +37,13 @@ if TYPE_CHECKING:
     from specserve.client import (
         AsyncClient,
         AsyncTokenStream,
+        ChatMessages,
         Client,
         GenerateResult,
         GenerationStats,
+        PositionLogprobs,
         StreamChunk,
+        TokenLogprob,
         TokenStream,
     )
 

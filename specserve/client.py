@@ -14,6 +14,20 @@ neither torch nor transformers (``pip install specserve``)::
         for chunk in stream:                 # StreamChunk(token_ids, text), as tokens commit
             print(chunk.text, end="", flush=True)
         print(stream.result.stats)           # the whole GenerateResult once the stream is exhausted
+        # Chat: the server applies the target's chat template (the model must have one).
+        messages = [{"role": "user", "content": "What is a hash table?"}]
+        reply = client.chat(messages, max_new_tokens=64, temperature=0)
+        messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "Shorter?"}]
+        for chunk in client.stream_chat(messages, max_new_tokens=32):
+            print(chunk.text, end="", flush=True)
+        # Log probabilities: per token, from the target's processed distribution, with alternatives.
+        result = client.generate("def add(a, b):", max_new_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+        for entry in result.logprobs:        # PositionLogprobs(token_id, logprob, top_logprobs)
+            print(entry.token_id, entry.logprob, [(t.token_id, t.logprob) for t in entry.top_logprobs])
+        # Predicted Outputs: the completion is expected to repeat most of a text (a file being
+        # edited); the server drafts from it and verifies every token, so the output is unchanged.
+        edited = client.generate("def add(a, b):", max_new_tokens=16, temperature=0, prediction=result.text)
+        print(edited.stats.accepted_prediction_tokens, edited.stats.rejected_prediction_tokens)
 
 The asyncio client is the same with ``async``::
 
@@ -30,8 +44,8 @@ iterate it for :class:`StreamChunk` objects; after the last one its ``.result``
 early, or calling ``.cancel()``, cancels the request on the server.
 
 Errors. Every failure is a :class:`specserve.errors.SpecServeError` subclass chosen
-by the gRPC status code (:data:`ERRORS_BY_CODE`; a more specific class when the
-server names one in the ``specserve-error`` trailing metadata), carrying the
+by the gRPC status code (:data:`ERRORS_BY_CODE`, from :mod:`specserve.status`; a
+more specific class when the server names one in the ``specserve-error`` trailing metadata), carrying the
 server's message and raised ``from`` the ``grpc.RpcError``. Arguments that cannot
 even be encoded (an unknown proposer, a negative gamma) raise
 :class:`~specserve.errors.InvalidArgument` before any call; everything else
@@ -51,60 +65,37 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import grpc
 
 from specserve import errors
+from specserve.params import PROPOSER_KINDS, SAMPLING_MODES, PositionLogprobs, TokenLogprob
+from specserve.status import ERROR_CLASS_KEY, ERRORS_BY_CODE, error_from_rpc
 from specserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 __all__ = [
     "ERRORS_BY_CODE",
+    "ERROR_CLASS_KEY",
     "AsyncClient",
     "AsyncTokenStream",
+    "ChatMessages",
     "Client",
     "GenerateResult",
     "GenerationStats",
+    "PositionLogprobs",
     "StreamChunk",
+    "TokenLogprob",
     "TokenStream",
     "build_request",
     "error_from_rpc",
 ]
 
-#: Trailing metadata key a server may set to the exact error class name (e.g. ``VersionConflict``).
-ERROR_CLASS_KEY = "specserve-error"
-#: Trailing metadata key carrying a retry-after hint in seconds (see :mod:`specserve.server`).
-RETRY_AFTER_KEY = "specserve-retry-after-s"
-
-#: The SDK exception raised for each gRPC status code (every code but OK).
-ERRORS_BY_CODE: dict[grpc.StatusCode, type[errors.SpecServeError]] = {
-    grpc.StatusCode.CANCELLED: errors.Cancelled,
-    grpc.StatusCode.UNKNOWN: errors.SpecServeError,
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: errors.Aborted,
-    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-    grpc.StatusCode.ABORTED: errors.Aborted,
-    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
-    grpc.StatusCode.UNIMPLEMENTED: errors.FailedPrecondition,
-    grpc.StatusCode.INTERNAL: errors.SpecServeError,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-    grpc.StatusCode.DATA_LOSS: errors.SpecServeError,
-    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
-}
-
-_CLASSES_BY_NAME = {cls.__name__: cls for cls in errors.all_error_classes()}
-
-_PROPOSERS = {
-    "model": common_pb2.PROPOSER_KIND_MODEL,
-    "ngram": common_pb2.PROPOSER_KIND_NGRAM,
-    None: common_pb2.PROPOSER_KIND_UNSPECIFIED,
-}
+#: A conversation for :meth:`Client.chat`: ``{"role": ..., "content": ...}`` mappings (or
+#: ``(role, content)`` pairs), oldest first.
+ChatMessages = Sequence[Mapping[str, str] | tuple[str, str]]
 
 _FINISH_REASONS = {
     common_pb2.FINISH_REASON_UNSPECIFIED: "unspecified",
@@ -113,37 +104,6 @@ _FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP_STRING: "stop_string",
     common_pb2.FINISH_REASON_LENGTH: "length",
 }
-
-
-def error_from_rpc(exc: grpc.RpcError, address: str = "") -> errors.SpecServeError:
-    """The SDK exception for a failed call: class from the status code, message from the server.
-
-    The result has ``status_code`` (the ``grpc.StatusCode``) and, where the server
-    sent one, ``retry_after_s``. Raise it ``from exc``.
-    """
-    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if callable(getattr(exc, "details", None)) else None) or ""
-    cls = ERRORS_BY_CODE.get(code, errors.SpecServeError)
-    retry_after: float | None = None
-    trailing = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else None
-    for key, value in trailing or ():
-        if key == ERROR_CLASS_KEY:
-            named = _CLASSES_BY_NAME.get(value)
-            # Only a class consistent with the status code (never a wider one) is trusted.
-            if named is not None and issubclass(named, cls):
-                cls = named
-        elif key == RETRY_AFTER_KEY:
-            try:
-                retry_after = float(value)
-            except ValueError:
-                pass
-    if code == grpc.StatusCode.UNAVAILABLE and address:
-        details = f"{details} (coordinator at {address})" if details else f"cannot reach {address}"
-    elif code == grpc.StatusCode.UNIMPLEMENTED:
-        details = f"{details}: is {address or 'the address'} a specserve coordinator?"
-    err = cls(details or f"the call failed with status {code.name}", retry_after_s=retry_after)
-    err.status_code = code  # type: ignore[attr-defined]
-    return err
 
 
 # --------------------------------------------------------------------------- results
@@ -169,6 +129,16 @@ class GenerationStats:
     #: ``"eos"``, ``"stop_token"``, ``"stop_string"`` or ``"length"``.
     finish_reason: str
     seed: int
+    #: Rounds that proposed at least one draft token (the rest ran the target alone).
+    draft_rounds: int = 0
+    #: Predicted Outputs: completion tokens the prediction predicted at their place.
+    accepted_prediction_tokens: int = 0
+    #: Predicted Outputs: tokens drafted from the prediction and not committed (rejected).
+    rejected_prediction_tokens: int = 0
+    #: The target's own account of the Verify calls (``verify_ns`` minus this: network, coordinator).
+    target_ns: int = 0
+    #: The target's forward passes in those calls (a batched pass counted for each session in it).
+    forward_ns: int = 0
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.GenerationStats) -> GenerationStats:
@@ -187,6 +157,11 @@ class GenerationStats:
             total_ns=pb.total_ns,
             finish_reason=_FINISH_REASONS.get(pb.finish_reason, str(pb.finish_reason)),
             seed=pb.seed,
+            draft_rounds=pb.draft_rounds,
+            accepted_prediction_tokens=pb.accepted_prediction_tokens,
+            rejected_prediction_tokens=pb.rejected_prediction_tokens,
+            target_ns=pb.target_ns,
+            forward_ns=pb.forward_ns,
         )
 
     @property
@@ -224,22 +199,55 @@ class GenerationStats:
         """Completion tokens per second of the request's wall-clock time."""
         return self.completion_tokens / self.total_s if self.total_ns else 0.0
 
+    def summary(self) -> str:
+        """These statistics as a few human-readable lines (the CLI prints them)."""
+        per_pos = " ".join(str(n) for n in self.accepted_per_position) or "-"
+        return "\n".join(
+            [
+                f"tokens {self.completion_tokens} (prompt {self.prompt_tokens}) | rounds {self.rounds} "
+                f"| {self.tokens_per_round:.2f} tokens/round | finish {self.finish_reason}",
+                f"draft tokens proposed {self.proposed_tokens}, accepted {self.accepted_tokens} "
+                f"({100 * self.acceptance_rate:.1f}%) | accepted per position: {per_pos}",
+                f"time {self.total_s:.3f} s ({self.tokens_per_s:.1f} tokens/s) | first token "
+                f"{1e3 * self.first_token_s:.1f} ms | draft {self.draft_s:.3f} s | verify "
+                f"{self.verify_s:.3f} s | queue {self.queue_s:.3f} s",
+                f"session {self.session_id} | seed {self.seed}",
+            ]
+            + (
+                [
+                    f"prediction tokens accepted {self.accepted_prediction_tokens}, "
+                    f"rejected {self.rejected_prediction_tokens}"
+                ]
+                if self.accepted_prediction_tokens or self.rejected_prediction_tokens
+                else []
+            )
+        )
+
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """Tokens that just committed, and their text (a split multi-byte character waits until whole)."""
+    """Tokens that just committed, and their text (a split multi-byte character waits until whole).
+
+    ``logprobs``: with ``logprobs=True``, one :class:`PositionLogprobs` per token, else ``()``.
+    """
 
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[PositionLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
 class GenerateResult:
-    """A finished generation: the completion (without the prompt) and its statistics."""
+    """A finished generation: the completion (without the prompt) and its statistics.
+
+    ``logprobs``: with ``logprobs=True``, one :class:`PositionLogprobs` per token of
+    ``token_ids`` (the target's processed distribution at that position), else ``()``.
+    """
 
     text: str
     token_ids: tuple[int, ...]
     stats: GenerationStats
+    logprobs: tuple[PositionLogprobs, ...] = ()
 
     @property
     def finish_reason(self) -> str:
@@ -253,6 +261,7 @@ def build_request(
     prompt: str | None = None,
     *,
     prompt_token_ids: Sequence[int] | None = None,
+    messages: ChatMessages | None = None,
     max_new_tokens: int | None = None,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -266,21 +275,30 @@ def build_request(
     gamma: int | Literal["auto"] | None = None,
     proposer: Literal["model", "ngram"] | None = "model",
     draft_top_k: int = 0,
+    sampling_mode: Literal["optimal", "coupled"] | None = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    prediction: str | Sequence[int] | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """The ``GenerateRequest`` for :meth:`Client.generate`'s arguments (see there).
 
     Raises :class:`~specserve.errors.InvalidArgument` only for what cannot be encoded
     at all; value ranges are the server's to check.
     """
-    if (prompt is None) == (prompt_token_ids is None):
-        raise errors.InvalidArgument("pass exactly one of prompt (text) or prompt_token_ids")
-    if proposer not in _PROPOSERS:
+    if sum(p is not None for p in (prompt, prompt_token_ids, messages)) != 1:
+        raise errors.InvalidArgument("pass exactly one of prompt (text), prompt_token_ids or messages (chat)")
+    if proposer is not None and proposer not in PROPOSER_KINDS:
         raise errors.InvalidArgument(f"proposer must be 'model' or 'ngram', got {proposer!r}")
+    if sampling_mode is not None and sampling_mode not in SAMPLING_MODES:
+        raise errors.InvalidArgument(f"sampling_mode must be 'optimal' or 'coupled', got {sampling_mode!r}")
     _check_uint("top_k", top_k, 32)
     _check_uint("draft_top_k", draft_top_k, 32)
     _check_uint("max_new_tokens", max_new_tokens or 0, 32)
     if seed is not None:
         _check_uint("seed", seed, 64)
+    _check_uint("top_logprobs", top_logprobs, 32)
+    if top_logprobs and not logprobs:
+        raise errors.InvalidArgument("top_logprobs needs logprobs=True")
     if isinstance(stop, str):
         stop = [stop]
     for tok in [*(prompt_token_ids or ()), *(stop_token_ids or ())]:
@@ -294,6 +312,9 @@ def build_request(
             min_p=min_p,
             repetition_penalty=repetition_penalty,
             seed=seed,
+            sampling_mode=SAMPLING_MODES[sampling_mode]
+            if sampling_mode is not None
+            else common_pb2.SAMPLING_MODE_UNSPECIFIED,
         ),
         stop=common_pb2.StopConditions(
             max_new_tokens=max_new_tokens or 0,
@@ -301,8 +322,26 @@ def build_request(
             stop_strings=list(stop or ()),
             ignore_eos=ignore_eos,
         ),
-        speculation=coordinator_pb2.SpeculationParams(proposer=_PROPOSERS[proposer], draft_top_k=draft_top_k),
+        speculation=coordinator_pb2.SpeculationParams(
+            proposer=PROPOSER_KINDS[proposer] if proposer is not None else common_pb2.PROPOSER_KIND_UNSPECIFIED,
+            draft_top_k=draft_top_k,
+        ),
     )
+    if logprobs:
+        request.logprobs.top_logprobs = top_logprobs
+        request.logprobs.SetInParent()
+    if prediction is not None:
+        if isinstance(prediction, str):
+            request.prediction.text = prediction
+        elif isinstance(prediction, Sequence) and not isinstance(prediction, bytes):
+            for tok in prediction:
+                _check_uint("prediction token ids", tok, 32)
+            request.prediction.tokens.token_ids.extend(prediction)
+            request.prediction.tokens.SetInParent()
+        else:
+            raise errors.InvalidArgument(
+                f"prediction must be text (str) or token ids, got {type(prediction).__name__}"
+            )
     if gamma is not None and gamma != "auto":
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
             raise errors.InvalidArgument(f"gamma must be 'auto' (or None) or an integer >= 0, got {gamma!r}")
@@ -311,10 +350,36 @@ def build_request(
         if not isinstance(prompt, str):
             raise errors.InvalidArgument(f"prompt must be a str, got {type(prompt).__name__}")
         request.text = prompt
+    elif messages is not None:
+        request.chat.messages.extend(_chat_message(m) for m in _message_list(messages))
+        request.chat.SetInParent()  # an empty conversation is still "chat" (the server refuses it)
     else:
         request.tokens.token_ids.extend(prompt_token_ids or ())
         request.tokens.SetInParent()  # an empty list is still "tokens" (the server refuses it)
     return request
+
+
+def _message_list(messages: Any) -> list[Any]:
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise errors.InvalidArgument(
+            "messages must be a list of {'role': ..., 'content': ...} mappings, "
+            f"got {type(messages).__name__}"
+        )
+    return list(messages)
+
+
+def _chat_message(message: Any) -> coordinator_pb2.ChatMessage:
+    if isinstance(message, Mapping):
+        role, content = message.get("role"), message.get("content")
+    elif isinstance(message, tuple) and len(message) == 2:
+        role, content = message
+    else:
+        role = content = None
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise errors.InvalidArgument(
+            f"each chat message must be {{'role': str, 'content': str}} (or a (role, content) pair), got {message!r}"
+        )
+    return coordinator_pb2.ChatMessage(role=role, content=content)
 
 
 def _check_uint(name: str, value: Any, bits: int) -> None:
@@ -381,14 +446,17 @@ class _Collector:
     def __init__(self) -> None:
         self.text: list[str] = []
         self.token_ids: list[int] = []
+        self.logprobs: list[PositionLogprobs] = []
         self.stats: GenerationStats | None = None
 
     def add(self, response: coordinator_pb2.GenerateResponse) -> StreamChunk | None:
         kind = response.WhichOneof("event")
         if kind == "chunk":
-            chunk = StreamChunk(tuple(response.chunk.token_ids), response.chunk.text)
+            logprobs = tuple(PositionLogprobs.from_pb(p) for p in response.chunk.logprobs)
+            chunk = StreamChunk(tuple(response.chunk.token_ids), response.chunk.text, logprobs)
             self.token_ids.extend(chunk.token_ids)
             self.text.append(chunk.text)
+            self.logprobs.extend(logprobs)
             return chunk
         if kind == "stats":
             self.stats = GenerationStats.from_pb(response.stats)
@@ -397,7 +465,7 @@ class _Collector:
     def result(self, address: str) -> GenerateResult:
         if self.stats is None:
             raise errors.SpecServeError(f"the stream from {address} ended without its closing statistics")
-        return GenerateResult("".join(self.text), tuple(self.token_ids), self.stats)
+        return GenerateResult("".join(self.text), tuple(self.token_ids), self.stats, tuple(self.logprobs))
 
 
 class _StreamBase:
@@ -558,6 +626,10 @@ class Client:
         gamma: int | Literal["auto"] | None = None,
         proposer: Literal["model", "ngram"] | None = "model",
         draft_top_k: int = 0,
+        sampling_mode: Literal["optimal", "coupled"] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        prediction: str | Sequence[int] | None = None,
     ) -> GenerateResult:
         """Generate a completion of ``prompt`` (text) or ``prompt_token_ids``.
 
@@ -571,6 +643,30 @@ class Client:
         draft model) or ``"ngram"`` (prompt lookup); ``draft_top_k`` > 0 truncates
         the draft's distribution (the output distribution stays exact).
 
+        ``sampling_mode`` (None: the server's default, ``"optimal"``) decides
+        what a seed fixes. Both modes sample exactly from the target. With
+        ``"optimal"`` the text for a seed also depends on the draft's proposals,
+        so it repeats only under the same fixed ``gamma``, ``proposer`` and
+        draft (the adaptive policy and draft faults change the schedule). With
+        ``"coupled"`` (Gumbel-max with shared noise) the same seed gives the
+        same text whatever the gamma, proposer, draft, batch or failover, at
+        some cost in accepted draft tokens. Greedy decoding is the same in both.
+
+        ``logprobs=True``: ``result.logprobs`` (and each chunk's) holds, per token, its
+        log probability under the target's processed distribution at that position and
+        the ``top_logprobs`` (0..20) most likely alternatives. Processed means the
+        request's own logits processing (temperature, top-k, top-p, min-p, repetition
+        penalty), so a token removed by top-k has no entry; for greedy requests, the
+        repetition penalty then a softmax at temperature 1.
+
+        ``prediction`` (Predicted Outputs): text (or token ids) the completion is
+        expected to largely repeat, e.g. the file being edited. The server drafts from
+        it where the completion follows it and verifies every drafted token exactly, so
+        the output is the same as without it; only the speed changes. With
+        ``proposer="model"`` the draft model drafts where the prediction has nothing to
+        offer, with ``"ngram"`` the prompt lookup. ``stats.accepted_prediction_tokens``
+        and ``stats.rejected_prediction_tokens`` count how it went.
+
         Example::
 
             result = client.generate("def add(a, b):", max_new_tokens=16, temperature=0, gamma=4)
@@ -580,6 +676,32 @@ class Client:
         del kwargs["self"], kwargs["prompt"]
         stream = self.stream(prompt, **kwargs)
         with stream:
+            for _ in stream:
+                pass
+        return stream.result
+
+    def stream_chat(self, messages: ChatMessages, **kwargs: Any) -> TokenStream:
+        """Start the assistant's reply to ``messages``; returns its :class:`TokenStream`.
+
+        Sampling and speculation arguments as :meth:`generate`. The server renders the
+        conversation with the target model's chat template (a model without one is refused
+        with :class:`~specserve.errors.FailedPrecondition`).
+
+        Example::
+
+            messages = [{"role": "user", "content": "Name a prime."}]
+            for chunk in client.stream_chat(messages, max_new_tokens=16):
+                print(chunk.text, end="")
+        """
+        return TokenStream(self, build_request(messages=messages, **kwargs))
+
+    def chat(self, messages: ChatMessages, **kwargs: Any) -> GenerateResult:
+        """The assistant's reply to ``messages`` (``{"role", "content"}`` mappings, oldest first).
+
+        Arguments as :meth:`generate`; ``result.text`` is the reply. Keep a conversation going by
+        appending ``{"role": "assistant", "content": result.text}`` and the next user message.
+        """
+        with self.stream_chat(messages, **kwargs) as stream:
             for _ in stream:
                 pass
         return stream.result
@@ -702,6 +824,17 @@ class AsyncClient:
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
         """Generate a completion; arguments and result as :meth:`Client.generate`."""
         async with self.stream(prompt, **kwargs) as stream:
+            async for _ in stream:
+                pass
+        return stream.result
+
+    def stream_chat(self, messages: ChatMessages, **kwargs: Any) -> AsyncTokenStream:
+        """Start the assistant's reply to ``messages``; as :meth:`Client.stream_chat`."""
+        return AsyncTokenStream(self, build_request(messages=messages, **kwargs))
+
+    async def chat(self, messages: ChatMessages, **kwargs: Any) -> GenerateResult:
+        """The assistant's reply to ``messages``; as :meth:`Client.chat`."""
+        async with self.stream_chat(messages, **kwargs) as stream:
             async for _ in stream:
                 pass
         return stream.result

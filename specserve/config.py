@@ -10,6 +10,7 @@ classes check themselves on construction and raise ``ValueError`` (pydantic's
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -23,6 +24,33 @@ def _split_commas(value: object) -> object:
     if isinstance(value, str):
         return [item.strip() for item in value.split(",") if item.strip()]
     return value
+
+
+def describe_errors(exc: Exception) -> str:
+    """A settings validation error as ``field: what is wrong`` lines, never quoting an input value.
+
+    pydantic's own text repeats the inputs (``input_value=...``), which would print secrets (tokens,
+    the Redis URL's password) wherever the message goes; this is the text to show instead.
+    """
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return type(exc).__name__
+    lines = []
+    for error in errors(include_url=False, include_input=False, include_context=False):
+        where = ".".join(str(part) for part in error.get("loc", ())) or "settings"
+        lines.append(f"  {where}: {error.get('msg', 'invalid')}")
+    return "\n".join(lines) or type(exc).__name__
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (``127.0.0.0/8``, ``::1``, ``localhost``): reachable only
+    from this machine. ``0.0.0.0``, ``::`` and every other name are not."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class CommonSettings(BaseSettings):
@@ -48,6 +76,15 @@ class CommonSettings(BaseSettings):
     tls_ca_file: Path | None = Field(
         None, description="PEM CA bundle; on a server it turns on mutual TLS (client certificates required)."
     )
+    keepalive_time_s: float = Field(
+        30.0, gt=0, description="The server pings every client connection this often (HTTP/2 keepalive)."
+    )
+    keepalive_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A connection that does not answer a keepalive ping within this is closed and its calls "
+        "cancelled (a vanished client's sessions end and release their caches).",
+    )
 
     @model_validator(mode="after")
     def _tls_pair(self) -> CommonSettings:
@@ -65,22 +102,86 @@ class CommonSettings(BaseSettings):
 class WorkerSettings(CommonSettings):
     """What the draft and the target share: a model and a session cache."""
 
-    model: Path | None = Field(None, description="Local Hugging Face model directory; unset: the demo pair.")
+    model: str | None = Field(
+        None,
+        description="Registered model name (`specserve models list`), local model directory, or hub id; "
+        "unset: the default pair.",
+    )
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1'.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="'auto': bfloat16 on CUDA, float32 on CPU."
     )
     max_gamma: int = Field(16, ge=0, le=64, description="Largest number of draft tokens per round.")
-    max_sessions: int = Field(256, ge=1, description="Sessions kept in the KV-cache store before LRU eviction.")
+    max_sessions: int = Field(
+        256, ge=1, description="Sessions kept in the KV-cache store before LRU eviction."
+    )
     kv_budget_bytes: int = Field(4 * 1024**3, ge=1, description="KV-cache memory budget before LRU eviction.")
     session_ttl_s: float = Field(600.0, gt=0, description="Idle sessions are released after this long.")
+    max_session_tokens: int = Field(
+        32768,
+        ge=1,
+        description="Most committed tokens a session may hold here (also capped by the model's context); "
+        "a longer Propose history is refused before any work.",
+    )
     warmup: bool = Field(True, description="Run one forward pass at start so the first request is not slow.")
+    worker_token: SecretStr | None = Field(
+        None,
+        description="Shared secret every caller must send as 'authorization: Bearer <token>' (the "
+        "coordinator's worker_token); others get UNAUTHENTICATED / PERMISSION_DENIED.",
+    )
+    tls_client_names: CommaList = Field(
+        default_factory=list,
+        description="With tls_ca_file (mutual TLS): the client certificate names (common name or DNS SAN) "
+        "allowed to call, e.g. the coordinator's; a certificate from the CA with another name gets "
+        "PERMISSION_DENIED.",
+    )
+    insecure: bool = Field(
+        False,
+        description="Listen on a non-loopback address with neither worker_token nor tls_client_names: "
+        "anyone who reaches the port can commit tokens into sessions. Off: such a worker refuses to start.",
+    )
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _path_to_str(cls, value: object) -> object:
+        return str(value) if isinstance(value, Path) else value
+
+    @field_validator("tls_client_names", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        return _split_commas(value)
+
+    @model_validator(mode="after")
+    def _callers_authenticated(self) -> WorkerSettings:
+        if self.tls_client_names and self.tls_ca_file is None:
+            raise ValueError("tls_client_names (pinned client certificates) needs tls_ca_file (mutual TLS)")
+        if self.worker_token is not None and not self.worker_token.get_secret_value():
+            raise ValueError("worker_token must not be empty (unset it to turn token authentication off)")
+        if not (is_loopback(self.host) or self.authenticates_callers or self.insecure):
+            raise ValueError(
+                f"this worker would listen on {self.host}, beyond this machine, without authenticating its "
+                "callers: anyone reaching the port could commit tokens into sessions. Set worker_token "
+                "(SPECSERVE_WORKER_TOKEN, the same on the coordinator), or tls_ca_file with "
+                "tls_client_names (mutual TLS, the coordinator's certificate name), or listen on 127.0.0.1; "
+                "insecure=true (--insecure) accepts anyone"
+            )
+        return self
+
+    @property
+    def authenticates_callers(self) -> bool:
+        """A worker token, or mutual TLS pinned to client names, is configured."""
+        return self.worker_token is not None or bool(self.tls_client_names)
 
 
 class DraftSettings(WorkerSettings):
     """The draft service."""
 
     port: int = Field(50053, ge=0, le=65535)
+    max_batch_size: int = Field(
+        32,
+        ge=1,
+        description="Most sessions drafted in one forward pass (and per ProposeBatch call); 1: each alone.",
+    )
 
 
 class TargetSettings(WorkerSettings):
@@ -88,25 +189,69 @@ class TargetSettings(WorkerSettings):
 
     port: int = Field(50052, ge=0, le=65535)
     max_batch_size: int = Field(32, ge=1, description="Most sessions in one Verify call.")
+    measure_verify_cost: bool = Field(
+        True,
+        description="Time one session's verify pass for 1..max_gamma+1 positions at start-up (a few seconds "
+        "on a CPU) and report it in GetTargetInfo, so the coordinator knows what speculation costs here.",
+    )
 
 
 class CoordinatorSettings(CommonSettings):
     """The client-facing coordinator."""
 
     port: int = Field(50051, ge=0, le=65535)
+    http_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions); "
+        "unset disables it, 0 picks a free one.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Model id the HTTP API lists and accepts; unset: the tokenizer directory's name."
+    )
     draft_endpoints: CommaList = Field(default_factory=list, description="host:port of each draft replica.")
     target_endpoints: CommaList = Field(
         default_factory=list, description="host:port of each target replica (sessions stick to one)."
     )
-    tokenizer: Path | None = Field(None, description="Tokenizer directory (the target's); unset: the demo pair.")
+    tokenizer: str | None = Field(
+        None,
+        description="The target's tokenizer: registered model name, directory or hub id; unset: the default target.",
+    )
     max_batch_size: int = Field(16, ge=1, description="Most sessions gathered into one Verify call.")
-    max_batch_wait_ms: float = Field(2.0, ge=0, description="Longest a round waits for others to join its batch.")
+    max_batch_wait_ms: float = Field(
+        2.0, ge=0, description="Longest a round waits for others to join its batch."
+    )
+    draft_max_batch_size: int = Field(
+        32,
+        ge=1,
+        description="Most sessions gathered into one ProposeBatch call (lowered to the drafts' own "
+        "max_batch_size); 1 sends every proposal on its own (no draft batching).",
+    )
+    draft_batch_wait_ms: float = Field(
+        2.0, ge=0, description="Longest a round waits for others to join its ProposeBatch call."
+    )
     default_max_new_tokens: int = Field(256, ge=1)
     max_new_tokens_limit: int = Field(4096, ge=1, description="Requests asking for more are refused.")
     max_prompt_tokens: int = Field(8192, ge=1)
+    max_prompt_bytes: int = Field(
+        256 * 1024, ge=1, description="Largest text prompt in UTF-8 bytes, refused before it is tokenized."
+    )
+    max_stop_strings: int = Field(16, ge=0, description="Most stop strings one request may send.")
+    max_stop_string_chars: int = Field(128, ge=1, description="Longest stop string, in characters.")
+    max_stop_token_ids: int = Field(64, ge=0, description="Most stop token ids one request may send.")
     max_sessions: int = Field(512, ge=1, description="Concurrent sessions in total.")
-    max_sessions_per_client: int = Field(64, ge=1, description="Concurrent sessions per authenticated client.")
+    max_sessions_per_client: int = Field(
+        64, ge=1, description="Concurrent sessions per authenticated client."
+    )
     max_gamma: int = Field(8, ge=0, le=64, description="Largest gamma the policy may pick.")
+    overlap: bool = Field(
+        False,
+        description="Proactive drafting: while the target verifies a round, the draft already drafts the "
+        "next one on the hypothesis that the whole proposal is accepted and the bonus token is the "
+        "draft's own guess; used only when the verdict bears the hypothesis out (the proposal is then "
+        "the very one the draft would have sent), thrown away otherwise.",
+    )
     rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of each call to a worker.")
     draft_timeout_s: float = Field(
         5.0, gt=0, description="Deadline of each Propose; a slower draft makes that round run at gamma 0."
@@ -115,16 +260,59 @@ class CoordinatorSettings(CommonSettings):
         default_factory=list, description="Bearer tokens accepted from clients; empty disables auth."
     )
     worker_tls_ca_file: Path | None = Field(None, description="CA that signed the workers' certificates.")
-    worker_tls_cert_file: Path | None = Field(None, description="Client certificate for mutual TLS to workers.")
+    worker_tls_cert_file: Path | None = Field(
+        None, description="Client certificate for mutual TLS to workers."
+    )
     worker_tls_key_file: Path | None = Field(None, description="Key of worker_tls_cert_file.")
+    worker_token: SecretStr | None = Field(
+        None, description="Shared secret sent to every worker as 'authorization: Bearer <token>' (theirs)."
+    )
+    stream_idle_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="A Generate stream whose client takes no message for this long (its flow-control window "
+        "stays full) is cancelled: the session ends and its caches are released.",
+    )
+    lease_ttl_s: float = Field(
+        30.0,
+        gt=0,
+        description="A session's owner lease in Redis; renewed every third of it while rounds run.",
+    )
+    max_verify_attempts: int = Field(
+        6,
+        ge=1,
+        description="Verify calls one round may make (failover and retries) before its session fails.",
+    )
+    all_down_wait_s: float = Field(
+        15.0,
+        ge=0,
+        description="Longest a round waits while every target replica backs off before its session fails "
+        "(keep it above target_max_backoff_s, so a replica that recovers is tried first).",
+    )
+    draft_backoff_s: float = Field(
+        1.0, gt=0, description="A failed draft replica is skipped this long; doubles per failure in a row."
+    )
+    draft_max_backoff_s: float = Field(30.0, gt=0, description="Cap of the draft replicas' back-off.")
+    target_backoff_s: float = Field(
+        0.5, gt=0, description="A failed target replica is skipped this long; doubles per failure in a row."
+    )
+    target_max_backoff_s: float = Field(10.0, gt=0, description="Cap of the target replicas' back-off.")
 
     @field_validator("draft_endpoints", "target_endpoints", "auth_tokens", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         return _split_commas(value)
 
+    @field_validator("tokenizer", mode="before")
+    @classmethod
+    def _path_to_str(cls, value: object) -> object:
+        return str(value) if isinstance(value, Path) else value
+
     @model_validator(mode="after")
     def _limits(self) -> CoordinatorSettings:
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
+        for tier in ("draft", "target"):
+            if getattr(self, f"{tier}_max_backoff_s") < getattr(self, f"{tier}_backoff_s"):
+                raise ValueError(f"{tier}_max_backoff_s must be at least {tier}_backoff_s")
         return self

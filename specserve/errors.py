@@ -2,9 +2,9 @@
 
 Every error a role raises on purpose is a :class:`SpecServeError`. Each class
 names the gRPC status code it becomes at a server boundary
-(:data:`grpc_code_name`), so the interceptor in :mod:`specserve.server` and the
-SDK's reverse mapping in :mod:`specserve.client` are table lookups, and a test
-checks that the table is complete. Each also subclasses the builtin it is a
+(:data:`grpc_code_name`); :mod:`specserve.status` holds the one mapping back
+from codes to classes (for the SDK and the coordinator's worker clients), and
+a test checks that every direction is complete. Each also subclasses the builtin it is a
 kind of, so callers may catch ``ValueError`` or ``LookupError`` as usual::
 
     SpecServeError (Exception)
@@ -20,6 +20,7 @@ kind of, so callers may catch ``ValueError`` or ``LookupError`` as usual::
     │   └── VersionConflict                      compare-and-set lost
     ├── ResourceExhausted (RuntimeError)         RESOURCE_EXHAUSTED
     ├── Unavailable (ConnectionError)            UNAVAILABLE
+    │   └── WorkerError                          a worker replica is broken (answered INTERNAL, ...)
     ├── DeadlineExceeded (TimeoutError)          DEADLINE_EXCEEDED
     ├── Unauthenticated (PermissionError)        UNAUTHENTICATED
     ├── PermissionDenied (PermissionError)       PERMISSION_DENIED
@@ -104,6 +105,13 @@ class Unavailable(SpecServeError, ConnectionError):
     """A dependency (worker, Redis) cannot be reached right now; retry later."""
 
     grpc_code_name = "UNAVAILABLE"
+
+
+class WorkerError(Unavailable):
+    """A worker replica failed in a way that is its bug (INTERNAL, UNKNOWN, a malformed reply).
+
+    The coordinator treats the replica as down: its breaker opens and the call moves on.
+    """
 
 
 class DeadlineExceeded(SpecServeError, TimeoutError):

@@ -1,10 +1,15 @@
-"""Server interceptors: bearer-token authentication and request-id propagation.
+"""Server interceptors: bearer-token and client-certificate authentication, request-id propagation.
 
-* :class:`BearerTokenInterceptor` guards the coordinator's client API. A call
+* :class:`BearerTokenInterceptor` guards the coordinator's client API (the
+  clients' tokens; the HTTP API checks the same :class:`BearerTokens`) and the
+  workers (the one shared worker token). A call
   without ``authorization: Bearer <token>`` is UNAUTHENTICATED; a call whose
   token is not one of the configured ones is PERMISSION_DENIED. Health checks
   and reflection stay open so probes and tooling work. Tokens are compared in
   constant time and never logged.
+* :class:`ClientCertificateInterceptor` pins mutual TLS to client identities:
+  the CA's signature is checked by the TLS handshake, the name (common name or
+  DNS subject alternative name) here; another name is PERMISSION_DENIED.
 * :class:`RequestIdInterceptor` takes ``x-request-id`` from the call's metadata
   (or makes one) and binds it, with the method, to structlog's context for the
   duration of the call, so one request can be followed across all three roles:
@@ -15,8 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
+import ipaddress
+import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -44,6 +52,15 @@ def _wrap(
         )
     if handler.unary_stream is not None:
         inner_stream = handler.unary_stream
+        if not inspect.isasyncgenfunction(inner_stream):  # a handler that writes its replies itself
+
+            async def unary_stream_writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+                await before(context)
+                await inner_stream(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream_writer, handler.request_deserializer, handler.response_serializer
+            )
 
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             await before(context)
@@ -70,16 +87,58 @@ def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     return None
 
 
-def client_identity(context: grpc.aio.ServicerContext, *, by_token: bool) -> str:
+def identity(token: str | None, peer: str, *, by_token: bool) -> str:
     """Who is calling, for per-client limits: ``token:<fingerprint>`` when ``by_token`` (auth is on)
-    and the call carries a bearer token, else ``peer:<address without port>``."""
-    if by_token:
-        token = bearer_token(context.invocation_metadata())
-        if token:
-            return f"token:{token_fingerprint(token)}"
-    peer = context.peer() or "unknown"
-    host = peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
-    return f"peer:{host}"
+    and the caller sent a bearer token, else :func:`peer_key` of the caller's address. Both the
+    gRPC API (:func:`client_identity`) and the HTTP API key their limits on this."""
+    if by_token and token:
+        return f"token:{token_fingerprint(token)}"
+    return peer_key(peer)
+
+
+def client_identity(context: grpc.aio.ServicerContext, *, by_token: bool) -> str:
+    """:func:`identity` of a gRPC call."""
+    return identity(
+        bearer_token(context.invocation_metadata()), context.peer() or "unknown", by_token=by_token
+    )
+
+
+def peer_key(peer: str) -> str:
+    """The per-client key of a caller: a gRPC peer (``ipv4:1.2.3.4:5678``,
+    ``ipv6:%5B2001:db8::1%5D:5678``) or a bare address (the HTTP API's ``1.2.3.4``, ``::1``).
+
+    IPv4: the address. IPv6: its /64 network, the block one subscriber usually holds, so one
+    client cannot take a fresh limit per address it picks (an IPv4-mapped address is its IPv4
+    address). Anything else (a Unix socket): the peer string itself.
+    """
+    kind, _, rest = peer.partition(":")
+    host = (
+        urllib.parse.unquote(rest).rsplit(":", 1)[0].strip("[]").split("%", 1)[0]
+        if kind in ("ipv4", "ipv6")
+        else peer
+    )
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return f"peer:{host}"
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return f"peer:{address.ipv4_mapped}"
+        return f"peer:{ipaddress.IPv6Network((address, 64), strict=False)}"
+    return f"peer:{address}"
+
+
+class BearerTokens:
+    """The accepted bearer tokens; :meth:`accepts` compares in constant time."""
+
+    def __init__(self, tokens: Sequence[str]) -> None:
+        if not tokens:
+            raise ValueError("BearerTokens needs at least one token")
+        self._tokens = tuple(t.encode() for t in tokens)
+
+    def accepts(self, token: str) -> bool:
+        given = token.encode()
+        return any(hmac.compare_digest(given, t) for t in self._tokens)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -88,11 +147,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, tokens: Sequence[str]) -> None:
         if not tokens:
             raise ValueError("BearerTokenInterceptor needs at least one token")
-        self._tokens = tuple(t.encode() for t in tokens)
+        self._tokens = BearerTokens(tokens)
 
     def _valid(self, token: str) -> bool:
-        given = token.encode()
-        return any(hmac.compare_digest(given, t) for t in self._tokens)
+        return self._tokens.accepts(token)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -110,6 +168,42 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "the bearer token is not accepted")
 
         return _wrap(handler, check)
+
+
+class ClientCertificateInterceptor(grpc.aio.ServerInterceptor):
+    """Admits calls whose (verified) client certificate names one of ``names``: CN or DNS SAN."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        if not names:
+            raise ValueError("ClientCertificateInterceptor needs at least one name")
+        self._names = frozenset(names)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
+            return handler
+
+        async def check(context: grpc.aio.ServicerContext) -> None:
+            presented = certificate_names(context.auth_context())
+            if not presented:
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED, "this server needs a client certificate (mutual TLS)"
+                )
+            elif not presented & self._names:
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED, "the client certificate's name is not allowed here"
+                )
+
+        return _wrap(handler, check)
+
+
+def certificate_names(auth_context: Mapping[str, Sequence[bytes]] | None) -> set[str]:
+    """The names a verified client certificate carries: its common name and DNS subject alternative names."""
+    names: set[str] = set()
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        for value in (auth_context or {}).get(key, ()):
+            names.add(value.decode() if isinstance(value, bytes) else str(value))
+    return names
 
 
 class RequestIdInterceptor(grpc.aio.ServerInterceptor):

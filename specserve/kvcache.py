@@ -31,7 +31,7 @@ cache is always in one of two states with respect to ``C``:
 
 Between rounds a cache may hold more than that (the branch of the last round:
 rejected draft tokens); :meth:`SessionCache.reconcile` restores the invariant
-before every use (DESIGN.md, invariant 3): it keeps the longest common prefix of
+before every use (docs/design.md, invariant 3): it keeps the longest common prefix of
 the cached tokens and ``C``, crops the rest and feeds what is missing. Tokens
 of the branch that the round accepted are therefore kept, not recomputed.
 
@@ -52,8 +52,9 @@ least recently used first, and releases sessions idle longer than ``ttl_s``. An
 evicted or unknown session is simply rebuilt by ``reconcile`` from the committed
 tokens a request carries (re-prefill).
 
-Not thread-safe: a service runs all model work for its store on one worker
-thread (or holds a lock around it).
+Not thread-safe: a worker runs all model work and every mutation of its store
+on its one :class:`~specserve.model_thread.ModelThread` (docs/design.md,
+"Conventions").
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ import structlog
 import torch
 
 from specserve.errors import FailedPrecondition, InvalidArgument, NotFound
+from specserve.models import vocab_size_of
 
 log = structlog.get_logger(__name__)
 
@@ -98,7 +100,7 @@ class SessionCache:
 
         self.model = model
         self.session_id = session_id
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = vocab_size_of(model)
         limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         #: Most tokens the model can attend over (``max_position_embeddings``); ``None`` when unknown.
         self.max_positions: int | None = int(limit) if limit else None
@@ -106,6 +108,7 @@ class SessionCache:
         self._cache = DynamicCache(config=model.config)
         self._tokens: list[int] = []
         self._committed = 0
+        self._nbytes: int | None = 0  # KV bytes held; None: recount (after a change)
         self._clock = clock
         self.last_used = clock()
 
@@ -137,13 +140,15 @@ class SessionCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys and values held."""
-        total = 0
-        for layer in self._cache.layers:
-            if getattr(layer, "is_initialized", False) and layer.keys is not None:
-                total += layer.keys.numel() * layer.keys.element_size()
-                total += layer.values.numel() * layer.values.element_size()
-        return total
+        """Bytes of keys and values held (counted once per change: the store sums it every round)."""
+        if self._nbytes is None:
+            total = 0
+            for layer in self._cache.layers:
+                if getattr(layer, "is_initialized", False) and layer.keys is not None:
+                    total += layer.keys.numel() * layer.keys.element_size()
+                    total += layer.values.numel() * layer.values.element_size()
+            self._nbytes = total
+        return self._nbytes
 
     def touch(self) -> None:
         self.last_used = self._clock()
@@ -169,6 +174,7 @@ class SessionCache:
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)  # [1, n]
         out = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
         self._tokens.extend(int(t) for t in token_ids)
+        self._nbytes = None
         self.touch()
         return out.logits[0].float()  # [logits_to_keep, vocab]
 
@@ -203,6 +209,7 @@ class SessionCache:
         if remove:
             self._cache.crop(-remove)
             del self._tokens[length:]
+            self._nbytes = None
         self._committed = min(self._committed, length)
         self.touch()
 
@@ -290,6 +297,7 @@ class SessionCache:
         for i, (k, v) in enumerate(layer_kvs):
             self._cache.update(k, v, i)
         self._tokens.extend(int(t) for t in token_ids)
+        self._nbytes = None
         self.touch()
 
 

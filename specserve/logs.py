@@ -19,10 +19,13 @@ import structlog
 
 
 def settings_secrets(settings: Any) -> list[str]:
-    """The secrets in a role's settings: its bearer tokens and the Redis URL's password."""
+    """The secrets in a role's settings: its bearer tokens, the worker token, the Redis URL's password."""
     from urllib.parse import unquote, urlsplit
 
     found = [t.get_secret_value() for t in getattr(settings, "auth_tokens", ())]
+    worker_token = getattr(settings, "worker_token", None)
+    if worker_token is not None:
+        found.append(worker_token.get_secret_value())
     redis_url = getattr(settings, "redis_url", None)
     if redis_url is not None:
         url = redis_url.get_secret_value() if hasattr(redis_url, "get_secret_value") else str(redis_url)

@@ -3,14 +3,20 @@
 Names follow Prometheus conventions (``_total`` counters, base units in names).
 The speculation counters mirror vLLM's spec-decode metrics: drafts, draft
 tokens, accepted tokens, accepted tokens per position, and the wasted
-proposals. Each role updates only its own metrics; a process that hosts all
+proposals; the first four are also exported under vLLM's own names
+(``vllm:spec_decode_num_drafts_total`` ...) by :class:`VllmSpecDecodeNames`,
+so that dashboards built for vLLM read them unchanged. Each role updates only its own metrics; a process that hosts all
 three roles (``specserve up``) exposes all of them. The gauges the
 HorizontalPodAutoscalers scale on are documented in docs/deploy.md.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _SMALL_COUNT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -33,6 +39,34 @@ SPEC_ACCEPTED_LENGTH = Histogram(
     buckets=_SMALL_COUNT_BUCKETS,
 )
 GAMMA_CHOSEN = Histogram("specserve_coordinator_gamma", "Gamma chosen per round.", buckets=_SMALL_COUNT_BUCKETS)
+
+
+class VllmSpecDecodeNames(Collector):
+    """The spec-decode counters above, exported again under vLLM's metric names.
+
+    Read at scrape time from the counters themselves, so the two names never disagree.
+    vLLM's own series also carry ``model_name`` and ``engine`` labels; add them with a
+    scrape-time relabelling where a dashboard filters on them (docs/operations.md).
+    """
+
+    ALIASES = (
+        (SPEC_DRAFTS, "vllm:spec_decode_num_drafts", ()),
+        (SPEC_DRAFT_TOKENS, "vllm:spec_decode_num_draft_tokens", ()),
+        (SPEC_ACCEPTED_TOKENS, "vllm:spec_decode_num_accepted_tokens", ()),
+        (SPEC_ACCEPTED_PER_POS, "vllm:spec_decode_num_accepted_tokens_per_pos", ("position",)),
+    )
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for counter, name, labels in self.ALIASES:
+            for metric in counter.collect():
+                family = CounterMetricFamily(name, f"{metric.documentation} (vLLM's name)", labels=list(labels))
+                for sample in metric.samples:
+                    if sample.name.endswith("_total"):
+                        family.add_metric([sample.labels[k] for k in labels], sample.value)
+                yield family
+
+
+REGISTRY.register(VllmSpecDecodeNames())
 
 # --- coordinator: requests ------------------------------------------------------
 ACTIVE_SESSIONS = Gauge("specserve_coordinator_active_sessions", "Generations in progress.")
@@ -60,9 +94,46 @@ VERIFY_BATCH_SIZE = Histogram(
 )
 REPLICA_FAILURES = Counter("specserve_coordinator_replica_failures", "Worker calls failed by tier.", ["tier"])
 
+OVERLAP_DRAFTS = Counter(
+    "specserve_coordinator_overlap_drafts",
+    "Proposals drafted ahead while the target verified (overlap on), by outcome: used (the verdict bore "
+    "the hypothesis out: the next round needed no draft call) or wasted.",
+    ["outcome"],
+)
+PROPOSALS = Counter(
+    "specserve_coordinator_proposals",
+    "Rounds that proposed, by proposer: model (a draft call), ngram or prediction (in the coordinator).",
+    ["proposer"],
+)
+PREDICTION_TOKENS = Counter(
+    "specserve_coordinator_prediction_tokens",
+    "Predicted Outputs: prediction tokens accepted (in the completion) or rejected (drafted, not committed).",
+    ["outcome"],
+)
+PROPOSE_BATCH_SIZE = Histogram(
+    "specserve_coordinator_propose_batch_size", "Sessions per ProposeBatch call.", buckets=_SMALL_COUNT_BUCKETS
+)
+PROPOSE_QUEUE_DEPTH = Gauge(
+    "specserve_coordinator_propose_queue_depth",
+    "Sessions waiting for a ProposeBatch call to leave (coordinator side).",
+    ["draft"],
+)
+
 # --- draft ------------------------------------------------------------------------
-DRAFT_QUEUE_DEPTH = Gauge("specserve_draft_queue_depth", "Propose calls in flight on this draft replica.")
-DRAFT_SECONDS = Histogram("specserve_draft_propose_seconds", "Time of one Propose call.", buckets=_LATENCY_BUCKETS_S)
+DRAFT_QUEUE_DEPTH = Gauge(
+    "specserve_draft_queue_depth", "Sessions waiting for the draft model or being drafted on this replica."
+)
+DRAFT_BATCH_OCCUPANCY = Gauge(
+    "specserve_draft_batch_occupancy", "Sessions of the last drafting pass divided by max_batch_size (0..1)."
+)
+DRAFT_BATCH_SIZE = Histogram(
+    "specserve_draft_batch_size",
+    "Sessions drafted together (one forward pass per draft step).",
+    buckets=_SMALL_COUNT_BUCKETS,
+)
+DRAFT_SECONDS = Histogram(
+    "specserve_draft_propose_seconds", "Time of one Propose or ProposeBatch call.", buckets=_LATENCY_BUCKETS_S
+)
 
 # --- target -----------------------------------------------------------------------
 TARGET_BATCH_OCCUPANCY = Gauge(

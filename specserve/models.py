@@ -8,7 +8,7 @@ fingerprint of the token table, EOS, device, dtype, parameter count.
 
 * ``device="auto"``: CUDA when present, else CPU.
 * ``dtype="auto"``: bfloat16 on CUDA, float32 on CPU. Greedy output is
-  token-identical to target-only decoding only in float32 (see DESIGN.md,
+  token-identical to target-only decoding only in float32 (see docs/design.md,
   "Numerics"); in bfloat16 the batched verify pass and single-step decoding
   round differently.
 
@@ -16,8 +16,10 @@ A draft and a target must share one vocabulary: :func:`check_same_vocabulary`
 raises :class:`~specserve.errors.VocabularyMismatch` when the output sizes or the
 token-table fingerprints differ.
 
-With no path, a worker uses the embedded demo pair in the repository's
-``models/specserve-demo-{target,draft}`` (:func:`resolve_model_path`).
+A model is named by a registered name, a local directory or a hub id
+(:func:`resolve_model_path`, :mod:`specserve.model_registry`); with none, a
+worker uses the default pair: the target SmolLM2-135M-Instruct (fetched once
+from the package index) and the draft distilled from it (``models/``).
 """
 
 from __future__ import annotations
@@ -45,8 +47,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 
-#: Where the embedded demo pair lives: ``<repo>/models/specserve-demo-<role>``.
-DEMO_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class ModelInfo:
     dtype: str
     eos_token_id: int | None
     parameter_count: int
+    max_positions: int | None = None  # the context: most tokens a session may hold (None: unknown)
 
     @classmethod
     def from_pb(cls, pb: common_pb2.ModelInfo) -> ModelInfo:
@@ -71,6 +72,7 @@ class ModelInfo:
             dtype=pb.dtype,
             eos_token_id=pb.eos_token_id if pb.HasField("eos_token_id") else None,
             parameter_count=pb.parameter_count,
+            max_positions=pb.max_positions if pb.HasField("max_positions") and pb.max_positions else None,
         )
 
     def to_pb(self) -> common_pb2.ModelInfo:
@@ -84,6 +86,8 @@ class ModelInfo:
         )
         if self.eos_token_id is not None:
             pb.eos_token_id = self.eos_token_id
+        if self.max_positions is not None:
+            pb.max_positions = self.max_positions
         return pb
 
 
@@ -111,10 +115,27 @@ class LoadedModel:
             dtype=str(self.dtype).removeprefix("torch."),
             eos_token_id=self.eos_token_id,
             parameter_count=self.parameter_count,
+            max_positions=self.max_positions,
         )
+
+    @property
+    def max_positions(self) -> int | None:
+        """The context: ``max_position_embeddings`` of the model's text config (None when it has none)."""
+        return max_positions(self.model.config)
 
     def to_pb(self) -> common_pb2.ModelInfo:
         return self.info.to_pb()
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every end-of-sequence id: the tokenizer's and the generation config's (one id or a list)."""
+        ids = {int(self.eos_token_id)} if self.eos_token_id is not None else set()
+        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if isinstance(configured, int):
+            ids.add(configured)
+        elif isinstance(configured, (list, tuple)):
+            ids.update(int(t) for t in configured)
+        return frozenset(ids)
 
     @torch.inference_mode()
     def warmup(self, n_tokens: int = 8) -> None:
@@ -127,6 +148,13 @@ class LoadedModel:
         self.model(input_ids=ids[:, :1], cache=cache, use_cache=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def max_positions(config: Any) -> int | None:
+    """``max_position_embeddings`` of a transformers config's text part; None when absent or not positive."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -155,23 +183,18 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-def resolve_model_path(path: str | Path | None, role: Role) -> Path:
-    """The model directory to load: ``path`` when given, else the embedded demo model of ``role``."""
-    if path is not None:
-        resolved = Path(path).expanduser()
-        if not resolved.is_dir():
-            raise FailedPrecondition(
-                f"model directory {str(resolved)!r} does not exist or is not a directory"
-            )
-        return resolved
-    demo = DEMO_MODELS_DIR / f"specserve-demo-{role}"
-    if not (demo / "config.json").is_file():
-        raise FailedPrecondition(
-            f"no model given and the embedded demo {role} model is missing at {str(demo)!r}; "
-            "pass a local Hugging Face model directory (--model / SPECSERVE_MODEL) or build the demo pair "
-            "with `python scripts/train_demo_pair.py`"
-        )
-    return demo
+def resolve_model_path(spec: str | Path | None, role: Role) -> str:
+    """What to load for ``role``: ``spec`` (a registered name, a directory or a hub id), else the default.
+
+    The defaults are the registered default pair (``smollm2-135m-instruct`` and
+    ``specserve-smollm2-draft``); a registered model missing from the cache is
+    fetched first. Raises :class:`FailedPrecondition` saying what is accepted.
+    """
+    from specserve import model_registry
+
+    if spec is None or str(spec) == "":
+        spec = model_registry.DEFAULT_TARGET if role == "target" else model_registry.DEFAULT_DRAFT
+    return model_registry.resolve_model(spec)
 
 
 def vocab_fingerprint(tokenizer: Any) -> str:
@@ -206,24 +229,53 @@ def _memory_bytes(model: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def vocab_size_of(model: Any) -> int:
+    """The width of a causal LM's logits (a reduced head, ``specserve.draft_model.ScatteredHead``,
+    still returns full-vocabulary rows)."""
+    head = model.get_output_embeddings()
+    return int(getattr(head, "vocab_size", None) or head.weight.shape[0])
+
+
+def _load_pretrained(spec: str, torch_dtype: torch.dtype) -> tuple[Any, Any]:
+    """Tokenizer and model of a directory (never downloads) or a hub id (transformers downloads it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import specserve.draft_model  # noqa: F401  (registers the default draft's model type)
+    from specserve.model_registry import REGISTRY, is_registered_cache
+
+    local = Path(spec).is_dir()
+    if local and not (Path(spec) / "config.json").is_file():
+        raise FailedPrecondition(f"{spec!r} is not a Hugging Face model directory (no config.json)")
+    if not local and (Path(spec).exists() or spec.startswith(("/", ".", "~"))):
+        raise FailedPrecondition(f"model directory {spec!r} does not exist or is not a directory")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=local, dtype=torch_dtype)
+    except Exception as exc:  # safetensors, tokenizers and hub errors share no base class
+        name = is_registered_cache(spec) if local else None
+        if name is not None:
+            raise FailedPrecondition(
+                f"the registered model {name!r} in {spec!r} could not be loaded ({type(exc).__name__}: {exc}); "
+                f"{REGISTRY[name].repair_hint()}"
+            ) from exc
+        where = "directory" if local else "hub id (is the hub reachable from here?)"
+        raise FailedPrecondition(f"could not load the model {where} {spec!r}: {type(exc).__name__}: {exc}") from exc
+    return tokenizer, model
+
+
 def load_model(
     path: str | Path, *, device: str = "auto", dtype: str | torch.dtype = "auto", warmup: bool = False
 ) -> LoadedModel:
-    """Load a local causal LM directory (never downloads) onto ``device`` in ``dtype``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FailedPrecondition(f"{str(path)!r} is not a Hugging Face model directory (no config.json)")
+    """Load a causal LM (a local directory, or a hub id where the hub is reachable) onto ``device`` in ``dtype``."""
+    spec = str(path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype)
+    tokenizer, model = _load_pretrained(spec, torch_dtype)
     model.to(torch_device)
     model.eval()
     model.requires_grad_(False)
-    vocab_size = int(model.get_output_embeddings().weight.shape[0])
+    vocab_size = vocab_size_of(model)
     if len(tokenizer) > vocab_size:
         raise FailedPrecondition(
             f"the tokenizer in {str(path)!r} has {len(tokenizer)} tokens but the model only {vocab_size} "
@@ -243,7 +295,7 @@ def load_model(
         vocab_fingerprint=vocab_fingerprint(tokenizer),
         eos_token_id=None if eos is None else int(eos),
         parameter_count=sum(p.numel() for p in model.parameters()),
-        name=str(path),
+        name=spec,
     )
     if warmup:
         loaded.warmup()

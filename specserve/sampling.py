@@ -19,11 +19,15 @@ proposal sees exactly the distribution it would sample from alone.
 Probabilities leave this module as float64: :func:`logits_to_probs` takes the
 softmax in float64 of the processed float32 logits (removed tokens get exactly
 0), and :func:`check_distribution` is the one gate every externally supplied
-distribution passes through.
+distribution passes through. :func:`processed_logprobs` gives the log of the
+processed distribution that a request's logprobs report (for greedy decoding:
+the repetition penalty, then the softmax at temperature 1), and
+:func:`pick_logprobs` the emitted tokens' entries with their top alternatives.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,7 +42,7 @@ from transformers.generation.logits_process import (
 )
 
 from specserve.errors import InvalidArgument, InvalidDistribution
-from specserve.params import SamplingParams
+from specserve.params import PositionLogprobs, SamplingParams, TokenLogprob
 
 Context = Sequence[Sequence[int]] | torch.Tensor | None
 
@@ -117,13 +121,36 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams, context: Conte
     Sampling: softmax (in float64) of :func:`process_logits`. Greedy
     (``temperature == 0``): one-hot at the argmax of the processed logits, the
     lowest token id on ties (``torch.argmax``, as HF greedy decoding).
+
+    Raises :class:`~specserve.errors.InvalidDistribution` when a row of the
+    processed logits holds NaN or +inf, or removes every token: such a row has
+    no distribution, and a NaN argmax or softmax must never be sampled from.
     """
     scores = process_logits(logits, params, context)  # [N, vocab] float32
+    require_finite_logits(scores)
     if params.greedy:
         probs = torch.zeros(scores.shape, dtype=torch.float64, device=scores.device)  # [N, vocab]
         probs.scatter_(-1, scores.argmax(dim=-1, keepdim=True), 1.0)
         return probs
     return torch.softmax(scores.to(torch.float64), dim=-1)  # [N, vocab] float64
+
+
+def require_finite_logits(scores: torch.Tensor) -> None:
+    """Raise :class:`InvalidDistribution` unless every row of ``scores`` ``[N, vocab]`` has a distribution.
+
+    A row has one when it holds no NaN and no +inf (``-inf`` marks a removed
+    token) and keeps at least one token. The message names the first bad row.
+    """
+    if scores.numel() == 0:
+        return
+    bad = torch.isnan(scores).any(dim=-1) | torch.isposinf(scores).any(dim=-1)  # [N]
+    bad |= torch.isneginf(scores).all(dim=-1)
+    if bool(bad.any()):
+        row = int(torch.nonzero(bad)[0])
+        raise InvalidDistribution(
+            f"the processed logits of row {row} are NaN or infinite, so there is no distribution to sample "
+            "from (the model's output or the sampling settings: temperature, repetition_penalty)"
+        )
 
 
 def sample_from(probs: torch.Tensor, u: float) -> int:
@@ -166,6 +193,29 @@ def sample_rows(probs: torch.Tensor, us: Sequence[float]) -> list[int]:
     return index.tolist()
 
 
+def gumbel_argmax(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max sampling: ``argmax(log probs + noise)`` per row, ``[..., vocab]`` x ``[..., vocab]`` -> ``[...]`` int64.
+
+    With ``noise`` i.i.d. Gumbel(0, 1) the result is an exact sample of
+    ``probs`` (Gumbel 1954; the "Gumbel-max trick"); with the same noise two
+    distributions give the coupled samples of the coupled sampling mode
+    (:func:`specserve.rng.gumbel_noise`, docs/design.md "Two sampling modes").
+    A token of probability 0 has ``log 0 = -inf`` and never wins. Computed in
+    float64. Raises :class:`~specserve.errors.InvalidDistribution` for a row
+    with no finite winner (all zero, or NaN).
+    """
+    if probs.shape != noise.shape or probs.dim() == 0:
+        raise InvalidArgument(
+            f"probs and noise must have the same [..., vocab] shape, got {tuple(probs.shape)} and {tuple(noise.shape)}"
+        )
+    scores = probs.to(torch.float64).log()  # [..., vocab]; -inf where the probability is 0
+    scores += noise.to(device=scores.device, dtype=torch.float64)
+    best, winner = scores.max(dim=-1)  # [...], [...]
+    if not bool(torch.isfinite(best).all()):
+        raise InvalidDistribution("Gumbel-max over a row with no finite score (all zero or NaN)")
+    return winner  # [...] int64
+
+
 def check_distribution(probs: torch.Tensor, *, atol: float = 1e-3) -> torch.Tensor:
     """Validate ``[..., vocab]`` probabilities and return them as float64, renormalised.
 
@@ -192,3 +242,46 @@ def check_distribution(probs: torch.Tensor, *, atol: float = 1e-3) -> torch.Tens
     if worst > atol:
         raise InvalidDistribution(f"probabilities sum off 1 by {worst:.3g} (tolerance {atol})")
     return torch.from_numpy(host / total).to(p.device)  # [..., vocab] float64
+
+
+def processed_logprobs(logits: torch.Tensor, params: SamplingParams, context: Context) -> torch.Tensor:
+    """The log of each row's processed distribution: ``[N, vocab]`` -> ``[N, vocab]`` float64.
+
+    ``log_softmax`` (in float64) of :func:`process_logits`: for a sampled request
+    the log of exactly the distribution :func:`logits_to_probs` samples from
+    (removed tokens ``-inf``). For a greedy request (``temperature == 0``) the
+    processing greedy decoding applies, the repetition penalty alone, then the
+    softmax at temperature 1: the distribution whose argmax greedy decoding takes
+    (a one-hot would say nothing). This is what a request's logprobs report.
+    """
+    scores = process_logits(logits, params, context)  # [N, vocab] float32
+    return torch.log_softmax(scores.to(torch.float64), dim=-1)  # [N, vocab] float64
+
+
+def pick_logprobs(
+    logprobs: torch.Tensor, token_ids: Sequence[int], top_n: int
+) -> tuple[PositionLogprobs, ...]:
+    """Each emitted token's log probability and the ``top_n`` most likely tokens of its row.
+
+    ``logprobs``: ``[N, vocab]`` float64 (:func:`processed_logprobs`), row ``i`` the
+    distribution ``token_ids[i]`` was emitted from. The alternatives are listed most
+    likely first (the lower id first on ties among those listed); tokens of
+    probability 0 (``-inf``) are never listed, so a row may list fewer than ``top_n``.
+    """
+    if logprobs.dim() != 2 or logprobs.shape[0] != len(token_ids):
+        raise InvalidArgument(f"logprobs must be [{len(token_ids)}, vocab], got {tuple(logprobs.shape)}")
+    if not token_ids:
+        return ()
+    rows = torch.arange(len(token_ids), device=logprobs.device)
+    chosen = logprobs[rows, torch.as_tensor(list(token_ids), device=logprobs.device)].tolist()  # [N]
+    k = min(top_n, logprobs.shape[-1])
+    tops: list[list[TokenLogprob]] = [[] for _ in token_ids]
+    if k > 0:
+        values, indices = torch.topk(logprobs, k, dim=-1)  # [N, k], [N, k]
+        for i, (vals, ids) in enumerate(zip(values.tolist(), indices.tolist(), strict=True)):
+            picks = sorted((-v, t) for v, t in zip(vals, ids, strict=True) if math.isfinite(v))
+            tops[i] = [TokenLogprob(token_id=t, logprob=-nv) for nv, t in picks]
+    return tuple(
+        PositionLogprobs(token_id=int(t), logprob=float(lp), top_logprobs=tuple(top))
+        for t, lp, top in zip(token_ids, chosen, tops, strict=True)
+    )

@@ -2,7 +2,7 @@
 
 ``create_server`` builds a ``grpc.aio`` server with the role's servicers, the
 standard health service, server reflection, the :class:`ErrorInterceptor`
-(domain errors -> precise status codes), message-size limits and optional
+(domain errors -> precise status codes and trailers, :mod:`specserve.status`), message-size limits and optional
 (mutual) TLS, binds it (port 0 picks a free port, for tests) and starts it.
 ``serve_until_signal`` runs it until SIGTERM/SIGINT, then: health NOT_SERVING,
 the role's drain hook, ``stop(grace)``.
@@ -11,8 +11,10 @@ the role's drain hook, ``stop(grace)``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,32 +27,15 @@ from specserve import logs
 from specserve.config import CommonSettings
 from specserve.errors import InvalidArgument, SpecServeError
 from specserve.interceptors import RequestIdInterceptor
+from specserve.status import status_code_for, trailers_for
 
 log = structlog.get_logger(__name__)
-
-#: Trailing metadata key carrying ``SpecServeError.retry_after_s``.
-RETRY_AFTER_KEY = "specserve-retry-after-s"
-#: Trailing metadata key naming the exact error class, so the SDK can raise
-#: ``VersionConflict`` rather than only the ``Aborted`` its status code implies.
-ERROR_CLASS_KEY = "specserve-error"
-
-
-def status_code_for(exc: BaseException) -> grpc.StatusCode:
-    """The gRPC status a raised exception becomes at a server boundary."""
-    if isinstance(exc, SpecServeError):
-        return grpc.StatusCode[exc.grpc_code_name]
-    if isinstance(exc, asyncio.CancelledError):
-        return grpc.StatusCode.CANCELLED
-    return grpc.StatusCode.INTERNAL
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     code = status_code_for(exc)
     if isinstance(exc, SpecServeError):
-        trailers = [(ERROR_CLASS_KEY, type(exc).__name__)]
-        if exc.retry_after_s is not None:
-            trailers.append((RETRY_AFTER_KEY, f"{exc.retry_after_s:g}"))
-        context.set_trailing_metadata(tuple(trailers))
+        context.set_trailing_metadata(trailers_for(exc))
         log.info("rpc_error", method=method, code=code.name, message=exc.message)
         await context.abort(code, exc.message)
     log.error("rpc_internal_error", method=method, exc_info=exc)
@@ -77,7 +62,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     It also parses the request body itself (the handler it returns takes raw bytes), so
     an undecodable body is INVALID_ARGUMENT rather than grpc's UNKNOWN.
+
+    Streams: it writes each reply of a server-streaming handler itself. With
+    ``stream_idle_timeout_s``, a write that cannot complete for that long (the client
+    takes no message and its flow-control window stays full) ends the call: the
+    handler's generator is closed (its clean-up runs, as on a client's cancellation) and
+    the call is aborted with DEADLINE_EXCEEDED.
     """
+
+    def __init__(self, *, stream_idle_timeout_s: float | None = None) -> None:
+        self.stream_idle_timeout_s = stream_idle_timeout_s
 
     async def intercept_service(
         self,
@@ -103,11 +97,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
         if handler.unary_stream is not None:
             inner_us = handler.unary_stream
+            timeout_s = self.stream_idle_timeout_s
 
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> None:
                 try:
-                    async for reply in inner_us(parse(request), context):
-                        yield reply
+                    replies = inner_us(parse(request), context)
+                    if not inspect.isasyncgen(replies):  # a handler that writes itself (health Watch)
+                        await replies
+                        return
+                    async with contextlib.aclosing(replies):
+                        async for reply in replies:
+                            if not await _write(context, reply, timeout_s):
+                                log.warning("stream_idle_timeout", method=method, timeout_s=timeout_s)
+                                await replies.aclose()  # the handler's clean-up runs now
+                                await context.abort(
+                                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"the client took no message for {timeout_s:g} s; the call was cancelled",
+                                )
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as exc:
@@ -115,6 +121,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, None, handler.response_serializer)
         return handler
+
+
+async def _write(context: grpc.aio.ServicerContext, reply: Any, timeout_s: float | None) -> bool:
+    """Write one reply of a stream; False when it could not be written within ``timeout_s``."""
+    if timeout_s is None:
+        await context.write(reply)
+        return True
+    try:
+        await asyncio.wait_for(context.write(reply), timeout_s)
+    except asyncio.TimeoutError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -165,20 +183,41 @@ def server_credentials(settings: CommonSettings) -> grpc.ServerCredentials | Non
     )
 
 
+#: Clients may ping this often without data (the coordinator's worker channels ping every 30 s).
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
+
+
+def server_options(settings: CommonSettings) -> list[tuple[str, int]]:
+    """Message limits and HTTP/2 keepalive: the server pings every connection each
+    ``keepalive_time_s`` (data or not) and closes one that does not answer in ``keepalive_timeout_s``."""
+    return [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", int(settings.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
+        # grpc 1.6x+ waits this long for any ping's ack (60 s by default), keepalive pings included.
+        ("grpc.http2.ping_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(settings.keepalive_time_s * 1000)),
+    ]
+
+
 async def create_server(
     settings: CommonSettings,
     registrations: Sequence[Registration],
     *,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     drain: Callable[[], Awaitable[None]] | None = None,
+    stream_idle_timeout_s: float | None = None,
 ) -> RunningServer:
-    """Build, bind and start a server for ``registrations`` on ``settings.host:settings.port``."""
-    options = [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ]
-    chain = [RequestIdInterceptor(), *interceptors, ErrorInterceptor()]
+    """Build, bind and start a server for ``registrations`` on ``settings.host:settings.port``.
+
+    ``stream_idle_timeout_s``: see :class:`ErrorInterceptor` (None: a stream may wait for its client forever).
+    """
+    options = server_options(settings)
+    chain = [RequestIdInterceptor(), *interceptors, ErrorInterceptor(stream_idle_timeout_s=stream_idle_timeout_s)]
     server = grpc.aio.server(interceptors=chain, options=options)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,7 +1,7 @@
 """The committed-prefix log of every session, in Redis.
 
 Redis is the source of truth for what a session has committed: any target or
-draft replica can rebuild a session from it (DESIGN.md invariant 5), and a
+draft replica can rebuild a session from it (docs/design.md, invariant 5), and a
 commit is valid only once its compare-and-set here succeeded (invariant 2).
 
 Keys (``{sid}`` is a Redis Cluster hash tag, so one session's keys share a slot)::
@@ -14,8 +14,14 @@ Keys (``{sid}`` is a Redis Cluster hash tag, so one session's keys share a slot)
                                       stop             JSON of StopConditions
                                       finish_reason    FinishReason value, 0 while running
                                       last_base        base version of the last commit
-                                      last_verdict     JSON of the last Verdict (idempotent retries)
+                                      last_verdict     JSON of the last Verdict (idempotent retries;
+                                                       with its logprobs when the round reported them)
     specserve:{sid}:lease    string   owner id of the coordinator driving the session (PX lease)
+
+``prompt_len``, ``sampling`` and ``stop`` are written once, at create, and
+never change: :meth:`SessionStore.load` takes them from a caller that already
+holds them (:class:`SessionSettings`), so a round reads only what moves (the
+tokens, the version, the finish reason, the last verdict).
 
 All keys of a session expire together ``ttl_s`` after the last write, so
 abandoned sessions disappear. A commit is one Lua script (registered once per
@@ -34,11 +40,12 @@ from dataclasses import dataclass
 
 import structlog
 from redis import asyncio as aioredis
+from redis.asyncio.retry import Retry  # the asyncio Retry: the sync one never retries a coroutine
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from specserve.errors import (
     Aborted,
@@ -49,9 +56,14 @@ from specserve.errors import (
     Unavailable,
     VersionConflict,
 )
-from specserve.params import SamplingParams, StopConditions, Verdict
+from specserve.params import PositionLogprobs, SamplingParams, StopConditions, Verdict
 
 log = structlog.get_logger(__name__)
+
+#: Socket and connect timeout of every Redis command, in seconds (docs/reliability.md).
+REDIS_TIMEOUT_S = 5.0
+#: Retries of a Redis command after a connection error or a timeout.
+REDIS_RETRIES = 3
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -97,10 +109,38 @@ def _verdict_json(verdict: Verdict) -> str:
     return json.dumps(dataclasses.asdict(verdict))
 
 
+def _settings_from_fields(f: dict[str, bytes]) -> SessionSettings:
+    """The settings stored at create: InvalidArgument if they fail today's checks, FailedPrecondition
+    if they cannot be read at all."""
+    try:
+        stop = json.loads(f["stop"])
+        stop["stop_token_ids"] = tuple(stop["stop_token_ids"])
+        stop["stop_strings"] = tuple(stop["stop_strings"])
+        return SessionSettings(
+            prompt_len=int(f["prompt_len"]),
+            sampling=SamplingParams(**json.loads(f["sampling"])),
+            stop=StopConditions(**stop),
+        )
+    except InvalidArgument:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FailedPrecondition(f"the stored settings of this session are unreadable ({type(exc).__name__})") from exc
+
+
 def _verdict_from_json(text: bytes | str) -> Verdict:
     data = json.loads(text)
     data["committed_token_ids"] = tuple(data["committed_token_ids"])
+    data["logprobs"] = tuple(PositionLogprobs.from_dict(p) for p in data.get("logprobs", ()))
     return Verdict(**data)
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """What a session was created with; written once and never changed."""
+
+    prompt_len: int
+    sampling: SamplingParams
+    stop: StopConditions
 
 
 @dataclass(frozen=True)
@@ -128,6 +168,14 @@ class SessionRecord:
     def finished(self) -> bool:
         return self.finish_reason != 0
 
+    @property
+    def settings(self) -> SessionSettings:
+        return SessionSettings(prompt_len=self.prompt_len, sampling=self.sampling, stop=self.stop)
+
+
+#: The fields of a session's meta hash that change after create.
+_STATE_FIELDS = ("version", "finish_reason", "last_verdict")
+
 
 class SessionStore:
     """Per-session committed-prefix logs with atomic compare-and-set commits.
@@ -144,14 +192,27 @@ class SessionStore:
         self._commit = redis.register_script(_COMMIT)
 
     @classmethod
-    def from_url(cls, url: str, *, ttl_s: float = 3600.0, namespace: str = "specserve") -> SessionStore:
-        """Connect lazily to ``url`` (``redis://`` or ``rediss://``, password in the URL)."""
+    def from_url(
+        cls,
+        url: str,
+        *,
+        ttl_s: float = 3600.0,
+        namespace: str = "specserve",
+        timeout_s: float = REDIS_TIMEOUT_S,
+        retries: int = REDIS_RETRIES,
+    ) -> SessionStore:
+        """Connect lazily to ``url`` (``redis://`` or ``rediss://``, password in the URL).
+
+        Each command waits at most ``timeout_s`` for its connection and for its reply,
+        and is retried ``retries`` times (exponential back-off, capped at 1 s) on a
+        connection error or a timeout, then fails as Unavailable.
+        """
         redis = aioredis.Redis.from_url(
             url,
-            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=retries),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            socket_timeout=5.0,
-            socket_connect_timeout=5.0,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
             health_check_interval=30,
         )
         return cls(redis, ttl_s=ttl_s, namespace=namespace)
@@ -168,12 +229,23 @@ class SessionStore:
         return f"{tag}:meta", f"{tag}:tokens", f"{tag}:lease"
 
     async def _call(self, coro):
+        """Await a Redis command; its failures become Unavailable with a message fit for a client.
+
+        Redis's own text (script hashes, memory figures, addresses) goes to the log only,
+        with the request id of the call being served.
+        """
         try:
             return await coro
         except (RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("redis_unavailable", error=type(exc).__name__, detail=str(exc))
             raise Unavailable(f"Redis is unavailable: {type(exc).__name__}", retry_after_s=1.0) from exc
         except RedisError as exc:
-            raise Unavailable(f"Redis error: {exc}") from exc
+            log.error("redis_error", error=type(exc).__name__, detail=str(exc))
+            if isinstance(exc, RedisOutOfMemoryError) or "OOM command not allowed" in str(exc):  # a script's, too
+                raise Unavailable("the session store is full; retry later", retry_after_s=1.0) from exc
+            raise Unavailable(
+                f"the session store refused the command ({type(exc).__name__}); retry later", retry_after_s=1.0
+            ) from exc
 
     async def ping(self) -> bool:
         return bool(await self._call(self._redis.ping()))
@@ -214,26 +286,34 @@ class SessionStore:
             last_verdict=None,
         )
 
-    async def load(self, session_id: str) -> SessionRecord:
-        """The session's current state; NotFound if it does not exist (or expired)."""
+    async def load(self, session_id: str, *, settings: SessionSettings | None = None) -> SessionRecord:
+        """The session's current state; NotFound if it does not exist (or expired).
+
+        With ``settings`` (what an earlier load returned as ``record.settings``) only the
+        fields that change are read. Settings that fail their own checks raise InvalidArgument.
+        """
         meta, tokens, _ = self._keys(session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(meta)
+            if settings is None:
+                pipe.hgetall(meta)
+            else:
+                pipe.hmget(meta, _STATE_FIELDS)
             pipe.get(tokens)
             fields, blob = await self._call(pipe.execute())
-        if not fields or blob is None:
+        if settings is not None:
+            fields = {k.encode(): v for k, v in zip(_STATE_FIELDS, fields, strict=True) if v is not None}
+        if not fields or blob is None or b"version" not in fields:
             raise NotFound(f"session {session_id!r} does not exist (finished and expired, or never created)")
         f = {k.decode(): v for k, v in fields.items()}
-        stop = json.loads(f["stop"])
-        stop["stop_token_ids"] = tuple(stop["stop_token_ids"])
-        stop["stop_strings"] = tuple(stop["stop_strings"])
+        if settings is None:
+            settings = _settings_from_fields(f)
         return SessionRecord(
             session_id=session_id,
             token_ids=unpack_tokens(blob),
-            prompt_len=int(f["prompt_len"]),
+            prompt_len=settings.prompt_len,
             version=int(f["version"]),
-            sampling=SamplingParams(**json.loads(f["sampling"])),
-            stop=StopConditions(**stop),
+            sampling=settings.sampling,
+            stop=settings.stop,
             finish_reason=int(f["finish_reason"]),
             last_verdict=_verdict_from_json(f["last_verdict"]) if "last_verdict" in f else None,
         )

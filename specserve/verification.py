@@ -1,9 +1,11 @@
-"""Exact speculative verification: the rejection sampler of speculative decoding.
+"""Exact speculative verification: the rejection sampler of speculative decoding, and the coupled rule.
 
 Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative
 Decoding", ICML 2023 (arXiv:2211.17192), and Chen, Borgeaud, Irving, Lespiau,
 Sifre, Jumper, "Accelerating Large Language Model Decoding with Speculative
-Sampling" (arXiv:2302.01318).
+Sampling" (arXiv:2302.01318); for :func:`verify_coupled`, Daliri, Musco and
+Suresh, "Coupling without Communication and Drafter-Invariant Speculative
+Decoding" (arXiv:2408.07978, 2024).
 
 Terms, for one session and one round:
 
@@ -43,8 +45,28 @@ rejection where ``max(0, p - q)`` has no mass
 (:class:`~specserve.errors.ZeroResidualMass`), bad ids or shapes
 (:class:`~specserve.errors.InvalidArgument`). Nothing falls back silently.
 
-This module is pure maths: no gRPC calls, Redis or logging (the protobuf
-helpers at the end only convert messages). It never imports a proposer.
+:func:`verify_batch` is cut into named pure steps, as vLLM's rejection sampler:
+:func:`_validate` the batch, :func:`_flatten` the proposed tokens,
+:func:`_gather_ratios` (``min(1, p/q)`` of every proposed token),
+:func:`_first_rejections`, :func:`_recovered_tokens` (the corrections) and
+:func:`_bonus_tokens`.
+
+**Coupled rule** (:func:`verify_coupled`, the ``coupled`` sampling mode): the
+target's token at each position is ``y_i = argmax(log p_i + G_i)``, with
+``G_i = gumbel_noise(seed, n + i - 1)`` (:func:`specserve.rng.gumbel_noise`;
+Gumbel-max, an exact sample of ``p_i``). ``x_i`` is **accepted** iff
+``x_i == y_i``, in order; at the first mismatch ``y_i`` is the correction; when
+every token matches, ``y_{gamma+1}`` is the bonus. The emitted tokens are
+always ``y_1, y_2, ...``: target-only Gumbel-max sampling with the same noise,
+whatever was proposed, so the output depends on the seed and never on the
+draft. ``q`` is not read (a draft that samples ``x_i = argmax(log q_i + G_i)``
+with the same noise is accepted with probability at least
+``(1 - TV) / (1 + TV)``, against ``1 - TV`` for the rejection sampler; TV is
+the total-variation distance between ``p_i`` and ``q_i``).
+
+This module is pure maths: no gRPC, Redis or logging. It never imports a
+proposer; a proposal arrives as a :class:`~specserve.proposal.DraftProposal`
+(its wire codec is :mod:`specserve.proposal`).
 """
 
 from __future__ import annotations
@@ -52,7 +74,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specserve.errors import (
@@ -62,38 +83,12 @@ from specserve.errors import (
     ZeroDraftProbability,
     ZeroResidualMass,
 )
-from specserve.rng import Purpose, uniform
-from specserve.sampling import check_distribution, sample_rows
-from specserve.v1 import common_pb2
+from specserve.proposal import DraftProposal
+from specserve.rng import Purpose, gumbel_noise, uniform
+from specserve.sampling import gumbel_argmax, sample_rows
 
 #: Tolerance on the sum of a probability row (as :func:`check_distribution`'s default).
 _SUM_ATOL = 1e-3
-
-
-@dataclass(frozen=True, eq=False)
-class DraftProposal:
-    """Tokens a proposer drafted and the distributions they were sampled from.
-
-    ``probs`` is ``[gamma, vocab]`` float64, row ``i`` the exact ``q_i`` that
-    ``token_ids[i]`` was sampled from; ``None`` means a point mass on each
-    token (n-gram proposals, greedy drafts).
-    """
-
-    token_ids: tuple[int, ...]
-    probs: torch.Tensor | None = None  # [gamma, vocab] float64
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
-        if any(t < 0 for t in self.token_ids):
-            raise InvalidArgument(f"token ids must be >= 0, got {self.token_ids}")
-        if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != len(self.token_ids)):
-            raise InvalidArgument(
-                f"probs must be [gamma={len(self.token_ids)}, vocab], got {tuple(self.probs.shape)}"
-            )
-
-    @property
-    def gamma(self) -> int:
-        return len(self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -156,6 +151,39 @@ def verify_batch(
     The gathers, checks and samples are batched; only the scalar acceptance
     tests run per token, each drawing its uniform when (and only if) it is needed.
     """
+    p, gammas = _validate(target_probs, proposals, seeds, positions)  # p: [batch, max_gamma + 1, vocab]
+    if not gammas:
+        return []
+    drafted = _flatten(proposals, p.device)
+    ratios = _gather_ratios(p, drafted)  # [tokens]
+    stops = _first_rejections(ratios, drafted.offsets, gammas, seeds, positions)  # [batch]
+    next_token = _recovered_tokens(p, drafted, stops, gammas, seeds, positions)
+    next_token.update(_bonus_tokens(p, stops, gammas, seeds, positions))
+    return [
+        VerifyOutcome(accepted=stop, next_token=next_token[b], bonus=stop == gammas[b])
+        for b, stop in enumerate(stops)
+    ]
+
+
+@dataclass(frozen=True, eq=False)
+class _Drafted:
+    """Every proposed token of a batch, flattened in row order (``tokens`` of them)."""
+
+    rows: list[int]  # [tokens]: the batch row b of each token
+    index: list[int]  # [tokens]: its index i within its proposal
+    token: list[int]  # [tokens]: the token x
+    q_row: list[int]  # [tokens]: its distribution's row in ``q``; -1 for a point mass (q(x) = 1)
+    q: torch.Tensor | None  # [q_rows, vocab] float64: every shipped q row, checked
+    offsets: list[int]  # [batch + 1]: row b's tokens are [offsets[b], offsets[b + 1])
+
+
+def _validate(
+    target_probs: torch.Tensor,
+    proposals: Sequence[DraftProposal],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+) -> tuple[torch.Tensor, list[int]]:
+    """Check shapes, ids and the target rows; returns ``p`` ``[batch, max_gamma + 1, vocab]`` float64 and the gammas."""
     if target_probs.dim() != 3:
         raise InvalidArgument(
             f"target_probs must be [batch, gamma+1, vocab], got {tuple(target_probs.shape)}"
@@ -166,8 +194,6 @@ def verify_batch(
             f"batch sizes differ: target_probs {batch}, proposals {len(proposals)}, "
             f"seeds {len(seeds)}, positions {len(positions)}"
         )
-    if batch == 0:
-        return []
     gammas = [proposal.gamma for proposal in proposals]
     for b, proposal in enumerate(proposals):
         if gammas[b] + 1 > rows:
@@ -180,84 +206,129 @@ def verify_batch(
             raise VocabularyMismatch(
                 f"row {b}: draft distributions have {proposal.probs.shape[-1]} entries, target {vocab_size}"
             )
-    p = target_probs.to(torch.float64)  # [batch, max_gamma+1, vocab]
-    device = p.device
-    used = torch.arange(rows, device=device)[None, :] <= torch.tensor(gammas, device=device)[:, None]
-    _require_distributions(p, used, "target")  # p is used as given, not renormalised
+    p = target_probs.to(torch.float64)  # [batch, max_gamma + 1, vocab]
+    if batch:
+        used = torch.arange(rows, device=p.device)[None, :] <= torch.tensor(gammas, device=p.device)[:, None]
+        _require_distributions(p, used, "target")  # [batch, max_gamma + 1] used; p is used as given
+    return p, gammas
 
-    # Every proposed token, flattened: row b, index i, token x, and its q row in
-    # q_all (-1 for a point mass, where q(x) = 1).
-    flat_b: list[int] = []
-    flat_i: list[int] = []
-    flat_x: list[int] = []
-    flat_q: list[int] = []
+
+def _flatten(proposals: Sequence[DraftProposal], device: torch.device) -> _Drafted:
+    """Every proposed token with its row, index and q row; the shipped q rows, checked as distributions."""
+    rows: list[int] = []
+    index: list[int] = []
+    token: list[int] = []
+    q_row: list[int] = []
     q_parts: list[torch.Tensor] = []
     q_rows = 0
     offsets = [0]
     for b, proposal in enumerate(proposals):
-        flat_b += [b] * gammas[b]
-        flat_i += range(gammas[b])
-        flat_x += proposal.token_ids
-        if proposal.probs is None or gammas[b] == 0:
-            flat_q += [-1] * gammas[b]
+        gamma = proposal.gamma
+        rows += [b] * gamma
+        index += range(gamma)
+        token += proposal.token_ids
+        if proposal.probs is None or gamma == 0:
+            q_row += [-1] * gamma
         else:
-            flat_q += range(q_rows, q_rows + gammas[b])
-            q_rows += gammas[b]
-            q_parts.append(proposal.probs)
-        offsets.append(offsets[-1] + gammas[b])
-    q_all = None
+            q_row += range(q_rows, q_rows + gamma)
+            q_rows += gamma
+            q_parts.append(proposal.probs)  # [gamma, vocab]
+        offsets.append(offsets[-1] + gamma)
+    q = None
     if q_parts:
-        q_all = torch.cat(q_parts).to(device=device, dtype=torch.float64)  # [q_rows, vocab]
-        _require_distributions(q_all, None, "draft")
+        q = torch.cat(q_parts).to(device=device, dtype=torch.float64)  # [q_rows, vocab]
+        _require_distributions(q, None, "draft")
+    return _Drafted(rows=rows, index=index, token=token, q_row=q_row, q=q, offsets=offsets)
 
-    ratios: list[float] = []
-    if flat_x:
-        x = _index(flat_x, device)  # [tokens]
-        p_x = p[_index(flat_b, device), _index(flat_i, device), x]  # [tokens]
-        q_x = torch.ones_like(p_x)  # [tokens]
-        if q_all is not None:
-            has_q = _index([k for k, r in enumerate(flat_q) if r >= 0], device)
-            q_x[has_q] = q_all[_index([r for r in flat_q if r >= 0], device), x[has_q]]
-            zero = torch.nonzero(q_x <= 0).reshape(-1)
-            if zero.numel():
-                k = int(zero[0])
-                raise ZeroDraftProbability(
-                    f"row {flat_b[k]}: proposed token {flat_x[k]} at index {flat_i[k]} has draft probability 0"
-                )
-        ratios = acceptance_probs(p_x, q_x).tolist()
 
-    stops: list[int] = []  # per row: index of the first rejection, or gamma when all are accepted
-    for b in range(batch):
-        seed, position, stop = int(seeds[b]), int(positions[b]), gammas[b]
-        for i in range(gammas[b]):
+def _gather_ratios(p: torch.Tensor, drafted: _Drafted) -> list[float]:
+    """``min(1, p_i(x_i) / q_i(x_i))`` of every proposed token: ``[tokens]``.
+
+    Raises :class:`~specserve.errors.ZeroDraftProbability` for a token its own q gives probability 0.
+    """
+    if not drafted.token:
+        return []
+    device = p.device
+    x = _index(drafted.token, device)  # [tokens]
+    p_x = p[_index(drafted.rows, device), _index(drafted.index, device), x]  # [tokens]
+    q_x = torch.ones_like(p_x)  # [tokens]: 1 for a point mass
+    if drafted.q is not None:
+        has_q = _index([k for k, r in enumerate(drafted.q_row) if r >= 0], device)  # [with q]
+        q_x[has_q] = drafted.q[_index([r for r in drafted.q_row if r >= 0], device), x[has_q]]
+        zero = torch.nonzero(q_x <= 0).reshape(-1)
+        if zero.numel():
+            k = int(zero[0])
+            raise ZeroDraftProbability(
+                f"row {drafted.rows[k]}: proposed token {drafted.token[k]} at index {drafted.index[k]} "
+                "has draft probability 0"
+            )
+    return acceptance_probs(p_x, q_x).tolist()
+
+
+def _first_rejections(
+    ratios: Sequence[float],
+    offsets: Sequence[int],
+    gammas: Sequence[int],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+) -> list[int]:
+    """Per row ``[batch]``: the index of the first rejected token, or gamma when all are accepted.
+
+    The test of token ``i`` of row ``b`` draws ``uniform(seed, position + i, ACCEPT)``, only if reached.
+    """
+    stops: list[int] = []
+    for b, gamma in enumerate(gammas):
+        seed, position, stop = int(seeds[b]), int(positions[b]), gamma
+        for i in range(gamma):
             if not uniform(seed, position + i, Purpose.ACCEPT) < ratios[offsets[b] + i]:
                 stop = i
                 break
         stops.append(stop)
+    return stops
 
-    next_token: dict[int, int] = {}
-    rejected = [b for b in range(batch) if stops[b] < gammas[b]]
-    if rejected:
-        flat = [offsets[b] + stops[b] for b in rejected]  # the rejected tokens
-        index = torch.arange(len(rejected), device=device)  # [rejected]
-        p_rej = p[_index(rejected, device), _index([stops[b] for b in rejected], device)]  # [rejected, vocab]
-        q_rej = torch.zeros_like(p_rej)  # [rejected, vocab]
-        q_rej[index, _index([flat_x[k] for k in flat], device)] = 1.0  # point masses
-        with_q = [j for j, k in enumerate(flat) if flat_q[k] >= 0]
-        if with_q and q_all is not None:
-            q_rej[_index(with_q, device)] = q_all[_index([flat_q[flat[j]] for j in with_q], device)]
-        residual = residual_distribution(p_rej, q_rej)  # [rejected, vocab]
-        us = [uniform(int(seeds[b]), int(positions[b]) + stops[b], Purpose.RESAMPLE) for b in rejected]
-        next_token.update(zip(rejected, sample_rows(residual, us), strict=True))
-    completed = [b for b in range(batch) if stops[b] == gammas[b]]
-    if completed:
-        p_bonus = p[_index(completed, device), _index([gammas[b] for b in completed], device)]
-        us = [uniform(int(seeds[b]), int(positions[b]) + gammas[b], Purpose.RESAMPLE) for b in completed]
-        next_token.update(zip(completed, sample_rows(p_bonus, us), strict=True))
-    return [
-        VerifyOutcome(accepted=stops[b], next_token=next_token[b], bonus=stops[b] == gammas[b])
-        for b in range(batch)
-    ]
+
+def _recovered_tokens(
+    p: torch.Tensor,
+    drafted: _Drafted,
+    stops: Sequence[int],
+    gammas: Sequence[int],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+) -> dict[int, int]:
+    """The correction of each row with a rejection: ``{row: token}`` sampled from ``norm(max(0, p - q))``."""
+    rejected = [b for b, stop in enumerate(stops) if stop < gammas[b]]
+    if not rejected:
+        return {}
+    device = p.device
+    flat = [drafted.offsets[b] + stops[b] for b in rejected]  # [rejected]: the rejected tokens
+    p_rej = p[_index(rejected, device), _index([stops[b] for b in rejected], device)]  # [rejected, vocab]
+    q_rej = torch.zeros_like(p_rej)  # [rejected, vocab]
+    q_rej[torch.arange(len(rejected), device=device), _index([drafted.token[k] for k in flat], device)] = 1.0
+    with_q = [j for j, k in enumerate(flat) if drafted.q_row[k] >= 0]  # rows whose q was shipped
+    if with_q and drafted.q is not None:
+        q_rej[_index(with_q, device)] = drafted.q[_index([drafted.q_row[flat[j]] for j in with_q], device)]
+    residual = residual_distribution(p_rej, q_rej)  # [rejected, vocab]
+    us = [uniform(int(seeds[b]), int(positions[b]) + stops[b], Purpose.RESAMPLE) for b in rejected]
+    return dict(zip(rejected, sample_rows(residual, us), strict=True))
+
+
+def _bonus_tokens(
+    p: torch.Tensor,
+    stops: Sequence[int],
+    gammas: Sequence[int],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+) -> dict[int, int]:
+    """The bonus of each row that accepted every token: ``{row: token}`` sampled from ``p_{gamma+1}``."""
+    completed = [b for b, stop in enumerate(stops) if stop == gammas[b]]
+    if not completed:
+        return {}
+    device = p.device
+    p_bonus = p[
+        _index(completed, device), _index([gammas[b] for b in completed], device)
+    ]  # [completed, vocab]
+    us = [uniform(int(seeds[b]), int(positions[b]) + gammas[b], Purpose.RESAMPLE) for b in completed]
+    return dict(zip(completed, sample_rows(p_bonus, us), strict=True))
 
 
 def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -309,80 +380,31 @@ def verify_greedy(target_argmax: torch.Tensor, proposals: Sequence[DraftProposal
     return outcomes
 
 
-def dense_from_sparse(
-    ids: Sequence[int] | torch.Tensor, probs: Sequence[float] | torch.Tensor, vocab_size: int
-) -> torch.Tensor:
-    """A sparse support ``(ids, probs)`` as a dense ``[vocab]`` float64 row; every other token is 0.
+def verify_coupled(
+    target_probs: torch.Tensor,
+    proposals: Sequence[DraftProposal],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+) -> list[VerifyOutcome]:
+    """The coupled rule (see the module docstring): accept while ``x_i == argmax(log p_i + G_i)``.
 
-    Checks the ids (distinct, in range) and the lengths; the values are checked
-    by :func:`~specserve.sampling.check_distribution` afterwards.
+    Arguments as :func:`verify_batch`; ``target_probs`` may live on any device
+    (the noise is drawn there, only the ``[batch, max_gamma + 1]`` winners come
+    back). Proposals' distributions, if any, are ignored. Row ``b`` draws the
+    noise of its positions ``positions[b] .. positions[b] + gamma_b`` and no other.
     """
-    index = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)  # [support]
-    values = torch.as_tensor(probs, dtype=torch.float64).reshape(-1)  # [support]
-    if index.shape != values.shape:
-        raise InvalidArgument(f"sparse support has {index.numel()} ids but {values.numel()} probabilities")
-    if index.numel() == 0:
-        raise InvalidDistribution("sparse distribution with an empty support")
-    if int(index.min()) < 0 or int(index.max()) >= vocab_size:
-        raise InvalidArgument(f"sparse token ids must be in [0, {vocab_size})")
-    if torch.unique(index).numel() != index.numel():
-        raise InvalidArgument("sparse token ids must be distinct")
-    dense = torch.zeros(vocab_size, dtype=torch.float64)  # [vocab]
-    dense[index] = values
-    return dense
-
-
-def draft_probs_from_pb(
-    distributions: Sequence[common_pb2.DraftDistribution], vocab_size: int
-) -> torch.Tensor:
-    """Wire distributions -> ``[gamma, vocab]`` float64 through :func:`check_distribution`.
-
-    Dense rows are little-endian float32 bytes of exactly ``vocab_size``
-    entries; sparse rows list their support. The result is bitwise what the draft
-    sampled from when it called ``check_distribution`` on its float32 vector.
-    """
-    rows: list[torch.Tensor] = []
-    for i, dist in enumerate(distributions):
-        kind = dist.WhichOneof("support")
-        if kind == "dense":
-            raw = dist.dense.probs_f32le
-            if len(raw) != 4 * vocab_size:
-                raise VocabularyMismatch(
-                    f"dense distribution {i} has {len(raw)} bytes, expected 4 * vocab_size = {4 * vocab_size}"
-                )
-            rows.append(torch.from_numpy(np.frombuffer(raw, dtype="<f4").astype(np.float64)))
-        elif kind == "sparse":
-            rows.append(dense_from_sparse(list(dist.sparse.token_ids), list(dist.sparse.probs), vocab_size))
-        else:
-            raise InvalidArgument(f"draft distribution {i} has neither a dense nor a sparse support")
-    if not rows:
-        return torch.zeros((0, vocab_size), dtype=torch.float64)
-    return check_distribution(torch.stack(rows))  # [gamma, vocab] float64
-
-
-def draft_probs_to_pb(probs_f32: torch.Tensor, sparse: bool) -> list[common_pb2.DraftDistribution]:
-    """``[gamma, vocab]`` float32 -> wire distributions (dense bytes, or the non-zero support).
-
-    The draft samples from ``check_distribution(probs_f32)``; the target
-    rebuilds exactly that tensor with :func:`draft_probs_from_pb`.
-    """
-    if probs_f32.dim() != 2 or probs_f32.dtype != torch.float32:
-        raise InvalidArgument(
-            f"draft probs must be [gamma, vocab] float32, got {tuple(probs_f32.shape)} {probs_f32.dtype}"
-        )
-    host = probs_f32.detach().to("cpu").contiguous()  # [gamma, vocab]
-    out: list[common_pb2.DraftDistribution] = []
-    for row in host:
-        if sparse:
-            support = torch.nonzero(row).reshape(-1)  # [support]
-            out.append(
-                common_pb2.DraftDistribution(
-                    sparse=common_pb2.SparseDistribution(
-                        token_ids=support.tolist(), probs=row[support].tolist()
-                    )
-                )
-            )
-        else:
-            raw = row.numpy().astype("<f4", copy=False).tobytes()
-            out.append(common_pb2.DraftDistribution(dense=common_pb2.DenseDistribution(probs_f32le=raw)))
-    return out
+    p, gammas = _validate(target_probs, proposals, seeds, positions)  # p: [batch, max_gamma + 1, vocab]
+    if not gammas:
+        return []
+    rows = [b for b, gamma in enumerate(gammas) for _ in range(gamma + 1)]  # [positions]
+    steps = [i for gamma in gammas for i in range(gamma + 1)]  # [positions]
+    noise = gumbel_noise(
+        [int(seeds[b]) for b in rows],
+        [int(positions[b]) + i for b, i in zip(rows, steps, strict=True)],
+        p.shape[-1],
+        device=p.device,
+    )  # [positions, vocab]
+    winners = gumbel_argmax(p[_index(rows, p.device), _index(steps, p.device)], noise)  # [positions]
+    target_tokens = torch.full((len(gammas), p.shape[1]), -1, dtype=torch.int64)  # [batch, max_gamma + 1]
+    target_tokens[torch.tensor(rows), torch.tensor(steps)] = winners.cpu()
+    return verify_greedy(target_tokens, proposals)

@@ -1,24 +1,26 @@
 """The target's domain requests and results, and their wire forms (``from_pb`` / ``to_pb``).
 
-A :class:`VerifyBatch` is checked whole on construction from the wire
-(:meth:`VerifyBatch.from_pb`): any malformed item raises an
-:class:`~specserve.errors.InvalidArgument` (or
-:class:`~specserve.errors.ResourceExhausted` for too many items) before any
-work, so nothing is committed for anyone. Problems with a session's *state*
-(unknown, stale version, finished) are found later, per item, and become an
-:class:`ItemResult` with an error while the other items proceed.
+A :class:`VerifyBatch` is checked on construction from the wire
+(:meth:`VerifyBatch.from_pb`), before any work. Each item has its own fate: a
+malformed item (a bad id, a broken draft distribution, a second item of the
+same session) is refused alone with an :class:`ItemResult` carrying an
+:class:`~specserve.errors.InvalidArgument` that says what to fix, and the other
+items are verified as if it were absent. Only a request that is wrong as a
+whole fails whole: no items (INVALID_ARGUMENT), more than ``max_batch_size``
+(RESOURCE_EXHAUSTED). Problems with a session's *state* (unknown, stale
+version, finished) are found later, per item, in the same way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
-
 from specserve.errors import InvalidArgument, ResourceExhausted, SpecServeError, ZeroDraftProbability
-from specserve.params import SessionBase, Verdict
+from specserve.params import SessionBase, Verdict, check_top_logprobs
+from specserve.proposal import DraftProposal, draft_probs_from_pb
+from specserve.status import item_code
 from specserve.v1 import target_pb2
-from specserve.verification import DraftProposal, draft_probs_from_pb
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class VerifyItem:
 
     base: SessionBase
     proposal: DraftProposal
+    #: Report the committed tokens' log probabilities with this many alternatives each (None: none).
+    top_logprobs: int | None = None
 
     @property
     def session_id(self) -> str:
@@ -39,15 +43,20 @@ class VerifyItem:
 
 @dataclass(frozen=True)
 class VerifyBatch:
-    """Proposals of distinct sessions, verified in one forward pass."""
+    """Proposals of distinct sessions, verified in one forward pass.
+
+    ``items`` are the well-formed items in request order; ``refused`` the
+    results of the malformed ones, by their index in the request.
+    """
 
     items: tuple[VerifyItem, ...]
+    refused: tuple[tuple[int, ItemResult], ...] = ()
 
     @classmethod
     def from_pb(
         cls, pb: target_pb2.VerifyRequest, *, vocab_size: int, max_gamma: int, max_batch_size: int
     ) -> VerifyBatch:
-        """Check the whole request and convert it; raises before any work is done."""
+        """Check and convert a request before any work: malformed items are refused one by one."""
         if not pb.items:
             raise InvalidArgument("a Verify request needs at least one item")
         if len(pb.items) > max_batch_size:
@@ -55,17 +64,33 @@ class VerifyBatch:
                 f"{len(pb.items)} items in one Verify call; this server takes at most {max_batch_size}"
             )
         items: list[VerifyItem] = []
+        refused: list[tuple[int, ItemResult]] = []
         seen: set[str] = set()
         for index, item in enumerate(pb.items):
             try:
                 verify_item = _item_from_pb(item, vocab_size=vocab_size, max_gamma=max_gamma)
+                if verify_item.session_id in seen:
+                    raise InvalidArgument(
+                        f"session {verify_item.session_id!r} appears twice in one Verify call"
+                    )
             except InvalidArgument as exc:
-                raise type(exc)(f"item {index} ({item.base.session_id!r}): {exc.message}") from exc
-            if verify_item.session_id in seen:
-                raise InvalidArgument(f"session {verify_item.session_id!r} appears twice in one Verify call")
+                error = type(exc)(f"item {index}: {exc.message}")
+                refused.append((index, ItemResult(item.base.session_id, error=error)))
+                continue
             seen.add(verify_item.session_id)
             items.append(verify_item)
-        return cls(items=tuple(items))
+        return cls(items=tuple(items), refused=tuple(refused))
+
+    def in_request_order(self, results: Sequence[ItemResult]) -> tuple[ItemResult, ...]:
+        """``results`` (one per item of :attr:`items`) with the refused items put back in their places."""
+        if len(results) != len(self.items):
+            raise ValueError(f"{len(results)} results for {len(self.items)} items")
+        ordered: list[ItemResult] = []
+        pending = iter(results)
+        refused = dict(self.refused)
+        for index in range(len(self.items) + len(self.refused)):
+            ordered.append(refused[index] if index in refused else next(pending))
+        return tuple(ordered)
 
 
 def _item_from_pb(pb: target_pb2.VerifyItem, *, vocab_size: int, max_gamma: int) -> VerifyItem:
@@ -94,7 +119,10 @@ def _item_from_pb(pb: target_pb2.VerifyItem, *, vocab_size: int, max_gamma: int)
                 raise ZeroDraftProbability(
                     f"proposed token {t} at index {i} has probability 0 under the distribution sent with it"
                 )
-    return VerifyItem(base=base, proposal=DraftProposal(token_ids=token_ids, probs=probs))
+    top_logprobs = check_top_logprobs(pb.logprobs.top_logprobs) if pb.HasField("logprobs") else None
+    return VerifyItem(
+        base=base, proposal=DraftProposal(token_ids=token_ids, probs=probs), top_logprobs=top_logprobs
+    )
 
 
 @dataclass(frozen=True)
@@ -116,8 +144,7 @@ class ItemResult:
             pb.verdict.CopyFrom(self.verdict.to_pb())
         else:
             assert self.error is not None
-            code = grpc.StatusCode[self.error.grpc_code_name].value[0]
-            pb.error.CopyFrom(target_pb2.ItemError(code=code, message=self.error.message))
+            pb.error.CopyFrom(target_pb2.ItemError(code=item_code(self.error), message=self.error.message))
         return pb
 
 

@@ -1,65 +1,58 @@
-"""Building and running the target service.
+"""The target service's app: its parts wired from settings, in the shared worker shell.
 
-:func:`build_target` wires a model, the session cache store, the Redis store,
-the :class:`~target_service.verifier.Verifier` and the servicer from one
-:class:`~specserve.config.TargetSettings`; :func:`start_target` also starts the
-gRPC server (tests bind port 0 and read :attr:`TargetApp.port`); :func:`serve`
-runs it until SIGTERM / SIGINT (the CLI's entry point): health NOT_SERVING,
-wait for the batch in flight, stop.
+:func:`build_target` wires the model, the session cache store, the Redis store
+(its own, unless one is passed in), the :class:`Verifier` and the servicer from
+one :class:`~specserve.config.TargetSettings`. The shell
+(:class:`~specserve.worker.WorkerApp`) serves it: :func:`start_target` binds the
+port, :func:`serve` runs until SIGTERM / SIGINT (the CLI's entry point); a
+stop also closes the Redis store the app owns.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import structlog
+from typing import Any
 
 from specserve.config import TargetSettings
-from specserve.kvcache import SessionCacheStore
-from specserve.models import LoadedModel, load_model, resolve_model_path
-from specserve.server import (
-    Registration,
-    RunningServer,
-    create_server,
-    run_role,
-)
+from specserve.models import LoadedModel
+from specserve.server import Registration, run_role
 from specserve.store import SessionStore
 from specserve.v1 import target_pb2, target_pb2_grpc
+from specserve.worker import WorkerApp, load_worker_model, session_caches
+from target_service.calibration import CURVE_MAX_POSITIONS
 from target_service.servicer import TargetServicer
 from target_service.verifier import Verifier
-
-log = structlog.get_logger(__name__)
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
-@dataclass
-class TargetApp:
-    """Everything one target replica holds; ``running`` once the server is started."""
+@dataclass(kw_only=True)
+class TargetApp(WorkerApp):
+    """One target replica: the shell's parts plus the Redis store, the verifier and the servicer."""
 
+    role = "target"
     settings: TargetSettings
-    model: LoadedModel
     store: SessionStore
-    caches: SessionCacheStore
     verifier: Verifier
     servicer: TargetServicer
     owns_store: bool = True
-    running: RunningServer | None = None
 
     @property
-    def port(self) -> int:
-        if self.running is None:
-            raise RuntimeError("the target server is not started")
-        return self.running.port
+    def work(self) -> Verifier:
+        return self.verifier
 
-    async def drain(self) -> None:
-        """Wait for the Verify batch in flight (if any) to finish."""
-        await self.verifier.idle()
+    def registration(self) -> Registration:
+        return Registration(target_pb2_grpc.add_TargetServiceServicer_to_server, self.servicer, SERVICE_NAME)
 
-    async def stop(self, grace: float | None = None) -> None:
-        if self.running is not None:
-            await self.running.stop(self.settings.shutdown_grace_s if grace is None else grace)
-        self.verifier.close()
+    def facts(self) -> dict[str, Any]:
+        return {**super().facts(), "max_batch_size": self.settings.max_batch_size}
+
+    async def start(self) -> TargetApp:
+        if self.settings.measure_verify_cost:
+            await self.verifier.measure_cost(min(self.settings.max_gamma + 1, CURVE_MAX_POSITIONS))
+        return await super().start()
+
+    async def _close_resources(self) -> None:
         if self.owns_store:
             await self.store.close()
 
@@ -69,21 +62,11 @@ def build_target(
 ) -> TargetApp:
     """Wire a target replica from ``settings`` (``model`` / ``store`` may be passed in, e.g. by tests)."""
     if model is None:
-        model = load_model(
-            resolve_model_path(settings.model, "target"),
-            device=settings.device,
-            dtype=settings.dtype,
-            warmup=settings.warmup,
-        )
+        model = load_worker_model(settings, "target")
     owns_store = store is None
     if store is None:
         store = SessionStore.from_url(settings.redis_url.get_secret_value())
-    caches = SessionCacheStore(
-        model.model,
-        max_sessions=settings.max_sessions,
-        budget_bytes=settings.kv_budget_bytes,
-        ttl_s=settings.session_ttl_s,
-    )
+    caches = session_caches(model, settings)
     verifier = Verifier(model, caches, store)
     servicer = TargetServicer(
         verifier, model, max_gamma=settings.max_gamma, max_batch_size=settings.max_batch_size
@@ -102,22 +85,8 @@ def build_target(
 async def start_target(
     settings: TargetSettings, *, model: LoadedModel | None = None, store: SessionStore | None = None
 ) -> TargetApp:
-    """Build a target replica and start its gRPC server on ``settings.host:settings.port``."""
-    app = build_target(settings, model=model, store=store)
-    app.running = await create_server(
-        settings,
-        [Registration(target_pb2_grpc.add_TargetServiceServicer_to_server, app.servicer, SERVICE_NAME)],
-        drain=app.drain,
-    )
-    log.info(
-        "target_started",
-        port=app.running.port,
-        model=app.model.name,
-        vocab_size=app.model.vocab_size,
-        max_gamma=settings.max_gamma,
-        max_batch_size=settings.max_batch_size,
-    )
-    return app
+    """Build a target replica and serve it on ``settings.host:settings.port``."""
+    return await build_target(settings, model=model, store=store).start()
 
 
 async def serve(settings: TargetSettings) -> None:

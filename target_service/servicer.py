@@ -1,7 +1,7 @@
 """The TargetService gRPC servicer: wire message -> domain object -> one domain call -> reply.
 
-No tensor maths here (STYLE.md 5): :class:`~target_service.messages.VerifyBatch`
-checks and converts a request, :class:`~target_service.verifier.Verifier` does
+No tensor maths here (docs/design.md, "Conventions": thin servicers):
+:class:`~target_service.messages.VerifyBatch` checks and converts a request, :class:`~target_service.verifier.Verifier` does
 the work, :class:`~target_service.messages.BatchResult` converts back. Domain
 errors propagate to :class:`specserve.server.ErrorInterceptor`, which maps them
 to status codes.
@@ -53,5 +53,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self, request: target_pb2.GetTargetInfoRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.GetTargetInfoResponse:
         return target_pb2.GetTargetInfoResponse(
-            model=self.model.to_pb(), max_gamma=self.max_gamma, max_batch_size=self.max_batch_size
+            model=self.model.to_pb(),
+            max_gamma=self.max_gamma,
+            max_batch_size=self.max_batch_size,
+            verify_curve_ns=self.verifier.verify_curve_ns,
         )

@@ -13,7 +13,11 @@ decoded without special tokens). A stop string can only be completed by a new
 token, so only a tail of the old completion is decoded with the new tokens:
 enough tokens that any match ending in the new text is wholly inside it (a
 character is at most 4 bytes and every token at least one byte for byte-level
-tokenizers; a few more tokens cover other tokenizers' context effects).
+tokenizers; a few more tokens cover other tokenizers' context effects). Special
+tokens decode to nothing, so the tail is counted in the other tokens: a stop
+string split by any number of special tokens is still found. The window is
+decoded once per round; only a round that completes a stop string is walked
+token by token to find the one that completes it.
 """
 
 from __future__ import annotations
@@ -54,11 +58,13 @@ def cut_at_stop(
     stop_ids = frozenset(stop.stop_token_ids)
     eos = frozenset() if stop.ignore_eos else eos_token_ids
     tail: list[int] = []
+    strings = False  # whether this round completes a stop string at all
     if stop.stop_strings:
         if tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         width = 4 * max(len(s) for s in stop.stop_strings) + _TAIL_SLACK_TOKENS
-        tail = list(completion_token_ids[-width:]) if completion_token_ids else []
+        tail = _text_tail(completion_token_ids, width, frozenset(getattr(tokenizer, "all_special_ids", ())))
+        strings = _contains_stop_string(tokenizer, tail + list(new_token_ids), stop.stop_strings)
     generated = len(completion_token_ids)
     kept: list[int] = []
     for token in new_token_ids:
@@ -69,13 +75,24 @@ def cut_at_stop(
             reason = common_pb2.FINISH_REASON_EOS
         elif token in stop_ids:
             reason = common_pb2.FINISH_REASON_STOP_TOKEN
-        elif stop.stop_strings and _contains_stop_string(tokenizer, tail + kept, stop.stop_strings):
+        elif strings and _contains_stop_string(tokenizer, tail + kept, stop.stop_strings):
             reason = common_pb2.FINISH_REASON_STOP_STRING
         elif generated >= stop.max_new_tokens:
             reason = common_pb2.FINISH_REASON_LENGTH
         if reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             return StopCut(tuple(kept), reason)
     return StopCut(tuple(kept), common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def _text_tail(token_ids: Sequence[int], width: int, special: frozenset[int]) -> list[int]:
+    """The shortest tail of ``token_ids`` holding ``width`` tokens that are not special (all of them if fewer)."""
+    seen = 0
+    for i in range(len(token_ids) - 1, -1, -1):
+        if token_ids[i] not in special:
+            seen += 1
+            if seen == width:
+                return list(token_ids[i:])
+    return list(token_ids)
 
 
 def _contains_stop_string(tokenizer: Any, token_ids: list[int], stop_strings: Sequence[str]) -> bool:

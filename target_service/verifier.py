@@ -14,24 +14,27 @@ proposal ``x_1..x_gamma``
     tentative prefix ``C + x[:i-1]``).
 accepted
     ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``, in
-    order, until the first rejection (greedy: while ``x_i == argmax p_i``).
+    order, until the first rejection (greedy: while ``x_i == argmax p_i``;
+    coupled mode: while ``x_i == argmax(log p_i + G_i)``, ``G_i`` the Gumbel
+    noise of the session's seed at that position).
 correction / bonus
     At the first rejection the target samples a correction from
-    ``norm(max(0, p_i - q_i))`` (greedy: the argmax); when every token is
-    accepted it samples a bonus token from ``p_{gamma+1}``.
+    ``norm(max(0, p_i - q_i))`` (greedy: the argmax; coupled: the
+    ``argmax(log p_i + G_i)``); when every token is accepted it samples a bonus
+    token from ``p_{gamma+1}`` (coupled: with ``G_{gamma+1}``).
 
 One call (:meth:`Verifier.verify`) for a :class:`~target_service.messages.VerifyBatch`:
 
 1. Load every session from Redis (:class:`~specserve.store.SessionStore`),
    the source of truth: a session this replica never saw, evicted or lost is
-   rebuilt from it alone (DESIGN.md invariant 5). Sessions that are unknown,
+   rebuilt from it alone (docs/design.md, invariant 5). Sessions that are unknown,
    finished, or not at the request's base version get a per-item error; a
    retried call whose verdict is already recorded gets it back
    (``replayed``) without sampling again.
 2. Bring each session's cache to ``C[:-1]`` (keep the longest common prefix,
    crop the rest; ``C[-1]`` is the *pending token*), then feed every
    session's missing committed tokens, pending token and proposal in **one**
-   padded forward pass (:mod:`target_service.batching`). A session missing
+   padded forward pass (:mod:`specserve.batching`). A session missing
    more than ``inline_catchup_max`` committed tokens (a cold start, a long
    prompt) is prefilled first by its own pass (``SessionCache.reconcile``),
    so one long prompt does not pad every row. A batch of one session runs on
@@ -39,48 +42,94 @@ One call (:meth:`Verifier.verify`) for a :class:`~target_service.messages.Verify
 3. Process the logits at every position exactly as target-only decoding would
    (:func:`specserve.sampling.logits_to_probs`) and decide with
    :func:`specserve.verification.verify_batch` (sampled sessions, randomness
-   keyed by session seed and position) or :func:`~specserve.verification.verify_greedy`.
+   keyed by session seed and position), :func:`~specserve.verification.verify_coupled`
+   (sampled sessions in the coupled mode: Gumbel-max with noise keyed by seed
+   and position, drawn on the model's device) or
+   :func:`~specserve.verification.verify_greedy`.
 4. Cut the new tokens at the first stop condition (:mod:`target_service.stops`)
    and commit through one compare-and-set on ``v`` per session. The verdict's
    ``accepted_count`` counts the draft tokens actually committed (a stop may
    cut accepted ones) and ``bonus`` holds only when the bonus token itself was
-   committed.
+   committed. An item that asks for log probabilities gets, per committed
+   token, its log probability under ``p_i`` and the most likely alternatives
+   (:func:`specserve.sampling.processed_logprobs`: the same processing; for
+   a greedy session the repetition penalty and a softmax at temperature 1;
+   in the coupled mode, ``log p_i`` as in the optimal one, since the token is
+   an exact sample of ``p_i``). They are part of the committed verdict, so a
+   retried Verify (on this replica or another) returns the same values.
 5. Leave each cache holding exactly the committed prefix without its pending
    token: the accepted draft tokens stay cached, the rest of the branch is
    cropped; on a conflict or error the branch is rolled back to ``C[:-1]``.
 
-Model work runs on one worker thread, one batch at a time; a batch once
-started runs to the end even if the caller cancels (a retry then replays it),
-so caches never see a half-done round.
+Each item has its own fate. An item whose session cannot be loaded (unknown,
+or stored with settings that fail today's checks), whose cache cannot be
+brought to ``C``, whose processed logits are not finite (NaN / inf: no
+distribution), or whose proposal contradicts its own ``q`` gets an error for
+itself alone, nothing is committed for it, and the other items are verified
+as if it were absent: a row's outcome depends only on its own logits, seed and
+position, so when :func:`~specserve.verification.verify_batch` refuses a batch
+each row is verified alone and only the bad rows fail.
+
+The context: a session's log never holds more than the model's
+``max_position_embeddings`` tokens. A round whose committed tokens would pass
+it is cut there and finishes with ``length``; so does a round that fills it
+exactly (no later position exists to predict a token for). An item whose
+proposal does not fit (``committed_len + gamma > max_positions``) is refused.
+
+A session's settings (sampling, stop conditions) never change after create:
+the verifier keeps them per session after the first load. More: after this
+replica commits a round it knows the log exactly (the record it loaded plus
+its own verdict), so the next round of that session, based on that very
+``(version, committed_len)``, reads nothing from Redis at all. That knowledge
+is a hint, never the authority: the compare-and-set of every commit still
+checks the version, and a commit that finds the log moved on (another replica
+committed, a retry) is refused or replayed as before and the hint is dropped.
+
+The common path is one hop to the model thread per batch: the verify pass,
+the decision, and settling each cache on its verdict (optimistically, before
+the commit); only an item whose commit then fails or replays needs a second
+hop, to roll its cache back to ``C[:-1]``.
+
+Every model call and every cache mutation (reconcile, the verify pass, settling
+or rolling back each cache after the commit, eviction, release) runs on the
+verifier's :class:`~specserve.model_thread.ModelThread`, one batch at a time
+(an ``asyncio.Lock`` spans the batch, its Redis reads and commits included). A
+batch once started runs to the end even if the caller cancels (a retry then
+replays it), so caches never see a half-done round.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
+import dataclasses
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import structlog
 import torch
 
-from specserve import metrics
+from specserve import batching, metrics
 from specserve.errors import (
     Aborted,
     FailedPrecondition,
+    InvalidArgument,
     NotFound,
     SessionFinished,
+    SpecServeError,
     VersionConflict,
 )
 from specserve.kvcache import SessionCache, SessionCacheStore, common_prefix_len
+from specserve.model_thread import ModelThread
 from specserve.models import LoadedModel
-from specserve.params import Verdict
-from specserve.sampling import logits_to_probs
-from specserve.store import SessionRecord, SessionStore
-from specserve.verification import DraftProposal, VerifyOutcome, verify_batch, verify_greedy
-from target_service import batching
+from specserve.params import PositionLogprobs, Verdict
+from specserve.proposal import DraftProposal
+from specserve.sampling import logits_to_probs, pick_logprobs, processed_logprobs, require_finite_logits
+from specserve.store import SessionRecord, SessionSettings, SessionStore
+from specserve.v1 import common_pb2
+from specserve.verification import VerifyOutcome, verify_batch, verify_coupled, verify_greedy
+from target_service.calibration import measure_verify_curve
 from target_service.messages import BatchResult, ItemResult, VerifyBatch, VerifyItem
 from target_service.stops import cut_at_stop
 
@@ -97,12 +146,18 @@ class _Work:
     cache: SessionCache | None = None
     feed: tuple[int, ...] = ()  # tokens fed in the verify pass: catch-up + pending + proposal
     logits: torch.Tensor | None = None  # [gamma + 1, vocab] float32: p_1..p_{gamma+1} before processing
+    probs: torch.Tensor | None = None  # [gamma + 1, vocab] float64: p_1..p_{gamma+1} after processing
     outcome: VerifyOutcome | None = None
     verdict: Verdict | None = None
+    error: SpecServeError | None = None  # this item's own failure: nothing is committed for it
 
     @property
     def n(self) -> int:
         return self.record.committed_len
+
+    def fail(self, exc: SpecServeError) -> None:
+        """Mark this item failed with ``exc`` (its message prefixed with the session)."""
+        self.error = type(exc)(f"session {self.item.session_id!r}: {exc.message}")
 
 
 class Verifier:
@@ -121,12 +176,26 @@ class Verifier:
         self.store = store
         self.inline_catchup_max = inline_catchup_max
         self.eos_token_ids = _eos_token_ids(model)
-        self.max_positions = _max_positions(model.model.config)
+        self.max_positions = model.max_positions
+        #: Each recent session's settings (immutable after create), most recently used last.
+        self._settings: OrderedDict[str, SessionSettings] = OrderedDict()
+        self._settings_max = 2 * caches.max_sessions
+        #: Each session's log as of this replica's last commit to it (a hint; the commit's CAS decides).
+        self._known: OrderedDict[str, SessionRecord] = OrderedDict()
         self._lock = asyncio.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
+        self.thread = ModelThread("target-model")
+        #: One session's pass for 1, 2, ... positions (ns), once :meth:`measure_cost` ran; else empty.
+        self.verify_curve_ns: tuple[int, ...] = ()
+
+    async def measure_cost(self, max_positions: int) -> tuple[int, ...]:
+        """Measure :attr:`verify_curve_ns` on the model thread (before the server takes calls)."""
+        self.verify_curve_ns = await self.thread.run(measure_verify_curve, self.model, max_positions)
+        log.info("verify_cost_measured", ms=[round(t / 1e6, 2) for t in self.verify_curve_ns])
+        return self.verify_curve_ns
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        """Stop the model thread after the call in flight."""
+        self.thread.close(wait=True)
 
     async def verify(self, batch: VerifyBatch) -> BatchResult:
         """Verify and commit every item of ``batch``; per-session problems become per-item errors."""
@@ -141,19 +210,20 @@ class Verifier:
     async def release(self, session_id: str) -> None:
         """Drop a session's cache; NotFound when this replica holds none."""
         async with self._lock:
-            self.caches.release(session_id)
-            self._update_cache_gauges()
+            await self.thread.run(self._release, session_id)
         log.info("session_released", session_id=session_id, reason="request")
 
-    async def _run(self, fn, *args):
-        # The caller's contextvars (request_id bound by the interceptor) go along, for the logs.
-        ctx = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, ctx.run, fn, *args)
+    def _release(self, session_id: str) -> None:
+        self.thread.check()
+        self._settings.pop(session_id, None)
+        self._known.pop(session_id, None)
+        self.caches.release(session_id)
+        self._update_cache_gauges()
 
     async def _verify(self, batch: VerifyBatch) -> BatchResult:
         start = time.perf_counter_ns()
         async with self._lock:
-            records = await asyncio.gather(*(self._load(item.session_id) for item in batch.items))
+            records = await asyncio.gather(*(self._record(item) for item in batch.items))
             results: list[ItemResult | None] = [None] * len(batch.items)
             work: list[_Work] = []
             for index, (item, record) in enumerate(zip(batch.items, records, strict=True)):
@@ -166,21 +236,24 @@ class Verifier:
             forward_ns = positions = 0
             if work:
                 try:
-                    forward_ns, positions = await self._run(self._forward, work)
-                    await self._run(self._decide, work)
+                    forward_ns, positions = await self.thread.run(self._compute, work)
                 except BaseException:
-                    await self._run(self._roll_back, work)
+                    await self.thread.run(self._roll_back, work)
                     raise
-                for w, result in zip(work, await self._commit_all(work), strict=True):
+                commits = await asyncio.gather(*(self._commit(w) for w in work), return_exceptions=True)
+                settled, undo, unexpected = self._results(work, commits)
+                if undo:  # a commit was refused or replayed: its cache goes back to C[:-1]
+                    await self.thread.run(self._roll_back, undo)
+                if unexpected is not None:
+                    raise unexpected
+                for w, result in zip(work, settled, strict=True):
                     results[w.index] = result
-                self.caches.trim(
-                    protect=[w.item.session_id for w in work]
-                )  # the caches grew: keep the budget
-            self._update_cache_gauges()
+            else:
+                self._update_cache_gauges()  # a read: nothing runs on the model thread under the lock
         metrics.TARGET_POSITIONS.inc(positions)
         metrics.TARGET_FORWARD_SECONDS.observe(forward_ns / 1e9)
-        done = tuple(r for r in results if r is not None)
-        assert len(done) == len(batch.items)
+        assert all(r is not None for r in results)
+        done = batch.in_request_order([r for r in results if r is not None])
         for r in done:
             log.debug(
                 "verified",
@@ -198,17 +271,47 @@ class Verifier:
 
     # ------------------------------------------------------------------ load / triage
 
-    async def _load(self, session_id: str) -> SessionRecord | NotFound:
-        try:
-            return await self.store.load(session_id)
-        except NotFound as exc:
-            return exc
+    async def _record(self, item: VerifyItem) -> SessionRecord | SpecServeError:
+        """The session's log: what this replica committed last when the item is based on exactly that,
+        else a load from Redis."""
+        known = self._known.get(item.session_id)
+        base = item.base
+        if known is not None and (known.version, known.committed_len) == (base.version, base.committed_len):
+            self._known.move_to_end(item.session_id)
+            return known
+        return await self._load(item.session_id)
 
-    def _triage(self, item: VerifyItem, record: SessionRecord | NotFound) -> ItemResult | None:
+    def _remember(self, w: _Work, verdict: Verdict) -> None:
+        """After a commit of ours: the session's log is the loaded one plus this verdict."""
+        self._known[w.item.session_id] = dataclasses.replace(
+            w.record,
+            token_ids=w.record.token_ids + verdict.committed_token_ids,
+            version=verdict.new_version,
+            finish_reason=verdict.finish_reason,
+            last_verdict=verdict,
+        )
+        self._known.move_to_end(w.item.session_id)
+        while len(self._known) > self._settings_max:
+            self._known.popitem(last=False)
+
+    async def _load(self, session_id: str) -> SessionRecord | SpecServeError:
+        """The session's record (its settings from memory after the first load), or its own error."""
+        try:
+            record = await self.store.load(session_id, settings=self._settings.get(session_id))
+        except (NotFound, InvalidArgument, FailedPrecondition) as exc:  # gone, or stored settings unusable
+            self._settings.pop(session_id, None)
+            return exc
+        self._settings[session_id] = record.settings
+        self._settings.move_to_end(session_id)
+        while len(self._settings) > self._settings_max:
+            self._settings.popitem(last=False)
+        return record
+
+    def _triage(self, item: VerifyItem, record: SessionRecord | SpecServeError) -> ItemResult | None:
         """A result decided without the model (error or replay), or None when the item needs work."""
         sid, base = item.session_id, item.base
-        if isinstance(record, NotFound):
-            return ItemResult(sid, error=record)
+        if isinstance(record, SpecServeError):
+            return ItemResult(sid, error=type(record)(f"session {sid!r}: {record.message}"))
         last = record.last_verdict
         if last is not None and record.version == base.version + 1:
             if base.committed_len != last.committed_len - len(last.committed_token_ids):
@@ -245,41 +348,64 @@ class Verifier:
         if self.max_positions is not None and record.committed_len + item.gamma > self.max_positions:
             return ItemResult(
                 sid,
-                error=FailedPrecondition(
+                error=InvalidArgument(
                     f"session {sid!r}: {record.committed_len} committed + {item.gamma} proposed tokens "
-                    f"exceed the target model's {self.max_positions} positions"
+                    f"exceed the target model's {self.max_positions} positions; propose at most "
+                    f"{max(0, self.max_positions - record.committed_len)}"
                 ),
             )
         return None
 
     # ------------------------------------------------------------------ model work (worker thread)
 
+    def _compute(self, work: list[_Work]) -> tuple[int, int]:
+        """The model work of a batch in one hop: the pass, the decision, each cache settled on its verdict
+        (before the commit; :meth:`_roll_back` undoes it for an item whose commit fails), the budget."""
+        forward_ns, positions = self._forward(work)
+        self._decide(work)
+        for w in work:
+            self._settle(w, w.verdict.committed_len - 1 if w.verdict is not None else w.n - 1)
+        self.caches.trim(protect=[w.item.session_id for w in work])  # the caches grew: keep the budget
+        self._update_cache_gauges()
+        return forward_ns, positions
+
     def _forward(self, work: list[_Work]) -> tuple[int, int]:
-        """Reconcile caches and run the verify pass; fills ``w.logits``. Returns (forward_ns, positions)."""
+        """Reconcile caches and run the verify pass; fills ``w.logits``. Returns (forward_ns, positions).
+
+        An item whose cache cannot be brought to its log fails alone and is left out of the pass.
+        """
+        self.thread.check()
         forward_ns = positions = 0
         for w in work:
-            cache, _created = self.caches.get_or_create(w.item.session_id)
-            committed = w.record.token_ids
-            keep = min(common_prefix_len(cache.tokens, committed), w.n - 1)
-            if w.n - 1 - keep > self.inline_catchup_max:
-                t0 = time.perf_counter_ns()
-                reconciled = cache.reconcile(committed, pending=True)  # a separate prefill pass
-                forward_ns += time.perf_counter_ns() - t0
-                positions += reconciled.fed
-                keep = w.n - 1
-            else:
-                cache.truncate(keep)
-                cache.commit(cache.branch_len)
+            try:
+                cache, _created = self.caches.get_or_create(w.item.session_id)
+                committed = w.record.token_ids
+                keep = min(common_prefix_len(cache.tokens, committed), w.n - 1)
+                if w.n - 1 - keep > self.inline_catchup_max:
+                    t0 = time.perf_counter_ns()
+                    reconciled = cache.reconcile(committed, pending=True)  # a separate prefill pass
+                    forward_ns += time.perf_counter_ns() - t0
+                    positions += reconciled.fed
+                    keep = w.n - 1
+                else:
+                    cache.truncate(keep)
+                    cache.commit(cache.branch_len)
+            except (InvalidArgument, FailedPrecondition) as exc:
+                w.fail(exc)
+                continue
             w.cache = cache
             w.feed = tuple(committed[keep:]) + w.item.proposal.token_ids
+        ready = [w for w in work if w.error is None]
+        if not ready:
+            return forward_ns, positions
         t0 = time.perf_counter_ns()
-        if len(work) == 1:
-            w = work[0]
+        if len(ready) == 1:
+            w = ready[0]
             assert w.cache is not None
             w.logits = w.cache.extend(w.feed)[-(w.item.gamma + 1) :]  # [gamma + 1, vocab]
         else:
             rows = []
-            for w in work:
+            for w in ready:
                 assert w.cache is not None
                 past = tuple(w.cache.layer_kv())
                 rows.append(
@@ -292,48 +418,101 @@ class Verifier:
                 )
             packed = batching.pack(rows, config=self.model.model.config, device=self.model.device)
             logits, grown = batching.forward(self.model.model, packed)
-            for b, w in enumerate(work):
+            for b, w in enumerate(ready):
                 assert w.cache is not None
                 w.cache.append_kv(batching.new_kv(grown, packed, b), w.feed)
                 w.logits = batching.row_logits(logits, packed, b)  # [gamma + 1, vocab]
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
         forward_ns += time.perf_counter_ns() - t0
-        positions += sum(len(w.feed) for w in work)
+        positions += sum(len(w.feed) for w in ready)
         return forward_ns, positions
 
     def _decide(self, work: list[_Work]) -> None:
-        """Process logits, run the acceptance rule, cut at stops; fills ``w.outcome`` and ``w.verdict``."""
-        greedy = [w for w in work if w.record.sampling.greedy]
-        sampled = [w for w in work if not w.record.sampling.greedy]
-        probs = {id(w): self._target_probs(w) for w in work}  # each [gamma + 1, vocab] float64
+        """Process logits, run the acceptance rule, cut at stops; fills ``w.outcome`` and ``w.verdict``.
+
+        A row without a distribution (NaN / inf logits) or that the acceptance rule refuses fails alone.
+        """
+        for w in work:
+            if w.error is None:
+                try:
+                    if w.record.sampling.greedy and w.record.sampling.repetition_penalty == 1.0:
+                        # Nothing processes a plain greedy row: its argmax is the one-hot's (finite rows only).
+                        assert w.logits is not None
+                        require_finite_logits(w.logits)
+                    else:
+                        w.probs = self._target_probs(w)  # [gamma + 1, vocab] float64
+                except InvalidArgument as exc:
+                    w.fail(exc)
+        ready = [w for w in work if w.error is None]
+        greedy = [w for w in ready if w.record.sampling.greedy]
+        coupled = [w for w in ready if w.record.sampling.coupled]
+        sampled = [w for w in ready if not (w.record.sampling.greedy or w.record.sampling.coupled)]
+        if coupled:
+            self._decide_coupled(coupled)
         if greedy:
             width = max(w.item.gamma for w in greedy) + 1
             argmax = torch.zeros((len(greedy), width), dtype=torch.int64)  # [batch, max_gamma + 1]
             for b, w in enumerate(greedy):
-                argmax[b, : w.item.gamma + 1] = probs[id(w)].argmax(dim=-1).cpu()
+                rows = w.probs if w.probs is not None else w.logits  # [gamma + 1, vocab]
+                assert rows is not None
+                argmax[b, : w.item.gamma + 1] = rows.argmax(dim=-1).cpu()
             for w, outcome in zip(
                 greedy, verify_greedy(argmax, [w.item.proposal for w in greedy]), strict=True
             ):
                 w.outcome = outcome
         if sampled:
-            width = max(w.item.gamma for w in sampled) + 1
-            vocab = probs[id(sampled[0])].shape[-1]
-            target = torch.zeros(
-                (len(sampled), width, vocab), dtype=torch.float64
-            )  # [batch, max_gamma+1, vocab]
-            for b, w in enumerate(sampled):
-                target[b, : w.item.gamma + 1] = probs[id(w)].cpu()
-            outcomes = verify_batch(
-                target,
-                [_on_cpu(w.item.proposal) for w in sampled],
-                [w.record.sampling.seed for w in sampled],
-                [w.n for w in sampled],
-            )
-            for w, outcome in zip(sampled, outcomes, strict=True):
-                w.outcome = outcome
+            try:
+                outcomes = _verify_sampled(sampled)
+            except InvalidArgument:
+                # One row is impossible (its q contradicts its token, ...). A row's outcome does not
+                # depend on its batch, so verifying each row alone gives the others the same outcome.
+                for w in sampled:
+                    try:
+                        w.outcome = _verify_sampled([w])[0]
+                    except InvalidArgument as exc:
+                        w.fail(exc)
+            else:
+                for w, outcome in zip(sampled, outcomes, strict=True):
+                    w.outcome = outcome
         for w in work:
-            w.verdict = self._verdict(w)
+            if w.error is None:
+                w.verdict = self._verdict(w)
+
+    def _logprobs(self, w: _Work, token_ids: tuple[int, ...]) -> tuple[PositionLogprobs, ...]:
+        """The committed tokens' log probabilities, when the item asked for them (else ``()``)."""
+        if w.item.top_logprobs is None or not token_ids:
+            return ()
+        assert w.logits is not None
+        rows = w.logits[: len(token_ids)]  # [kept, vocab]: token i was emitted from p_{i+1}
+        contexts = None
+        if w.record.sampling.repetition_penalty != 1.0:
+            contexts = [w.record.token_ids + token_ids[:i] for i in range(len(token_ids))]
+        logprobs = processed_logprobs(rows, w.record.sampling, contexts)  # [kept, vocab] float64
+        return pick_logprobs(logprobs, token_ids, w.item.top_logprobs)
+
+    def _decide_coupled(self, coupled: list[_Work]) -> None:
+        """The coupled rule for ``coupled`` (sampled sessions in the coupled mode), on the model's device.
+
+        It needs no q and cannot refuse a proposal (any token ids are a valid guess).
+        """
+        width = max(w.item.gamma for w in coupled) + 1
+        first = coupled[0].probs
+        assert first is not None
+        target = torch.zeros(
+            (len(coupled), width, first.shape[-1]), dtype=torch.float64, device=first.device
+        )  # [batch, max_gamma + 1, vocab]
+        for b, w in enumerate(coupled):
+            assert w.probs is not None
+            target[b, : w.item.gamma + 1] = w.probs
+        outcomes = verify_coupled(
+            target,
+            [DraftProposal(token_ids=w.item.proposal.token_ids) for w in coupled],  # q is not read
+            [w.record.sampling.seed for w in coupled],
+            [w.n for w in coupled],
+        )
+        for w, outcome in zip(coupled, outcomes, strict=True):
+            w.outcome = outcome
 
     def _target_probs(self, w: _Work) -> torch.Tensor:
         """``p_1..p_{gamma+1}``: ``[gamma + 1, vocab]`` float64, processed as target-only decoding would."""
@@ -355,14 +534,20 @@ class Verifier:
             eos_token_ids=self.eos_token_ids,
             tokenizer=self.model.tokenizer,
         )
-        kept = len(cut.token_ids)
+        tokens, reason = cut.token_ids, cut.finish_reason
+        if self.max_positions is not None:
+            room = self.max_positions - w.n  # tokens the log may still take
+            if len(tokens) > room or (len(tokens) == room and reason == common_pb2.FINISH_REASON_UNSPECIFIED):
+                tokens, reason = tokens[: max(room, 0)], common_pb2.FINISH_REASON_LENGTH
+        kept = len(tokens)
         return Verdict(
             accepted_count=min(accepted, kept),
-            committed_token_ids=cut.token_ids,
+            committed_token_ids=tokens,
             bonus=w.outcome.bonus and kept == accepted + 1,
             new_version=w.record.version + 1,
             committed_len=w.n + kept,
-            finish_reason=cut.finish_reason,
+            finish_reason=reason,
+            logprobs=self._logprobs(w, tokens),
         )
 
     def _settle(self, w: _Work, length: int) -> None:
@@ -373,38 +558,52 @@ class Verifier:
         w.cache.commit(w.cache.branch_len)
 
     def _roll_back(self, work: Sequence[_Work]) -> None:
+        self.thread.check()
         for w in work:
             self._settle(w, w.n - 1)
 
-    # ------------------------------------------------------------------ commit
+    def _results(
+        self, work: list[_Work], outcomes: Sequence[object]
+    ) -> tuple[list[ItemResult], list[_Work], BaseException | None]:
+        """Each item's result from its commit outcome (``(verdict, replayed)`` or the exception it raised).
 
-    async def _commit_all(self, work: list[_Work]) -> list[ItemResult]:
-        outcomes = await asyncio.gather(*(self._commit(w) for w in work), return_exceptions=True)
+        Returns the results, the items whose cache must go back to ``C[:-1]`` (their optimistic
+        settling is undone: the commit was refused, replayed, or failed), and the first unexpected
+        exception (then every item goes back).
+        """
         results: list[ItemResult] = []
+        undo: list[_Work] = []
         unexpected: BaseException | None = None
         for w, outcome in zip(work, outcomes, strict=True):
             sid = w.item.session_id
+            if w.error is not None:  # already settled at C[:-1]
+                log.info("item_refused", session_id=sid, error=type(w.error).__name__, message=w.error.message)
+                results.append(ItemResult(sid, error=w.error))
+                continue
+            if isinstance(outcome, BaseException) or outcome[1]:  # failed, or another call committed first
+                undo.append(w)
+                self._known.pop(sid, None)
             if isinstance(outcome, (NotFound, FailedPrecondition, Aborted)):
-                self._settle(w, w.n - 1)
                 reason = type(outcome).__name__
                 metrics.COMMIT_CONFLICTS.labels(reason=reason).inc()
                 log.info("commit_refused", session_id=sid, reason=reason, message=outcome.message)
                 results.append(ItemResult(sid, error=outcome))
             elif isinstance(outcome, BaseException):
-                self._settle(w, w.n - 1)
                 unexpected = unexpected or outcome
             else:
                 verdict, replayed = outcome
-                if replayed:  # another call committed this base first: our branch may differ from its verdict
-                    self._settle(w, w.n - 1)
-                else:
-                    self._settle(w, verdict.committed_len - 1)
+                if not replayed:
+                    self._remember(w, verdict)
                 results.append(ItemResult(sid, verdict=verdict, replayed=replayed))
         if unexpected is not None:
-            raise unexpected
-        return results
+            return results, list(work), unexpected
+        return results, undo, None
 
-    async def _commit(self, w: _Work) -> tuple[Verdict, bool]:
+    # ------------------------------------------------------------------ commit
+
+    async def _commit(self, w: _Work) -> tuple[Verdict, bool] | None:
+        if w.error is not None:
+            return None  # the item failed before a verdict: nothing to commit
         assert w.verdict is not None
         start = time.perf_counter()
         try:
@@ -415,6 +614,22 @@ class Verifier:
     def _update_cache_gauges(self) -> None:
         metrics.CACHED_SESSIONS.labels(role="target").set(len(self.caches))
         metrics.KV_CACHE_BYTES.labels(role="target").set(self.caches.total_bytes)
+
+
+def _verify_sampled(sampled: Sequence[_Work]) -> list[VerifyOutcome]:
+    """:func:`verify_batch` over the sampled items' ``p`` rows and proposals."""
+    width = max(w.item.gamma for w in sampled) + 1
+    vocab = sampled[0].probs.shape[-1] if sampled[0].probs is not None else 0
+    target = torch.zeros((len(sampled), width, vocab), dtype=torch.float64)  # [batch, max_gamma + 1, vocab]
+    for b, w in enumerate(sampled):
+        assert w.probs is not None
+        target[b, : w.item.gamma + 1] = w.probs.cpu()
+    return verify_batch(
+        target,
+        [_on_cpu(w.item.proposal) for w in sampled],
+        [w.record.sampling.seed for w in sampled],
+        [w.n for w in sampled],
+    )
 
 
 def _on_cpu(proposal: DraftProposal) -> DraftProposal:
@@ -433,8 +648,3 @@ def _eos_token_ids(model: LoadedModel) -> frozenset[int]:
     elif isinstance(configured, (list, tuple)):
         ids.update(int(t) for t in configured)
     return frozenset(ids)
-
-
-def _max_positions(config) -> int | None:
-    value = getattr(config, "max_position_embeddings", None)
-    return int(value) if isinstance(value, int) and value > 0 else None

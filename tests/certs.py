@@ -24,8 +24,9 @@ class Pair:
 class PKI:
     ca: Path
     server: Pair
-    client: Pair
+    client: Pair  # common name "coordinator"
     rogue_client: Pair  # signed by a different CA
+    other_client: Pair  # signed by the CA, common name "intruder": valid, but not the coordinator
 
 
 def _key():
@@ -61,7 +62,7 @@ def _ca(name: str):
     return cert, key
 
 
-def _leaf(ca_cert, ca_key, name: str, usage):
+def _leaf(ca_cert, ca_key, name: str, usage, dns: tuple[str, ...] = ("localhost",)):
     key = _key()
     now = dt.datetime.now(dt.timezone.utc)
     cert = (
@@ -74,7 +75,7 @@ def _leaf(ca_cert, ca_key, name: str, usage):
         .not_valid_after(now + dt.timedelta(days=1))
         .add_extension(
             x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                [*(x509.DNSName(d) for d in dns), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
             ),
             critical=False,
         )
@@ -95,4 +96,7 @@ def make_pki(folder: Path) -> PKI:
     )
     rogue_ca, rogue_key = _ca("rogue CA")
     rogue = _write(folder / "rogue", *_leaf(rogue_ca, rogue_key, "rogue", ExtendedKeyUsageOID.CLIENT_AUTH))
-    return PKI(ca=ca_path, server=server, client=client, rogue_client=rogue)
+    other = _write(
+        folder / "other", *_leaf(ca_cert, ca_key, "intruder", ExtendedKeyUsageOID.CLIENT_AUTH, dns=("intruder",))
+    )
+    return PKI(ca=ca_path, server=server, client=client, rogue_client=rogue, other_client=other)

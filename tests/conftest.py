@@ -1,5 +1,6 @@
 """Shared fixtures. ``tests/`` is put on ``sys.path`` so test modules can
-``import tiny_models`` and ``import redis_server``."""
+``import tiny_models`` and ``import system_fixtures``; the private Redis is
+:class:`specserve.redis_server.RedisServer`."""
 
 import os
 import sys
@@ -20,7 +21,7 @@ except ImportError:  # the SDK-only environment
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from redis_server import RedisServer
+from specserve.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -58,6 +58,22 @@ def tiny_pair(tmp_path_factory, *, vocab_size: int = 384, arch: str = "llama", s
     return _PAIRS[key]
 
 
+def poisoned_copy(model_dir: Path, out_dir: Path, *, position: int) -> Path:
+    """A copy of a GPT-2 model directory whose learned position embedding ``position`` is NaN: a real model
+    that gives NaN logits to every row of a sequence reaching that position, and normal ones otherwise."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(model_dir, out_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    with torch.no_grad():
+        model.transformer.wpe.weight[position] = float("nan")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return Path(out_dir)
+
+
 def load_reference(model_dir: Path):
     """The model as plain transformers loads it (float32, eval), cached per directory."""
     if model_dir not in _MODELS:
@@ -77,6 +93,7 @@ def reference_greedy(
     *,
     eos_token_id: int = 0,
     ignore_eos: bool = False,
+    repetition_penalty: float = 1.0,
 ) -> list[int]:
     """The target's own ``generate(do_sample=False)``, cut after its first EOS (unless ``ignore_eos``)."""
     import torch
@@ -89,6 +106,7 @@ def reference_greedy(
         max_new_tokens=max_new_tokens,
         eos_token_id=None if ignore_eos else eos_token_id,
         pad_token_id=eos_token_id,
+        repetition_penalty=repetition_penalty,
     )
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
@@ -96,6 +114,124 @@ def reference_greedy(
     if not ignore_eos and eos_token_id in new:
         new = new[: new.index(eos_token_id) + 1]
     return new
+
+
+def reference_coupled(
+    model_dir: Path,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    seed: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+) -> list[int]:
+    """The target's own Gumbel-max sampling, ``y_j = argmax(log p_j + G_j)``, from Hugging Face logits.
+
+    A plain decoding loop over the model with a ``DynamicCache``: the next-token logits
+    processed by HF's own processors (repetition penalty, temperature, top-k, top-p, in
+    ``generate()``'s order), turned into ``log p`` in float64, plus
+    ``specserve.rng.gumbel_noise(seed, j)`` of the position ``j`` being decided; the argmax is
+    the token. EOS is an ordinary token (``ignore_eos``).
+    """
+    import torch
+    from transformers import (
+        DynamicCache,
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from specserve.rng import gumbel_noise
+
+    processors = LogitsProcessorList()
+    if repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    model = load_reference(model_dir)
+    ids = torch.tensor([list(prompt)], dtype=torch.long)  # [1, j]
+    cache = DynamicCache(config=model.config)
+    feed = ids
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=feed, cache=cache, use_cache=True).logits[:, -1].float()
+            scores = processors(ids, logits)  # [1, vocab], removed tokens -inf
+            noise = gumbel_noise([seed], [ids.shape[1]], scores.shape[-1])  # the token at index j
+            token = torch.argmax(torch.log_softmax(scores.double(), dim=-1) + noise, dim=-1, keepdim=True)
+            ids = torch.cat([ids, token], dim=1)
+            feed = token
+    return ids[0, len(prompt) :].tolist()
+
+
+def reference_logprobs(
+    model_dir: Path,
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+) -> list[Any]:
+    """For each token of ``completion``: ``[vocab]`` float64 log-probabilities of the target's processed
+    distribution at its position, by Hugging Face's own processors on one plain forward pass over prompt +
+    completion (no cache). The processing is ``generate()``'s: the repetition penalty, then (sampling only)
+    temperature, top-k, top-p; greedy (temperature 0) takes the penalised logits at temperature 1."""
+    import torch
+    from transformers import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    processors = LogitsProcessorList()
+    if repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    if temperature > 0:
+        if temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            processors.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p))
+    model = load_reference(model_dir)
+    ids = torch.tensor([list(prompt) + list(completion)], dtype=torch.long)  # [1, n]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()  # [n, vocab]
+    out = []
+    for i in range(len(completion)):
+        at = len(prompt) + i  # the row predicting completion[i]
+        scores = processors(ids[:, :at], logits[at - 1 : at])  # [1, vocab]
+        out.append(torch.log_softmax(scores.double(), dim=-1)[0])
+    return out
+
+
+def check_logprobs(entries: Sequence[Any], completion: Sequence[int], reference: Sequence[Any], top_n: int) -> None:
+    """``entries`` (PositionLogprobs, or their proto) are ``completion``'s tokens with the reference's log
+    probabilities to 1e-4, and its ``top_n`` most likely tokens in order (probability-0 tokens left out)."""
+    import math
+
+    import torch
+
+    assert len(entries) == len(completion) == len(reference)
+    for i, (entry, token, want) in enumerate(zip(entries, completion, reference, strict=True)):
+        assert entry.token_id == token, i
+        assert abs(entry.logprob - float(want[token])) <= 1e-4, (i, entry.logprob, float(want[token]))
+        top = torch.topk(want, top_n)
+        expected = [(int(t), float(v)) for v, t in zip(top.values, top.indices, strict=True) if v > -math.inf]
+        got = [(t.token_id, t.logprob) for t in entry.top_logprobs]
+        assert [t for t, _ in got] == [t for t, _ in expected], i
+        assert all(abs(g - w) <= 1e-4 for (_, g), (_, w) in zip(got, expected, strict=True)), i
 
 
 @contextlib.asynccontextmanager
@@ -133,9 +269,13 @@ def request(
     ignore_eos: bool = False,
     stop_strings: Sequence[str] = (),
     draft_top_k: int = 0,
+    sampling_mode: int = common_pb2.SAMPLING_MODE_UNSPECIFIED,
+    repetition_penalty: float | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """A GenerateRequest built field by field (no SDK)."""
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k)
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, sampling_mode=sampling_mode)
+    if repetition_penalty is not None:
+        sampling.repetition_penalty = repetition_penalty
     if top_p is not None:
         sampling.top_p = top_p
     if seed is not None:
@@ -191,10 +331,14 @@ async def generate(
         return Generated(chunks, stats)
 
 
-def tiny_vocab_pair(tmp_path_factory, *, vocab_size: int = 6, seed: int = 0) -> TinyPair:
+def tiny_vocab_pair(
+    tmp_path_factory, *, vocab_size: int = 6, seed: int = 0, chat_template: str | None = None
+) -> TinyPair:
     """A target and a draft with a ``vocab_size``-token word-level vocabulary (``<|endoftext|>`` = 0),
-    small enough that every short continuation can be enumerated."""
-    key = ("tiny-vocab", vocab_size, seed)
+    small enough that every short continuation can be enumerated. Token ``i`` is the character
+    ``chr(ord("a") + i - 1)``; text decodes with a space between tokens, so decoding a sequence without
+    EOS and encoding the text again gives the same tokens. ``chat_template``: saved with the tokenizer."""
+    key = ("tiny-vocab", vocab_size, seed, chat_template)
     if key in _PAIRS:
         return _PAIRS[key]
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -206,7 +350,9 @@ def tiny_vocab_pair(tmp_path_factory, *, vocab_size: int = 6, seed: int = 0) -> 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=tiny_models.EOS, bos_token=tiny_models.EOS, pad_token=tiny_models.EOS
     )
-    root = tmp_path_factory.mktemp(f"tiny-vocab-{vocab_size}-{seed}")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    root = tmp_path_factory.mktemp(f"tiny-vocab-{vocab_size}-{seed}{'-chat' if chat_template else ''}")
     dirs = []
     for name, size, model_seed in (("target", "target", seed), ("draft", "draft", seed + 1)):
         out = root / name

@@ -1,5 +1,7 @@
 """A small asyncio TCP proxy on 127.0.0.1 for fault tests: it adds a delay to
-every chunk in both directions and can cut all connections."""
+every chunk in both directions, can cut all connections, and can freeze them
+(stop forwarding either way while keeping the sockets open: a peer that has
+vanished without closing its connection)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ class DelayProxy:
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._thawed = asyncio.Event()
+        self._thawed.set()
 
     async def start(self) -> DelayProxy:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -31,6 +35,7 @@ class DelayProxy:
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while chunk := await reader.read(65536):
+                await self._thawed.wait()
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 writer.write(chunk)
@@ -56,6 +61,13 @@ class DelayProxy:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def freeze(self) -> None:
+        """Stop forwarding in both directions; the connections stay open and nothing is read any more."""
+        self._thawed.clear()
+
+    def thaw(self) -> None:
+        self._thawed.set()
+
     def cut(self) -> None:
         """Close every open connection (new ones are still accepted)."""
         for w in list(self._writers):
@@ -64,6 +76,7 @@ class DelayProxy:
         self._writers.clear()
 
     async def stop(self) -> None:
+        self.thaw()
         self.cut()
         if self._server is not None:
             self._server.close()

@@ -8,7 +8,8 @@ gets real ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` classes and a real
 Stable API (others depend on it; extend, do not change)::
 
     make_tiny_pair(tmp_path, vocab_size=384, arch="llama", seed=0) -> (target_dir, draft_dir)
-    make_tiny_tokenizer(out_dir, vocab_size=384, corpus=CORPUS) -> PreTrainedTokenizerFast
+    make_tiny_tokenizer(out_dir, vocab_size=384, corpus=CORPUS, chat_template=CHAT_TEMPLATE)
+        -> PreTrainedTokenizerFast
     make_tiny_model(out_dir, arch="llama", vocab_size=384, seed=0, size="draft") -> Path
 
 * ``target_dir`` and ``draft_dir`` are ``tmp_path / "target"`` and ``tmp_path / "draft"``;
@@ -18,6 +19,8 @@ Stable API (others depend on it; extend, do not change)::
 * The tokenizer is a byte-level BPE trained on :data:`CORPUS`; it has at most
   ``vocab_size`` tokens (``<|endoftext|>`` is id 0 and is EOS/BOS/PAD). The
   models' output layer has exactly ``vocab_size`` rows.
+* The tokenizer carries :data:`CHAT_TEMPLATE` (``role: content`` lines, then
+  ``assistant:``), so chat requests work; ``chat_template=None`` leaves it out.
 * ``arch`` is ``"llama"`` (grouped-query attention, RoPE) or ``"gpt2"``
   (learned positions). Weights use a wider initialisation than the default so
   that logits are not near ties (greedy tests stay well conditioned).
@@ -45,6 +48,13 @@ CORPUS: tuple[str, ...] = (
     "while True:\n    break\n",
 )
 
+#: A minimal chat template (Jinja, as in ``tokenizer_config.json``): one ``role: content`` line per
+#: message, then ``assistant:`` when a generation prompt is asked for.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{%- if add_generation_prompt %}assistant:{% endif %}"
+)
+
 Arch = Literal["llama", "gpt2"]
 Size = Literal["draft", "target"]
 
@@ -54,10 +64,16 @@ _SIZES: dict[str, dict[str, int]] = {
 }
 
 
-def make_tiny_tokenizer(out_dir: Path, vocab_size: int = 384, corpus: Sequence[str] = CORPUS):
+def make_tiny_tokenizer(
+    out_dir: Path,
+    vocab_size: int = 384,
+    corpus: Sequence[str] = CORPUS,
+    chat_template: str | None = CHAT_TEMPLATE,
+):
     """Train a byte-level BPE on ``corpus`` and save it as a ``PreTrainedTokenizerFast``.
 
     A different ``corpus`` gives a different token table (for vocabulary-mismatch tests).
+    ``chat_template`` (None: none) is saved with it.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -75,6 +91,8 @@ def make_tiny_tokenizer(out_dir: Path, vocab_size: int = 384, corpus: Sequence[s
     )
     tok.train_from_iterator(list(corpus), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS)
+    if chat_template is not None:
+        fast.chat_template = chat_template
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out_dir)

@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SamplingMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAMPLING_MODE_UNSPECIFIED: _ClassVar[SamplingMode]
+    SAMPLING_MODE_OPTIMAL: _ClassVar[SamplingMode]
+    SAMPLING_MODE_COUPLED: _ClassVar[SamplingMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -20,6 +26,9 @@ class ProposerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROPOSER_KIND_UNSPECIFIED: _ClassVar[ProposerKind]
     PROPOSER_KIND_MODEL: _ClassVar[ProposerKind]
     PROPOSER_KIND_NGRAM: _ClassVar[ProposerKind]
+SAMPLING_MODE_UNSPECIFIED: SamplingMode
+SAMPLING_MODE_OPTIMAL: SamplingMode
+SAMPLING_MODE_COUPLED: SamplingMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason
@@ -30,20 +39,22 @@ PROPOSER_KIND_MODEL: ProposerKind
 PROPOSER_KIND_NGRAM: ProposerKind
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "sampling_mode")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_MODE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     min_p: float
     repetition_penalty: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    sampling_mode: SamplingMode
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., sampling_mode: _Optional[_Union[SamplingMode, str]] = ...) -> None: ...
 
 class StopConditions(_message.Message):
     __slots__ = ("max_new_tokens", "stop_token_ids", "stop_strings", "ignore_eos")
@@ -98,23 +109,49 @@ class Proposal(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("accepted_count", "committed_token_ids", "bonus", "new_version", "committed_len", "finish_reason")
+    __slots__ = ("accepted_count", "committed_token_ids", "bonus", "new_version", "committed_len", "finish_reason", "logprobs")
     ACCEPTED_COUNT_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted_count: int
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bonus: bool
     new_version: int
     committed_len: int
     finish_reason: FinishReason
-    def __init__(self, accepted_count: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., bonus: _Optional[bool] = ..., new_version: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
+    def __init__(self, accepted_count: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., bonus: _Optional[bool] = ..., new_version: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
+
+class LogprobsParams(_message.Message):
+    __slots__ = ("top_logprobs",)
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    top_logprobs: int
+    def __init__(self, top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class PositionLogprobs(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "device", "dtype", "eos_token_id", "parameter_count")
+    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "device", "dtype", "eos_token_id", "parameter_count", "max_positions")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +159,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     vocab_fingerprint: str
@@ -129,4 +167,5 @@ class ModelInfo(_message.Message):
     dtype: str
     eos_token_id: int
     parameter_count: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., eos_token_id: _Optional[int] = ..., parameter_count: _Optional[int] = ...) -> None: ...
+    max_positions: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., eos_token_id: _Optional[int] = ..., parameter_count: _Optional[int] = ..., max_positions: _Optional[int] = ...) -> None: ...

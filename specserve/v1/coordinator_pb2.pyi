@@ -13,6 +13,20 @@ class PromptTokens(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
 class SpeculationParams(_message.Message):
     __slots__ = ("gamma", "proposer", "draft_top_k")
     GAMMA_FIELD_NUMBER: _ClassVar[int]
@@ -24,29 +38,45 @@ class SpeculationParams(_message.Message):
     def __init__(self, gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "tokens", "sampling", "stop", "speculation")
+    __slots__ = ("text", "tokens", "chat", "sampling", "stop", "speculation", "logprobs", "prediction")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_FIELD_NUMBER: _ClassVar[int]
     text: str
     tokens: PromptTokens
+    chat: ChatMessages
     sampling: _common_pb2.SamplingParams
     stop: _common_pb2.StopConditions
     speculation: SpeculationParams
-    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[_common_pb2.StopConditions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
+    logprobs: _common_pb2.LogprobsParams
+    prediction: Prediction
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[_common_pb2.StopConditions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsParams, _Mapping]] = ..., prediction: _Optional[_Union[Prediction, _Mapping]] = ...) -> None: ...
+
+class Prediction(_message.Message):
+    __slots__ = ("text", "tokens")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    tokens: PromptTokens
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[PromptTokens, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text")
+    __slots__ = ("token_ids", "text", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("session_id", "prompt_tokens", "completion_tokens", "rounds", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_ns", "verify_ns", "queue_ns", "first_token_ns", "total_ns", "finish_reason", "seed")
+    __slots__ = ("session_id", "prompt_tokens", "completion_tokens", "rounds", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_ns", "verify_ns", "queue_ns", "first_token_ns", "total_ns", "finish_reason", "seed", "draft_rounds", "accepted_prediction_tokens", "rejected_prediction_tokens", "target_ns", "forward_ns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +91,11 @@ class GenerationStats(_message.Message):
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_NS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_tokens: int
     completion_tokens: int
@@ -75,7 +110,12 @@ class GenerationStats(_message.Message):
     total_ns: int
     finish_reason: _common_pb2.FinishReason
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., seed: _Optional[int] = ...) -> None: ...
+    draft_rounds: int
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+    target_ns: int
+    forward_ns: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., seed: _Optional[int] = ..., draft_rounds: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ..., target_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "stats")

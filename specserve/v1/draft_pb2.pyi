@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("base", "start_position", "token_ids", "sampling", "gamma", "proposer", "draft_top_k", "seed")
+    __slots__ = ("base", "start_position", "token_ids", "sampling", "gamma", "proposer", "draft_top_k", "seed", "stop_token_ids", "ignore_eos")
     BASE_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class ProposeRequest(_message.Message):
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     base: _common_pb2.SessionBase
     start_position: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +27,9 @@ class ProposeRequest(_message.Message):
     proposer: _common_pb2.ProposerKind
     draft_top_k: int
     seed: int
-    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("proposal", "draft_ns", "prefill_tokens")
@@ -36,6 +40,36 @@ class ProposeResponse(_message.Message):
     draft_ns: int
     prefill_tokens: int
     def __init__(self, proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ..., draft_ns: _Optional[int] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
+
+class ProposeBatchRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+
+class ProposeError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ProposeBatchResult(_message.Message):
+    __slots__ = ("proposal", "error")
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    proposal: ProposeResponse
+    error: ProposeError
+    def __init__(self, proposal: _Optional[_Union[ProposeResponse, _Mapping]] = ..., error: _Optional[_Union[ProposeError, _Mapping]] = ...) -> None: ...
+
+class ProposeBatchResponse(_message.Message):
+    __slots__ = ("results", "draft_ns")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ProposeBatchResult]
+    draft_ns: int
+    def __init__(self, results: _Optional[_Iterable[_Union[ProposeBatchResult, _Mapping]]] = ..., draft_ns: _Optional[int] = ...) -> None: ...
 
 class ReleaseDraftSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -52,9 +86,11 @@ class GetDraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDraftInfoResponse(_message.Message):
-    __slots__ = ("model", "max_gamma")
+    __slots__ = ("model", "max_gamma", "max_batch_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     max_gamma: int
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_gamma: _Optional[int] = ...) -> None: ...
+    max_batch_size: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_gamma: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...

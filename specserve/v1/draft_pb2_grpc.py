@@ -40,6 +40,11 @@ class DraftServiceStub:
                 request_serializer=specserve_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeBatch = channel.unary_unary(
+                '/specserve.v1.DraftService/ProposeBatch',
+                request_serializer=specserve_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
+                _registered_method=True)
         self.ReleaseDraftSession = channel.unary_unary(
                 '/specserve.v1.DraftService/ReleaseDraftSession',
                 request_serializer=specserve_dot_v1_dot_draft__pb2.ReleaseDraftSessionRequest.SerializeToString,
@@ -58,6 +63,16 @@ class DraftServiceServicer:
 
     def Propose(self, request, context):
         """Drafts gamma tokens after a session's committed prefix.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProposeBatch(self, request, context):
+        """Drafts for many sessions at once: one forward pass per draft step for all
+        of them. Items are independent: an item's error is its own result and the
+        others are drafted. Each session's proposal is exactly the one a Propose
+        would give it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,6 +99,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specserve_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProposeBatch,
+                    request_deserializer=specserve_dot_v1_dot_draft__pb2.ProposeBatchRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_draft__pb2.ProposeBatchResponse.SerializeToString,
             ),
             'ReleaseDraftSession': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseDraftSession,
@@ -124,6 +144,33 @@ class DraftService:
             '/specserve.v1.DraftService/Propose',
             specserve_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             specserve_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.DraftService/ProposeBatch',
+            specserve_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
+            specserve_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyItem(_message.Message):
-    __slots__ = ("base", "proposal")
+    __slots__ = ("base", "proposal", "logprobs")
     BASE_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     base: _common_pb2.SessionBase
     proposal: _common_pb2.Proposal
-    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ...) -> None: ...
+    logprobs: _common_pb2.LogprobsParams
+    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsParams, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)
@@ -68,11 +70,13 @@ class GetTargetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetTargetInfoResponse(_message.Message):
-    __slots__ = ("model", "max_gamma", "max_batch_size")
+    __slots__ = ("model", "max_gamma", "max_batch_size", "verify_curve_ns")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_CURVE_NS_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     max_gamma: int
     max_batch_size: int
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_gamma: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    verify_curve_ns: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_gamma: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., verify_curve_ns: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -92,3 +92,69 @@ async def test_a_failed_call_fails_every_item_of_its_batch(stack, store):
     finally:
         await batcher.close()
         await client.close()
+
+
+# ---- the Propose batcher against a real draft server -------------------------------------------
+
+PROMPT = (5, 6, 7, 8, 9, 10)
+
+
+def _propose_item(sid: str, *, start: int = 0, gamma: int = 3):
+    from coordinator.workers import propose_request
+
+    return propose_request(
+        SessionBase(sid, len(PROMPT), 0),
+        start_position=start,
+        token_ids=PROMPT[start:],
+        sampling=SamplingParams(temperature=0.0),
+        gamma=gamma,
+        proposer=common_pb2.PROPOSER_KIND_MODEL,
+        draft_top_k=0,
+    )
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def draft_stack(pair, redis_server):
+    async with sf.local_stack(pair, redis_server.url) as s:
+        yield s
+
+
+async def test_propose_items_of_many_sessions_share_calls_and_get_their_own_results(draft_stack):
+    from coordinator.batcher import ProposeBatcher
+    from coordinator.workers import DraftClient
+
+    client = DraftClient(f"127.0.0.1:{draft_stack.draft_port}", SETTINGS)
+    batcher = ProposeBatcher(client, max_batch_size=4, max_wait_s=0.05, expected=lambda: 10)
+    try:
+        ids = [f"pb-{uuid.uuid4().hex}" for _ in range(10)]
+        items = [_propose_item(sid, start=3 if i == 5 else 0) for i, sid in enumerate(ids)]
+        results = await asyncio.gather(*(batcher.submit(item) for item in items))
+        assert batcher.items_sent == 10 and batcher.calls_made == 3  # 4 + 4 + 2
+        assert sum(r.reports_call for r in results) == 3
+        assert {r.batch_size for r in results} == {4, 2}
+        for i, r in enumerate(results):
+            if i == 5:  # the draft never saw that session: its own error, nobody else's
+                assert r.item.reply is None and isinstance(r.item.error, errors.FailedPrecondition)
+            else:
+                assert r.item.error is None and len(r.item.reply.proposal.token_ids) == 3
+        greedy = [r.item.reply.proposal.token_ids for i, r in enumerate(results) if i != 5]
+        assert all(g == greedy[0] for g in greedy)  # the same prompt: the same greedy draft in every batch
+    finally:
+        await batcher.close()
+        await client.close()
+
+
+async def test_a_failed_propose_call_fails_every_item_of_its_batch():
+    from coordinator.batcher import ProposeBatcher
+    from coordinator.workers import DraftClient
+
+    client = DraftClient("127.0.0.1:1", SETTINGS)  # nothing listens there
+    batcher = ProposeBatcher(client, max_batch_size=8, max_wait_s=0.01, expected=lambda: 3)
+    try:
+        items = [_propose_item(f"dead-{i}") for i in range(3)]
+        results = await asyncio.gather(*(batcher.submit(i) for i in items), return_exceptions=True)
+        assert all(isinstance(r, errors.Unavailable) for r in results)
+        assert batcher.calls_made == 1
+    finally:
+        await batcher.close()
+        await client.close()

@@ -15,6 +15,7 @@ from coordinator.cost_model import (
     expected_tokens_iid,
     predicted_speedup,
 )
+from coordinator.limits import median_curve
 
 # ---- the essay's formulas -----------------------------------------------------------------------
 
@@ -70,7 +71,7 @@ def test_predicted_speedup_edges() -> None:
 
 def test_solve_linear_matches_elimination_on_random_spd_systems() -> None:
     rng = random.Random(0)
-    for n in (1, 2, 3):
+    for n in (1, 2, 3, 4):
         for _ in range(50):
             m = [[rng.gauss(0, 1) for _ in range(n)] for _ in range(n)]
             a = [
@@ -129,7 +130,7 @@ def test_fit_uses_prior_rows_where_data_cannot_separate_coefficients() -> None:
 
 def test_fit_validates() -> None:
     with pytest.raises(ValueError):
-        DecayingLeastSquares(4, decay=0.9)
+        DecayingLeastSquares(5, decay=0.9)
     with pytest.raises(ValueError):
         DecayingLeastSquares(1, decay=0.0)
     fit = DecayingLeastSquares(2, decay=0.9)
@@ -254,3 +255,45 @@ def test_learnt_speedup_is_the_formula_with_learnt_costs() -> None:
             assert cm.predicted_speedup(alpha, g) == pytest.approx(expected, rel=1e-6)
     # The essay's example in these units: 4 proposals at 0.8 with 1 ms drafts and a 12 ms verify of 5.
     assert cm.predicted_speedup(0.8, 4) == pytest.approx(3.3616 * 10 / 16, rel=2e-3)
+
+
+# ---- the step of a multi-position pass, and the target's measured curve -------------------------
+
+#: The default target's verify pass over k = 1..9 positions on the development machine, as ratios to one
+#: position (target_service/calibration.py), at a 63 ms step.
+CPU_CURVE = tuple(63e6 * r for r in (1.0, 1.7, 2.0, 1.9, 1.9, 1.9, 2.0, 1.9, 2.0))
+
+
+def test_a_measured_curve_is_the_prior_before_any_data() -> None:
+    cm = CostModel(prior=CostPrior(verify_curve=CPU_CURVE))
+    assert cm.verify_ns(1, 1) == pytest.approx(CPU_CURVE[0], rel=0.02)
+    for k in range(2, 10):  # a line plus a step fitted to the curve's shape
+        assert cm.verify_ns(1, k) == pytest.approx(CPU_CURVE[k - 1], rel=0.08)
+    assert cm.snapshot()["verify_multi_position_ns"] > 0.5 * CPU_CURVE[0]
+
+
+@pytest.mark.parametrize("only_k", [1, 2, 5])
+def test_a_session_held_at_one_gamma_knows_the_others_from_the_curve(only_k: int) -> None:
+    """60 calls all feeding ``only_k`` positions, on a machine 1.5x slower than when the curve was measured:
+    the data sets the scale, the curve the shape: within 15% at every k (the measured curve itself scatters
+    by up to 9% about the line plus step the model fits to it)."""
+    cm = CostModel(prior=CostPrior(verify_curve=CPU_CURVE))
+    for _ in range(60):
+        cm.observe_verify(batch_size=1, positions=only_k, ns=int(1.5 * CPU_CURVE[only_k - 1]))
+    for k in (1, 2, 3, 5, 9):
+        assert cm.verify_ns(1, k) == pytest.approx(1.5 * CPU_CURVE[k - 1], rel=0.15)
+
+
+def test_a_curve_is_validated() -> None:
+    with pytest.raises(ValueError):
+        CostPrior(verify_curve=(10e6, 0.0))
+    with pytest.raises(ValueError):
+        CostPrior(verify_curve=(math.inf,))
+    with pytest.raises(ValueError):
+        CostPrior(curve_weight=-1.0)
+
+
+def test_the_median_curve_of_several_targets() -> None:
+    """The coordinator's prior from several targets' curves (coordinator/limits.py)."""
+    assert median_curve([]) == () and median_curve([(), ()]) == ()
+    assert median_curve([(10, 20, 30), (), (12, 18, 33, 40), (11, 25, 31)]) == (11.0, 20.0, 31.0)

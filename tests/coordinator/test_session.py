@@ -77,3 +77,27 @@ def test_stats_count_acceptance_per_position():
     st.observe_round(proposed=0, accepted=0)
     assert st.rounds == 3 and st.proposed_tokens == 7 and st.accepted_tokens == 6
     assert st.accepted_per_position == [2, 2, 1, 1]
+    assert st.draft_rounds == 2, 'a gamma = 0 round proposes nothing and is no draft'
+
+
+def test_the_sessions_local_proposers_follow_every_committed_token():
+    """The prediction and the n-gram lookup see each committed token once, whichever way it arrived
+    (a verdict, a re-read of the log), and the prediction's counts reach the statistics."""
+    s = Session(
+        "s2",
+        PROMPT,
+        SamplingParams(temperature=0.0),
+        StopConditions(max_new_tokens=8),
+        SpeculationSettings(gamma=2, proposer=common_pb2.PROPOSER_KIND_NGRAM),
+        prediction=(4, 5, 6, 7),
+    )
+    assert [p.name for p in s.local_proposers] == ["prediction", "ngram"]
+    assert s.prediction is not None and s.prediction.propose(2) == (4, 5)
+    s.apply_verdict(_verdict([4, 9], 5, 1, accepted=1))
+    s.advance((1, 2, 3, 4, 9, 1, 2), start=0, version=2, finish_reason=0)  # a re-read adds 1, 2
+    assert s.local_proposers[1].propose(2) == (3, 4), "the lookup saw prompt, 4, 9, 1, 2"
+    pb = s.stats_pb()
+    assert (pb.accepted_prediction_tokens, pb.rejected_prediction_tokens) == (1, 1)
+    plain = _session()
+    assert plain.local_proposers == () and plain.prediction is None
+    assert plain.stats_pb().accepted_prediction_tokens == 0

@@ -14,14 +14,16 @@ import pytest
 import pytest_asyncio
 import system_fixtures as sf
 
+from coordinator.acceptance import AcceptanceTracker
 from coordinator.policy import FixedGamma
 from coordinator.requests import SpeculationSettings
 from coordinator.rounds import RoundLoop
 from coordinator.session import Session
-from coordinator.workers import DraftClient, TargetClient, error_from_rpc
+from coordinator.workers import DraftClient, TargetClient
 from specserve import errors
 from specserve.config import CoordinatorSettings
 from specserve.params import SamplingParams, SessionBase, StopConditions
+from specserve.status import worker_error_from_rpc as error_from_rpc
 from specserve.store import SessionStore
 from specserve.v1 import common_pb2, target_pb2
 
@@ -108,11 +110,11 @@ async def test_round_loop_uses_a_replayed_verdict_once(stack, store, target):
     )
     coordinator = stack.coordinator.coordinator
     loop = RoundLoop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
-    emitted = list(await loop.step())
+    emitted = list((await loop.step()).token_ids)
     assert emitted == list(lost.committed_token_ids)
     assert session.version == 1
     for _ in range(3):
-        emitted += await loop.step()
+        emitted += (await loop.step()).token_ids
     record = await store.load(sid)
     assert record.version == session.version == 4
     assert list(record.generated_token_ids) == emitted
@@ -133,8 +135,8 @@ async def test_round_loop_resyncs_after_a_conflict(stack, store, target):
     )
     coordinator = stack.coordinator.coordinator
     loop = RoundLoop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
-    emitted = list(await loop.step())
-    emitted += await loop.step()
+    emitted = list((await loop.step()).token_ids)
+    emitted += (await loop.step()).token_ids
     record = await store.load(sid)
     assert list(record.generated_token_ids) == emitted
     assert session.version == record.version == 3
@@ -197,14 +199,14 @@ async def test_error_from_rpc_covers_every_status_code():
 
     for code in grpc.StatusCode:
         err = error_from_rpc(Fake(code), "h:1")
-        assert isinstance(err, errors.SpecServeError) and "boom" in err.message
+        assert isinstance(err, errors.SpecServeError) and "boom" in err.detail and "h:1" not in err.message
     assert isinstance(error_from_rpc(Fake(grpc.StatusCode.ABORTED), "h:1"), errors.VersionConflict)
     assert isinstance(error_from_rpc(Fake(grpc.StatusCode.INTERNAL), "h:1"), errors.Unavailable)
 
 
 async def test_a_malformed_proposal_falls_back_to_gamma_zero_instead_of_failing(stack, store):
-    """A draft bug (a token outside the vocabulary) makes the target refuse the whole batch; the
-    round retries with an empty proposal and commits a plain target step."""
+    """A draft bug (a token outside the vocabulary) makes the target refuse the item; the round retries
+    with an empty proposal and commits a plain target step."""
     prompt = (5, 6, 7, 8)
     sid = await _new_session(store, prompt)
     session = Session(
@@ -238,3 +240,110 @@ async def test_a_draft_with_another_vocabulary_is_refused_at_start(
         )
         with pytest.raises(errors.VocabularyMismatch, match="vocabulary"):
             await build_coordinator(settings, tokenizer=pair.tokenizer)
+
+
+def _logprobs_item(session_id: str, committed_len: int, version: int) -> target_pb2.VerifyItem:
+    item = _item(session_id, committed_len, version)
+    item.logprobs.top_logprobs = 2
+    return item
+
+
+async def test_round_loop_streams_a_replayed_verdicts_logprobs_and_fails_on_tokens_it_never_saw(
+    stack, store, target
+):
+    """Logprobs are part of the recorded verdict: a session that lost a reply gets the tokens and their logprobs
+    back from the replay. A log that moved past tokens whose verdicts it never saw cannot give their logprobs:
+    the session fails rather than stream tokens without them (a session without logprobs just resyncs)."""
+    prompt = (5, 6, 7, 8)
+    speculation = SpeculationSettings(gamma=0, proposer=common_pb2.PROPOSER_KIND_MODEL)
+    coordinator = stack.coordinator.coordinator
+
+    sid = await _new_session(store, prompt)
+    lost = (await target.verify([_logprobs_item(sid, 4, 0)])).results[0].verdict
+    assert len(lost.logprobs) == len(lost.committed_token_ids) == 1
+    session = Session(sid, prompt, SAMPLING, STOP, speculation, top_logprobs=2)
+    loop = RoundLoop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
+    first = await loop.step()
+    assert first.token_ids == lost.committed_token_ids and first.logprobs == lost.logprobs
+    second = await loop.step()
+    assert len(second.logprobs) == len(second.token_ids) == 1 and len(second.logprobs[0].top_logprobs) == 2
+    loop.detach()
+    await loop.release()
+
+    for top_logprobs in (2, None):
+        sid = await _new_session(store, prompt)
+        v1 = (await target.verify([_logprobs_item(sid, 4, 0)])).results[0].verdict
+        await target.verify([_logprobs_item(sid, v1.committed_len, 1)])
+        session = Session(sid, prompt, SAMPLING, STOP, speculation, top_logprobs=top_logprobs)
+        loop = RoundLoop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
+        if top_logprobs is None:
+            assert len((await loop.step()).token_ids) == 2
+        else:
+            with pytest.raises(errors.FailedPrecondition, match="logprobs are not known"):
+                await loop.step()
+        loop.detach()
+        await loop.release()
+
+
+async def test_a_resync_that_missed_one_verdict_takes_its_logprobs_from_the_log(stack, store, target):
+    """Re-reading the log after a refusal (ABORTED) when exactly one commit was missed: the last verdict
+    recorded with the log holds the new tokens' logprobs."""
+    prompt = (5, 6, 7, 8)
+    sid = await _new_session(store, prompt)
+    recorded = (await target.verify([_logprobs_item(sid, 4, 0)])).results[0].verdict
+    session = Session(
+        sid, prompt, SAMPLING, STOP, SpeculationSettings(gamma=0, proposer=common_pb2.PROPOSER_KIND_MODEL),
+        top_logprobs=2,
+    )  # fmt: skip
+    loop = RoundLoop(
+        session, pool=stack.coordinator.coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8
+    )
+    resynced = await loop._resync(errors.Aborted("the target refused the item"))  # the resync path alone
+    assert resynced.token_ids == recorded.committed_token_ids and resynced.logprobs == recorded.logprobs
+    loop.detach()
+    await loop.release()
+
+
+async def test_the_targets_measured_verify_cost_is_the_cost_models_prior(stack, target):
+    """The target timed its verify pass for 1..max_gamma+1 positions at start-up; GetTargetInfo carries it and
+    the coordinator's cost model starts from it (a one-target stack: the median is that curve)."""
+    measured = stack.targets[0].verifier.verify_curve_ns
+    assert len(measured) == min(stack.targets[0].settings.max_gamma + 1, 9) and min(measured) > 0
+    info = await target.info()
+    assert info.verify_curve_ns == measured
+    cost_model = stack.coordinator.coordinator.pool.cost_model
+    assert cost_model.prior.verify_curve == tuple(float(t) for t in measured)
+
+
+async def test_a_model_draft_session_starts_from_the_pool_and_a_local_proposer_starts_cold(stack, store):
+    """With acceptance pooled under both keys, a draft-model session is warm-started and shares its key's probe
+    clock; an n-gram session (its acceptance belongs to its text) starts from the tracker's own prior with a
+    clock of its own (and, drafting for free, at the best rung of the ladder for that prior)."""
+    pool = stack.coordinator.coordinator.pool
+    loops = {}
+    for proposer in (common_pb2.PROPOSER_KIND_MODEL, common_pb2.PROPOSER_KIND_NGRAM):
+        prompt = (5, 6, 7, 8)
+        session = Session(
+            await _new_session(store, prompt),
+            prompt,
+            SAMPLING,
+            STOP,
+            SpeculationSettings(gamma=None, proposer=proposer),
+        )
+        loop = RoundLoop(session, pool=pool, store=store, policy=FixedGamma(0), max_gamma=8)
+        loop.detach()
+        for _ in range(40):
+            pool.observe_acceptance(loop.speculation_key, proposed=4, accepted=1)
+        loops[proposer] = (session, loop.speculation_key)
+    model_session, model_key = loops[common_pb2.PROPOSER_KIND_MODEL]
+    ngram_session, ngram_key = loops[common_pb2.PROPOSER_KIND_NGRAM]
+    warm = RoundLoop(model_session, pool=pool, store=store, policy=FixedGamma(0), max_gamma=8)
+    cold = RoundLoop(ngram_session, pool=pool, store=store, policy=FixedGamma(0), max_gamma=8)
+    try:
+        assert warm.acceptance.warm_start and warm.acceptance.probe_clock is pool.probe_clock(model_key)
+        assert pool.acceptance_prior(ngram_key) is not None
+        assert cold.acceptance.probe_clock is not pool.probe_clock(ngram_key)
+        assert cold.acceptance.alpha() == pytest.approx(AcceptanceTracker().alpha())  # not the pooled 0.25
+    finally:
+        warm.detach()
+        cold.detach()

@@ -26,13 +26,25 @@ TIERS = ("coordinator", "draft", "target")
 COMPONENT = "app.kubernetes.io/component"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob", "Pod")
 
+#: Each tier's own load signal (docs/deploy.md, "Metrics").
+TIER_METRICS = {
+    "coordinator": {"specserve_coordinator_active_sessions"},
+    "draft": {"specserve_draft_queue_depth", "specserve_draft_batch_occupancy"},
+    "target": {"specserve_target_verify_queue_depth", "specserve_target_batch_occupancy"},
+}
+
 #: Rendered variants: name -> (kustomization dir relative to deploy/, components added on top).
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "cpu-demo": ("overlays/cpu-demo", ()),
     "gpu": ("overlays/gpu", ()),
     "gpu+cpu-hpa": ("overlays/gpu", ("components/cpu-hpa",)),
     "gpu+external-redis": ("overlays/gpu", ("components/external-redis",)),
+    "gpu+keda": ("overlays/gpu", ("components/keda",)),
 }
+#: Variants scaled by KEDA ScaledObjects instead of HPAs (tests/deploy/test_keda.py).
+KEDA_VARIANTS = {"gpu+keda"}
+#: Kinds of custom resources (their CRDs are not in the Kubernetes schemas; checked on their own).
+CUSTOM_KINDS = {"ScaledObject"}
 
 Doc = dict[str, Any]
 
@@ -92,6 +104,14 @@ def one(docs: Iterable[Doc], kind: str, name: str) -> Doc:
     found = find(docs, kind, name)
     assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
     return found[0]
+
+
+def max_replicas(docs: list[Doc], name: str) -> int:
+    """The autoscaler's upper bound for workload ``name``: its HPA's, or its KEDA ScaledObject's."""
+    hpas = find(docs, "HorizontalPodAutoscaler", name)
+    if hpas:
+        return int(one(docs, "HorizontalPodAutoscaler", name)["spec"]["maxReplicas"])
+    return int(one(docs, "ScaledObject", name)["spec"]["maxReplicaCount"])
 
 
 def pod_template(doc: Doc) -> Doc:
@@ -256,11 +276,11 @@ def _peer_matches(rule_peer: Doc, src: Peer, policy_namespace: str) -> bool:
     return ns_ok and pod_ok
 
 
-def _port_matches(rule_ports: list[Doc] | None, port_name: str, port_number: int) -> bool:
+def _port_matches(rule_ports: list[Doc] | None, port_name: str, port_number: int, protocol: str = "TCP") -> bool:
     if not rule_ports:
         return True
     for p in rule_ports:
-        if p.get("protocol", "TCP") != "TCP":
+        if p.get("protocol", "TCP") != protocol:
             continue
         if "port" not in p:
             return True
@@ -312,4 +332,55 @@ def allowed_flows(docs: list[Doc], sources: list[Peer]) -> set[tuple[str, str, s
                         flows.add(
                             (src.name, w["metadata"]["name"], port.get("name", str(port["containerPort"])))
                         )
+    return flows
+
+
+def egress_allowed(
+    policies: list[Doc], src: Peer, dst: Peer, port_name: str, port_number: int, protocol: str = "TCP"
+) -> bool:
+    """Whether the pod ``src`` (in NAMESPACE) may open a connection to ``dst`` on that port, as far as
+    the egress policies selecting ``src`` decide (the receiver's ingress is :func:`ingress_allowed`'s)."""
+    selecting = [
+        p
+        for p in policies
+        if src.namespace == NAMESPACE
+        and p["metadata"].get("namespace", NAMESPACE) == NAMESPACE
+        and "Egress" in (p["spec"].get("policyTypes") or [])
+        and selector_matches(p["spec"].get("podSelector"), dict(src.labels))
+    ]
+    if not selecting:
+        return True  # not isolated for egress
+    for policy in selecting:
+        for rule in policy["spec"].get("egress") or []:
+            if not _port_matches(rule.get("ports"), port_name, port_number, protocol):
+                continue
+            destinations = rule.get("to")
+            if not destinations or any(_peer_matches(d, dst, NAMESPACE) for d in destinations):
+                return True
+    return False
+
+
+Port = tuple[str, int, str]  # (name, number, protocol)
+
+
+def egress_flows(docs: list[Doc], destinations: list[tuple[Peer, list[Port]]]) -> set[tuple[str, str, str]]:
+    """Every (source workload, destination, port) the egress policies let out, for every workload's pods
+    as sources and as destinations (their container ports), plus ``destinations`` (peers outside)."""
+    policies = find(docs, "NetworkPolicy")
+    targets = list(destinations)
+    for w in workloads(docs):
+        template = pod_template(w)
+        ports = [
+            (port.get("name", ""), int(port["containerPort"]), port.get("protocol", "TCP"))
+            for c in template["spec"]["containers"]
+            for port in c.get("ports", [])
+        ]
+        targets.append((peer(w["metadata"]["name"], NAMESPACE, template["metadata"].get("labels") or {}), ports))
+    flows = set()
+    for w in workloads(docs):
+        src = peer(w["metadata"]["name"], NAMESPACE, pod_template(w)["metadata"].get("labels") or {})
+        for dst, ports in targets:
+            for name, number, protocol in ports:
+                if egress_allowed(policies, src, dst, name, number, protocol):
+                    flows.add((src.name, dst.name, name or f"{number}/{protocol.lower()}"))
     return flows

@@ -27,15 +27,20 @@ import pytest
 import yaml
 from deploy_helpers import (
     COMPONENT,
+    CUSTOM_KINDS,
     DEPLOY,
+    KEDA_VARIANTS,
     REPO,
+    TIER_METRICS,
     TIERS,
     VARIANTS,
     Peer,
     allowed_flows,
     containers,
+    egress_flows,
     find,
     is_specserve_server,
+    max_replicas,
     named_port,
     one,
     peer,
@@ -50,14 +55,8 @@ from deploy_helpers import (
 from specserve.config import CoordinatorSettings, DraftSettings, TargetSettings
 
 SETTINGS = {"coordinator": CoordinatorSettings, "draft": DraftSettings, "target": TargetSettings}
-#: Each tier's own load signal (docs/deploy.md, "Metrics").
-TIER_METRICS = {
-    "coordinator": {"specserve_coordinator_active_sessions"},
-    "draft": {"specserve_draft_queue_depth"},
-    "target": {"specserve_target_verify_queue_depth", "specserve_target_batch_occupancy"},
-}
 CPU_HPA_VARIANTS = {"cpu-demo", "gpu+cpu-hpa"}
-GPU_VARIANTS = {"gpu", "gpu+cpu-hpa", "gpu+external-redis"}
+GPU_VARIANTS = {"gpu", "gpu+cpu-hpa", "gpu+external-redis", "gpu+keda"}
 GPU = "nvidia.com/gpu"
 GPU_POOL = "specserve.io/gpu-pool"
 #: Environment variables other than SPECSERVE_* that specserve containers may set (none).
@@ -99,10 +98,16 @@ def _validate(files: list[Path], version: str) -> tuple[int, str]:
 def test_every_rendered_object_validates_against_the_kubernetes_schemas(rendered, tmp_path, version):
     """kubernetes-validate --strict passes every object of every variant, and none is skipped for want of a schema.
 
-    Objects that several variants render identically are validated once.
+    Objects that several variants render identically are validated once. Custom resources (KEDA's
+    ScaledObject) have no schema there; tests/deploy/test_keda.py validates them against KEDA's.
     """
     version = newest_schema_version() if version == "newest" else version
-    unique = {json.dumps(d, sort_keys=True): d for docs in rendered.values() for d in docs}
+    unique = {
+        json.dumps(d, sort_keys=True): d
+        for docs in rendered.values()
+        for d in docs
+        if d["kind"] not in CUSTOM_KINDS
+    }
     path = tmp_path / "rendered.yaml"
     path.write_text(yaml.safe_dump_all(list(unique.values())))
     loader = DEPLOY / "tools" / "model-loader.yaml"
@@ -174,8 +179,9 @@ def hpa_problems(docs: list[dict], cpu_fallback: bool) -> list[str]:
     return problems
 
 
-@ALL
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in KEDA_VARIANTS])
 def test_every_tier_has_its_own_hpa_on_its_own_signal(rendered, variant):
+    """(KEDA variants scale through ScaledObjects instead: tests/deploy/test_keda.py.)"""
     assert hpa_problems(rendered[variant], variant in CPU_HPA_VARIANTS) == []
 
 
@@ -266,10 +272,17 @@ def test_probe_check_can_fail(rendered):
 
 @ALL
 def test_services_route_to_the_served_grpc_port(rendered, variant):
+    """Every Service port reaches the container's gRPC port, or on the coordinator its HTTP API port,
+    and the HTTP API listens where the container port says (SPECSERVE_HTTP_PORT)."""
     docs = rendered[variant]
     for tier in TIERS:
         template = pod_template(tier_workload(docs, tier))
         container = template["spec"]["containers"][0]
+        env = resolve_env(docs, next(c for c in containers(docs) if c.spec is container))
+        served = {"grpc": named_port(container, "grpc")}
+        if tier == "coordinator":
+            served["http"] = int(env["SPECSERVE_HTTP_PORT"])
+            assert named_port(container, "http") == served["http"]
         services = [
             s
             for s in find(docs, "Service")
@@ -280,7 +293,7 @@ def test_services_route_to_the_served_grpc_port(rendered, variant):
             for p in s["spec"]["ports"]:
                 target = p["targetPort"]
                 number = named_port(container, target) if isinstance(target, str) else target
-                assert number == named_port(container, "grpc"), (tier, s["metadata"]["name"], p)
+                assert number in served.values(), (tier, s["metadata"]["name"], p)
 
 
 @ALL
@@ -443,14 +456,84 @@ def sources(docs: list[dict]) -> list[Peer]:
 
 def expected_flows(docs: list[dict]) -> set[tuple[str, str, str]]:
     """Clients reach only the coordinator; only the coordinator reaches draft and target;
-    only the three services reach Redis; Prometheus scrapes the services' metrics port."""
+    only the coordinator and the target reach Redis (the draft never uses it); Prometheus
+    scrapes the services' metrics port."""
     names = {w["metadata"]["name"] for w in workloads(docs)}
-    flows = {(s.name, "coordinator", "grpc") for s in sources(docs)}
+    flows = {(s.name, "coordinator", port) for s in sources(docs) for port in ("grpc", "http")}
     flows |= {("coordinator", "draft", "grpc"), ("coordinator", "target", "grpc")}
     flows |= {("monitoring", tier, "metrics") for tier in TIERS}
     if "redis" in names:
-        flows |= {(tier, "redis", "redis") for tier in TIERS}
+        flows |= {("coordinator", "redis", "redis"), ("target", "redis", "redis")}
     return flows
+
+
+DNS = peer("kube-dns", "kube-system", {"k8s-app": "kube-dns"})
+EXTERNAL_REDIS = peer("external-redis", "elsewhere", {})
+OUTSIDE = [
+    (DNS, [("", 53, "UDP"), ("", 53, "TCP")]),
+    (EXTERNAL_REDIS, [("", 6379, "TCP"), ("", 6380, "TCP")]),
+    (peer("internet", "elsewhere", {}), [("", 443, "TCP"), ("", 80, "TCP")]),
+]
+
+
+def expected_egress(docs: list[dict]) -> set[tuple[str, str, str]]:
+    """Each tier calls only what it needs: the coordinator the workers, Redis and DNS; the target Redis
+    and DNS; the draft and Redis no one. With an external Redis its ports are open to anywhere, for the
+    coordinator and the target only."""
+    dns = {(tier, "kube-dns", port) for tier in ("coordinator", "target") for port in ("53/udp", "53/tcp")}
+    flows = {("coordinator", "draft", "grpc"), ("coordinator", "target", "grpc"), *dns}
+    if "redis" in {w["metadata"]["name"] for w in workloads(docs)}:
+        return flows | {("coordinator", "redis", "redis"), ("target", "redis", "redis")}
+    return flows | {(tier, "external-redis", p) for tier in ("coordinator", "target") for p in ("6379/tcp", "6380/tcp")}
+
+
+@ALL
+def test_egress_policies_let_each_tier_call_only_what_it_needs(rendered, variant):
+    docs = rendered[variant]
+    assert egress_flows(docs, OUTSIDE) == expected_egress(docs)
+
+
+def test_egress_check_can_fail(rendered):
+    docs = copy.deepcopy(rendered["gpu"])
+    docs = [d for d in docs if not (d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "default-deny-egress")]
+    flows = egress_flows(docs, OUTSIDE)
+    assert ("draft", "internet", "443/tcp") in flows and ("draft", "redis", "redis") in flows
+    assert flows != expected_egress(docs)
+
+
+@ALL
+def test_draft_pods_get_no_redis_secret(rendered, variant):
+    """The draft never touches Redis: no Redis URL, no reference to the Redis Secret in its pods."""
+    docs = rendered[variant]
+    draft = pod_template(tier_workload(docs, "draft"))
+    assert "specserve-redis" not in json.dumps(draft)
+    for c in (c for c in containers(docs) if is_specserve_server(c) and role_of(c) == "draft"):
+        assert "SPECSERVE_REDIS_URL" not in resolve_env(docs, c)
+
+
+def _secret_ref(c, name: str) -> tuple[str, str] | None:
+    for item in c.spec.get("env", []):
+        if item["name"] == name and "secretKeyRef" in item.get("valueFrom", {}):
+            ref = item["valueFrom"]["secretKeyRef"]
+            return ref["name"], ref["key"]
+    return None
+
+
+@ALL
+def test_worker_auth_is_wired_the_same_on_the_coordinator_and_both_workers(rendered, variant, monkeypatch):
+    """Every server reads SPECSERVE_WORKER_TOKEN from the same Secret key (the coordinator sends it, the
+    workers require it), so workers listening on 0.0.0.0 authenticate their callers."""
+    docs = rendered[variant]
+    refs = {
+        role_of(c): _secret_ref(c, "SPECSERVE_WORKER_TOKEN")
+        for c in containers(docs)
+        if is_specserve_server(c)
+    }
+    assert set(refs) == set(TIERS) and len(set(refs.values())) == 1 and None not in refs.values(), refs
+    for role in ("draft", "target"):
+        settings = _settings(docs, role, monkeypatch)
+        assert settings.authenticates_callers and settings.worker_token is not None
+    assert _settings(docs, "coordinator", monkeypatch).worker_token is not None
 
 
 @ALL
@@ -596,10 +679,9 @@ def test_coordinator_lists_one_endpoint_per_possible_worker_replica(rendered, va
         )
         container = pod_template(sts)["spec"]["containers"][0]
         port = named_port(container, "grpc")
-        hpa = one(docs, "HorizontalPodAutoscaler", sts["metadata"]["name"])
         want = [
             f"{sts['metadata']['name']}-{i}.{service['metadata']['name']}:{port}"
-            for i in range(hpa["spec"]["maxReplicas"])
+            for i in range(max_replicas(docs, sts["metadata"]["name"]))
         ]
         got = env[f"SPECSERVE_{tier.upper()}_ENDPOINTS"].split(",")
         assert got == want
@@ -658,17 +740,26 @@ def test_gpu_overlay_commits_no_credentials(rendered):
     """Production Secrets are created out of band; only cpu-demo generates a (demo) Secret."""
     for variant in GPU_VARIANTS:
         assert find(rendered[variant], "Secret") == []
-    secret = one(rendered["cpu-demo"], "Secret", find(rendered["cpu-demo"], "Secret")[0]["metadata"]["name"])
+    secrets = {s["metadata"]["name"].rsplit("-", 1)[0]: s for s in find(rendered["cpu-demo"], "Secret")}
+    assert set(secrets) == {"specserve-redis", "specserve-worker"}
     import base64
 
-    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    data = {k: base64.b64decode(v).decode() for k, v in secrets["specserve-redis"]["data"].items()}
     url = urlparse(data["url"])
     assert url.password == data["password"] and url.hostname == "redis"
+    token = base64.b64decode(secrets["specserve-worker"]["data"]["token"]).decode()
+    assert "demo" in token
 
 
 def test_docs_list_every_metric_and_overlay():
     text = (REPO / "docs" / "deploy.md").read_text()
     for name in set().union(*TIER_METRICS.values()):
         assert name in text
-    for path in ("overlays/cpu-demo", "overlays/gpu", "components/cpu-hpa", "components/external-redis"):
+    for path in (
+        "overlays/cpu-demo",
+        "overlays/gpu",
+        "components/cpu-hpa",
+        "components/external-redis",
+        "components/keda",
+    ):
         assert path in text

@@ -11,10 +11,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.server import start_draft
 from specserve.params import SamplingParams, SessionBase
+from specserve.proposal import draft_probs_from_pb
 from specserve.rng import Purpose, uniform
 from specserve.sampling import logits_to_probs, sample_from
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specserve.verification import draft_probs_from_pb
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 11, 64, 120]
 
@@ -227,6 +227,30 @@ async def test_bad_input_is_refused_precisely_and_the_session_stays_usable(llama
     assert llama_app.caches.get("bad").committed_len == len(PROMPT)
 
 
+async def test_a_history_longer_than_the_context_is_refused_before_any_work(llama_draft):
+    """The tiny draft's context is 512 positions: a Propose carrying a longer committed history (or one
+    claiming a longer session) is INVALID_ARGUMENT, and nothing is recorded for the session; a smaller
+    max_session_tokens setting lowers the limit further."""
+    app = await start_draft(draft_settings(max_session_tokens=100), model=llama_draft)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+            too_long = request("long", [5] * 101, gamma=2)
+            await expect_code(stub.Propose(too_long), grpc.StatusCode.INVALID_ARGUMENT, "at most 100 tokens")
+            claimed = request("long", [5] * 4, start=4, gamma=2)
+            claimed.base.committed_len = 2_000_000
+            await expect_code(stub.Propose(claimed), grpc.StatusCode.INVALID_ARGUMENT, "at most 100 tokens")
+            assert "long" not in app.engine.history and "long" not in app.caches
+            assert len((await stub.Propose(request("long", [5] * 100, gamma=2))).proposal.token_ids) == 2
+    finally:
+        await app.stop(0)
+    app = await start_draft(draft_settings(), model=llama_draft)  # the default: the model's context caps it
+    try:
+        assert app.servicer.max_tokens == 512
+    finally:
+        await app.stop(0)
+
+
 async def test_release_drops_the_cache(llama_stub, llama_app):
     await llama_stub.Propose(request("rel", PROMPT))
     assert "rel" in llama_app.caches
@@ -292,3 +316,79 @@ async def test_session_evicted_from_the_history_must_resend(llama_draft):
             assert_same_proposal(again.proposal, first.proposal, llama_draft.vocab_size)
     finally:
         await app.stop(0)
+
+
+async def test_propose_batch_gives_each_session_what_propose_gives_it(llama_stub, llama_draft):
+    """Mixed greedy and sampled sessions in one ProposeBatch; a second server answers each alone: same bytes."""
+    items = [
+        request("pb-g", PROMPT, gamma=3, params=SamplingParams(temperature=0.0)),
+        request("pb-s", PROMPT[:4], gamma=5, params=SamplingParams(temperature=0.9, seed=4)),
+        request("pb-k", PROMPT[2:], gamma=2, params=SamplingParams(temperature=1.0, seed=8), draft_top_k=6),
+    ]
+    reply = await llama_stub.ProposeBatch(draft_pb2.ProposeBatchRequest(items=items))
+    assert reply.draft_ns > 0 and len(reply.results) == 3
+    other = await start_draft(draft_settings(), model=llama_draft)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{other.port}") as channel:
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+            for item, result in zip(items, reply.results, strict=True):
+                assert result.WhichOneof("outcome") == "proposal"
+                alone = await stub.Propose(item)
+                assert result.proposal.proposal.SerializeToString() == alone.proposal.SerializeToString()
+                assert result.proposal.prefill_tokens == alone.prefill_tokens
+    finally:
+        await other.stop(0)
+
+
+async def test_propose_batch_items_fail_on_their_own(llama_stub):
+    items = [
+        request("pbe-ok", PROMPT),
+        request("pbe-cold", PROMPT, start=4),  # unknown session: resend from 0
+        request("pbe-big", PROMPT, gamma=MAX_GAMMA + 1),  # malformed
+        request("pbe-ok2", PROMPT[:3], gamma=2),
+    ]
+    reply = await llama_stub.ProposeBatch(draft_pb2.ProposeBatchRequest(items=items))
+    outcomes = [r.WhichOneof("outcome") for r in reply.results]
+    assert outcomes == ["proposal", "error", "error", "proposal"]
+    assert reply.results[1].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert "position 0" in reply.results[1].error.message
+    assert reply.results[2].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "max_gamma" in reply.results[2].error.message
+    assert len(reply.results[0].proposal.proposal.token_ids) == 4
+    assert len(reply.results[3].proposal.proposal.token_ids) == 2
+
+
+async def test_propose_batch_refuses_more_items_than_it_takes(llama_draft):
+    app = await start_draft(draft_settings(max_batch_size=2), model=llama_draft)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+            assert (await stub.GetDraftInfo(draft_pb2.GetDraftInfoRequest())).max_batch_size == 2
+            items = [request(f"over{i}", PROMPT) for i in range(3)]
+            await expect_code(
+                stub.ProposeBatch(draft_pb2.ProposeBatchRequest(items=items)),
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "at most 2",
+            )
+            await expect_code(
+                stub.ProposeBatch(draft_pb2.ProposeBatchRequest()),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "at least one",
+            )
+            same = [request("twice", PROMPT), request("twice", PROMPT)]
+            reply = await stub.ProposeBatch(draft_pb2.ProposeBatchRequest(items=same))
+            assert [r.WhichOneof("outcome") for r in reply.results] == ["proposal", "error"]
+            assert "appears twice" in reply.results[1].error.message
+    finally:
+        await app.stop(0)
+
+
+async def test_a_stop_token_ends_the_proposal(llama_stub):
+    greedy = SamplingParams(temperature=0.0)
+    free = await llama_stub.Propose(request("stop-free", PROMPT, gamma=4, params=greedy))
+    second = free.proposal.token_ids[1]
+    stopping = request("stop-cut", PROMPT, gamma=4, params=greedy)
+    stopping.stop_token_ids.append(second)
+    cut = await llama_stub.Propose(stopping)
+    end = list(free.proposal.token_ids).index(second) + 1
+    assert list(cut.proposal.token_ids) == list(free.proposal.token_ids)[:end]

@@ -1,20 +1,24 @@
-"""draft_service.proposers: the draft distribution, prompt lookup, and the model proposer's cache."""
+"""draft_service.proposers: the draft distribution, prompt lookup, the model proposer's cache, and batches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from draft_service.messages import ProposeResult
 from draft_service.proposers import (
+    Drafted,
     DraftRequest,
     ModelProposer,
     NgramProposer,
     draft_distribution,
-    ngram_lookup,
 )
+from specserve import row_invariant
+from specserve.errors import InvalidArgument
 from specserve.kvcache import SessionCacheStore
 from specserve.params import SamplingParams
-from specserve.rng import Purpose, uniform
+from specserve.proposal import draft_probs_to_pb
+from specserve.rng import Purpose, gumbel_noise, uniform
 from specserve.sampling import check_distribution, logits_to_probs, sample_from
 
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 11, 64, 120)
@@ -49,22 +53,6 @@ def test_greedy_distribution_is_one_hot_at_argmax():
     logits = torch.tensor([[0.1, 0.9, 0.3]])
     q = draft_distribution(logits, SamplingParams(temperature=0.0), [[]], 0)
     assert q.tolist() == [[0.0, 1.0, 0.0]]
-
-
-@pytest.mark.parametrize(
-    ("tokens", "gamma", "expected"),
-    [
-        ((1, 2, 3, 4, 5, 6, 1, 2, 3), 3, (4, 5, 6)),  # 3-gram match
-        ((1, 2, 3, 4, 5, 6, 1, 2, 3), 10, (4, 5, 6, 1, 2, 3)),  # runs up to the end of the history
-        ((9, 2, 3, 7, 8, 1, 2, 3, 5, 6, 2, 3), 2, (5, 6)),  # the latest of two occurrences
-        ((4, 9, 9, 1, 8, 9), 2, (1, 8)),  # no 3- or 2-gram match: the 1-gram 9, latest at index 2
-        ((1, 2, 3), 4, ()),  # nothing repeats
-        ((7,), 4, ()),
-        ((1, 2, 1, 2), 0, ()),
-    ],
-)
-def test_ngram_lookup(tokens, gamma, expected):
-    assert ngram_lookup(tokens, gamma) == expected
 
 
 def test_ngram_proposer_prefers_the_longest_match():
@@ -105,6 +93,37 @@ def test_model_proposer_samples_from_the_vectors_it_ships(draft_model):
     assert proposer.release("s") and not proposer.release("s")
 
 
+@pytest.mark.parametrize("draft_top_k", [0, 5])
+def test_model_proposer_in_coupled_mode_takes_the_gumbel_argmax_and_ships_tokens_only(
+    draft_model, draft_top_k
+):
+    """x_i = argmax(log q_i + G_i) with G_i the Gumbel noise of (seed, position), written out here from
+    the model's own logits; no distributions travel (the reply carries token ids only)."""
+    model = draft_model.model
+    store = SessionCacheStore(model, max_sessions=4, budget_bytes=10**9, ttl_s=60)
+    params = SamplingParams(temperature=0.8, repetition_penalty=1.1, seed=31, sampling_mode="coupled")
+    drafted = ModelProposer(store).propose(
+        DraftRequest("c", PROMPT, gamma=4, sampling=params, seed=31, draft_top_k=draft_top_k)
+    )
+    assert drafted.probs_f32 is None and len(drafted.token_ids) == 4
+    seq = list(PROMPT)
+    for i, token in enumerate(drafted.token_ids):
+        q = draft_distribution(fresh_logits(model, seq).unsqueeze(0), params, [seq], draft_top_k)[0].double()
+        noise = gumbel_noise([31], [len(PROMPT) + i], draft_model.vocab_size)[0]
+        assert token == int(torch.argmax(q.log() + noise))
+        seq.append(token)
+    reply = ProposeResult(drafted, draft_ns=1).to_pb()
+    assert list(reply.proposal.token_ids) == list(drafted.token_ids) and not reply.proposal.distributions
+
+
+def test_the_ngram_proposer_is_the_same_in_both_modes():
+    tokens = (1, 2, 3, 4, 0, 5, 3, 9, 1, 2, 3)
+    coupled = SamplingParams(temperature=1.0, sampling_mode="coupled")
+    assert NgramProposer().propose(
+        DraftRequest("s", tokens, gamma=2, sampling=coupled, seed=0)
+    ).token_ids == (4, 0)
+
+
 def test_model_proposer_stops_at_the_context_limit(draft_model):
     store = SessionCacheStore(draft_model.model, max_sessions=4, budget_bytes=10**9, ttl_s=60)
     limit = store.get_or_create("probe")[0].max_positions
@@ -114,3 +133,142 @@ def test_model_proposer_stops_at_the_context_limit(draft_model):
         DraftRequest("long", committed, gamma=5, sampling=SamplingParams(temperature=0.0), seed=0)
     )
     assert len(drafted.token_ids) == 2  # C + x1 + x2 fills the context exactly
+
+
+def _wire(drafted) -> list[bytes] | None:
+    """What the draft ships for ``q``, as bytes (None: greedy, point masses)."""
+    if drafted.probs_f32 is None:
+        return None
+    return [d.SerializeToString() for d in draft_probs_to_pb(drafted.probs_f32, drafted.sparse)]
+
+
+def _eight_sessions(vocab_size: int) -> list[DraftRequest]:
+    """Mixed prompt lengths (two above the inline catch-up limit), mixed gamma, greedy and seeded sampling."""
+    gen = torch.Generator().manual_seed(17)
+    lengths = (3, 40, 7, 120, 1, 15, 64, 9)
+    gammas = (4, 1, 8, 3, 5, 2, 6, 4)
+    requests = []
+    for i, (n, gamma) in enumerate(zip(lengths, gammas, strict=True)):
+        committed = tuple(torch.randint(1, vocab_size, (n,), generator=gen).tolist())
+        if i % 2 == 0:
+            params = SamplingParams(temperature=0.0)
+        else:
+            params = SamplingParams(
+                temperature=0.9, top_p=0.95, repetition_penalty=1.1 if i == 5 else 1.0, seed=100 + i
+            )
+        requests.append(
+            DraftRequest(
+                f"s{i}",
+                committed,
+                gamma=gamma,
+                sampling=params,
+                seed=params.seed,
+                draft_top_k=5 if i == 3 else 0,
+            )
+        )
+    return requests
+
+
+def _store(model) -> SessionCacheStore:
+    return SessionCacheStore(model, max_sessions=64, budget_bytes=10**9, ttl_s=600)
+
+
+def test_eight_sessions_drafted_in_one_batch_equal_each_drafted_alone(draft_model):
+    """Token for token, with the same q bytes, in two rounds (the second after partial acceptance)."""
+    alone, batched = ModelProposer(_store(draft_model.model)), ModelProposer(_store(draft_model.model))
+    requests = _eight_sessions(draft_model.vocab_size)
+    for round_ in range(2):
+        by_alone = [alone.propose(r) for r in requests]
+        by_batch = batched.propose_batch(requests)
+        for r, a, b in zip(requests, by_alone, by_batch, strict=True):
+            assert isinstance(b, Drafted)
+            assert b.token_ids == a.token_ids, f"round {round_}, {r.session_id}"
+            assert _wire(b) == _wire(a), f"round {round_}, {r.session_id}: q bytes differ"
+            assert b.prefill_tokens == a.prefill_tokens
+            assert len(a.token_ids) == r.gamma
+            assert (a.probs_f32 is None) == r.sampling.greedy
+            assert batched.caches.get(r.session_id).tokens == alone.caches.get(r.session_id).tokens
+        # The next round: the first proposed token and a correction committed.
+        requests = [
+            DraftRequest(
+                r.session_id, (*r.committed, *a.token_ids[:1], 7), r.gamma, r.sampling, r.seed, r.draft_top_k
+            )
+            for r, a in zip(requests, by_alone, strict=True)
+        ]
+    # Only what the caches lack is fed: the correction (gamma 4 cached x1), or x1 and the correction (gamma 1
+    # caches no branch).
+    assert [d.prefill_tokens for d in batched.propose_batch(requests[:2])] == [1, 2]
+
+
+def test_a_batched_proposal_matches_the_draft_model_run_fresh(draft_model):
+    """Not only alone == batched: each session's greedy tokens are what its own prefill gives (no cache)."""
+    requests = [
+        DraftRequest(f"g{i}", PROMPT[: 3 + i], gamma=3, sampling=SamplingParams(temperature=0.0), seed=0)
+        for i in range(4)
+    ]
+    drafted = ModelProposer(_store(draft_model.model)).propose_batch(requests)
+    for r, d in zip(requests, drafted, strict=True):
+        seq = list(r.committed)
+        for token in d.token_ids:
+            assert token == int(fresh_logits(draft_model.model, seq).argmax())
+            seq.append(token)
+
+
+def test_a_session_that_drafts_a_stop_token_drops_out_and_the_others_go_on(draft_model):
+    greedy = SamplingParams(temperature=0.0)
+    free = ModelProposer(_store(draft_model.model)).propose_batch(
+        [DraftRequest(f"f{i}", PROMPT[i:], gamma=5, sampling=greedy, seed=0) for i in range(3)]
+    )
+    stop_at = free[1].token_ids[1]  # session 1 stops after its second token
+    requests = [
+        DraftRequest(
+            f"f{i}",
+            PROMPT[i:],
+            gamma=5,
+            sampling=greedy,
+            seed=0,
+            stop_token_ids=frozenset({stop_at}) if i == 1 else frozenset(),
+        )
+        for i in range(3)
+    ]
+    proposer = ModelProposer(_store(draft_model.model))
+    stopped = proposer.propose_batch(requests)
+    cut = free[1].token_ids.index(stop_at) + 1
+    assert stopped[1].token_ids == free[1].token_ids[:cut] and cut <= 2
+    assert stopped[0].token_ids == free[0].token_ids and stopped[2].token_ids == free[2].token_ids
+    assert proposer.caches.get("f1").tokens == PROMPT[1:] + stopped[1].token_ids[:-1]
+
+
+def test_a_batch_that_fails_drops_its_sessions_caches(draft_model, monkeypatch):
+    proposer = ModelProposer(_store(draft_model.model))
+    greedy = SamplingParams(temperature=0.0)
+    requests = [DraftRequest(f"x{i}", PROMPT, gamma=3, sampling=greedy, seed=0) for i in range(2)]
+    proposer.propose_batch(requests)
+    assert "x0" in proposer.caches and "x1" in proposer.caches
+    calls = []
+
+    def failing(model, packed):
+        calls.append(packed.batch_size)
+        raise RuntimeError("injected: the device ran out of memory")
+
+    monkeypatch.setattr(row_invariant, "forward", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        proposer.propose_batch(requests)
+    assert calls == [2]
+    assert "x0" not in proposer.caches and "x1" not in proposer.caches  # rebuilt from C next time
+
+
+def test_requests_a_batch_cannot_serve_get_their_own_errors(draft_model):
+    proposer = ModelProposer(_store(draft_model.model))
+    greedy = SamplingParams(temperature=0.0)
+    too_long = tuple(range(1, 515))  # the tiny models take 512 positions
+    out = proposer.propose_batch(
+        [
+            DraftRequest("ok", PROMPT, gamma=2, sampling=greedy, seed=0),
+            DraftRequest("long", too_long, gamma=2, sampling=greedy, seed=0),
+            DraftRequest("zero", PROMPT, gamma=0, sampling=greedy, seed=0),
+        ]
+    )
+    assert len(out[0].token_ids) == 2
+    assert isinstance(out[1], InvalidArgument) and "512 positions" in out[1].message
+    assert out[2].token_ids == () and "zero" not in proposer.caches  # nothing to draft: the model is not run

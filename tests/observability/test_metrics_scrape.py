@@ -107,6 +107,17 @@ async def test_speculation_counters_equal_the_requests_own_stats(stack, metrics_
     )
     drafts = d("specserve_spec_decode_num_drafts_total")
     assert drafts == stats.rounds - gamma0_rounds and drafts > 0
+    assert drafts == stats.draft_rounds
+    # The same counters under vLLM's names, for dashboards built for vLLM.
+    assert d("vllm:spec_decode_num_drafts_total") == drafts
+    assert d("vllm:spec_decode_num_draft_tokens_total") == stats.proposed_tokens
+    assert d("vllm:spec_decode_num_accepted_tokens_total") == stats.accepted_tokens
+    assert [
+        d("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(positions)
+    ] == per_pos
+    assert after.get("vllm:spec_decode_num_draft_tokens_total") == after.get(
+        "specserve_spec_decode_num_draft_tokens_total"
+    )
     # Requests, latency and stages.
     assert d("specserve_coordinator_requests_total", status="ok") == 1
     assert d("specserve_coordinator_time_to_first_token_seconds_count") == 1

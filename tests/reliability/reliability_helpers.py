@@ -11,7 +11,7 @@ streaming a Generate call while watching its progress, and the nothing-lost chec
   (hypothesis cannot drive ``async def`` tests) can host real ``grpc.aio`` servers.
 * :class:`Stream` runs one Generate call and records every streamed token as it arrives,
   its closing stats, and the status it ended with.
-* :func:`assert_stream_is_log` is the check of DESIGN.md invariant 4: what the client
+* :func:`assert_stream_is_log` is the check of docs/design.md invariant 4: what the client
   received is exactly the committed log after the prompt, each token once.
 """
 
@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from redis_server import free_port
 
+from specserve.redis_server import free_port
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 T = TypeVar("T")

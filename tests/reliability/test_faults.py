@@ -35,11 +35,12 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 import system_fixtures as sf
 from pydantic import SecretStr
-from redis_server import RedisServer
 from reliability_helpers import Stream, assert_stream_is_log, wait_until
 from tcp_proxy import DelayProxy
 
+from specserve import metrics
 from specserve.config import CoordinatorSettings, DraftSettings, TargetSettings
+from specserve.redis_server import RedisServer
 from specserve.store import SessionStore, unpack_tokens
 from specserve.v1 import target_pb2, target_pb2_grpc
 
@@ -156,18 +157,28 @@ async def test_redis_restart_fails_sessions_cleanly_and_never_half_applies(pair,
 
 class DropVerifyReply(grpc.aio.UnaryUnaryClientInterceptor):
     """Lets a Verify reach the target, then raises UNAVAILABLE instead of returning its reply,
-    once armed; records every Verify request and reply that passes."""
+    once armed; or, with ``refuse_next`` set, answers the next Verify with that status before it
+    reaches the target (as a target refusing the call would); records every Verify request and
+    reply that passes."""
 
     def __init__(self) -> None:
         self.armed = False
+        self.refuse_next: grpc.StatusCode | None = None
+        self.refused: list[target_pb2.VerifyRequest] = []
         self.dropped: list[tuple[target_pb2.VerifyRequest, target_pb2.VerifyResponse]] = []
         self.passed: list[tuple[target_pb2.VerifyRequest, target_pb2.VerifyResponse]] = []
 
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        call = await continuation(client_call_details, request)
         method = client_call_details.method
         if not (method.decode() if isinstance(method, bytes) else method).endswith("/Verify"):
-            return await call
+            return await (await continuation(client_call_details, request))
+        if self.refuse_next is not None:
+            code, self.refuse_next = self.refuse_next, None
+            self.refused.append(request)
+            raise grpc.aio.AioRpcError(
+                code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="the test refused this Verify"
+            )
+        call = await continuation(client_call_details, request)
         reply = await call  # the target has verified and committed by now
         if self.armed:
             self.armed = False
@@ -267,6 +278,36 @@ async def test_dropped_verify_reply_is_replayed_and_nothing_is_emitted_twice(pro
     for s in streams:
         await assert_stream_is_log(store, s)
     for p, s in zip(prompts, greedy, strict=False):
+        assert s.tokens == reference(pair, p, max_new)
+
+
+async def test_resource_exhausted_is_retried_on_the_same_replica_without_opening_its_breaker(
+    proxied, store, pair, prompts
+):
+    """A Verify answered RESOURCE_EXHAUSTED (a limit, not a broken replica) is sent again to the same
+    replica: every item of the refused call is verified on the retry, the breaker stays closed, and the
+    sessions finish with the target's own output."""
+    app, _, dropper = proxied
+    pool = app.coordinator.pool
+    (target_ep,) = pool.targets.endpoints
+    max_new = 24
+    streams = [Stream(sf.request(p, max_new_tokens=max_new, ignore_eos=True, gamma=2)) for p in prompts[:3]]
+    tasks = [asyncio.create_task(s.run(_address(app), timeout_s=90)) for s in streams]
+    await wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), timeout_s=60, what="3 tokens each")
+    passed_before = len(dropper.passed)
+    failures = metrics.REPLICA_FAILURES.labels(tier="target")
+    failures_before = failures._value.get()
+    dropper.refuse_next = grpc.StatusCode.RESOURCE_EXHAUSTED
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
+
+    assert len(dropper.refused) == 1, "no Verify was refused (sessions ended first?)"
+    later = [it for req, _ in dropper.passed[passed_before:] for it in req.items]
+    for item in dropper.refused[0].items:
+        assert any(it.base == item.base for it in later), f"{item.base} was not retried"
+    assert failures._value.get() == failures_before, "RESOURCE_EXHAUSTED counted against the replica"
+    assert pool.targets.failures(target_ep) == 0 and pool.targets.is_up(target_ep)
+    for p, s in zip(prompts, streams, strict=False):
+        await assert_stream_is_log(store, s)
         assert s.tokens == reference(pair, p, max_new)
 
 

@@ -13,12 +13,21 @@ UNKNOWN, which mean a bug escaped), and afterwards each service must still
 answer a well-formed request *correctly* (greedy output equal to the model's own
 ``generate()``).
 
+Bad requests also run *beside good ones*, where a clean status for the bad one is
+not enough: bad items batched with good items in one Verify call (each good item
+must commit exactly the verdict its twin gets alone), bad Proposes sent together
+with a good one (which must still get the draft's own greedy continuation), and
+bad Generate requests running at the same time as a good one (which must still
+get the target's own output, with draft proposals, and no replica's breaker may
+open).
+
 Bounded: ``max_examples`` per test below, no per-example deadline, no example
 database written.
 """
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import uuid
 
@@ -28,7 +37,7 @@ import pytest
 import system_fixtures as sf
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from reliability_helpers import CLEAN_CODES, LoopThread
+from reliability_helpers import CLEAN_CODES, LoopThread, Stream
 
 from specserve.params import SamplingParams, StopConditions
 from specserve.v1 import (
@@ -369,6 +378,18 @@ def _new_session(fuzz_stack, *, greedy: bool, prompt=PROMPT) -> str:
     return sid
 
 
+def _plan_item(it: dict, known: str | None, record) -> target_pb2.VerifyItem:
+    """A VerifyItem from one item of a :func:`verify_plan` (KNOWN / None resolved against ``record``)."""
+    item = target_pb2.VerifyItem()
+    if it["has_base"]:
+        item.base.session_id = known if it["sid"] == KNOWN else it["sid"]
+        item.base.committed_len = record.committed_len if it["committed_len"] is None else it["committed_len"]
+        item.base.version = record.version if it["version"] is None else it["version"]
+    item.proposal.token_ids.extend(it["tokens"])
+    item.proposal.distributions.extend(it["dists"])
+    return item
+
+
 # --------------------------------------------------------------------------- target Verify
 
 
@@ -379,17 +400,7 @@ def test_target_verify_survives_bad_input(fuzz_stack, channels, plan):
     stub = target_pb2_grpc.TargetServiceStub(channels["target"])
     known = _new_session(fuzz_stack, greedy=plan["greedy"]) if plan["items"] else None
     record = loop.run(store.load(known)) if known else None
-    request = target_pb2.VerifyRequest()
-    for it in plan["items"]:
-        item = request.items.add()
-        if it["has_base"]:
-            item.base.session_id = known if it["sid"] == KNOWN else it["sid"]
-            item.base.committed_len = (
-                record.committed_len if it["committed_len"] is None else it["committed_len"]
-            )
-            item.base.version = record.version if it["version"] is None else it["version"]
-        item.proposal.token_ids.extend(it["tokens"])
-        item.proposal.distributions.extend(it["dists"])
+    request = target_pb2.VerifyRequest(items=[_plan_item(it, known, record) for it in plan["items"]])
     replies = []
     code, details = _code(lambda: replies.append(stub.Verify(request, timeout=60)))
     _assert_clean(code, details, request)
@@ -402,6 +413,77 @@ def test_target_verify_survives_bad_input(fuzz_stack, channels, plan):
         committed = tuple(verdicts[0].committed_token_ids) if verdicts else ()
         assert after.token_ids == PROMPT + committed and after.version == (1 if verdicts else 0)
         event("committed a verdict" if verdicts else "committed nothing")
+
+
+@st.composite
+def mixed_verify_plan(draw) -> dict:
+    """1 to 3 bad (or extreme) items, each from :func:`verify_plan` (whole-request defects aside: no
+    items, 40 items), and where in the batch the two good items go."""
+    bad = []
+    for _ in range(draw(st.integers(1, 3))):
+        plan = draw(verify_plan())
+        if len(plan["items"]) == 1:
+            bad.append((plan["greedy"], plan["items"][0]))
+    order = draw(st.permutations(list(range(len(bad) + 2))))
+    return {"bad": bad, "order": order}
+
+
+def _good_items(fuzz_stack, pair) -> tuple[list[tuple[str, target_pb2.VerifyItem]], list[target_pb2.VerifyItem]]:
+    """A greedy and a sampled session with well-formed proposals, and twins of them: ([(sid, item)], twin items)."""
+    greedy = sf.reference_greedy(pair.target_dir, PROMPT, 3, ignore_eos=True)
+    proposals = [
+        (True, common_pb2.Proposal(token_ids=greedy)),
+        (
+            False,
+            common_pb2.Proposal(
+                token_ids=[17, 42],
+                distributions=[
+                    common_pb2.DraftDistribution(dense=common_pb2.DenseDistribution(probs_f32le=_dense_bytes("good", s, 0)))
+                    for s in (1, 2)
+                ],
+            ),
+        ),
+    ]
+    goods, twins = [], []
+    for is_greedy, proposal in proposals:
+        for out in (goods, twins):
+            sid = _new_session(fuzz_stack, greedy=is_greedy)
+            base = common_pb2.SessionBase(session_id=sid, committed_len=len(PROMPT), version=0)
+            item = target_pb2.VerifyItem(base=base, proposal=proposal)
+            out.append((sid, item) if out is goods else item)
+    return goods, twins
+
+
+@FUZZ
+@given(plan=mixed_verify_plan())
+def test_bad_items_never_change_the_verdicts_of_good_items_in_the_same_batch(fuzz_stack, channels, pair, plan):
+    """Bad items batched with good ones: the call succeeds, each bad item gets its own clean status, and
+    each good item commits exactly the verdict its twin gets verified alone (the batch-mates are verified as
+    if the bad items were absent)."""
+    loop, _, store = fuzz_stack
+    stub = target_pb2_grpc.TargetServiceStub(channels["target"])
+    goods, twins = _good_items(fuzz_stack, pair)
+    bad_items = []
+    for greedy, it in plan["bad"]:
+        known = _new_session(fuzz_stack, greedy=greedy)
+        bad_items.append(_plan_item(it, known, loop.run(store.load(known))))
+    pool = [item for _, item in goods] + bad_items
+    request = target_pb2.VerifyRequest(items=[pool[i] for i in plan["order"]])
+    reply = stub.Verify(request, timeout=60)  # never refused whole: each item has its own fate
+    by_position = {plan["order"][k]: r for k, r in enumerate(reply.results)}
+    for g, ((sid, _), twin) in enumerate(zip(goods, twins, strict=True)):
+        got = by_position[g]
+        assert got.session_id == sid and got.WhichOneof("outcome") == "verdict", got
+        alone = stub.Verify(target_pb2.VerifyRequest(items=[twin]), timeout=60).results[0]
+        assert got.verdict == alone.verdict
+    for k in range(2, len(pool)):
+        result = by_position[k]
+        if result.WhichOneof("outcome") == "error":
+            _assert_clean(_STATUS[result.error.code], result.error.message, request)
+            event(f"bad item {_STATUS[result.error.code].name}")
+
+
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def test_target_still_verifies_correctly(fuzz_stack, channels, pair):
@@ -426,10 +508,7 @@ def test_target_still_verifies_correctly(fuzz_stack, channels, pair):
 # --------------------------------------------------------------------------- draft Propose
 
 
-@FUZZ
-@given(plan=propose_plan())
-def test_draft_propose_survives_bad_input(channels, plan):
-    stub = draft_pb2_grpc.DraftServiceStub(channels["draft"])
+def _propose_request(plan: dict) -> draft_pb2.ProposeRequest:
     request = draft_pb2.ProposeRequest(
         start_position=plan["start"],
         token_ids=plan["tokens"],
@@ -442,12 +521,62 @@ def test_draft_propose_survives_bad_input(channels, plan):
     if plan["has_base"]:
         sid = f"fuzz-{uuid.uuid4().hex}" if plan["sid"] == "fresh" else plan["sid"]
         request.base.CopyFrom(
-            common_pb2.SessionBase(
-                session_id=sid, committed_len=plan["committed_len"], version=plan["version"]
-            )
+            common_pb2.SessionBase(session_id=sid, committed_len=plan["committed_len"], version=plan["version"])
         )
+    return request
+
+
+@FUZZ
+@given(plan=propose_plan())
+def test_draft_propose_survives_bad_input(channels, plan):
+    stub = draft_pb2_grpc.DraftServiceStub(channels["draft"])
+    request = _propose_request(plan)
     code, details = _code(lambda: stub.Propose(request, timeout=60))
     _assert_clean(code, details, request)
+
+
+@FUZZ
+@given(plans=st.lists(propose_plan(), min_size=1, max_size=3))
+def test_bad_proposes_never_change_a_good_one_beside_them(fuzz_stack, pair, plans):
+    """A good greedy Propose sent together with bad ones gets the draft model's own greedy continuation."""
+    loop, stack, _ = fuzz_stack
+    expected = _draft_reference(pair)
+
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.draft_port}") as channel:
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+            good = stub.Propose(_good_propose(), timeout=60)
+            bad = [stub.Propose(_propose_request(p), timeout=60) for p in plans]
+            results = await asyncio.gather(good, *bad, return_exceptions=True)
+        return results[0], results[1:]
+
+    good, bad = loop.run(run())
+    assert not isinstance(good, BaseException), good
+    assert list(good.proposal.token_ids) == expected
+    for plan, result in zip(plans, bad, strict=True):
+        code = result.code() if isinstance(result, grpc.aio.AioRpcError) else grpc.StatusCode.OK
+        assert not isinstance(result, BaseException) or isinstance(result, grpc.aio.AioRpcError), result
+        _assert_clean(code, "", plan)
+
+
+_DRAFT_REFERENCE: list[int] = []
+
+
+def _draft_reference(pair) -> list[int]:
+    if not _DRAFT_REFERENCE:
+        _DRAFT_REFERENCE.extend(sf.reference_greedy(pair.draft_dir, PROMPT, 5, ignore_eos=True))
+    return list(_DRAFT_REFERENCE)
+
+
+def _good_propose() -> draft_pb2.ProposeRequest:
+    return draft_pb2.ProposeRequest(
+        base=common_pb2.SessionBase(session_id=f"fuzz-{uuid.uuid4().hex}", committed_len=len(PROMPT)),
+        start_position=0,
+        token_ids=PROMPT,
+        sampling=common_pb2.SamplingParams(temperature=0.0),
+        gamma=5,
+        proposer=common_pb2.PROPOSER_KIND_MODEL,
+    )
 
 
 def test_draft_still_proposes_correctly(channels, pair):
@@ -485,6 +614,33 @@ def test_coordinator_generate_survives_bad_input(channels, request):
     if code == grpc.StatusCode.OK:
         assert len(received) <= MAX_NEW_LIMIT
         assert all(0 <= t < VOCAB for t in received)
+
+
+@FUZZ
+@given(bads=st.lists(generate_plan(), min_size=1, max_size=3))
+def test_bad_generate_requests_never_hurt_a_good_one_running_beside_them(fuzz_stack, pair, bads):
+    """Bad and extreme requests running at the same time as a good greedy one: each ends cleanly, the good
+    one gets the target's own generate() with draft proposals, and no breaker opened (a request's own
+    refusal is never held against a replica)."""
+    loop, stack, _ = fuzz_stack
+    expected = sf.reference_greedy(pair.target_dir, PROMPT, MAX_NEW_LIMIT, ignore_eos=True)
+
+    async def run():
+        good = Stream(sf.request(PROMPT, max_new_tokens=MAX_NEW_LIMIT, gamma=2, ignore_eos=True))
+        bad = [Stream(b) for b in bads]
+        await asyncio.gather(*(s.run(stack.address, timeout_s=60) for s in (good, *bad)))
+        return good, bad
+
+    good, bad = loop.run(run())
+    assert good.ok and good.tokens == expected, (good.code, good.details)
+    assert good.stats.proposed_tokens > 0
+    for s in bad:
+        _assert_clean(s.code, s.details, s.request)
+        if s.ok:
+            assert len(s.tokens) <= MAX_NEW_LIMIT
+    pool = stack.coordinator.coordinator.pool
+    for tier in (pool.drafts, pool.targets):
+        assert all(tier.failures(ep) == 0 for ep in tier.endpoints), tier.name
 
 
 def test_coordinator_still_generates_correctly(channels, pair):

@@ -21,20 +21,21 @@ import pytest_asyncio
 import structlog
 import system_fixtures as sf
 from pydantic import SecretStr
-from redis_server import RedisServer
 from security_helpers import running_roles
 
 from specserve import errors
 from specserve.client import AsyncClient
 from specserve.config import CoordinatorSettings
 from specserve.logs import configure_logging, settings_secrets
-from specserve.server import RETRY_AFTER_KEY
+from specserve.redis_server import RedisServer
+from specserve.status import RETRY_AFTER_KEY
 from specserve.v1 import coordinator_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 TOKENS = {name: f"tok-{name}-{uuid.uuid4().hex}" for name in ("a", "b", "c")}
 REDIS_PASSWORD = f"pw-{uuid.uuid4().hex}"
+WORKER_TOKEN = f"wt-{uuid.uuid4().hex}"
 PROMPT = [5, 6, 7, 8]
 #: Seconds the proxy adds to each chunk while a session is being held open.
 HOLD_DELAY_S = 0.2
@@ -54,9 +55,10 @@ def captured_logs():
     settings = CoordinatorSettings(
         redis_url=SecretStr(f"redis://:{REDIS_PASSWORD}@127.0.0.1:6379/0"),
         auth_tokens=[SecretStr(t) for t in TOKENS.values()],
+        worker_token=SecretStr(WORKER_TOKEN),
     )
     secrets = settings_secrets(settings)
-    assert set(secrets) == {*TOKENS.values(), REDIS_PASSWORD}
+    assert set(secrets) == {*TOKENS.values(), REDIS_PASSWORD, WORKER_TOKEN}
     configure_logging("json", "debug", secrets=secrets, stream=buffer)
     yield buffer
     structlog.reset_defaults()
@@ -73,9 +75,11 @@ async def roles(captured_logs, sec_pair, sec_models, secret_redis):
         "max_new_tokens_limit": 32,
         "default_max_new_tokens": 16,
         "max_message_bytes": 64 * 1024,
+        "worker_token": SecretStr(WORKER_TOKEN),
     }
+    worker = {"worker_token": SecretStr(WORKER_TOKEN)}
     async with running_roles(
-        sec_pair, sec_models, secret_redis.url, coordinator=coordinator, proxy_target=True
+        sec_pair, sec_models, secret_redis.url, worker=worker, coordinator=coordinator, proxy_target=True
     ) as r:
         yield r
 
@@ -209,22 +213,27 @@ async def test_no_secret_in_logs_and_one_request_id_across_all_three_roles(roles
     await roles.coordinator.coordinator.drain()  # the releases to both workers are logged too
     # Control: a careless event carrying secrets is redacted by the configured processor.
     structlog.get_logger("test").warning(
-        "careless", url=secret_redis_url(), header=f"Bearer {TOKENS['b']}", nested={"t": TOKENS["a"]}
+        "careless",
+        url=secret_redis_url(),
+        header=f"Bearer {TOKENS['b']}",
+        nested={"t": TOKENS["a"]},
+        worker=f"Bearer {WORKER_TOKEN}",
     )
 
     text = captured_logs.getvalue()
     events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     assert len(events) > 20
-    for secret in (*TOKENS.values(), REDIS_PASSWORD):
+    for secret in (*TOKENS.values(), REDIS_PASSWORD, WORKER_TOKEN):
         assert secret not in text
     careless = next(e for e in events if e["event"] == "careless")
     assert careless["url"] == "redis://:***@127.0.0.1/0" and careless["header"] == "Bearer ***"
+    assert careless["worker"] == "Bearer ***"
     assert "***" in careless["nested"]
 
     # One request id in the coordinator's, the draft's and the target's events (by the RPC they served).
     rpcs = {e.get("rpc") for e in events if request_id in (e.get("request_id") or "").split(",")}
     assert "Generate" in rpcs, "coordinator"
-    assert {"Propose", "ReleaseDraftSession"} <= rpcs, "draft"
+    assert {"ProposeBatch", "ReleaseDraftSession"} <= rpcs, "draft"  # model proposals travel batched
     assert {"Verify", "ReleaseTargetSession"} <= rpcs, "target"
     # Session events name the session.
     sid = out.stats.session_id

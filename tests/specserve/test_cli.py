@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -19,13 +20,16 @@ from specserve import cli
 # --------------------------------------------------------------------------- without a stack
 
 
-def test_up_without_redis_server_says_how_to_get_one(tmp_path, monkeypatch, capsys):
-    """No redis-server on PATH and no --redis-url: a clear error before anything starts."""
+def test_up_without_any_redis_says_how_to_get_one(tmp_path, monkeypatch, capsys):
+    """No server on PATH, none in the installed wheels, no --redis-url: a clear error before anything starts."""
+    from specserve import redis_server
+
     (tmp_path / "target").mkdir()
     (tmp_path / "draft").mkdir()
     empty_bin = tmp_path / "bin"
     empty_bin.mkdir()
     monkeypatch.setenv("PATH", str(empty_bin))
+    monkeypatch.setattr(redis_server, "_packaged", lambda module, binary: None)  # as if not installed
     code = cli.main(
         [
             "up",
@@ -39,23 +43,35 @@ def test_up_without_redis_server_says_how_to_get_one(tmp_path, monkeypatch, caps
     )
     err = capsys.readouterr().err
     assert code == 2
-    assert "redis-server is not installed" in err
-    assert "apt-get install redis-server" in err and "--redis-url" in err
+    assert "no Redis-compatible server found" in err
+    assert "[serve]" in err and "--redis-url" in err
 
 
-def test_up_without_models_says_which_flags_or_script(monkeypatch, capsys, tmp_path):
-    import specserve.models
+def test_the_server_binary_comes_from_a_wheel_when_path_has_none(tmp_path, monkeypatch):
+    from specserve.redis_server import find_server_binary
 
-    monkeypatch.setattr(specserve.models, "DEMO_MODELS_DIR", tmp_path / "nowhere")
-    assert cli.main(["up"]) == 2
+    monkeypatch.setenv("PATH", str(tmp_path))
+    binary = find_server_binary()
+    assert binary is not None and "site-packages" in str(binary)
+    assert binary.name in ("redis-server", "valkey-server")
+
+
+def test_up_with_a_missing_model_directory_says_what_is_accepted(capsys, tmp_path):
+    assert cli.main(["up", "--target-model", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
-    assert "--target-model DIR --draft-model DIR" in err
-    assert "scripts/train_demo_pair.py" in err
+    assert "neither a registered name" in err and "smollm2-135m-instruct" in err
 
 
-def test_up_needs_both_model_flags(capsys, tmp_path):
-    assert cli.main(["up", "--target-model", str(tmp_path)]) == 2
-    assert "pass both --target-model DIR and --draft-model DIR" in capsys.readouterr().err
+def test_models_list_and_path(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSERVE_MODEL_CACHE", str(tmp_path))
+    assert cli.main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m-instruct" in out and "specserve-smollm2-draft" in out
+    assert f"{tmp_path}/smollm2-135m-instruct (missing" in out
+    assert cli.main(["models", "path", "smollm2-135m-instruct"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "smollm2-135m-instruct")
+    assert cli.main(["models", "path", "nope"]) == 2
+    assert "no registered model named 'nope'" in capsys.readouterr().err
 
 
 def test_serve_reads_flags_over_environment(monkeypatch):
@@ -71,6 +87,18 @@ def test_serve_reads_flags_over_environment(monkeypatch):
     assert settings.target_endpoints == ["a:1", "b:2"]
 
 
+def test_serve_coordinator_takes_the_http_port_from_a_flag_or_the_environment(monkeypatch):
+    from specserve.config import CoordinatorSettings
+
+    parser = cli._role_parser("coordinator", CoordinatorSettings)
+    assert CoordinatorSettings().http_port is None, "off unless asked for"
+    options = parser.parse_args(["--http-port", "8080", "--served-model-name", "m"])
+    settings = CoordinatorSettings(**{k: v for k, v in vars(options).items() if v is not None})
+    assert settings.http_port == 8080 and settings.served_model_name == "m"
+    monkeypatch.setenv("SPECSERVE_HTTP_PORT", "9000")
+    assert CoordinatorSettings().http_port == 9000
+
+
 def test_serve_with_bad_settings_says_what_is_wrong(capsys):
     assert cli.main(["serve", "target", "--port", "70000", "--no-warmup"]) == 2
     err = capsys.readouterr().err
@@ -78,7 +106,7 @@ def test_serve_with_bad_settings_says_what_is_wrong(capsys):
 
 
 def test_generate_against_a_dead_address_fails_cleanly(capsys):
-    from redis_server import free_port
+    from specserve.redis_server import free_port
 
     assert cli.main(["generate", "hi", "--addr", f"127.0.0.1:{free_port()}", "--retries", "0"]) == 1
     assert "error: Unavailable: " in capsys.readouterr().err
@@ -154,6 +182,18 @@ async def test_generate_streams_text_to_stdout_and_stats_to_stderr_without_torch
     assert code == 1
     assert "error: InvalidArgument: top_p must be in (0, 1]" in err
 
+    # --sampling-mode reaches the server: a coupled sampled completion equals the target alone's.
+    sampled = ["generate", prompt, "--addr", stack.address, "--temperature", "1", "--max-new-tokens", "9"]
+    code, out, err = await run(
+        [*sampled, "--seed", "5", "--gamma", "3", "--sampling-mode", "coupled"], cwd=tmp_path
+    )
+    assert code == 0, err
+    async with AsyncClient(stack.address) as client:
+        alone = await client.generate(prompt, max_new_tokens=9, seed=5, gamma=0, sampling_mode="coupled")
+    assert out == alone.text + "\n"
+    code, out, err = await run([*sampled, "--sampling-mode", "exact"], cwd=tmp_path)
+    assert code == 2 and "invalid choice: 'exact'" in err
+
 
 @module_loop
 async def test_generate_reads_the_prompt_from_stdin(stack, monkeypatch, capsys):
@@ -175,19 +215,74 @@ async def test_generate_reads_the_prompt_from_stdin(stack, monkeypatch, capsys):
     assert "tokens 5 (prompt" in captured.err
 
 
+@module_loop
+async def test_generate_chat_sends_the_prompt_as_a_user_message(stack, tmp_path):
+    from specserve import AsyncClient
+
+    args = ["generate", "def add(a, b):", "--chat", "--system", "you write python", "--addr", stack.address]
+    args += ["--temperature", "0", "--max-new-tokens", "7", "--ignore-eos", "--json"]
+    code, out, err = await run(args, cwd=tmp_path, prelude=HIDE_SERVING_STACK)
+    assert code == 0, err
+    messages = [
+        {"role": "system", "content": "you write python"},
+        {"role": "user", "content": "def add(a, b):"},
+    ]
+    async with AsyncClient(stack.address) as client:
+        expected = await client.chat(messages, max_new_tokens=7, temperature=0, ignore_eos=True)
+        plain = await client.generate("def add(a, b):", max_new_tokens=7, temperature=0, ignore_eos=True)
+    assert out == expected.text + "\n"
+    assert json.loads(err.strip().splitlines()[-1])["prompt_tokens"] == expected.stats.prompt_tokens
+    assert expected.stats.prompt_tokens > plain.stats.prompt_tokens  # the template wrapped the prompt
+
+    code, _, err = await run(["generate", "x", "--system", "s", "--addr", stack.address], cwd=tmp_path)
+    assert code == 2 and "--system needs --chat" in err
+
+
+@module_loop
+async def test_chat_keeps_the_conversation_and_resets_it(stack, tmp_path):
+    """Lines on stdin are user messages; each reply is one stdout line, stats go to stderr."""
+    from specserve import AsyncClient
+
+    kw = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    args = ["chat", "--addr", stack.address, "--temperature", "0", "--max-new-tokens", "6", "--ignore-eos"]
+    stdin = "def add(a, b):\n\nclass Point:\n/reset\nclass Point:\n/exit\nnever sent\n"
+    code = HIDE_SERVING_STACK + "import sys\nfrom specserve.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, *args, cwd=tmp_path, stdin=PIPE, stdout=PIPE, stderr=PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), 180)
+    assert proc.returncode == 0, err.decode()
+    async with AsyncClient(stack.address) as client:
+        first = [{"role": "user", "content": "def add(a, b):"}]
+        reply1 = (await client.chat(first, **kw)).text
+        second = [
+            *first,
+            {"role": "assistant", "content": reply1},
+            {"role": "user", "content": "class Point:"},
+        ]
+        reply2 = (await client.chat(second, **kw)).text
+        fresh = (await client.chat([{"role": "user", "content": "class Point:"}], **kw)).text
+    assert out.decode() == f"{reply1}\n{reply2}\n{fresh}\n"
+    assert reply2 != fresh, "precondition: with the first turn in context the reply differs"
+    text = err.decode()
+    assert "/reset starts a new conversation" in text and "(new conversation)" in text
+    assert text.count("tokens/round") == 3
+
+
 @pytest.mark.slow  # a subprocess that imports torch
 @module_loop
 async def test_up_serves_with_a_private_redis_and_stops_on_sigterm(pair, tmp_path):
-    from redis_server import free_port
-
     from specserve import AsyncClient
+    from specserve.redis_server import free_port
 
-    port = free_port()
+    port, http_port = free_port(), free_port()
     code = "import sys\nfrom specserve.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     args = [
         "up",
         "--port",
         str(port),
+        "--http-port",
+        str(http_port),
         "--target-model",
         str(pair.target_dir),
         "--draft-model",
@@ -210,6 +305,15 @@ async def test_up_serves_with_a_private_redis_and_stops_on_sigterm(pair, tmp_pat
         async with AsyncClient(f"127.0.0.1:{port}") as client:
             result = await client.generate("for i in range(3):\n", max_new_tokens=6, temperature=0)
         assert len(result.token_ids) == 6
+        # The OpenAI-compatible API is on by default, at the printed URL, with the same model.
+        url = f"http://127.0.0.1:{http_port}/v1"
+        assert any(line.startswith(f"OpenAI-compatible API: {url}") for line in lines), lines
+        import httpx
+
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"prompt": "for i in range(3):\n", "max_tokens": 6, "temperature": 0}
+            reply = (await http.post(f"{url}/completions", json=body)).json()
+        assert reply["choices"][0]["text"] == result.text
         with socket.create_connection(("127.0.0.1", redis_port), timeout=2):
             pass  # the private redis-server is up
 
@@ -224,23 +328,35 @@ async def test_up_serves_with_a_private_redis_and_stops_on_sigterm(pair, tmp_pat
         socket.create_connection(("127.0.0.1", redis_port), timeout=2).close()
 
 
-def test_demo_streams_a_completion_and_compares_with_the_target_alone(pair, capsys, monkeypatch):
+def test_demo_runs_each_scenario_beside_the_target_alone(pair, capsys, monkeypatch):
     """In this process (the subprocess path is covered by ``up`` above); its own private redis-server."""
     import structlog
 
     import specserve.logs
+    from specserve.demo import SCENARIOS
 
     monkeypatch.setattr(specserve.logs, "configure_logging", lambda *a, **k: None)  # leave the test's logging
     args = ["demo", "--target-model", str(pair.target_dir), "--draft-model", str(pair.draft_dir)]
     with structlog.testing.capture_logs():  # keep log lines out of the captured stdout
-        assert cli.main([*args, "--prompt", "def f(x):\n", "--max-new-tokens", "8", "--gamma", "3"]) == 0
+        assert cli.main([*args, "--max-new-tokens", "8", "--gamma", "3"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("def f(x):\n")
-    assert "-- speculative decoding (draft + target) --" in out
-    assert "-- the target alone (gamma = 0), same request --" in out
-    assert "accepted per position" in out and "tokens/s" in out
-    assert "greedy output identical to the target alone" in out
-    assert re.search(r"tokens 8 \(prompt \d+\)", out)
+    for i, scenario in enumerate(SCENARIOS, 1):
+        assert f"== {i}. {scenario.title} ==" in out
+        assert f"user> {scenario.messages[-1]['content']}" in out
+    assert out.count("-- speculative decoding (draft model, gamma 3) --") == 2
+    assert out.count("-- speculative decoding (ngram, gamma 3) --") == 1
+    assert out.count("-- the target alone (gamma = 0), same request --") == 3
+    assert out.count("output identical to the target alone's") == 3
+    assert len(re.findall(r"tokens 8 \(prompt \d+\)", out)) == 6
+    assert (
+        "== summary ==" in out
+        and "every speculative output was token-identical to the target alone, as it must be" in out
+    )
+    coupled = ["--temperature", "1", "--seed", "3", "--sampling-mode", "coupled", "--gamma", "3"]
+    with structlog.testing.capture_logs():
+        assert cli.main([*args, "--max-new-tokens", "8", *coupled]) == 0
+    out = capsys.readouterr().out
+    assert out.count("output identical to the target alone's") == 3, "coupled: the same seed, the same text"
 
 
 @pytest.mark.slow  # a subprocess that imports torch
@@ -249,7 +365,8 @@ async def test_serve_runs_one_role_from_environment_and_flags_until_sigterm(pair
     """``specserve serve draft`` as a container runs it: settings from SPECSERVE_* plus flags."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from redis_server import free_port
+
+    from specserve.redis_server import free_port
 
     port = free_port()
     env = {
@@ -291,3 +408,65 @@ def test_up_on_a_busy_port_says_to_pick_another(pair, capsys):
     err = capsys.readouterr().err
     assert f"could not listen on 127.0.0.1:{port}" in err
     assert "Pass --port with a free port" in err
+
+
+def test_http_port_flag_parsing():
+    assert cli._http_port("off") is None
+    assert cli._http_port("0") == 0 and cli._http_port("8000") == 8000
+    for bad in ("lots", "70000", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli._http_port(bad)
+    assert cli.build_parser().parse_args(["up"]).http_port == 8000  # on by default
+    assert cli.build_parser().parse_args(["up", "--http-port", "off"]).http_port is None
+
+
+def test_up_on_a_busy_http_port_says_to_pick_another(pair, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["up", "--port", "0", "--http-port", str(port), "--target-model", str(pair.target_dir)]
+        assert cli.main([*args, "--draft-model", str(pair.draft_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"could not bind the HTTP API to 127.0.0.1:{port}" in err
+    assert "pass --http-port with a free port" in err
+
+
+@pytest.mark.parametrize(
+    ("draft_rounds", "verdict"),
+    [
+        (0, "fell back to gamma 0, as it should"),
+        (3, "drafted in 3 of 40 rounds of those requests, its occasional probes"),
+        (20, "it still drafted in 20 of 40 rounds"),
+    ],
+)
+def test_the_demo_summary_tells_probes_from_speculating(draft_rounds, verdict):
+    """Where the draft does not pay, the summary says whether the policy fell back: a few probe rounds are
+    not speculating; half the rounds drafting is."""
+    from specserve.client import GenerateResult, GenerationStats
+    from specserve.demo import SCENARIOS, Outcome, summary
+
+    def result(rounds: int, drafted: int, total_ns: int) -> GenerateResult:
+        stats = GenerationStats(
+            session_id="s",
+            prompt_tokens=4,
+            completion_tokens=40,
+            rounds=rounds,
+            proposed_tokens=drafted,
+            accepted_tokens=0,
+            accepted_per_position=(),
+            draft_ns=0,
+            verify_ns=0,
+            queue_ns=0,
+            first_token_ns=0,
+            total_ns=total_ns,
+            finish_reason="length",
+            seed=1,
+            draft_rounds=drafted,
+        )
+        return GenerateResult(text="", token_ids=(1,) * 40, stats=stats)
+
+    chat = next(s for s in SCENARIOS if s.proposer is None)
+    outcome = Outcome(chat, result(40, draft_rounds, 2_200_000_000), result(40, 0, 2_000_000_000))
+    text = summary([outcome])
+    assert "the draft model does not pay" in text and verdict in text

@@ -199,6 +199,7 @@ def test_build_request_maps_every_argument():
         gamma=4,
         proposer="ngram",
         draft_top_k=8,
+        sampling_mode="coupled",
     )
     assert req.WhichOneof("prompt") == "text" and req.text == "hello"
     s = req.sampling
@@ -209,6 +210,10 @@ def test_build_request_maps_every_argument():
     assert req.stop.max_new_tokens == 12 and req.stop.ignore_eos
     assert req.speculation.gamma == 4 and req.speculation.draft_top_k == 8
     assert req.speculation.proposer == common_pb2.PROPOSER_KIND_NGRAM
+    assert s.sampling_mode == common_pb2.SAMPLING_MODE_COUPLED
+    assert (
+        build_request("x", sampling_mode="optimal").sampling.sampling_mode == common_pb2.SAMPLING_MODE_OPTIMAL
+    )
 
 
 def test_build_request_defaults_leave_server_choices_absent():
@@ -218,6 +223,7 @@ def test_build_request_defaults_leave_server_choices_absent():
     assert not req.speculation.HasField("gamma")
     assert req.stop.max_new_tokens == 0
     assert req.speculation.proposer == common_pb2.PROPOSER_KIND_MODEL
+    assert req.sampling.sampling_mode == common_pb2.SAMPLING_MODE_UNSPECIFIED  # the server's default
     assert not build_request("x", gamma="auto").speculation.HasField("gamma")
     assert build_request("x", gamma=0).speculation.HasField("gamma")
     assert build_request(prompt_token_ids=[]).WhichOneof("prompt") == "tokens"
@@ -227,6 +233,7 @@ def test_build_request_defaults_leave_server_choices_absent():
     ("kwargs", "needle"),
     [
         ({"proposer": "oracle"}, "proposer must be 'model' or 'ngram'"),
+        ({"sampling_mode": "exact"}, "sampling_mode must be 'optimal' or 'coupled'"),
         ({"gamma": -1}, "gamma must be"),
         ({"gamma": "many"}, "gamma must be"),
         ({"top_k": -3}, "top_k must be an integer"),
@@ -243,6 +250,33 @@ def test_unencodable_arguments_raise_invalid_argument_before_any_call(kwargs, ne
 def test_no_prompt_at_all_is_refused():
     with pytest.raises(errors.InvalidArgument, match="exactly one of prompt"):
         build_request()
+
+
+def test_build_request_carries_chat_messages_in_order():
+    req = build_request(
+        messages=[{"role": "system", "content": "be brief"}, ("user", "hi")], max_new_tokens=3
+    )
+    assert req.WhichOneof("prompt") == "chat"
+    assert [(m.role, m.content) for m in req.chat.messages] == [("system", "be brief"), ("user", "hi")]
+    assert req.stop.max_new_tokens == 3
+    assert build_request(messages=[]).WhichOneof("prompt") == "chat"  # the server refuses it
+
+
+@pytest.mark.parametrize(
+    ("messages", "needle"),
+    [
+        ("hello", "messages must be a list"),
+        ({"role": "user", "content": "hi"}, "messages must be a list"),
+        ([{"role": "user"}], "each chat message must be"),
+        ([{"role": "user", "content": 3}], "each chat message must be"),
+        ([("user",)], "each chat message must be"),
+    ],
+)
+def test_malformed_chat_messages_are_refused_before_any_call(messages, needle):
+    with pytest.raises(errors.InvalidArgument, match=needle):
+        build_request(messages=messages)
+    with pytest.raises(errors.InvalidArgument, match="exactly one of prompt"):
+        build_request("text", messages=[{"role": "user", "content": "hi"}])
 
 
 # --------------------------------------------------------------------------- results, streams, retries
@@ -326,7 +360,7 @@ async def test_unavailable_after_a_token_is_never_resent(fake):
 
 
 def test_dead_port_fails_with_unavailable_naming_the_address():
-    from redis_server import free_port
+    from specserve.redis_server import free_port
 
     address = f"127.0.0.1:{free_port()}"
     with Client(address, retries=2, backoff=0.01) as client:
@@ -551,15 +585,78 @@ async def test_unknown_proposer_is_refused_by_the_sdk_and_by_the_server(stack):
         assert len((await client.generate(PROMPT, max_new_tokens=3, temperature=0)).token_ids) == 3
 
 
+CONVERSATION = [
+    {"role": "system", "content": "you write python"},
+    {"role": "user", "content": "def add(a, b):"},
+]
+
+
+@module_loop
+async def test_chat_is_the_greedy_continuation_of_the_rendered_chat_template(stack, pair, session_store):
+    import system_fixtures as sf
+
+    tokenizer = pair.tokenizer
+    prompt = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)["input_ids"]
+    kw = {"max_new_tokens": 10, "temperature": 0, "gamma": 2, "ignore_eos": True}
+
+    def sync_chat():
+        with Client(stack.address) as client:
+            with client.stream_chat(CONVERSATION, **kw) as stream:
+                chunks = list(stream)
+            return client.chat(CONVERSATION, **kw), stream.result, chunks
+
+    chat, streamed, chunks = await asyncio.to_thread(sync_chat)
+    async with AsyncClient(stack.address) as client:
+        async_chat = await client.chat(CONVERSATION, **kw)
+        async with client.stream_chat(CONVERSATION, **kw) as stream:
+            async_chunks = [c async for c in stream]
+    want = tuple(sf.reference_greedy(pair.target_dir, prompt, 10, ignore_eos=True))
+    for result in (chat, streamed, async_chat, stream.result):
+        assert result.token_ids == want
+        assert result.stats.prompt_tokens == len(prompt)
+        assert result.text == tokenizer.decode(list(want), skip_special_tokens=True)
+        assert await logged_completion(session_store, result.stats.session_id) == want
+    assert "".join(c.text for c in chunks) == "".join(c.text for c in async_chunks) == chat.text
+
+
+@module_loop
+async def test_chat_with_a_model_without_a_chat_template_is_a_failed_precondition(stack, pair):
+    """A second coordinator on the same workers whose tokenizer has no chat template."""
+    from coordinator.server import start_coordinator
+    from specserve.config import CoordinatorSettings
+
+    plain = pair.tokenizer
+    plain.chat_template = None
+    settings = CoordinatorSettings(
+        host="127.0.0.1",
+        port=0,
+        redis_url=stack.coordinator.settings.redis_url,
+        target_endpoints=stack.coordinator.settings.target_endpoints,
+        draft_endpoints=stack.coordinator.settings.draft_endpoints,
+    )
+    app = await start_coordinator(settings, tokenizer=plain)
+    try:
+        async with AsyncClient(f"127.0.0.1:{app.port}") as client:
+            with pytest.raises(errors.FailedPrecondition, match="no chat template") as info:
+                await client.chat(CONVERSATION, max_new_tokens=4)
+            assert info.value.status_code == grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(errors.InvalidArgument, match="conversation is empty"):
+                await client.chat([], max_new_tokens=4)
+            # Text prompts still work there.
+            assert len((await client.generate(PROMPT, max_new_tokens=3, temperature=0)).token_ids) == 3
+    finally:
+        await app.stop(0.5)
+
+
 @module_loop
 async def test_client_retries_until_the_coordinator_comes_up(pair, redis_server, monkeypatch):
     """The client starts first; the stack is started only after the client's first failed attempt."""
     import types
 
     import system_fixtures as sf
-    from redis_server import free_port
 
     import specserve.client as client_module
+    from specserve.redis_server import free_port
 
     retrying = threading.Event()
     slept: list[float] = []

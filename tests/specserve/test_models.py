@@ -93,23 +93,34 @@ def test_token_table_mismatch_is_refused(tmp_path):
         check_same_vocabulary(draft, target)
 
 
-def test_missing_model_directory_is_a_clear_error(tmp_path, monkeypatch):
-    with pytest.raises(FailedPrecondition, match="does not exist"):
+def test_missing_model_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FailedPrecondition, match="neither a registered name"):
         resolve_model_path(tmp_path / "nope", "draft")
-    assert resolve_model_path(tmp_path, "draft") == tmp_path
+    assert resolve_model_path(tmp_path, "draft") == str(tmp_path)
     with pytest.raises(FailedPrecondition, match=r"no config\.json"):
         load_model(tmp_path)
-    monkeypatch.setattr("specserve.models.DEMO_MODELS_DIR", tmp_path / "no_models")
-    with pytest.raises(FailedPrecondition, match="embedded demo draft model is missing"):
-        resolve_model_path(None, "draft")
+    with pytest.raises(FailedPrecondition, match="does not exist"):
+        load_model(tmp_path / "nope")
 
 
-def test_default_path_is_the_demo_pair(tmp_path, monkeypatch):
-    demo = tmp_path / "specserve-demo-target"
-    demo.mkdir()
-    (demo / "config.json").write_text("{}")
-    monkeypatch.setattr("specserve.models.DEMO_MODELS_DIR", tmp_path)
-    assert resolve_model_path(None, "target") == demo
+def test_default_is_the_registered_default_pair(tmp_path, monkeypatch):
+    """No model named: the target is the fetched SmolLM2 (from the cache), the draft the bundled one."""
+    from specserve import model_registry
+
+    cached = tmp_path / model_registry.DEFAULT_TARGET
+    cached.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (cached / name).write_text("{}")
+    model_registry._write_manifest(cached, source="test", sha256="0")
+    monkeypatch.setenv("SPECSERVE_MODEL_CACHE", str(tmp_path))
+    assert resolve_model_path(None, "target") == str(cached)
+    bundled = tmp_path / "repo_models"
+    (bundled / model_registry.DEFAULT_DRAFT).mkdir(parents=True)
+    (bundled / model_registry.DEFAULT_DRAFT / "config.json").write_text("{}")
+    monkeypatch.setattr(model_registry, "REPO_MODELS_DIR", bundled)
+    assert resolve_model_path(None, "draft") == str(bundled / model_registry.DEFAULT_DRAFT)
+    with pytest.raises(FailedPrecondition, match=r"specserve-demo-draft.*missing"):
+        resolve_model_path("specserve-demo-draft", "draft")
 
 
 def test_device_and_dtype_resolution():

@@ -40,7 +40,7 @@ def test_buf_lint_standard_is_clean():
 
 
 def test_every_field_is_documented():
-    """STYLE.md 11: a comment on every field, message, enum value, service and RPC."""
+    """docs/design.md, "Conventions" (protos): a comment on every field, message, enum value, service and RPC."""
     undocumented = []
     for proto in sorted((ROOT / "protos").rglob("*.proto")):
         lines = proto.read_text().splitlines()

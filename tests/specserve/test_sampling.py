@@ -9,18 +9,24 @@ The reference is transformers itself: the processor list that
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
 import torch
+from scipy import stats
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from specserve.errors import InvalidArgument, InvalidDistribution
 from specserve.params import SamplingParams
+from specserve.rng import gumbel_noise
 from specserve.sampling import (
     check_distribution,
+    gumbel_argmax,
     logits_to_probs,
+    pick_logprobs,
     process_logits,
+    processed_logprobs,
     sample_from,
     sample_rows,
 )
@@ -291,3 +297,159 @@ def test_check_distribution_is_independent_of_the_batch_shape():
             assert torch.equal(check_distribution(probs[i : i + 1].T.contiguous().T), together[i : i + 1])
     finally:
         torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------- Gumbel-max
+
+
+def test_gumbel_argmax_exact_cases():
+    p = torch.tensor([[0.1, 0.6, 0.0, 0.3], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    zero = torch.zeros_like(p)
+    assert gumbel_argmax(p, zero).tolist() == [1, 0]  # no noise: the argmax (first of a tie)
+    huge = torch.tensor([[0.0, 0.0, 1e6, 0.0], [0.0, 0.0, 0.0, 0.5]], dtype=torch.float64)
+    assert gumbel_argmax(p, huge).tolist() == [1, 3]  # a removed token never wins, whatever its noise
+    nudge = torch.tensor([[0.0, 0.0, 0.0, math.log(2.0) + 1e-9]] * 2, dtype=torch.float64)
+    assert gumbel_argmax(p, nudge).tolist() == [3, 3]  # log 0.3 + log 2 + eps > log 0.6
+    batched = gumbel_argmax(p.expand(3, 2, 4), huge.expand(3, 2, 4))  # [..., vocab] -> [...]
+    assert batched.shape == (3, 2) and batched.tolist() == [[1, 3]] * 3
+
+
+def test_gumbel_argmax_rejects_bad_input():
+    p = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    with pytest.raises(InvalidArgument):
+        gumbel_argmax(p, torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(InvalidDistribution):
+        gumbel_argmax(torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(InvalidDistribution):
+        gumbel_argmax(torch.tensor([float("nan"), 0.5]), torch.zeros(2, dtype=torch.float64))
+
+
+GUMBEL_P = (0.4, 0.25, 0.15, 0.1, 0.1, 0.0)
+GUMBEL_N = 20_000
+ALPHA_GUMBEL = 0.001
+
+
+def _gumbel_counts(scale: float) -> np.ndarray:
+    p = torch.tensor(GUMBEL_P, dtype=torch.float64).expand(GUMBEL_N, -1)  # [N, 6]
+    noise = gumbel_noise([2024] * GUMBEL_N, list(range(GUMBEL_N)), len(GUMBEL_P))  # [N, 6]
+    return np.bincount(gumbel_argmax(p, scale * noise).numpy(), minlength=len(GUMBEL_P))
+
+
+def test_gumbel_argmax_with_the_noise_samples_the_distribution():
+    """Chi-square at alpha = 0.001 over N = 20,000 positions of one seed (df 4, the zero-probability
+    token excluded and never drawn). A wrongly scaled noise (0.8 G: sampling p^1.25, a temperature
+    error) has per-sample noncentrality 0.0170, lambda = 340 at this N: the same test rejects it with
+    probability > 1 - 1e-12, and does here."""
+    expected = GUMBEL_N * np.array(GUMBEL_P[:-1])
+    counts = _gumbel_counts(1.0)
+    assert counts[-1] == 0
+    assert stats.chisquare(counts[:-1], expected).pvalue >= ALPHA_GUMBEL
+    assert stats.chisquare(_gumbel_counts(0.8)[:-1], expected).pvalue < ALPHA_GUMBEL
+
+
+# --------------------------------------------------------------------------- no NaN, ever
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"temperature": 1e-40}, "temperature=1e-40 is too small"),
+        ({"temperature": 0.009}, "at least 0.01"),
+        ({"repetition_penalty": 1e-40}, "repetition_penalty must be in [0.01, 100]"),
+        ({"repetition_penalty": 1e6}, "repetition_penalty must be in [0.01, 100]"),
+    ],
+)
+def test_settings_that_would_overflow_the_logits_are_refused_naming_the_parameter(kwargs, needle):
+    with pytest.raises(InvalidArgument) as info:
+        SamplingParams(**kwargs)
+    assert needle in info.value.message
+
+
+def test_the_most_extreme_accepted_settings_keep_every_row_a_distribution():
+    """At the bounds (temperature 0.01 with penalty 0.01 or 100) on large logits the rows stay finite and sum
+    to one: the bounds are where they are for a reason, and a setting just past them is refused above."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, VOCAB) * 50.0  # [4, vocab]
+    context = [list(range(VOCAB))] * 4  # every token penalised
+    for penalty in (0.01, 100.0):
+        params = SamplingParams(temperature=0.01, repetition_penalty=penalty, seed=1)
+        probs = logits_to_probs(logits, params, context)  # [4, vocab]
+        assert bool(torch.isfinite(probs).all())
+        torch.testing.assert_close(probs.sum(-1), torch.ones(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_row_of_non_finite_logits_has_no_distribution(poison, temperature):
+    """NaN or +inf logits (greedy argmax included, where a NaN would silently win) raise InvalidDistribution
+    naming the row; a row where every token is removed raises too; healthy rows pass."""
+    logits = torch.randn(3, VOCAB)  # [3, vocab]
+    params = SamplingParams(temperature=temperature)
+    logits_to_probs(logits, params, None)  # control: healthy rows
+    logits[1, 5] = poison
+    with pytest.raises(InvalidDistribution) as info:
+        logits_to_probs(logits, params, None)
+    assert "row 1" in info.value.message
+    removed = torch.full((2, VOCAB), -float("inf"))
+    with pytest.raises(InvalidDistribution):
+        logits_to_probs(removed, params, None)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0),
+    ],
+    ids=["sampled", "greedy+penalty", "greedy"],
+)
+def test_processed_logprobs_are_the_log_softmax_of_generates_scores(tiny_llama, params):
+    """Against ``model.generate(output_scores=True)``: the log-softmax of each step's processed scores (greedy:
+    the repetition penalty, at temperature 1); for sampling, the log of what ``logits_to_probs`` samples from."""
+    torch.manual_seed(6)
+    prompt = torch.randint(0, VOCAB, (2, 5))
+    kwargs = {"do_sample": False} if params.greedy else {
+        "do_sample": True, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p
+    }  # fmt: skip
+    out = tiny_llama.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=4,
+        repetition_penalty=params.repetition_penalty,
+        output_scores=True,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **kwargs,
+    )
+    for step, (raw, scores) in enumerate(zip(out.logits, out.scores, strict=True)):
+        context = out.sequences[:, : prompt.shape[1] + step]
+        got = processed_logprobs(raw, params, context)
+        assert got.dtype == torch.float64
+        want = torch.log_softmax(scores.double(), dim=-1)
+        assert torch.equal(got.isinf(), want.isinf())
+        finite = want.isfinite()
+        torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=1e-12)
+        if params.greedy:
+            assert bool(got.isfinite().all()), "greedy removes no token: every logprob is finite"
+        else:
+            probs = logits_to_probs(raw, params, context)
+            torch.testing.assert_close(got.exp(), probs, rtol=0, atol=1e-12)
+
+
+def test_pick_logprobs_lists_the_emitted_token_and_the_most_likely_ones():
+    logprobs = torch.log(
+        torch.tensor([[0.1, 0.4, 0.0, 0.2, 0.3], [0.25, 0.25, 0.5, 0.0, 0.0]], dtype=torch.float64)
+    )  # [2, 5]
+    first, second = pick_logprobs(logprobs, [0, 1], 3)
+    assert first.token_id == 0 and first.logprob == pytest.approx(math.log(0.1))
+    assert [t.token_id for t in first.top_logprobs] == [1, 4, 3]
+    assert [t.logprob for t in first.top_logprobs] == pytest.approx([math.log(0.4), math.log(0.3), math.log(0.2)])
+    assert second.token_id == 1 and [t.token_id for t in second.top_logprobs] == [2, 0, 1], "ties: lower id first"
+    (only,) = pick_logprobs(logprobs[1:], [2], 5)
+    assert [t.token_id for t in only.top_logprobs] == [2, 0, 1], "probability-0 tokens are never listed"
+    assert [e.top_logprobs for e in pick_logprobs(logprobs, [0, 2], 0)] == [(), ()]
+    assert pick_logprobs(logprobs[:0], [], 3) == ()
+    with pytest.raises(InvalidArgument):
+        pick_logprobs(logprobs, [0], 3)

@@ -9,7 +9,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specserve import errors
 from specserve.config import CommonSettings
-from specserve.server import ERROR_CLASS_KEY, RETRY_AFTER_KEY, Registration, create_server, status_code_for
+from specserve.server import Registration, create_server
+from specserve.status import ERROR_CLASS_KEY, RETRY_AFTER_KEY, status_code_for
 
 SERVICE = "test.Raiser"
 

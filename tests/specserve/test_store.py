@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 import pytest
@@ -15,7 +16,7 @@ from specserve.errors import (
     Unavailable,
     VersionConflict,
 )
-from specserve.params import SamplingParams, StopConditions, Verdict
+from specserve.params import PositionLogprobs, SamplingParams, StopConditions, TokenLogprob, Verdict
 from specserve.store import SessionStore
 
 
@@ -70,6 +71,21 @@ async def test_retried_commit_replays_and_appends_nothing(store: SessionStore):
     assert (await store.load(s)).token_ids == (1, 4, 5)
 
 
+async def test_a_verdicts_logprobs_are_recorded_and_replayed_bit_for_bit(store: SessionStore):
+    """The logprobs recorded with a verdict come back from a retried commit and from load, unchanged:
+    a retried Verify returns what the first one reported."""
+    s = sid()
+    await store.create(s, [1], SamplingParams(), StopConditions())
+    logprobs = (
+        PositionLogprobs(4, -0.1234567890123456789, (TokenLogprob(4, -0.1234567890123456789), TokenLogprob(9, -2.5))),
+        PositionLogprobs(5, -1e-300, ()),
+    )
+    first, _ = await store.commit(s, 0, dataclasses.replace(verdict([4, 5], 1, 0), logprobs=logprobs))
+    again, replayed = await store.commit(s, 0, verdict([6], 1, 0))
+    assert replayed and again == first and again.logprobs == logprobs
+    assert (await store.load(s)).last_verdict.logprobs == logprobs
+
+
 async def test_stale_version_conflicts(store: SessionStore):
     s = sid()
     await store.create(s, [1], SamplingParams(), StopConditions())
@@ -120,9 +136,73 @@ async def test_lease(store: SessionStore):
 
 
 async def test_redis_down_is_unavailable(tmp_path):
-    from redis_server import free_port
+    from specserve.redis_server import free_port
 
     store = SessionStore.from_url(f"redis://127.0.0.1:{free_port()}/0")
     with pytest.raises(Unavailable):
         await store.load("x")
     await store.close()
+
+
+async def test_load_with_known_settings_reads_only_what_moves(store: SessionStore):
+    """Given the settings of an earlier load, ``load`` returns the same record without reading them again
+    (so a round's read does not grow with a session's stop list), and still sees every commit."""
+    s = sid()
+    stop = StopConditions(max_new_tokens=12, stop_strings=("a" * 50,) * 16)
+    await store.create(s, (1, 2), SamplingParams(temperature=0.7, seed=3), stop)
+    first = await store.load(s)
+    await store.commit(s, 0, verdict([9], 2, 0))
+    full, light = await store.load(s), await store.load(s, settings=first.settings)
+    assert light == full and light.token_ids == (1, 2, 9) and light.version == 1
+    # The light read asks Redis for the moving fields only: the stop list is not among them.
+    await store.redis.hset(f"specserve:{{{s}}}:meta", "stop", "not json")
+    assert (await store.load(s, settings=first.settings)).stop == stop
+    with pytest.raises(FailedPrecondition):
+        await store.load(s)
+    with pytest.raises(NotFound):
+        await store.load(sid(), settings=first.settings)
+
+
+async def test_redis_errors_reach_callers_without_redis_text(store: SessionStore):
+    """A command Redis refuses (here: a Lua script error) becomes Unavailable with a message of our own;
+    Redis's text (script hash, error detail) stays in the server log."""
+    await store.redis.set("specserve:{broken}:meta", "a string, not a hash")
+    with pytest.raises(Unavailable) as info:
+        await store.commit("broken", 0, verdict([9], 2, 0))
+    assert info.value.message == "the session store refused the command (ResponseError); retry later"
+    assert "WRONGTYPE" not in info.value.message and "f_" not in info.value.message
+
+
+async def test_a_redis_that_stops_answering_fails_each_command_after_its_timeout_and_retries(redis_url):
+    """A Redis that accepts the connection and then says nothing (a frozen link): each attempt waits the
+    socket timeout, is retried ``retries`` times, then the command fails as Unavailable, within
+    (retries + 1) x timeout plus the back-off. The defaults are the documented 5 s and 3 retries."""
+    import time
+    from urllib.parse import urlsplit
+
+    from tcp_proxy import DelayProxy
+
+    from specserve.store import REDIS_RETRIES, REDIS_TIMEOUT_S
+
+    default = SessionStore.from_url(redis_url)
+    kwargs = default.redis.connection_pool.connection_kwargs
+    assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (REDIS_TIMEOUT_S, REDIS_TIMEOUT_S) == (5.0, 5.0)
+    assert default.redis.get_retry()._retries == REDIS_RETRIES == 3
+    await default.close()
+
+    upstream = urlsplit(redis_url)
+    link = await DelayProxy(upstream.hostname, upstream.port).start()
+    store = SessionStore.from_url(f"redis://{link.address}/0", timeout_s=0.5, retries=2)
+    try:
+        s = sid()
+        await store.create(s, (1, 2), SamplingParams(temperature=0.0), StopConditions(max_new_tokens=4))
+        link.freeze()
+        start = time.perf_counter()
+        with pytest.raises(Unavailable) as info:
+            await store.load(s)
+        elapsed = time.perf_counter() - start
+        assert info.value.message == "Redis is unavailable: TimeoutError"
+        assert 3 * 0.5 <= elapsed < 3 * 0.5 + 3.0, elapsed
+    finally:
+        await link.stop()
+        await store.close()

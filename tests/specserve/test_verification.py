@@ -30,16 +30,13 @@ from specserve.errors import (
     ZeroResidualMass,
 )
 from specserve.params import SamplingParams
+from specserve.proposal import DraftProposal, dense_from_sparse, draft_probs_from_pb, draft_probs_to_pb
 from specserve.rng import Purpose, uniform
 from specserve.sampling import check_distribution, logits_to_probs, sample_rows
 from specserve.v1 import common_pb2
 from specserve.verification import (
-    DraftProposal,
     VerifyOutcome,
     acceptance_probs,
-    dense_from_sparse,
-    draft_probs_from_pb,
-    draft_probs_to_pb,
     residual_distribution,
     verify_batch,
     verify_greedy,
@@ -352,7 +349,7 @@ Q_STAT = f64([[0.6, 0.1, 0.3], [0.1, 0.6, 0.3], [0.5, 0.2, 0.3]])
 
 
 def biased_verify_batch(target_probs, proposals, seeds, positions) -> list[VerifyOutcome]:
-    """The wrong verifier DESIGN.md warns about: a rejected token is replaced by a plain sample of p_i
+    """The wrong verifier docs/design.md warns about: a rejected token is replaced by a plain sample of p_i
     instead of the residual norm(max(0, p_i - q_i)). Acceptance and randomness are the real ones.
     (Proposals here all have probs and the same length.)"""
     batch = len(proposals)

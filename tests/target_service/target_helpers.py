@@ -11,9 +11,9 @@ from transformers import DynamicCache
 from specserve.kvcache import SessionCacheStore
 from specserve.models import LoadedModel
 from specserve.params import SamplingParams, SessionBase, StopConditions
+from specserve.proposal import DraftProposal
 from specserve.sampling import logits_to_probs
 from specserve.store import SessionRecord, SessionStore
-from specserve.verification import DraftProposal
 from target_service.messages import ItemResult, VerifyBatch, VerifyItem
 from target_service.verifier import Verifier
 
@@ -43,9 +43,17 @@ def make_verifier(
     return Verifier(model, caches, store, inline_catchup_max=inline_catchup_max)
 
 
-def item(record: SessionRecord, tokens: Sequence[int] = (), probs: torch.Tensor | None = None) -> VerifyItem:
+def item(
+    record: SessionRecord,
+    tokens: Sequence[int] = (),
+    probs: torch.Tensor | None = None,
+    *,
+    top_logprobs: int | None = None,
+) -> VerifyItem:
     base = SessionBase(record.session_id, record.committed_len, record.version)
-    return VerifyItem(base=base, proposal=DraftProposal(token_ids=tuple(tokens), probs=probs))
+    return VerifyItem(
+        base=base, proposal=DraftProposal(token_ids=tuple(tokens), probs=probs), top_logprobs=top_logprobs
+    )
 
 
 async def verify_one(verifier: Verifier, record: SessionRecord, tokens=(), probs=None) -> ItemResult:
@@ -93,3 +101,32 @@ def assert_cache_holds(verifier: Verifier, session_id: str, committed: Sequence[
     step = cache.extend([committed[-1]])[-1]  # the next step's logits, from the cache
     torch.testing.assert_close(step, fresh_logits(verifier.model, committed)[-1], atol=ATOL, rtol=0)
     cache.truncate(len(committed) - 1)
+
+
+def hf_logprobs(model: LoadedModel, tokens: Sequence[int], params: SamplingParams) -> torch.Tensor:
+    """``[vocab]`` float64: log of the target-only processed distribution of the token after ``tokens``, by
+    Hugging Face's own processors (greedy: the repetition penalty alone, softmax at temperature 1)."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    processors = LogitsProcessorList()
+    if params.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if not params.greedy:
+        if params.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k:
+            processors.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            processors.append(TopPLogitsWarper(params.top_p))
+        if params.min_p > 0.0:
+            processors.append(MinPLogitsWarper(params.min_p))
+    logits = fresh_logits(model, tokens)[-1:]  # [1, vocab]
+    scores = processors(torch.tensor([list(tokens)]), logits)
+    return torch.log_softmax(scores.double(), dim=-1)[0]

@@ -64,3 +64,17 @@ def test_stop_string_not_present_keeps_going(tokenizer):
     ids = tokenizer.encode("for i in range(10):\n    print(i)\n")
     got = cut(ids, StopConditions(stop_strings=("lambda",)), tokenizer)
     assert got.token_ids == tuple(ids) and got.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+@pytest.mark.parametrize("specials", [0, 16, 40, 200])
+def test_a_stop_string_split_by_many_special_tokens_is_still_found(tokenizer, specials):
+    """Special tokens decode to nothing, so however many sit inside a stop string's tokens, the text holds the
+    stop string and the round ends there (the window counts only tokens that decode to text)."""
+    head = tokenizer.encode("def add(a, b):\n    ret", add_special_tokens=False)
+    rest = tokenizer.encode("urn a + b", add_special_tokens=False)
+    completion = [*head, *([EOS] * specials)]
+    assert tokenizer.decode(completion + rest, skip_special_tokens=True) == "def add(a, b):\n    return a + b"
+    stop = StopConditions(max_new_tokens=1000, stop_strings=("return",), ignore_eos=True)
+    got = cut(rest, stop, tokenizer, completion=completion)
+    assert got.finish_reason == common_pb2.FINISH_REASON_STOP_STRING
+    assert tokenizer.decode(completion + list(got.token_ids), skip_special_tokens=True).endswith("return")

@@ -16,8 +16,8 @@ from target_helpers import greedy_continuation, new_session, next_probs
 
 from specserve.config import TargetSettings
 from specserve.params import SamplingParams
+from specserve.proposal import draft_probs_to_pb
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specserve.verification import draft_probs_to_pb
 from target_service.server import start_target
 
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 11)
@@ -73,55 +73,77 @@ async def expect_status(stub, request, code: grpc.StatusCode) -> str:
     return info.value.details()
 
 
-async def test_bad_requests_get_precise_statuses_and_leave_sessions_intact(target_app, stub, store):
-    """Every malformed request fails whole with its precise status (never INTERNAL), nothing is committed for
-    any item, and afterwards a good request on the same session still works."""
+async def test_a_malformed_item_fails_alone_and_its_batch_mate_is_verified_as_if_it_were_absent(
+    target_app, stub, store
+):
+    """Each malformed item gets INVALID_ARGUMENT for itself, naming what is wrong; nothing is committed for
+    its session; the good item riding along commits exactly the verdict a twin session gets alone; and
+    afterwards a good request on the refused session still works."""
     vocab = target_app.model.vocab_size
     record = await new_session(store, PROMPT, SAMPLED)
-    bystander = await new_session(store, PROMPT, SAMPLED)
-    ok = verify_item(bystander, (1,), (uniform_dist(vocab),))  # a good item riding along with a bad one
     nan = [1.0 / vocab] * vocab
     nan[3] = math.nan
     negative = [1.0 / (vocab - 2)] * vocab
     negative[3], negative[4] = -0.5, 0.5
     zero_at_token = [1.0 / (vocab - 1)] * vocab
     zero_at_token[7] = 0.0
-    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    duplicate = common_pb2.DraftDistribution(
+        sparse=common_pb2.SparseDistribution(token_ids=[1, 1], probs=[0.5, 0.5])
+    )
     cases = {
-        "token id out of range": ([verify_item(record, (vocab,)), ok], invalid),
-        "gamma above max_gamma": ([verify_item(record, (1, 2, 3, 4, 5)), ok], invalid),
-        "NaN in a draft distribution": ([verify_item(record, (1,), (dense(nan),)), ok], invalid),
-        "negative draft mass": ([verify_item(record, (1,), (dense(negative),)), ok], invalid),
-        "q = 0 at the proposed token": ([verify_item(record, (7,), (dense(zero_at_token),)), ok], invalid),
-        "dense vector of the wrong size": ([verify_item(record, (1,), (dense([1.0]),)), ok], invalid),
-        "distribution count != token count": (
-            [verify_item(record, (1, 2), (uniform_dist(vocab),)), ok],
-            invalid,
+        "token id out of range": (verify_item(record, (vocab,)), "out of range"),
+        "gamma above max_gamma": (verify_item(record, (1, 2, 3, 4, 5)), "at most 4"),
+        "NaN in a draft distribution": (verify_item(record, (1,), (dense(nan),)), "NaN"),
+        "negative draft mass": (verify_item(record, (1,), (dense(negative),)), "negative"),
+        "q = 0 at the proposed token": (verify_item(record, (7,), (dense(zero_at_token),)), "probability 0"),
+        "dense vector of the wrong size": (verify_item(record, (1,), (dense([1.0]),)), "bytes"),
+        "distribution count != token count": (verify_item(record, (1, 2), (uniform_dist(vocab),)), "one per"),
+        "sparse support with a duplicate id": (verify_item(record, (1,), (duplicate,)), "distinct"),
+        "no base": (target_pb2.VerifyItem(), "base"),
+        "top_logprobs above 20": (
+            target_pb2.VerifyItem(
+                base=verify_item(record).base, logprobs=common_pb2.LogprobsParams(top_logprobs=21)
+            ),
+            "top_logprobs must be in [0, 20]",
         ),
-        "sparse support with a duplicate id": (
-            [
-                verify_item(
-                    record,
-                    (1,),
-                    (
-                        common_pb2.DraftDistribution(
-                            sparse=common_pb2.SparseDistribution(token_ids=[1, 1], probs=[0.5, 0.5])
-                        ),
-                    ),
-                ),
-                ok,
-            ],
-            invalid,
-        ),
-        "the same session twice": ([verify_item(record), verify_item(record, (1,))], invalid),
-        "no base": ([target_pb2.VerifyItem(), ok], invalid),
-        "empty request": ([], invalid),
+        "an over-long session id": (verify_item(record), "at most 128"),
+    }
+    cases["an over-long session id"][0].base.session_id = "x" * 129
+    for name, (bad, needle) in cases.items():
+        mate, twin = await new_session(store, PROMPT, SAMPLED), await new_session(store, PROMPT, SAMPLED)
+        reply = await stub.Verify(target_pb2.VerifyRequest(items=[bad, verify_item(mate, (1, 2))]))
+        refused, verified = reply.results
+        assert refused.WhichOneof("outcome") == "error", name
+        assert refused.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], name
+        assert needle in refused.error.message, (name, refused.error.message)
+        alone = await stub.Verify(target_pb2.VerifyRequest(items=[verify_item(twin, (1, 2))]))
+        assert verified.WhichOneof("outcome") == "verdict", name
+        assert verified.verdict == alone.results[0].verdict, name
+    # The same session twice: the first item is verified, the second refused.
+    mate = await new_session(store, PROMPT, SAMPLED)
+    reply = await stub.Verify(target_pb2.VerifyRequest(items=[verify_item(mate), verify_item(mate, (1,))]))
+    assert [r.WhichOneof("outcome") for r in reply.results] == ["verdict", "error"]
+    assert "twice" in reply.results[1].error.message
+    assert await store.read_tokens(record.session_id) == PROMPT, "a refused item committed something"
+    assert (await store.load(record.session_id)).version == 0
+    reply = await stub.Verify(target_pb2.VerifyRequest(items=[verify_item(record, (1,))]))
+    assert reply.results[0].verdict.new_version == 1
+
+
+async def test_requests_wrong_as_a_whole_fail_whole_with_precise_statuses(target_app, stub, store):
+    """No items: INVALID_ARGUMENT; more items than max_batch_size or bytes than max_message_bytes:
+    RESOURCE_EXHAUSTED; nothing is committed for any item, and the sessions still work afterwards."""
+    record = await new_session(store, PROMPT, SAMPLED)
+    bystander = await new_session(store, PROMPT, SAMPLED)
+    ok = verify_item(bystander, (1,), (uniform_dist(target_app.model.vocab_size),))
+    cases = {
+        "empty request": ([], grpc.StatusCode.INVALID_ARGUMENT),
         "more items than max_batch_size": (
             [verify_item(record), ok, verify_item(await new_session(store, PROMPT)), verify_item(record)],
             grpc.StatusCode.RESOURCE_EXHAUSTED,
         ),
         "message over max_message_bytes": (
-            [verify_item(record, (1,), (dense([0.0] * (MAX_MESSAGE_BYTES // 4)),))],
+            [verify_item(record, (1,), (dense([0.0] * (MAX_MESSAGE_BYTES // 4)),)), ok],
             grpc.StatusCode.RESOURCE_EXHAUSTED,
         ),
     }
@@ -131,7 +153,6 @@ async def test_bad_requests_get_precise_statuses_and_leave_sessions_intact(targe
     for rec in (record, bystander):
         assert await store.read_tokens(rec.session_id) == PROMPT, "a refused call committed something"
         assert (await store.load(rec.session_id)).version == 0
-    # The sessions are intact: good requests work.
     reply = await stub.Verify(target_pb2.VerifyRequest(items=[verify_item(record, (1,)), ok]))
     assert [r.WhichOneof("outcome") for r in reply.results] == ["verdict", "verdict"]
     assert reply.results[0].verdict.new_version == 1
@@ -171,11 +192,16 @@ async def test_retried_verify_replays_the_recorded_verdict(target_app, stub, sto
         rows.append(q)
         seq.append(token)
     dists = draft_probs_to_pb(torch.stack(rows).float(), sparse=False)
-    request = target_pb2.VerifyRequest(items=[verify_item(record, tokens, dists)])
+    item = verify_item(record, tokens, dists)
+    item.logprobs.top_logprobs = 3
+    request = target_pb2.VerifyRequest(items=[item])
     first = await stub.Verify(request)
     second = await stub.Verify(request)
     assert not first.results[0].replayed and second.results[0].replayed
-    assert first.results[0].verdict == second.results[0].verdict
+    assert first.results[0].verdict == second.results[0].verdict, "logprobs included, bit for bit"
+    verdict = first.results[0].verdict
+    assert [e.token_id for e in verdict.logprobs] == list(verdict.committed_token_ids)
+    assert all(len(e.top_logprobs) == 3 for e in verdict.logprobs)
     assert first.positions_processed >= 4 and second.positions_processed == 0
     assert first.verify_ns >= first.forward_ns > 0
     assert await store.read_tokens(record.session_id) == PROMPT + tuple(
@@ -210,6 +236,8 @@ async def test_info_release_and_rebuild(target_app, stub, store):
         model.vocab_fingerprint,
     )
     assert (info.max_gamma, info.max_batch_size, info.model.dtype) == (4, 3, "float32")
+    assert len(info.verify_curve_ns) == 5 and min(info.verify_curve_ns) > 0  # measured at start-up
+    assert not target_app.caches  # ... on a cache of its own, gone
     record = await new_session(store, PROMPT)
     await stub.Verify(target_pb2.VerifyRequest(items=[verify_item(record)]))
     await stub.ReleaseTargetSession(target_pb2.ReleaseTargetSessionRequest(session_id=record.session_id))

@@ -8,6 +8,7 @@ prefills without any cache.
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from target_helpers import (
     assert_cache_holds,
     fresh_logits,
     greedy_continuation,
+    hf_logprobs,
     item,
     make_verifier,
     new_session,
@@ -25,9 +27,11 @@ from target_helpers import (
 
 from specserve.errors import NotFound, SessionFinished, VersionConflict
 from specserve.params import SamplingParams, StopConditions, Verdict
+from specserve.proposal import DraftProposal
+from specserve.rng import gumbel_noise
 from specserve.sampling import logits_to_probs
 from specserve.v1 import common_pb2
-from specserve.verification import DraftProposal, verify_batch
+from specserve.verification import verify_batch
 from target_service.messages import VerifyBatch
 
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 11)
@@ -127,14 +131,21 @@ REJECT = ((None, 1, 3, None), (0, None, None, 4), (1, None, None, 0))
 
 @pytest.mark.parametrize(
     ("mode", "inline_catchup_max"),
-    [("greedy", 32), ("sampled", 32), ("sampled", 2)],
-    ids=["greedy", "sampled", "sampled-separate-prefill"],
+    [("greedy", 32), ("sampled", 32), ("sampled", 2), ("coupled", 32)],
+    ids=["greedy", "sampled", "sampled-separate-prefill", "coupled"],
 )
 async def test_batch_equals_each_session_verified_alone(target, draft, store, mode, inline_catchup_max):
     """Sessions with different prompt and proposal lengths, verified together in one padded pass, give row by
     row the verdicts and cache contents of each verified alone (fixed seeds), over three rounds."""
     params = (
-        GREEDY if mode == "greedy" else SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.2)
+        GREEDY
+        if mode == "greedy"
+        else SamplingParams(
+            temperature=0.9,
+            top_p=0.95,
+            repetition_penalty=1.2,
+            sampling_mode="coupled" if mode == "coupled" else "optimal",
+        )
     )
     together = make_verifier(target, store, inline_catchup_max=inline_catchup_max)
     alone = make_verifier(target, store)
@@ -424,6 +435,70 @@ async def test_sampled_verdicts_equal_the_sampler_on_target_only_distributions(t
     verifier.close()
 
 
+async def test_coupled_verdicts_are_target_only_gumbel_max_whatever_is_proposed(target, draft, store):
+    """A coupled session (every processor on) verified in one batch with an optimal and a greedy session,
+    over rounds whose proposals are the coupled draft's tokens (same noise), the draft's tokens under
+    another seed's noise, arbitrary tokens with a q attached, nothing, or the target's own coupled
+    tokens (a perfect draft: all accepted, then the bonus): every committed token is
+    ``argmax(log p_j + G_j)`` of the target alone (fresh prefills, noise of (seed, j)), and the other
+    sessions in the batch are unaffected by it."""
+    params = SamplingParams(
+        temperature=0.9,
+        top_k=60,
+        top_p=0.9,
+        min_p=0.01,
+        repetition_penalty=1.3,
+        seed=77,
+        sampling_mode="coupled",
+    )
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT, params)
+    others = [
+        await new_session(store, PROMPT, SamplingParams(temperature=0.9, seed=77)),
+        await new_session(store, PROMPT, GREEDY),
+    ]
+
+    def gumbel_token(model, seq, seed):
+        probs = next_probs(model, seq, params)  # [vocab] float64
+        return int(torch.argmax(probs.log() + gumbel_noise([seed], [len(seq)], model.vocab_size)[0]))
+
+    kinds = ["coupled", "other-noise", "arbitrary", "empty", "perfect", "coupled", "arbitrary"]
+    for rnd, kind in enumerate(kinds):
+        seq, tokens = list(record.token_ids), []
+        for _ in range(3 if kind != "empty" else 0):
+            if kind == "arbitrary":
+                tokens.append((31 * len(seq) + rnd) % target.vocab_size)
+            elif kind == "perfect":
+                tokens.append(gumbel_token(target, seq, params.seed))
+            else:
+                tokens.append(gumbel_token(draft, seq, params.seed if kind == "coupled" else params.seed + 1))
+            seq.append(tokens[-1])
+        probs = torch.full((len(tokens), target.vocab_size), 1.0 / target.vocab_size, dtype=torch.float64)
+        batch = VerifyBatch(
+            items=(
+                item(record, tokens, probs if kind == "arbitrary" else None),
+                item(others[0]),
+                item(others[1]),
+            )
+        )
+        got, *rest = (await verifier.verify(batch)).results
+        assert all(r.error is None for r in rest)
+        expected, seq = [], list(record.token_ids)
+        for _ in got.verdict.committed_token_ids:
+            expected.append(gumbel_token(target, seq, params.seed))
+            seq.append(expected[-1])
+        assert list(got.verdict.committed_token_ids) == expected, (rnd, kind)
+        assert got.verdict.committed_token_ids[: got.verdict.accepted_count] == tuple(
+            tokens[: got.verdict.accepted_count]
+        )
+        if kind == "perfect":
+            assert got.verdict.accepted_count == 3 and got.verdict.bonus
+        record = await store.load(record.session_id)
+        others = [await store.load(o.session_id) for o in others]
+    assert_cache_holds(verifier, record.session_id, record.token_ids)
+    verifier.close()
+
+
 async def test_repetition_penalty_sees_the_tentative_prefix(target, store):
     """Greedy with a strong repetition penalty, at a prompt where penalising the proposed x1 changes the argmax
     of the next position: the target-only chain [x1, x2] (x1 penalised at position 2) is accepted whole, which
@@ -477,3 +552,238 @@ async def test_concurrent_and_cancelled_calls_commit_once(target, store):
     assert committed == record.token_ids + retry.verdict.committed_token_ids
     assert_cache_holds(verifier, record.session_id, committed)
     verifier.close()
+
+
+# --------------------------------------------------------------------------- each item has its own fate
+
+NAN_AT = 40  # the poisoned target's position embedding NAN_AT is NaN
+
+
+@pytest.fixture(scope="module")
+def poisoned_target(tmp_path_factory):
+    """A tiny GPT-2 target whose position embedding NAN_AT is NaN: a real model giving NaN logits to every
+    row of a sequence that reaches that position, and normal ones to shorter sequences."""
+    import system_fixtures as sf
+
+    from specserve.models import load_model
+
+    pair = sf.tiny_pair(tmp_path_factory, arch="gpt2")
+    out = sf.poisoned_copy(pair.target_dir, tmp_path_factory.mktemp("poisoned-verifier") / "target", position=NAN_AT)
+    return load_model(out, device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("bad_sampling", [GREEDY, SamplingParams(temperature=0.9, seed=3)], ids=["greedy", "sampled"])
+async def test_a_row_without_a_distribution_fails_alone_and_its_batch_mates_are_verified_as_if_absent(
+    poisoned_target, store, bad_sampling
+):
+    """One session reaches the NaN position (greedy: its argmax would silently pick the NaN): it gets
+    InvalidDistribution for itself, nothing is committed for it and its cache is rolled back; the 8 other
+    sessions of the same padded pass get exactly the verdicts their twins get verified without it."""
+    target = poisoned_target
+    together, alone = make_verifier(target, store), make_verifier(target, store)
+    gen = torch.Generator().manual_seed(11)
+    items_batch, items_solo = [], []
+    for i in range(8):
+        prompt = PROMPTS[i % len(PROMPTS)] + (i + 1,)
+        params = GREEDY if i % 2 == 0 else SamplingParams(temperature=0.9, seed=200 + i)
+        rec_b, rec_s = await new_session(store, prompt, params), await new_session(store, prompt, params)
+        if params.greedy:
+            tokens, probs = greedy_proposal(target, prompt, 3, None), None
+        else:
+            tokens, probs = draft_proposal(target, prompt, 3, params, gen)
+        items_batch.append(item(rec_b, tokens, probs))
+        items_solo.append(item(rec_s, tokens, probs))
+    bad = await new_session(store, tuple(range(1, NAN_AT + 6)), bad_sampling)
+    items_batch.insert(4, item(bad, (3, 4)))
+    result = await together.verify(VerifyBatch(items=tuple(items_batch)))
+    refused = result.results[4]
+    assert refused.session_id == bad.session_id and refused.verdict is None
+    assert type(refused.error).__name__ == "InvalidDistribution" and "NaN" in refused.error.message
+    assert await store.read_tokens(bad.session_id) == bad.token_ids
+    assert together.caches.get(bad.session_id).tokens == bad.token_ids[:-1]
+    verified = [r for i, r in enumerate(result.results) if i != 4]
+    for got, solo_item in zip(verified, items_solo, strict=True):
+        solo = (await alone.verify(VerifyBatch(items=(solo_item,)))).results[0]
+        assert got.error is None and got.verdict == solo.verdict
+    together.close()
+    alone.close()
+
+
+async def test_a_proposal_the_acceptance_rule_refuses_fails_alone(target, store):
+    """A proposal whose q is not a distribution (an in-process caller's bug; the wire form is checked before)
+    makes verify_batch refuse the batch: each row is then verified alone, so only that row fails."""
+    verifier = make_verifier(target, store)
+    params = SamplingParams(temperature=1.0, seed=9)
+    good = await new_session(store, PROMPT, params)
+    twin = await new_session(store, PROMPT, params)
+    broken = await new_session(store, PROMPT, params)
+    p = next_probs(target, PROMPT, params)  # [vocab] float64
+    q = sure_accept_q(p, 5).unsqueeze(0)  # [1, vocab]
+    bad_q = q.clone()
+    bad_q[0, 7] = -0.5  # negative mass
+    result = await verifier.verify(VerifyBatch(items=(item(good, (5,), q), item(broken, (5,), bad_q))))
+    assert result.results[0].error is None and result.results[0].verdict.accepted_count == 1
+    assert type(result.results[1].error).__name__ == "InvalidDistribution"
+    solo = (await verifier.verify(VerifyBatch(items=(item(twin, (5,), q),)))).results[0]
+    assert result.results[0].verdict == solo.verdict
+    verifier.close()
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "gamma", "committed", "finish"),
+    [
+        (509, 3, 3, common_pb2.FINISH_REASON_LENGTH),  # all accepted: the bonus would sit at index 512
+        (508, 3, 4, common_pb2.FINISH_REASON_LENGTH),  # accepted + bonus fill the context exactly
+        (507, 3, 4, common_pb2.FINISH_REASON_UNSPECIFIED),  # one position left: the session goes on
+    ],
+)
+async def test_the_log_never_passes_the_context_and_a_full_log_finishes_with_length(
+    target, store, prompt_len, gamma, committed, finish
+):
+    """Context 512 (max_position_embeddings): a round is cut where the log reaches 512 tokens and then
+    finishes with `length`; nothing is ever committed at index 512 (the target could never feed it)."""
+    verifier = make_verifier(target, store)
+    prompt = tuple((7 * i + 3) % 380 + 1 for i in range(prompt_len))
+    record = await new_session(store, prompt)
+    chain = greedy_continuation(target, prompt, gamma + 1)
+    result = await verify_one(verifier, record, chain[:gamma])
+    verdict = result.verdict
+    assert verdict.committed_token_ids == tuple(chain[:committed])
+    assert (verdict.committed_len, verdict.finish_reason) == (prompt_len + committed, finish)
+    assert verdict.committed_len <= 512
+    nxt = await verify_one(verifier, await store.load(record.session_id))
+    if finish == common_pb2.FINISH_REASON_LENGTH:
+        assert type(nxt.error).__name__ == "SessionFinished"
+    else:  # the last position: one more token, then `length`
+        assert nxt.verdict.committed_len == 512 and nxt.verdict.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    verifier.close()
+
+
+async def test_a_proposal_that_does_not_fit_the_context_is_refused_for_itself(target, store):
+    verifier = make_verifier(target, store)
+    record = await new_session(store, tuple((7 * i + 3) % 380 + 1 for i in range(509)))
+    result = await verify_one(verifier, record, (1, 2, 3, 4))
+    assert type(result.error).__name__ == "InvalidArgument" and "propose at most 3" in result.error.message
+    assert await store.read_tokens(record.session_id) == record.token_ids
+
+
+LOGPROB_SETTINGS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "greedy+penalty": SamplingParams(temperature=0.0, repetition_penalty=1.4),
+    "sampled": SamplingParams(temperature=0.8, top_k=12, top_p=0.95, repetition_penalty=1.2, seed=5),
+    "coupled": SamplingParams(temperature=1.2, top_p=0.9, seed=6, sampling_mode="coupled"),
+}
+
+
+@pytest.mark.parametrize("name", list(LOGPROB_SETTINGS), ids=list(LOGPROB_SETTINGS))
+async def test_logprobs_are_the_targets_processed_distribution_and_survive_replay_and_failover(
+    target, store, name
+):
+    """Each committed token carries log p at its position (Hugging Face's processors on a fresh prefill, to 1e-4)
+    and the most likely alternatives; a retried Verify, on this replica or on a fresh one (failover), returns the
+    recorded values bit for bit; an item that does not ask gets none."""
+    params = LOGPROB_SETTINGS[name]
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT, params)
+    chain = greedy_continuation(target, PROMPT, GAMMA, params)
+    proposal = [*chain[:3], wrong(chain[3], target.vocab_size)]  # greedy: three accepted, then a correction
+    batch = VerifyBatch(items=(item(record, proposal, top_logprobs=5),))
+    result = (await verifier.verify(batch)).results[0]
+    verdict = result.verdict
+    assert verdict is not None and len(verdict.logprobs) == len(verdict.committed_token_ids) >= 1
+    if params.greedy:
+        assert verdict.accepted_count == 3, "accepted draft tokens carry logprobs, not only the correction"
+    context = list(PROMPT)
+    for token, entry in zip(verdict.committed_token_ids, verdict.logprobs, strict=True):
+        want = hf_logprobs(target, context, params)  # [vocab]
+        assert entry.token_id == token and math.isfinite(entry.logprob)
+        assert entry.logprob == pytest.approx(float(want[token]), abs=1e-4)
+        top = torch.topk(want, 5)
+        expected = [(int(t), float(v)) for v, t in zip(top.values, top.indices, strict=True) if v > -math.inf]
+        assert [t.token_id for t in entry.top_logprobs] == [t for t, _ in expected]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([v for _, v in expected], abs=1e-4)
+        if params.top_k:
+            assert len(entry.top_logprobs) == 5 <= params.top_k
+        context.append(token)
+    replay = (await verifier.verify(batch)).results[0]
+    assert replay.replayed and replay.verdict == verdict
+    other = make_verifier(target, store)  # another replica: no cache, the record from Redis alone
+    assert (await other.verify(batch)).results[0].verdict == verdict
+    record = await store.load(record.session_id)
+    plain = (await verifier.verify(VerifyBatch(items=(item(record, chain[:2]),)))).results[0].verdict
+    assert plain is not None and plain.logprobs == ()
+    verifier.close()
+    other.close()
+
+
+async def test_a_top_k_smaller_than_top_logprobs_lists_only_the_kept_tokens(target, store):
+    params = SamplingParams(temperature=1.0, top_k=3, seed=9)
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT, params)
+    verdict = (await verifier.verify(VerifyBatch(items=(item(record, top_logprobs=20),)))).results[0].verdict
+    (entry,) = verdict.logprobs
+    assert len(entry.top_logprobs) == 3 and entry.token_id in {t.token_id for t in entry.top_logprobs}
+    assert sum(math.exp(t.logprob) for t in entry.top_logprobs) == pytest.approx(1.0, abs=1e-9)
+    verifier.close()
+
+
+# --------------------------------------------------------------------------- a round that reads nothing
+
+
+class CountingStore:
+    """The real store, counting ``load`` calls (the one per-round Redis read a known session skips)."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.loads = 0
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    async def load(self, session_id, **kwargs):
+        self.loads += 1
+        return await self._store.load(session_id, **kwargs)
+
+
+async def test_a_round_after_this_replicas_own_commit_reads_nothing_from_redis(target, store):
+    """After a commit the replica knows the log exactly; the next round based on it loads nothing, and the
+    chain still equals target-only greedy decoding and the log (the compare-and-set still checks each)."""
+    counting = CountingStore(store)
+    verifier = make_verifier(target, counting)
+    record = await new_session(store, PROMPT)
+    chain = greedy_continuation(target, PROMPT, 12)
+    committed: list[int] = []
+    for _ in range(4):
+        current = record if not committed else await store.load(record.session_id)
+        result = await verify_one(verifier, current, chain[len(committed) : len(committed) + 2])
+        committed += result.verdict.committed_token_ids
+    assert counting.loads == 1, "only the first round loads the session"
+    assert tuple(committed) == tuple(chain[: len(committed)])
+    assert await store.read_tokens(record.session_id) == PROMPT + tuple(committed)
+    assert_cache_holds(verifier, record.session_id, PROMPT + tuple(committed))
+    verifier.close()
+
+
+async def test_a_stale_hint_is_caught_by_the_compare_and_set_and_dropped(target, store):
+    """Replica A commits v0 -> v1; replica B, given the same base by a coordinator that lost A's reply, gets
+    A's verdict back (a replay); then B commits v1 -> v2. A stale coordinator sends A an item based on v1:
+    A's hint matches, so it computes without a load, but the compare-and-set finds v2 and refuses it; A rolls
+    its cache back, drops the hint, and the next item (based on v2) is loaded and verified from the log."""
+    a = make_verifier(target, store)
+    b = make_verifier(target, store)
+    record = await new_session(store, PROMPT)
+    first = await verify_one(a, record)  # v0 -> v1 on A
+    replay = await verify_one(b, record)  # the same base on B: the recorded verdict
+    assert replay.replayed and replay.verdict == first.verdict
+    v1 = await store.load(record.session_id)
+    second = await verify_one(b, v1)  # v1 -> v2 on B
+    assert second.verdict.new_version == 2
+    stale = await verify_one(a, v1)  # A still believes v1 is current
+    assert stale.replayed and stale.verdict == second.verdict, "the CAS answers with the recorded verdict"
+    assert a.caches.get(record.session_id).tokens == v1.token_ids[:-1], "A's branch rolled back"
+    v2 = await store.load(record.session_id)
+    third = await verify_one(a, v2)
+    assert third.verdict.committed_token_ids == tuple(greedy_continuation(target, v2.token_ids, 1))
+    assert await store.read_tokens(record.session_id) == v2.token_ids + third.verdict.committed_token_ids
+    a.close()
+    b.close()

@@ -1,0 +1,297 @@
+"""Network latency between the tiers: what a round trip to the draft or the target costs.
+
+``python -m bench.harness --latency`` (or ``specserve bench --latency``) starts a
+local stack once per setting and puts a :class:`LatencyProxy` between the
+coordinator and one tier: every byte the coordinator sends to that tier, and
+every byte it gets back, arrives ``rtt / 2`` later (an order-preserving delay,
+not a bandwidth limit: bytes in flight overlap as on a real link). For each
+round-trip time (``--rtts-ms``, 0, 2 and 10 by default) and each side (draft,
+target), it runs the held-out chat prompts greedily, EOS ignored, with
+gamma = 0, a fixed gamma and the adaptive policy, then the last two again with
+overlap on (``CoordinatorSettings.overlap``: the draft drafts the next round
+while the target verifies), and records ms per committed token and the tokens
+per round. Greedy output must be the same in every setting.
+
+The draft side is the setting of a draft tier on cheap machines away from the
+target tier. What it shows: a round pays one round trip to each tier it calls,
+so a speculative round pays the draft's RTT once per ``E[tokens per round]``
+tokens while gamma = 0 pays no draft RTT at all; the adaptive policy sees the
+round trip in its cost model (``observe_rtt``) and weighs it; overlap hides the
+draft's round trip behind the target's pass in the rounds whose hypothesis
+holds.
+
+Writes ``<out>/latency.json``; ``bench.report`` renders ``latency.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+RTTS_MS = (0.0, 2.0, 10.0)
+SIDES = ("draft", "target")
+
+
+class LatencyProxy:
+    """Forwards ``127.0.0.1:<port>`` to ``upstream``; each chunk is delivered ``delay_s`` after it arrived.
+
+    Unlike a proxy that sleeps before each write, chunks in flight do not queue
+    behind each other's delays: a reader task stamps each chunk and a writer
+    task delivers it at its stamp plus the delay, in order.
+    """
+
+    def __init__(self, upstream: str, delay_s: float) -> None:
+        host, _, port = upstream.rpartition(":")
+        self.upstream = (host, int(port))
+        self.delay_s = delay_s
+        self.port = 0
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> LatencyProxy:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while (item := await queue.get()) is not None:
+                due, chunk = item
+                if (wait := due - loop.time()) > 0:
+                    await asyncio.sleep(wait)
+                writer.write(chunk)
+                await writer.drain()
+
+        sender = asyncio.create_task(deliver())
+        try:
+            while chunk := await reader.read(65536):
+                queue.put_nowait((loop.time() + self.delay_s, chunk))
+            queue.put_nowait(None)
+            await sender
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            sender.cancel()
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.close()
+            return
+        for task in (
+            asyncio.create_task(self._pipe(reader, up_writer)),
+            asyncio.create_task(self._pipe(up_reader, writer)),
+        ):
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+@dataclass
+class LatencyRun:
+    side: str  # the tier behind the proxy
+    rtt_ms: float
+    mode: str
+    prompt: str
+    tokens: int
+    total_s: float
+    rounds: int
+    proposed: int
+    accepted: int
+    identical: bool  # greedy output equal to the same mode at RTT 0
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000.0 * self.total_s / max(self.tokens, 1)
+
+
+async def measure(
+    *,
+    target,
+    draft,
+    redis_url: str,
+    prompts: list[tuple[str, list[int]]],
+    rtts_ms=RTTS_MS,
+    sides=SIDES,
+    fixed_gamma: int = 4,
+    max_new_tokens: int = 64,
+    progress=lambda n=1: None,
+) -> list[LatencyRun]:
+    """Every (side, RTT, mode, prompt), one stack per (side, RTT); see the module docstring."""
+    from specserve.client import AsyncClient
+    from specserve.local import start_local_stack
+
+    plain = {"gamma=0": 0, f"gamma={fixed_gamma}": fixed_gamma, "adaptive": None}
+    with_overlap = {f"gamma={fixed_gamma} +overlap": fixed_gamma, "adaptive +overlap": None}
+    runs: list[LatencyRun] = []
+    reference: dict[str, list[int]] = {}
+    for side, rtt, overlap in ((s, t, o) for s in sides for t in rtts_ms for o in (False, True)):
+        modes = with_overlap if overlap else plain
+        proxies: list[LatencyProxy] = []
+
+        async def via(role: str, endpoint: str, side=side, rtt=rtt, proxies=proxies) -> str:
+            if role != side or rtt <= 0:
+                return endpoint
+            proxy = await LatencyProxy(endpoint, rtt / 2000.0).start()
+            proxies.append(proxy)
+            return proxy.address
+
+        stack = await start_local_stack(
+            target_model=str(target),
+            draft_model=str(draft),
+            redis_url=redis_url,
+            endpoint_map=via,
+            coordinator_overrides={"overlap": overlap},
+        )
+        try:
+            async with AsyncClient(stack.address, timeout=600) as client:
+                for gamma in (0, fixed_gamma, None):  # warm-up: connections, caches, the cost model
+                    await client.generate(prompt_token_ids=prompts[0][1], max_new_tokens=8, gamma=gamma)
+                for mode, gamma in modes.items():
+                    for name, ids in prompts:
+                        start = time.perf_counter()
+                        result = await client.generate(
+                            prompt_token_ids=ids,
+                            max_new_tokens=max_new_tokens,
+                            temperature=0,
+                            ignore_eos=True,
+                            gamma=gamma,
+                        )
+                        total = time.perf_counter() - start
+                        tokens = list(result.token_ids)
+                        ref = reference.setdefault(name, tokens)  # greedy: one output for every setting
+                        s = result.stats
+                        runs.append(
+                            LatencyRun(
+                                side,
+                                rtt,
+                                mode,
+                                name,
+                                len(tokens),
+                                total,
+                                s.rounds,
+                                s.proposed_tokens,
+                                s.accepted_tokens,
+                                tokens == ref,
+                            )
+                        )
+                        progress()
+        finally:
+            await stack.stop()
+            for proxy in proxies:
+                await proxy.stop()
+    return runs
+
+
+def summarize(runs: list[LatencyRun]) -> list[dict]:
+    """Median ms/token and tokens per round per (side, RTT, mode); the cost of the RTT against RTT 0."""
+    rows = []
+    keys = dict.fromkeys((r.side, r.rtt_ms, r.mode) for r in runs)
+    base = {}
+    for side, rtt, mode in keys:
+        sel = [r for r in runs if (r.side, r.rtt_ms, r.mode) == (side, rtt, mode)]
+        ms = statistics.median(r.ms_per_token for r in sel)
+        if rtt == 0:
+            base[(side, mode)] = ms
+        rounds = sum(r.rounds for r in sel)
+        rows.append(
+            {
+                "side": side,
+                "rtt_ms": rtt,
+                "mode": mode,
+                "ms_per_token": ms,
+                "tokens_per_round": sum(r.tokens for r in sel) / rounds if rounds else None,
+                "acceptance": sum(r.accepted for r in sel) / max(1, sum(r.proposed for r in sel)),
+                "added_ms_per_token": ms - base[(side, mode)] if (side, mode) in base else None,
+                "identical": all(r.identical for r in sel),
+                "n": len(sel),
+            }
+        )
+    return rows
+
+
+def to_json(runs: list[LatencyRun], settings: dict) -> dict:
+    return {
+        "settings": settings,
+        "summary": summarize(runs),
+        "runs": [asdict(r) | {"ms_per_token": r.ms_per_token} for r in runs],
+    }
+
+
+def section(data: dict) -> list[str]:
+    """The Markdown section of the report."""
+    st = data["settings"]
+    lines = [
+        f"## Network latency between the tiers (greedy, {st['max_new_tokens']} tokens, "
+        f"{st['prompts']} held-out chat prompts, one stack per setting)",
+        "",
+        f"Command: `{st['command']}`. A proxy delays every byte between the coordinator and one tier by "
+        "RTT / 2 each way. 'added' is ms/token above the same mode at RTT 0 on the same side.",
+        "",
+        "| tier behind the delay | RTT ms | mode | ms/token | added ms/token | tokens/round | acceptance "
+        "| greedy output unchanged |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in data["summary"]:
+        added = f"{r['added_ms_per_token']:+.2f}" if r["added_ms_per_token"] is not None else "-"
+        tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
+        lines.append(
+            f"| {r['side']} | {r['rtt_ms']:g} | {r['mode']} | {r['ms_per_token']:.2f} | {added} | {tpr} | "
+            f"{r['acceptance']:.2f} | {'yes' if r['identical'] else '**no**'} |"
+        )
+    lines.append("")
+    won = won_back(data["summary"])
+    if won:
+        lines += [
+            "What overlap wins back of what the round trip costs: (ms/token without overlap at that RTT - "
+            "with overlap) / (without overlap at that RTT - without overlap at RTT 0).",
+            "",
+            "| tier | RTT ms | mode | latency cost ms/token | won back by overlap |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for w in won:
+            lines.append(
+                f"| {w['side']} | {w['rtt_ms']:g} | {w['mode']} | {w['cost_ms']:+.2f} | {w['won_back']:.0%} |"
+            )
+        lines.append("")
+    return lines
+
+
+def won_back(summary: list[dict]) -> list[dict]:
+    """Per (side, RTT > 0, mode with an overlap twin): the latency's cost and the share overlap recovers."""
+    ms = {(r["side"], r["rtt_ms"], r["mode"]): r["ms_per_token"] for r in summary}
+    out = []
+    for (side, rtt, mode), plain in ms.items():
+        twin = ms.get((side, rtt, f"{mode} +overlap"))
+        base = ms.get((side, 0.0, mode))
+        if rtt <= 0 or twin is None or base is None or plain - base <= 0:
+            continue
+        out.append(
+            {
+                "side": side,
+                "rtt_ms": rtt,
+                "mode": mode,
+                "cost_ms": plain - base,
+                "won_back": (plain - twin) / (plain - base),
+            }
+        )
+    return out

@@ -1,0 +1,218 @@
+"""What the service adds to each round: gamma = 0 through the whole system against HF ``generate()``.
+
+Run (one run, one machine; the figures in docs/benchmarks come from it)::
+
+    python -m bench.overhead --json docs/benchmarks/overhead.json
+
+The same held-out chat prompts go, greedy and with ``ignore_eos`` (so every run
+commits exactly ``--max-new-tokens`` tokens), through:
+
+* **HF target-only**: ``model.generate()`` in this process (float32,
+  ``--threads`` threads);
+* **specserve gamma = 0**: a stack of one process per role (``specserve serve
+  target`` and ``coordinator``; no draft), the target with the same dtype and
+  thread count, through the SDK.
+
+The two alternate prompt by prompt, so drift on a shared machine hits both.
+Every specserve round is split, from the statistics the system reports, into:
+
+``forward``
+    the target's forward pass (``GenerationStats.forward_ns``);
+``target``
+    the rest of the target's own account of the Verify call: loading the
+    session, processing the logits, the acceptance rule, the commit to Redis,
+    the thread hops (``target_ns - forward_ns``);
+``network``
+    the Verify call as the coordinator saw it minus the target's account:
+    gRPC both ways, serialisation, the batcher (``verify_ns - target_ns``);
+``coordinator``
+    the rest of the request's wall time: the round loop, the policy,
+    detokenizing, streaming to the client (``total_ns - verify_ns - draft_ns``).
+
+The *fixed overhead per round* is everything but ``forward``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.pair import ignore_eos
+
+
+def _prompts(tokenizer, n: int) -> list[list[int]]:
+    from bench.chat_prompts import heldout_prompts
+
+    out = []
+    for p in heldout_prompts("chat", n):
+        text = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def _hf_run(model, ids: list[int], max_new: int) -> float:
+    """Seconds for one greedy ``generate()`` of exactly ``max_new`` tokens."""
+    x = torch.tensor([ids])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new,
+            do_sample=False,
+            **ignore_eos(model),
+        )
+    return time.perf_counter() - start
+
+
+async def measure(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specserve.client import AsyncClient
+    from specserve.local import start_process_stack
+    from specserve.models import resolve_model_path
+    from specserve.redis_server import private_redis
+
+    torch.set_num_threads(args.threads)
+    target = resolve_model_path(args.target, "target")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    prompts = _prompts(tokenizer, args.prompts)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the target process: the same thread count
+    hf: list[float] = []
+    runs: list[dict] = []
+    with private_redis(args.redis_url) as redis_url:
+        stack = await start_process_stack(
+            target_model=target, draft_model=None, redis_url=redis_url, with_draft=False,
+            target_overrides={"dtype": "float32"},
+        )  # fmt: skip
+        try:
+            async with AsyncClient(stack.address, timeout=600) as client:
+                kw = {
+                    "max_new_tokens": args.max_new_tokens,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "gamma": 0,
+                }
+                await client.generate(prompt_token_ids=prompts[0], **{**kw, "max_new_tokens": 4})  # warm-up
+                _hf_run(model, prompts[0], 4)
+                for i, ids in enumerate(prompts * args.repeats):
+                    order = ("hf", "spec") if i % 2 == 0 else ("spec", "hf")
+                    for which in order:
+                        if which == "hf":
+                            hf.append(_hf_run(model, ids, args.max_new_tokens) / args.max_new_tokens)
+                            continue
+                        start = time.perf_counter()
+                        result = await client.generate(prompt_token_ids=ids, **kw)
+                        wall = time.perf_counter() - start
+                        s = result.stats
+                        assert s.completion_tokens == args.max_new_tokens
+                        runs.append(
+                            {
+                                "client_s_per_token": wall / s.completion_tokens,
+                                "rounds": s.rounds,
+                                "total_ns": s.total_ns,
+                                "verify_ns": s.verify_ns,
+                                "target_ns": s.target_ns,
+                                "forward_ns": s.forward_ns,
+                                "draft_ns": s.draft_ns,
+                            }
+                        )
+        finally:
+            await stack.stop()
+    return summarize(hf, runs, args)
+
+
+def summarize(hf: list[float], runs: list[dict], args: argparse.Namespace) -> dict:
+    ms = 1e3
+    spec = [r["client_s_per_token"] for r in runs]
+    rounds = sum(r["rounds"] for r in runs)
+
+    def per_round(key_a: str, key_b: str | None = None) -> float:
+        total = sum(r[key_a] - (r[key_b] if key_b else 0) for r in runs)
+        return total / rounds / 1e6
+
+    breakdown = {
+        "forward_ms": per_round("forward_ns"),
+        "target_ms": per_round("target_ns", "forward_ns"),
+        "network_ms": per_round("verify_ns", "target_ns"),
+        "coordinator_ms": sum(r["total_ns"] - r["verify_ns"] - r["draft_ns"] for r in runs) / rounds / 1e6,
+    }
+    breakdown["fixed_overhead_ms"] = (
+        breakdown["target_ms"] + breakdown["network_ms"] + breakdown["coordinator_ms"]
+    )
+    hf_ms, spec_ms = statistics.median(hf) * ms, statistics.median(spec) * ms
+    return {
+        "command": "python -m bench.overhead " + " ".join(args.argv),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": {"processor": platform.processor() or platform.machine(), "threads": args.threads},
+        "prompts": args.prompts,
+        "repeats": args.repeats,
+        "max_new_tokens": args.max_new_tokens,
+        "hf_ms_per_token": hf_ms,
+        "specserve_gamma0_ms_per_token": spec_ms,
+        "specserve_vs_hf": hf_ms / spec_ms,
+        "per_round": breakdown,
+        "hf_ms_per_token_all": [x * ms for x in hf],
+        "specserve_ms_per_token_all": [x * ms for x in spec],
+    }
+
+
+def section(data: dict) -> list[str]:
+    """The report's section (``bench.report`` renders it whenever ``overhead.json`` is there)."""
+    b = data["per_round"]
+    ratio = data["specserve_vs_hf"]
+    return [
+        f"## The service's own overhead (gamma = 0, greedy, {data['max_new_tokens']} tokens, "
+        f"{data['prompts']} held-out chat prompts, one process per role)",
+        "",
+        f"Command: `{data['command']}` ({data['when']}). HF `generate()` of the target alone: "
+        f"{data['hf_ms_per_token']:.2f} ms/token; specserve at gamma = 0, the same model, dtype and threads: "
+        f"{data['specserve_gamma0_ms_per_token']:.2f} ms/token, **{ratio:.2f}x** of HF "
+        f"(target: 0.95x or better: **{'met' if ratio >= 0.95 else 'missed'}**).",
+        "",
+        "| per round | ms |",
+        "| --- | --- |",
+        f"| target forward pass | {b['forward_ms']:.2f} |",
+        f"| rest of the target's Verify (session, logits, decision, commit, thread hops) | {b['target_ms']:.2f} |",
+        f"| network (gRPC both ways, serialisation, batcher) | {b['network_ms']:.2f} |",
+        f"| coordinator (round loop, policy, detokenizing, streaming) | {b['coordinator_ms']:.2f} |",
+        f"| **fixed overhead per round** (all but the forward pass) | **{b['fixed_overhead_ms']:.2f}** |",
+        "",
+    ]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--target", default=None, help="registered name or directory (default: the default target)"
+    )
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--redis-url", default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    args.argv = argv
+    result = asyncio.run(measure(args))
+    text = json.dumps({k: v for k, v in result.items() if not k.endswith("_all")}, indent=1)
+    print(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

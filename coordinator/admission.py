@@ -1,0 +1,88 @@
+"""Admission: how many sessions a coordinator runs, in total and per client.
+
+``async with admission.slot(client):`` holds one session's place for the body
+of the block. A session over ``max_sessions`` in total, or over
+``max_sessions_per_client`` for its client (an identity from
+:func:`specserve.interceptors.client_identity`; None is not limited per
+client), is refused with RESOURCE_EXHAUSTED and a retry hint before anything
+starts. :meth:`Admission.idle` returns once no slot is held (a drain).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from specserve import errors, metrics
+
+#: The retry hint sent with RESOURCE_EXHAUSTED when a session limit is reached.
+SESSION_LIMIT_RETRY_AFTER_S = 1.0
+
+
+class Admission:
+    """Session limits of one coordinator; see the module docstring."""
+
+    def __init__(self, *, max_sessions: int, max_sessions_per_client: int) -> None:
+        if max_sessions < 1 or max_sessions_per_client < 1:
+            raise ValueError("max_sessions and max_sessions_per_client must be >= 1")
+        self.max_sessions = max_sessions
+        self.max_sessions_per_client = max_sessions_per_client
+        self._active = 0
+        self._per_client: dict[str, int] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def active(self) -> int:
+        """Slots held now."""
+        return self._active
+
+    @contextlib.asynccontextmanager
+    async def slot(self, client: str | None) -> AsyncIterator[None]:
+        """Hold one session's place while the block runs; refuses one over a limit (ResourceExhausted)."""
+        self._admit(client)
+        self._active += 1
+        if client is not None:
+            self._per_client[client] = self._per_client.get(client, 0) + 1
+        self._idle.clear()
+        metrics.ACTIVE_SESSIONS.inc()
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if client is not None:
+                self._per_client[client] -= 1
+                if not self._per_client[client]:
+                    del self._per_client[client]
+            if self._active == 0:
+                self._idle.set()
+            metrics.ACTIVE_SESSIONS.dec()
+
+    async def idle(self) -> None:
+        """Return once no slot is held."""
+        await self._idle.wait()
+
+    def check(self, client: str | None, sessions: int = 1) -> None:
+        """Refuse (ResourceExhausted) unless ``sessions`` more slots fit the limits now.
+
+        :meth:`slot` checks one; a caller about to start several at once (the HTTP
+        API's ``n``) checks them all first, so that none starts when one would be refused.
+        """
+        self._admit(client, sessions)
+
+    def _admit(self, client: str | None, sessions: int = 1) -> None:
+        if self._active + sessions > self.max_sessions:
+            metrics.REQUESTS.labels(status="resource_exhausted").inc()
+            raise errors.ResourceExhausted(
+                f"the coordinator is running its maximum of {self.max_sessions} sessions; retry shortly",
+                retry_after_s=SESSION_LIMIT_RETRY_AFTER_S,
+            )
+        limit = self.max_sessions_per_client
+        if client is not None and self._per_client.get(client, 0) + sessions > limit:
+            metrics.REQUESTS.labels(status="resource_exhausted").inc()
+            raise errors.ResourceExhausted(
+                f"this client already runs its maximum of {limit} concurrent sessions; "
+                "wait for one to finish and retry",
+                retry_after_s=SESSION_LIMIT_RETRY_AFTER_S,
+            )

@@ -1,0 +1,70 @@
+"""Chat prompts: a conversation rendered with the target tokenizer's chat template.
+
+The coordinator turns :class:`ChatMessage` objects into prompt token ids the
+way Hugging Face does for ``generate()``: ``apply_chat_template(messages,
+add_generation_prompt=True)`` renders the conversation and opens the
+assistant's turn, and the text is tokenized without adding special tokens (the
+template writes the ones it wants). The result equals
+``tokenizer.apply_chat_template(..., tokenize=True)``.
+
+A tokenizer without a chat template cannot do this: :func:`chat_prompt_ids`
+raises :class:`~specserve.errors.FailedPrecondition` saying so. A template
+that refuses the conversation (many raise on roles that do not alternate) is
+:class:`~specserve.errors.InvalidArgument` with the template's own message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specserve.errors import FailedPrecondition, InvalidArgument
+from specserve.v1 import coordinator_pb2
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a conversation: who wrote it and what it says."""
+
+    role: str
+    content: str
+
+    def __post_init__(self) -> None:
+        if not self.role:
+            raise InvalidArgument("every chat message needs a role (e.g. 'system', 'user', 'assistant')")
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.ChatMessage) -> ChatMessage:
+        return cls(role=pb.role, content=pb.content)
+
+    def to_pb(self) -> coordinator_pb2.ChatMessage:
+        return coordinator_pb2.ChatMessage(role=self.role, content=self.content)
+
+
+def messages_from_pb(pb: coordinator_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
+    return tuple(ChatMessage.from_pb(m) for m in pb.messages)
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> tuple[int, ...]:
+    """The prompt token ids of ``messages`` with the assistant's turn opened."""
+    if not messages:
+        raise InvalidArgument("the conversation is empty: send at least one chat message")
+    if not has_chat_template(tokenizer):
+        raise FailedPrecondition(
+            "the target model's tokenizer has no chat template, so chat messages cannot be turned into a "
+            "prompt: send a plain text prompt instead (completions), or serve a chat model (one whose "
+            "tokenizer carries a `chat_template`)"
+        )
+    from jinja2 import TemplateError
+
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    except TemplateError as exc:
+        raise InvalidArgument(f"the model's chat template refused the conversation: {exc}") from exc
+    return tuple(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,163 @@
+"""Forward passes whose result for one row does not depend on the other rows of the batch.
+
+The draft must give a session the same proposal, ``q`` bytes included,
+whether it is drafted alone or together with other sessions (docs/design.md,
+"Batched drafting"). A padded batched pass (:mod:`specserve.batching`) equals
+the rows run alone only up to float rounding, for two reasons:
+
+* **Matrix multiplies pick their kernel by shape.** Measured here (MKL,
+  float32): row 0 of ``X @ W`` has one value when ``X`` has 1 row, another for
+  2-8 rows and another from 9 rows on, and a row's value changes with its
+  place in ``X``.
+* **Attention over padded keys** reduces over longer, shifted vectors.
+
+The cure is to make every row's arithmetic a function of that row alone:
+
+1. :class:`RowBlockedMatmuls` runs every ``F.linear`` and ``torch.addmm``
+   (the linear layers of Llama-like and GPT-2-like models) on blocks of exactly
+   :data:`ROW_BLOCK` rows, the last block zero-padded. Every call then has the
+   same shape, and for a fixed shape the kernel computes each row by the same
+   instructions whatever the other rows hold and wherever the row sits in the
+   block (``tests/specserve/test_row_invariant.py`` checks this property of the
+   kernel, and the draft's equality test checks the whole pass).
+2. :func:`rowwise_attention` computes attention session by session: the
+   session's real queries attend to its own keys (its span of cache columns,
+   ``PackedBatch.spans``) in one ``scaled_dot_product_attention`` call, the same
+   call the session makes when it is alone (a view into the batch's buffers;
+   the kernel's result does not depend on strides, which the equality test
+   covers too).
+3. Everything else in the pass is row-wise already: embeddings, norms,
+   activations, rotary or learned positions; the logits processing and the
+   sampling run per row (``draft_service/proposers.py``).
+
+:func:`prepare` registers the attention function with transformers (as
+:data:`ATTENTION`) and switches a model to it; called without a
+:class:`RowLayout` the function is plain SDPA, so the model's other callers see
+no change. :func:`forward` is :func:`specserve.batching.forward` with both in force.
+The price: a lone row pays a matmul of :data:`ROW_BLOCK` rows, and attention is a
+loop over the sessions; for the small drafts this is for, both are small
+beside what batching saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from specserve import batching
+
+#: Rows per matmul call: every linear layer of a row-invariant pass runs on blocks of this many rows.
+ROW_BLOCK = 16
+#: The name the row-wise attention function is registered under with transformers.
+ATTENTION = "specserve_rowwise"
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where each row's keys and real queries are in a batched pass."""
+
+    spans: tuple[
+        tuple[int, int], ...
+    ]  # row b's keys: cache columns [start, stop), this pass's inputs included
+    queries: tuple[int, ...]  # row b's real queries: the first queries[b] input columns
+
+
+def _blocked(x: Tensor, matmul: Callable[[Tensor], Tensor]) -> Tensor:
+    """``matmul`` of ``x`` ``[..., K]`` computed on row blocks of exactly :data:`ROW_BLOCK` rows -> ``[..., N]``."""
+    flat = x.reshape(-1, x.shape[-1])  # [M, K]
+    rows = flat.shape[0]
+    pad = (-rows) % ROW_BLOCK
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])  # [M + pad, K]
+    out = torch.cat(
+        [matmul(flat[i : i + ROW_BLOCK]) for i in range(0, rows + pad, ROW_BLOCK)]
+    )  # [M + pad, N]
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])  # [..., N]
+
+
+class RowBlockedMatmuls(TorchFunctionMode):
+    """Inside this mode, ``F.linear`` and ``torch.addmm`` run on row blocks of :data:`ROW_BLOCK` rows."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            named = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
+            x, weight, bias = named["input"], named["weight"], named.get("bias")
+            return _blocked(x, lambda block: F.linear(block, weight, bias))
+        if func is torch.addmm and not kwargs and len(args) == 3 and args[1].dim() == 2:
+            bias, x, weight = args
+            return _blocked(x, lambda block: torch.addmm(bias, block, weight))
+        return func(*args, **kwargs)
+
+
+def rowwise_attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    row_layout: RowLayout | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention interface: ``query [B, H, T, d]``, ``key/value [B, KV, W, d]`` -> ``[B, T, H, d]``.
+
+    With a ``row_layout``, row ``b``'s first ``queries[b]`` queries attend to its
+    keys ``spans[b]`` (causally, the last query sees them all); padded queries get
+    zeros. Without one: transformers' SDPA attention, unchanged.
+    """
+    if row_layout is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if kwargs.get("softcap") is not None:
+        raise ValueError("row-wise attention does not support attention logit soft-capping")
+    batch, heads, queries, _ = query.shape
+    if len(row_layout.spans) != batch:
+        raise ValueError(f"row layout has {len(row_layout.spans)} rows, the pass {batch}")
+    out = query.new_zeros(batch, queries, heads, value.shape[-1])  # [B, T, H, d]
+    gqa = heads != key.shape[1]
+    for b, ((start, stop), t) in enumerate(zip(row_layout.spans, row_layout.queries, strict=True)):
+        n = stop - start
+        q = query[b : b + 1, :, :t]  # [1, H, t, d]
+        k = key[b : b + 1, :, start:stop]  # [1, KV, n, d]
+        v = value[b : b + 1, :, start:stop]  # [1, KV, n, d]
+        mask = (
+            None if t == 1 else torch.ones(t, n, dtype=torch.bool, device=query.device).tril(n - t)
+        )  # [t, n]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+        )
+        out[b, :t] = o[0].transpose(0, 1)  # [t, H, d]
+    return out, None
+
+
+def prepare(model) -> None:
+    """Register :func:`rowwise_attention` with transformers (once) and switch ``model`` to it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(ATTENTION, rowwise_attention)
+    if ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+    if model.config._attn_implementation != ATTENTION:
+        model.set_attn_implementation(ATTENTION)
+
+
+def forward(model, packed: batching.PackedBatch) -> tuple[Tensor, object]:
+    """:func:`specserve.batching.forward` with row-blocked matmuls and row-wise attention (``model`` prepared)."""
+    if model.config._attn_implementation != ATTENTION:
+        raise RuntimeError("call row_invariant.prepare(model) before a row-invariant forward pass")
+    layout = RowLayout(spans=packed.spans, queries=packed.input_lens)
+    with RowBlockedMatmuls():
+        return batching.forward(model, packed, row_layout=layout)

@@ -1,0 +1,76 @@
+"""The target's verify-cost curve, measured once at start-up.
+
+A verify pass over ``k`` positions does not cost ``k`` times a decode step, nor
+the same: on an accelerator with spare parallelism it costs about a step
+(1.05-1.2x), on a CPU a pass over two positions or more runs matrix-matrix
+kernels and costs well over a step (about 1.7x on the default target on the
+development machine). Whether speculation pays at all turns on that shape, and
+a coordinator whose only data is a session at one gamma cannot learn it (every
+round feeds the same number of positions). So the target measures it: one
+session's pass over a short context, feeding ``k = 1 .. max_gamma + 1``
+positions (at most :data:`CURVE_MAX_POSITIONS`), the median of a few repeats with the ``k`` interleaved (a busy
+machine slows all alike), each pass rolled back. ``GetTargetInfo`` reports it
+and the coordinator's cost model takes its *ratios* as prior rows
+(``coordinator/cost_model.py``; docs/design.md, "The cost model").
+
+It runs on the verifier's model thread before the server takes calls; with
+the default target on 2 CPU cores it takes about 5 s (36 passes), and a machine
+busy with something else at that moment skews it (the coordinator's online fit
+then corrects the scale from real rounds, the shape only where it sees them).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from specserve.kvcache import SessionCache
+from specserve.models import LoadedModel
+
+__all__ = ["CURVE_MAX_POSITIONS", "measure_verify_curve"]
+
+#: Context the measured passes attend over (a short chat turn).
+CONTEXT_TOKENS = 64
+#: Most positions measured at start-up: the adaptive policy's ladder tops at gamma 8 (the cost model
+#: extrapolates its line beyond).
+CURVE_MAX_POSITIONS = 9
+
+
+def measure_verify_curve(
+    model: LoadedModel,
+    max_positions: int,
+    *,
+    repeats: int = 3,
+    context_tokens: int = CONTEXT_TOKENS,
+    clock: Callable[[], int] = time.perf_counter_ns,
+) -> tuple[int, ...]:
+    """Server time (ns) of one session's verify pass feeding ``k = 1 .. max_positions`` positions.
+
+    Index ``k - 1`` of the result is the median of ``repeats`` passes over ``context_tokens`` cached
+    tokens (fewer when the model's context is shorter). Must run where the model runs (the model thread).
+    """
+    if max_positions < 1 or repeats < 1:
+        raise ValueError("max_positions and repeats must be >= 1")
+    cache = SessionCache(model.model, "verify-calibration")
+    room = cache.max_positions if cache.max_positions is not None else context_tokens + max_positions
+    context = max(1, min(context_tokens, room - max_positions))
+    vocab = cache.vocab_size
+    tokens = [(7919 * i + 13) % vocab for i in range(context + max_positions)]
+    cache.reconcile(tokens[: context + 1], pending=True)  # context tokens cached, committed; the next one fed first
+    feed = tokens[context:]
+    samples: list[list[int]] = [[] for _ in range(max_positions)]
+    for rep in range(repeats + 1):  # the first sweep warms every shape up and is not kept
+        for k in range(1, max_positions + 1):
+            t0 = clock()
+            cache.extend(feed[:k])  # under inference_mode (SessionCache)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            elapsed = clock() - t0
+            cache.rollback()
+            if rep:
+                samples[k - 1].append(elapsed)
+    cache.reset()
+    return tuple(max(1, int(statistics.median(s))) for s in samples)

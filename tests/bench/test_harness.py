@@ -1,0 +1,59 @@
+"""bench.harness: the full single-stream + load run on the tiny pair, end to end through
+``bench.harness.main`` (a real local stack and Redis): every mode measured on every prompt set,
+greedy output identical to HF target-only, and the report rendered with its targets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import system_fixtures as sf
+
+from bench.chat_prompts import copy_prompts
+from bench.harness import SPEC_MODES, main
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return sf.tiny_pair(tmp_path_factory)
+
+
+def test_copy_prompts_quote_real_code_and_ask_for_it_back():
+    prompts = copy_prompts()
+    assert len(prompts) >= 4
+    for p in prompts:
+        assert "```python\ndef " in p.text and p.kind == "copy"
+
+
+async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(pair, redis_server, tmp_path):
+    argv = [
+        "--target", str(pair.target_dir),
+        "--draft", str(pair.draft_dir),
+        "--redis-url", redis_server.url,
+        "--out", str(tmp_path),
+        "--prompt-sets", "chat", "copy",
+        "--prompts", "1",
+        "--max-new-tokens", "12",
+        "--temperatures", "0", "0.7",
+        "--rates", "4",
+        "--load-duration-s", "0.5",
+        "--load-max-new-tokens", "6",
+        "--cost-repeats", "2",
+    ]  # fmt: skip
+    assert await asyncio.to_thread(main, argv) == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    modes = ["hf target-only", "hf assisted", "hf prompt lookup", *SPEC_MODES]
+    assert sorted(data["single_stream"]) == ["chat T=0", "chat T=0.7", "copy T=0", "copy T=0.7"]
+    for group in data["single_stream"].values():
+        assert list(group) == modes
+    assert all(r["tokens"] == 12 for r in data["runs"])
+    identity = data["greedy_identity"]
+    assert identity["total"] == 2 * len(SPEC_MODES) and identity["identical"] == identity["total"]
+    assert {p["mode"] for p in data["load"]} >= {"specserve gamma=0", "specserve adaptive"}
+    # The target runs in its own process: its work is read from its /metrics endpoint.
+    for point in data["load"]:
+        if point["committed_tokens"]:
+            assert point["target_positions"] >= point["committed_tokens"] and point["target_forward_passes"] > 0
+    report = (tmp_path / "README.md").read_text()
+    assert "## Targets" in report and "copy T=0" in report

@@ -1,0 +1,72 @@
+"""bench.latency: the order-preserving delay proxy, and the latency mode of the harness on the tiny
+pair end to end through ``bench.harness.main`` (a real local stack and Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import system_fixtures as sf
+
+from bench.harness import main
+from bench.latency import LatencyProxy
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return sf.tiny_pair(tmp_path_factory)
+
+
+async def test_the_proxy_delays_each_way_without_queueing_chunks_behind_each_other():
+    async def echo(reader, writer):
+        while data := await reader.read(100):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    proxy = await LatencyProxy(f"127.0.0.1:{port}", 0.05).start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        start = time.perf_counter()
+        for i in range(5):  # five chunks sent at once: all arrive after one round trip, not five
+            writer.write(bytes([i]))
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        got = b""
+        while len(got) < 5:
+            got += await asyncio.wait_for(reader.read(100), 5)
+        elapsed = time.perf_counter() - start
+        assert got == bytes(range(5))  # in order
+        assert 0.1 <= elapsed < 0.4  # one RTT (2 x 50 ms) and the sends, not 5 x 100 ms
+        writer.close()
+    finally:
+        await proxy.stop()
+        server.close()
+
+
+async def test_the_mode_runs_through_the_harness_and_greedy_output_never_changes(pair, redis_server, tmp_path):
+    argv = [
+        "--latency",
+        "--target", str(pair.target_dir),
+        "--draft", str(pair.draft_dir),
+        "--redis-url", redis_server.url,
+        "--out", str(tmp_path),
+        "--prompt-sets", "chat",
+        "--rtts-ms", "0", "4",
+        "--latency-prompts", "1",
+        "--latency-max-new-tokens", "10",
+    ]  # fmt: skip
+    assert await asyncio.to_thread(main, argv) == 0
+    data = json.loads((tmp_path / "latency.json").read_text())
+    rows = data["summary"]
+    assert {(r["side"], r["rtt_ms"]) for r in rows} == {(s, t) for s in ("draft", "target") for t in (0.0, 4.0)}
+    assert {r["mode"] for r in rows} == {"gamma=0", "gamma=4", "adaptive", "gamma=4 +overlap", "adaptive +overlap"}
+    assert all(r["identical"] for r in rows), "latency never changes greedy output"
+    assert all(run["tokens"] == 10 for run in data["runs"])
+    slowed = [r for r in rows if r["side"] == "target" and r["rtt_ms"] == 4.0]
+    assert all(r["added_ms_per_token"] is not None for r in slowed)
+    assert "Network latency" in (tmp_path / "latency.md").read_text()

@@ -1,0 +1,244 @@
+"""The shape of the code base (docs/design.md, "Layers"), read from the source with ``ast``.
+
+* The import graph of the packages has no cycle (imports inside functions count;
+  ``if TYPE_CHECKING:`` blocks do not, they never run).
+* No module under ``specserve/`` imports a role package or ``bench``, except the
+  launcher (``specserve/cli.py``, ``specserve/local.py``); no role imports another.
+* ``coordinator/rounds.py`` uses no attribute of the pool but its public methods.
+* ``Coordinator.generate`` and ``verify_batch`` stay under 50 lines.
+* ``docs/internals.md`` names only files that exist, and walks one round through them.
+* Nothing in the repository points at design notes outside it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("specserve", "coordinator", "draft_service", "target_service", "bench")
+ROLES = ("coordinator", "draft_service", "target_service")
+LAUNCHER = frozenset({"specserve.cli", "specserve.local"})
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the packages, by dotted name (a package by its own name)."""
+    out: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported_names(tree: ast.AST, module: str) -> set[str]:
+    """Dotted names ``module`` imports anywhere (functions included), ``if TYPE_CHECKING:`` blocks excluded."""
+    names: set[str] = set()
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if _is_type_checking(node):
+            stack.extend(node.orelse)  # type: ignore[attr-defined]
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:  # a submodule, or a name defined in ``base``
+                full = f"{base}.{alias.name}"
+                names.add(full if full in MODULES else base)
+        stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def _edges(module: str) -> set[str]:
+    """The modules of the packages that ``module`` imports."""
+    out: set[str] = set()
+    for name in _imported_names(ast.parse(MODULES[module].read_text()), module):
+        while name and name not in MODULES:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            out.add(name)
+    return out
+
+
+GRAPH = {module: _edges(module) for module in MODULES}
+
+
+def _package(module: str) -> str:
+    return module.partition(".")[0]
+
+
+def test_the_graph_is_read_from_real_imports():
+    """Guards the tests below: known edges are found (so an empty graph cannot pass them)."""
+    assert "coordinator.pool" in GRAPH["coordinator.rounds"]
+    assert "specserve.status" in GRAPH["specserve.client"]
+    assert "bench.harness" in GRAPH["specserve.cli"]  # a lazy import inside a function
+    assert "specserve" not in GRAPH["specserve.client"]  # "from specserve import errors" is specserve.errors
+    hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import coordinator.pool\n")
+    assert "coordinator.pool" not in _imported_names(hidden, "specserve.cli")
+    assert len(GRAPH) > 60
+
+
+def test_the_import_graph_has_no_cycle():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for nxt in sorted(GRAPH[module]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            cycle = visit(module)
+            assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_only_the_launcher_in_specserve_imports_a_role_or_bench():
+    above = {*ROLES, "bench"}
+    offenders = {
+        module: sorted(m for m in GRAPH[module] if _package(m) in above)
+        for module in GRAPH
+        if _package(module) == "specserve" and module not in LAUNCHER
+    }
+    assert {m: found for m, found in offenders.items() if found} == {}
+
+
+def test_no_role_imports_another_role():
+    offenders = {
+        module: sorted(m for m in GRAPH[module] if _package(m) in ROLES and _package(m) != _package(module))
+        for module in GRAPH
+        if _package(module) in ROLES
+    }
+    assert {m: found for m, found in offenders.items() if found} == {}
+
+
+# --------------------------------------------------------------------------- the round loop and the pool
+
+
+def test_the_round_loop_uses_only_the_pools_public_methods():
+    from coordinator.pool import WorkerPool
+
+    public = {
+        name for name, value in vars(WorkerPool).items() if not name.startswith("_") and callable(value)
+    }
+    assert {"propose", "verify", "release"} <= public
+    tree = ast.parse((ROOT / "coordinator" / "rounds.py").read_text())
+    used: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id == "pool") or (
+                isinstance(owner, ast.Attribute) and owner.attr == "pool"
+            ):
+                used.add(node.attr)
+    assert used, "the round loop must use the pool"
+    assert used <= public, f"rounds.py reaches into the pool: {sorted(used - public)}"
+
+
+# --------------------------------------------------------------------------- short functions
+
+
+@pytest.mark.parametrize(
+    ("path", "qualname"),
+    [("coordinator/generation.py", "Coordinator.generate"), ("specserve/verification.py", "verify_batch")],
+)
+def test_key_functions_stay_under_50_lines(path, qualname):
+    tree = ast.parse((ROOT / path).read_text())
+    *owner, name = qualname.split(".")
+    scope: ast.AST = tree
+    for part in owner:
+        scope = next(n for n in ast.iter_child_nodes(scope) if isinstance(n, ast.ClassDef) and n.name == part)
+    func = next(
+        n
+        for n in ast.iter_child_nodes(scope)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
+    )
+    lines = func.end_lineno - func.lineno + 1
+    assert lines < 50, f"{qualname} has {lines} lines"
+
+
+# --------------------------------------------------------------------------- docs
+
+
+INTERNALS = (ROOT / "docs" / "internals.md").read_text()
+FILE_NAME = re.compile(r"`((?:[\w.-]+/)*[\w.-]+\.(?:py|proto|md|toml|yaml))`")
+
+
+def test_internals_names_only_files_that_exist():
+    named = set(FILE_NAME.findall(INTERNALS))
+    assert len(named) > 30
+    missing = sorted(n for n in named if not (ROOT / n).exists() and not (ROOT / "docs" / n).exists())
+    assert missing == [], f"docs/internals.md names files that do not exist: {missing}"
+
+
+def test_internals_walks_one_round_through_the_files_in_order():
+    section = INTERNALS.split("## One round, file by file", 1)[1].split("\n## ", 1)[0]
+    walked = [n for n in FILE_NAME.findall(section) if "/" in n]
+    order = [
+        "specserve/client.py",
+        "coordinator/servicer.py",
+        "coordinator/generation.py",
+        "coordinator/rounds.py",
+        "coordinator/pool.py",
+        "draft_service/servicer.py",
+        "draft_service/engine.py",
+        "draft_service/proposers.py",
+        "specserve/proposal.py",
+        "coordinator/batcher.py",
+        "target_service/servicer.py",
+        "target_service/verifier.py",
+        "specserve/verification.py",
+        "coordinator/detokenize.py",
+    ]
+    firsts = [walked.index(n) for n in order]  # each is named (ValueError otherwise) ...
+    assert firsts == sorted(firsts), "... and first named in the order the data flows"
+
+
+def test_nothing_points_at_design_notes_outside_the_repository():
+    banned = ["../" + "shared", "STYLE" + ".md", "DESIGN" + ".md"]
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    found = []
+    for name in files:
+        path = ROOT / name
+        if (
+            name.startswith("models/")
+            or path.suffix in {".png", ".json", ".safetensors"}
+            or not path.is_file()
+        ):
+            continue
+        text = path.read_text(errors="ignore")
+        found += [f"{name}: {b}" for b in banned if b in text]
+    assert found == []
