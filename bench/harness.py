@@ -36,6 +36,13 @@ text, and half wrong) against gamma = 0, into ``<out>/prediction.json`` and
 ``prediction.md``; the full report renders the section too once the JSON is
 there.
 
+``--only-load`` runs the load sweep alone (gamma = 0, ``--load-fixed-gamma``
+and adaptive on the first prompt set) into ``<out>/load.json``; the report's
+load section, plots and checks then come from that file, with its own command.
+Every load point is measured ``--load-repeats`` times, interleaved (see
+:func:`load_sweep`), and the report gives the medians and, per rate, adaptive's
+throughput over gamma = 0's within each repeat.
+
 ``--draft-scaling`` runs another mode instead (``bench/draft_scaling.py``):
 draft and verify ms per round and throughput for 1..32 concurrent sessions,
 with the draft's batching on and off, into ``<out>/draft_scaling.json``,
@@ -235,6 +242,7 @@ class LoadPoint:
     wasted_tokens: int
     target_positions: int
     target_forward_passes: int
+    repeat: int = 0
 
 
 def _metric(url: str, name: str) -> float:
@@ -263,6 +271,7 @@ async def load_point(
     mode: str,
     seed: int,
     metrics_url: str,
+    repeat: int = 0,
 ) -> LoadPoint:
     rng = np.random.default_rng(seed)
     arrivals, t = [], 0.0
@@ -321,7 +330,41 @@ async def load_point(
         wasted_tokens=proposed - accepted,
         target_positions=int(_metric(metrics_url, "specserve_target_positions_processed_total") - positions0),
         target_forward_passes=int(_metric(metrics_url, "specserve_target_forward_seconds_count") - passes0),
+        repeat=repeat,
     )
+
+
+async def load_sweep(
+    client, prompts: list[list[int]], modes: list[tuple[str, int | None]], args, metrics_url: str
+) -> list[LoadPoint]:
+    """Every (rate, mode) point ``args.load_repeats`` times, interleaved: each repeat sweeps the rates,
+    and at each rate runs the modes one after another, starting from a different mode each time, so that
+    the machine's drift between minutes falls on every mode alike. A point's arrivals (the Poisson
+    schedule, its seed) are the same for every mode and repeat; only the machine's noise differs."""
+    points: list[LoadPoint] = []
+    bar = tqdm(total=args.load_repeats * len(modes) * len(args.rates), desc="load sweep", unit="point")
+    for repeat in range(args.load_repeats):
+        for i, rate in enumerate(args.rates):
+            shift = (repeat + i) % len(modes)
+            for mode, gamma in modes[shift:] + modes[:shift]:
+                points.append(
+                    await load_point(
+                        client,
+                        prompts,
+                        rate,
+                        args.load_duration_s,
+                        args.load_max_new_tokens,
+                        0.0,
+                        gamma,
+                        mode,
+                        args.seed,
+                        metrics_url,
+                        repeat,
+                    )
+                )
+                bar.update()
+    bar.close()
+    return points
 
 
 # --------------------------------------------------------------------------- main
@@ -372,10 +415,63 @@ def greedy_identity(runs: list[Run]) -> dict:
     return {"identical": same, "total": total}
 
 
-async def run_all(args) -> dict:
-    from specserve.client import AsyncClient
+async def _process_stack(args):
+    """The stack under test, one process per role as in production and in ``specserve up`` (the roles
+    share no GIL with each other or with the HF baselines, which run here while the stack waits), and
+    the URL of the target's ``/metrics``, which load points read."""
     from specserve.local import start_process_stack
     from specserve.redis_server import free_port
+
+    metrics_port = free_port()
+    stack = await start_process_stack(
+        target_model=str(args.target),
+        draft_model=str(args.draft),
+        redis_url=args.redis_url,
+        target_overrides={"metrics_port": metrics_port},
+        draft_overrides={"max_batch_size": args.draft_batch},
+        coordinator_overrides=_coordinator_overrides(args.draft_batch),
+    )
+    return stack, f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+async def _warm_up(client) -> None:
+    """One short generation per mode family."""
+    for gamma in (0, 4, None):
+        await _spec_generate(client, [1, 2, 3], 8, 0.0, 0, gamma, "model")
+
+
+async def run_load_only(args) -> dict:
+    """``--only-load``: the load sweep alone (gamma 0, ``--load-fixed-gamma``, adaptive) on the first
+    prompt set, for ``<out>/load.json``."""
+    from transformers import AutoTokenizer
+
+    from specserve.client import AsyncClient
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
+    first = (args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer))[0]
+    named = sampling_modes.load_prompt_sets([first], tokenizer, args.target, args.prompts, args.prompt_chars)
+    modes = [
+        ("specserve gamma=0", 0),
+        (f"specserve gamma={args.load_fixed_gamma}", args.load_fixed_gamma),
+        ("specserve adaptive", None),
+    ]
+    stack, metrics_url = await _process_stack(args)
+    try:
+        async with AsyncClient(stack.address, timeout=600) as client:
+            await _warm_up(client)
+            load = await load_sweep(client, [ids for _, ids in named[first]], modes, args, metrics_url)
+    finally:
+        await stack.stop()
+    return {
+        **_run_header(args),
+        "prompt_set": first,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "load": [asdict(p) for p in load],
+    }
+
+
+async def run_all(args) -> dict:
+    from specserve.client import AsyncClient
 
     torch.manual_seed(args.seed)
     tokenizer, target, draft = load_pair(args.target, args.draft)
@@ -385,23 +481,10 @@ async def run_all(args) -> dict:
     heldout_ok = all(n in ("chat", "chat-code", "copy") for n in names) or heldout_files(args.target)[1]
     costs = measure_costs(target, draft, repeats=args.cost_repeats)
 
-    metrics_port = free_port()
-    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    # One process per role, as in production and in `specserve up`: the roles share no GIL with each other
-    # or with the HF baselines, which run here while the stack waits.
-    stack = await start_process_stack(
-        target_model=str(args.target),
-        draft_model=str(args.draft),
-        redis_url=args.redis_url,
-        target_overrides={"metrics_port": metrics_port},
-        draft_overrides={"max_batch_size": args.draft_batch},
-        coordinator_overrides=_coordinator_overrides(args.draft_batch),
-    )
+    stack, metrics_url = await _process_stack(args)
     try:
         async with AsyncClient(stack.address, timeout=600) as client:
-            # warm-up: one short generation per mode family
-            for gamma in (0, 4, None):
-                await _spec_generate(client, [1, 2, 3], 8, 0.0, 0, gamma, "model")
+            await _warm_up(client)
             runs = await single_stream(
                 client, target, draft, prompts, args.temperatures, args.max_new_tokens, args.seed
             )
@@ -416,32 +499,13 @@ async def run_all(args) -> dict:
                     "ms_per_token_median", float("inf")
                 ),
             )
-            load: list[LoadPoint] = []
             load_prompts = [ids for _, ids in prompts[first]]
             modes = [
                 ("specserve gamma=0", 0),
                 (f"specserve gamma={best_fixed}", best_fixed),
                 ("specserve adaptive", None),
             ]
-            bar = tqdm(total=len(modes) * len(args.rates), desc="load sweep", unit="point")
-            for rate in args.rates:
-                for mode, gamma in modes:
-                    load.append(
-                        await load_point(
-                            client,
-                            load_prompts,
-                            rate,
-                            args.load_duration_s,
-                            args.load_max_new_tokens,
-                            0.0,
-                            gamma,
-                            mode,
-                            args.seed,
-                            metrics_url,
-                        )
-                    )
-                    bar.update()
-            bar.close()
+            load = await load_sweep(client, load_prompts, modes, args, metrics_url)
             comparison = (
                 await sampling_modes.run_phase(client, tokenizer, args) if args.sampling_modes else None
             )
@@ -449,7 +513,7 @@ async def run_all(args) -> dict:
         await stack.stop()
 
     return {
-        "command": " ".join(["python -m bench.harness", *sys.argv[1:]]),
+        "command": args.command,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "machine": _machine(),
         "models": {"target": str(args.target), "draft": str(args.draft)},
@@ -468,7 +532,7 @@ async def run_all(args) -> dict:
 def _run_header(args) -> dict:
     """What every mode's JSON starts with: the command, when, the machine, the pair."""
     return {
-        "command": " ".join(["python -m bench.harness", *sys.argv[1:]]),
+        "command": args.command,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "machine": _machine(),
         "target": str(args.target),
@@ -533,7 +597,7 @@ async def run_draft_scaling(args) -> dict:
     )
     bar.close()
     settings = {
-        "command": " ".join(["python -m bench.harness", *sys.argv[1:]]),
+        "command": args.command,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "platform": platform.platform(),
         "cpus": torch.get_num_threads(),
@@ -636,6 +700,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0, 16.0])
     parser.add_argument("--load-duration-s", type=float, default=15.0)
     parser.add_argument("--load-max-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--load-repeats",
+        type=int,
+        default=3,
+        help="measure every load point this many times, interleaved; the report gives medians",
+    )
+    parser.add_argument(
+        "--only-load",
+        action="store_true",
+        help="run only the load sweep (gamma 0, --load-fixed-gamma, adaptive); writes load.json, which the "
+        "report's load section and checks then use",
+    )
+    parser.add_argument("--load-fixed-gamma", type=int, default=4, help="the fixed gamma of --only-load")
     parser.add_argument("--cost-repeats", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     lat = parser.add_argument_group("network latency between the tiers (bench/latency.py)")
@@ -695,11 +772,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scaling-max-new-tokens", type=int, default=48)
     parser.add_argument("--scaling-repeats", type=int, default=1)
     args = parser.parse_args(argv)
+    args.command = " ".join(["python -m bench.harness", *(sys.argv[1:] if argv is None else argv)])
     for g in args.mode_gammas:
         if g != "auto" and not g.isdigit():
             parser.error(f"--mode-gammas takes 'auto' or integers >= 0, got {g!r}")
     if args.draft_batch < 1:
         parser.error("--draft-batch must be >= 1")
+    if args.load_repeats < 1:
+        parser.error("--load-repeats must be >= 1")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from specserve.models import resolve_model_path
 
@@ -718,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
             args.redis_url = url
             if args.only_sampling_modes:
                 return {
-                    "command": " ".join(["python -m bench.harness", *sys.argv[1:]]),
+                    "command": args.command,
                     "machine": _machine(),
                     **await sampling_modes.run_only(args),
                 }
@@ -741,6 +821,14 @@ def main(argv: list[str] | None = None) -> int:
         written = write_prediction(data, args.out)  # README.md is left alone, as for --draft-scaling
         print(f"wrote {args.out / 'prediction.json'} and {written}")
         return 0
+    if args.only_load:
+        from bench.report import write_load
+
+        data = asyncio.run(go(run_load_only))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "load.json").write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {args.out / 'load.json'} and {write_load(data, args.out)}")
+        return 0
     if args.draft_scaling:
         from bench.report import write_draft_scaling
 
@@ -759,6 +847,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
         return 0
     (args.out / "bench.json").write_text(json.dumps(data, indent=1) + "\n")
+    for older in ("load.json", "load.md"):  # this run's own sweep supersedes an --only-load run's
+        (args.out / older).unlink(missing_ok=True)
     write_report(data, args.out)
     print(f"wrote {args.out / 'bench.json'} and {args.out / 'README.md'}")
     return 0

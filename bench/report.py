@@ -6,12 +6,15 @@ the report gains its section and plot; :func:`write_draft_scaling` writes that
 section alone as ``draft_scaling.md``. Likewise ``prediction.json``
 (``bench.harness --predicted-outputs``) and :func:`write_prediction`,
 ``latency.json`` (``bench.harness --latency``) and :func:`write_latency`, and
-``sampling_modes.json`` (``--only-sampling-modes``).
+``sampling_modes.json`` (``--only-sampling-modes``), and ``load.json``
+(``bench.harness --only-load``), whose load sweep then replaces the full run's
+in the report, and :func:`write_load`.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -152,26 +155,70 @@ def targets(data: dict) -> list[tuple[str, bool, str]]:
                     f"{r['efficiency']:.0%}",
                 )
             )
-    by_rate: dict[float, dict[str, float]] = {}
-    for p in data["load"]:
-        by_rate.setdefault(p["rate_rps"], {})[p["mode"]] = p["throughput_tok_s"]
-    for rate, modes in sorted(by_rate.items()):
-        base = modes.get("specserve gamma=0")
-        ad = modes.get("specserve adaptive")
-        if base and ad:
-            out.append(
-                (
-                    f"load {rate:g} req/s: adaptive throughput >= gamma=0",
-                    ad >= base,
-                    f"{ad:.1f} vs {base:.1f} tok/s ({ad / base:.2f})",
-                )
+    rows = {(r["rate_rps"], r["mode"]): r for r in load_rows(data["load"])}
+    for rate, ratios in load_ratios(data["load"]).items():
+        ad, base = rows[(rate, LOAD_ADAPTIVE)], rows[(rate, LOAD_BASE)]
+        median = statistics.median(ratios)
+        spread = (
+            f", {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} repeats" if len(ratios) > 1 else ""
+        )
+        out.append(
+            (
+                f"load {rate:g} req/s: adaptive throughput >= gamma=0",
+                median >= 1.0,
+                f"{ad['throughput_tok_s']:.1f} vs {base['throughput_tok_s']:.1f} tok/s "
+                f"(adaptive / gamma 0: {median:.2f}{spread})",
             )
+        )
+    return out
+
+
+LOAD_BASE, LOAD_ADAPTIVE = "specserve gamma=0", "specserve adaptive"
+#: Load-point fields the report gives as a median over repeats.
+_LOAD_MEDIANS = (
+    "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "queue_p50_s",
+    "target_forward_passes", "target_positions", "proposed_tokens", "accepted_tokens", "wasted_tokens",
+)  # fmt: skip
+
+
+def load_rows(points: list[dict]) -> list[dict]:
+    """One row per (rate, mode), in the order first measured: the median of each figure over the
+    repeats (``bench.harness.load_sweep``), the throughput's range, and requests summed."""
+    groups: dict[tuple[float, str], list[dict]] = {}
+    for p in points:
+        groups.setdefault((p["rate_rps"], p["mode"]), []).append(p)
+    rows = []
+    for (rate, mode), pts in sorted(groups.items(), key=lambda kv: kv[0][0]):
+        row = {k: statistics.median(p[k] for p in pts) for k in _LOAD_MEDIANS}
+        row |= {
+            "rate_rps": rate,
+            "mode": mode,
+            "repeats": len(pts),
+            "throughput_min": min(p["throughput_tok_s"] for p in pts),
+            "throughput_max": max(p["throughput_tok_s"] for p in pts),
+            "requests": sum(p["requests"] for p in pts),
+            "completed": sum(p["completed"] for p in pts),
+            "errors": sum(p["errors"] for p in pts),
+        }
+        rows.append(row)
+    return rows
+
+
+def load_ratios(points: list[dict]) -> dict[float, list[float]]:
+    """Per rate, adaptive's throughput over gamma 0's within each repeat (the two were measured minutes
+    apart at most, so the machine's slower drift cancels in the ratio)."""
+    by_key = {(p["rate_rps"], p.get("repeat", 0), p["mode"]): p["throughput_tok_s"] for p in points}
+    out: dict[float, list[float]] = {}
+    for (rate, repeat, mode), tok_s in sorted(by_key.items()):
+        base = by_key.get((rate, repeat, LOAD_BASE))
+        if mode == LOAD_ADAPTIVE and base:
+            out.setdefault(rate, []).append(tok_s / base)
     return out
 
 
 def _plots(data: dict, out: Path) -> list[str]:
     names = []
-    load = data["load"]
+    load = load_rows(data["load"])
     modes = list(dict.fromkeys(p["mode"] for p in load))
     if load:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -191,10 +238,17 @@ def _plots(data: dict, out: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(5.5, 4))
         for mode in modes:
             pts = [p for p in load if p["mode"] == mode]
-            ax.plot(
-                [p["rate_rps"] for p in pts], [p["throughput_tok_s"] for p in pts], marker="o", label=mode
-            )
-        ax.set(xlabel="arrival rate (req/s)", ylabel="committed tokens/s", title="throughput under load")
+            mid = [p["throughput_tok_s"] for p in pts]
+            spread = [
+                [p["throughput_tok_s"] - p["throughput_min"] for p in pts],
+                [p["throughput_max"] - p["throughput_tok_s"] for p in pts],
+            ]
+            ax.errorbar([p["rate_rps"] for p in pts], mid, yerr=spread, marker="o", capsize=3, label=mode)
+        ax.set(
+            xlabel="arrival rate (req/s)",
+            ylabel="committed tokens/s (median, range)",
+            title="throughput under load",
+        )
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / "throughput_vs_rate.png", dpi=110)
@@ -252,6 +306,10 @@ def _plots(data: dict, out: Path) -> list[str]:
 
 def write_report(data: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
+    load_file = out / "load.json"
+    if load_file.exists():  # a later --only-load run: its points replace the full run's, with its command
+        load_run = json.loads(load_file.read_text())
+        data = {**data, "load": load_run["load"], "load_run": load_run}
     plots = _plots(data, out)
     c = data["costs"]
     lines = [
@@ -335,24 +393,7 @@ def write_report(data: dict, out: Path) -> Path:
             )
         lines.append("")
     if data["load"]:
-        lines += [
-            "## Under load (open-loop Poisson arrivals, greedy, "
-            f"{data['settings']['load_max_new_tokens']} tokens per request, "
-            f"{data['settings']['load_duration_s']:g} s per point)",
-            "",
-            "| rate req/s | mode | done/sent | errors | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | queue p50 ms "
-            "| target passes | target positions | accepted | wasted |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for p in data["load"]:
-            lines.append(
-                f"| {p['rate_rps']:g} | {p['mode']} | {p['completed']}/{p['requests']} | {p['errors']} | "
-                f"{p['throughput_tok_s']:.1f} | {1000 * p['ttft_p50_s']:.0f}/{1000 * p['ttft_p99_s']:.0f} | "
-                f"{1000 * p['itl_p50_s']:.1f}/{1000 * p['itl_p99_s']:.1f} | {1000 * p['queue_p50_s']:.1f} | "
-                f"{p['target_forward_passes']} | {p['target_positions']} | {p['accepted_tokens']} | "
-                f"{p['wasted_tokens']} |"
-            )
-        lines.append("")
+        lines += load_section(data.get("load_run") or data)
     if "sampling_modes" in data:
         lines += sampling_modes_section(data["sampling_modes"])
     scaling_file = out / "draft_scaling.json"
@@ -497,6 +538,67 @@ def prediction_section(data: dict) -> list[str]:
     return lines
 
 
+def load_section(run: dict) -> list[str]:
+    """The load sweep of ``run`` (``bench.json``, or ``load.json`` from ``--only-load``) as Markdown lines:
+    medians per (rate, mode), then adaptive over gamma 0 within each repeat."""
+    settings = run["settings"]
+    rows = load_rows(run["load"])
+    repeats = max((r["repeats"] for r in rows), default=1)
+    lines = [
+        "## Under load (open-loop Poisson arrivals, greedy, "
+        f"{settings['load_max_new_tokens']} tokens per request, {settings['load_duration_s']:g} s per point)",
+        "",
+    ]
+    if run.get("prompt_set"):  # a run of its own (--only-load)
+        lines += [
+            f"Measured {run['date_utc']} UTC, separately from the rest of this report, by:",
+            "",
+            f"```\n{run['command']}\n```",
+            "",
+            f"Prompts: the held-out `{run['prompt_set']}` set, the same arrival schedule for every mode.",
+            "",
+        ]
+    lines += [
+        f"Each point measured {repeats} time(s), interleaved (every repeat sweeps the rates, and at each rate "
+        "runs the modes in a rotated order); figures are medians over the repeats, tok/s with its range.",
+        "",
+        "| rate req/s | mode | done/sent | errors | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | queue p50 ms "
+        "| target passes | target positions | proposed | accepted | wasted |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in rows:
+        spread = f" ({p['throughput_min']:.1f}-{p['throughput_max']:.1f})" if p["repeats"] > 1 else ""
+        lines.append(
+            f"| {p['rate_rps']:g} | {p['mode']} | {p['completed']}/{p['requests']} | {p['errors']} | "
+            f"{p['throughput_tok_s']:.1f}{spread} | "
+            f"{1000 * p['ttft_p50_s']:.0f}/{1000 * p['ttft_p99_s']:.0f} | "
+            f"{1000 * p['itl_p50_s']:.1f}/{1000 * p['itl_p99_s']:.1f} | {1000 * p['queue_p50_s']:.1f} | "
+            f"{p['target_forward_passes']:.0f} | {p['target_positions']:.0f} | {p['proposed_tokens']:.0f} | "
+            f"{p['accepted_tokens']:.0f} | {p['wasted_tokens']:.0f} |"
+        )
+    ratios = load_ratios(run["load"])
+    if ratios:
+        lines += [
+            "",
+            "Adaptive throughput over gamma = 0's, each repeat's pair measured side by side:",
+            "",
+            "| rate req/s | per repeat | median |",
+            "| --- | --- | --- |",
+        ]
+        for rate, rs in ratios.items():
+            lines.append(f"| {rate:g} | {', '.join(f'{r:.2f}' for r in rs)} | {statistics.median(rs):.2f} |")
+    lines.append("")
+    return lines
+
+
+def write_load(run: dict, out: Path) -> Path:
+    """``load.json``'s section alone (``--only-load``), as ``<out>/load.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "load.md"
+    path.write_text("\n".join(load_section(run)))
+    return path
+
+
 def write_prediction(data: dict, out: Path) -> Path:
     """``prediction.json``'s section alone, as ``<out>/prediction.md``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -523,3 +625,5 @@ if __name__ == "__main__":
         write_prediction(json.loads((folder / "prediction.json").read_text()), folder)
     if (folder / "latency.json").exists():
         write_latency(json.loads((folder / "latency.json").read_text()), folder)
+    if (folder / "load.json").exists():
+        write_load(json.loads((folder / "load.json").read_text()), folder)

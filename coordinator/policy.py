@@ -158,7 +158,12 @@ class AdaptiveGamma(SpeculationPolicy):
       When the probe's token is rejected the interval doubles (up to
       ``max_probe_interval``), so probing a hopeless pair costs ever less; when
       it is accepted but not enough to stay, the interval halves (down to
-      ``probe_interval``); leaving 0 on the evidence resets it. Sessions
+      ``probe_interval``); leaving 0 on the evidence resets it. The interval
+      counts target passes, not session rounds: in a batch of ``b`` sessions
+      (:meth:`batch_size`) a probe needs ``b`` times as many rounds at 0, since
+      ``b`` rounds at 0 make one pass and a probe widens the whole padded pass
+      (every row gets a second column), so under load probing costs no larger
+      a share of the target's time than it does for one session alone. Sessions
       warm-started under one key share this clock
       (:class:`~coordinator.acceptance.ProbeClock`): the rounds at 0 of all of
       them count towards one probe, whose outcome feeds the pooled acceptance
@@ -306,7 +311,7 @@ class AdaptiveGamma(SpeculationPolicy):
             else:  # promising, if not yet enough: come back sooner
                 acceptance.probe_interval = max(self._interval(acceptance) // 2, self.probe_interval or 1)
         if best == 0 and self.probe_interval is not None and len(self.choices) > 1:
-            if acceptance.rounds_at_zero >= self._interval(acceptance):
+            if acceptance.rounds_at_zero >= self._interval(acceptance) * self.batch_size(load):
                 acceptance.probing = True
                 best = self.choices[1]
         elif best > 0 and not acceptance.probing:

@@ -39,6 +39,7 @@ async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(p
         "--rates", "4",
         "--load-duration-s", "0.5",
         "--load-max-new-tokens", "6",
+        "--load-repeats", "2",
         "--cost-repeats", "2",
     ]  # fmt: skip
     assert await asyncio.to_thread(main, argv) == 0
@@ -51,9 +52,38 @@ async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(p
     identity = data["greedy_identity"]
     assert identity["total"] == 2 * len(SPEC_MODES) and identity["identical"] == identity["total"]
     assert {p["mode"] for p in data["load"]} >= {"specserve gamma=0", "specserve adaptive"}
+    # Every point twice, interleaved: the second repeat starts the rate from another mode.
+    assert sorted(p["repeat"] for p in data["load"]) == [0, 0, 0, 1, 1, 1]
+    assert [p["mode"] for p in data["load"][:3]] != [p["mode"] for p in data["load"][3:]]
     # The target runs in its own process: its work is read from its /metrics endpoint.
     for point in data["load"]:
         if point["committed_tokens"]:
-            assert point["target_positions"] >= point["committed_tokens"] and point["target_forward_passes"] > 0
+            assert (
+                point["target_positions"] >= point["committed_tokens"] and point["target_forward_passes"] > 0
+            )
     report = (tmp_path / "README.md").read_text()
     assert "## Targets" in report and "copy T=0" in report
+
+
+async def test_a_load_only_run_writes_load_json_and_the_report_takes_its_sweep(pair, redis_server, tmp_path):
+    common = [
+        "--target", str(pair.target_dir),
+        "--draft", str(pair.draft_dir),
+        "--redis-url", redis_server.url,
+        "--out", str(tmp_path),
+        "--prompt-sets", "chat",
+        "--prompts", "1",
+        "--rates", "2", "4",
+        "--load-duration-s", "0.5",
+        "--load-max-new-tokens", "4",
+    ]  # fmt: skip
+    assert await asyncio.to_thread(main, [*common, "--only-load", "--load-fixed-gamma", "2"]) == 0
+    run = json.loads((tmp_path / "load.json").read_text())
+    assert "--only-load" in run["command"] and run["prompt_set"] == "chat"
+    assert {(p["rate_rps"], p["mode"]) for p in run["load"]} == {
+        (rate, mode)
+        for rate in (2.0, 4.0)
+        for mode in ("specserve gamma=0", "specserve gamma=2", "specserve adaptive")
+    }
+    assert all(p["errors"] == 0 and p["completed"] == p["requests"] for p in run["load"])
+    assert "--only-load" in (tmp_path / "load.md").read_text()

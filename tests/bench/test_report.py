@@ -1,11 +1,12 @@
-"""bench.report: the bound table's GPU-like projection (no models, no servers)."""
+"""bench.report: the bound table's GPU-like projection and the load sweep's medians and paired ratios
+(no models, no servers)."""
 
 from __future__ import annotations
 
 import pytest
 
 from bench.costs import Costs, predicted_speedup
-from bench.report import GPU_LIKE_VERIFY, bound_rows, gpu_like
+from bench.report import GPU_LIKE_VERIFY, bound_rows, gpu_like, load_ratios, load_rows, load_section, targets
 
 #: The default pair's costs on the development machine (bench.costs, one run): a 2-position pass ~1.7 steps.
 CPU = Costs(
@@ -44,3 +45,74 @@ def test_bound_rows_carry_the_projection_beside_the_measured_bound():
     assert row["predicted"] == pytest.approx(predicted_speedup(row["alpha"], 2, CPU))
     assert row["gpu_projection"] == pytest.approx(predicted_speedup(row["alpha"], 2, gpu_like(CPU)))
     assert row["predicted"] < 1.0 < row["gpu_projection"]  # this acceptance loses here and would win there
+
+
+def _point(rate: float, mode: str, repeat: int, tok_s: float) -> dict:
+    zero = dict.fromkeys(
+        ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "queue_p50_s", "target_forward_passes",
+         "target_positions", "proposed_tokens", "accepted_tokens", "wasted_tokens"),
+        0.0,
+    )  # fmt: skip
+    return zero | {
+        "rate_rps": rate, "mode": mode, "repeat": repeat, "throughput_tok_s": tok_s,
+        "requests": 4, "completed": 4, "errors": 0,
+    }  # fmt: skip
+
+
+#: Three interleaved repeats at one rate: the machine slowed in repeat 1 for both modes alike.
+SWEEP = [
+    _point(2.0, "specserve gamma=0", 0, 40.0),
+    _point(2.0, "specserve adaptive", 0, 42.0),
+    _point(2.0, "specserve adaptive", 1, 31.0),
+    _point(2.0, "specserve gamma=0", 1, 30.0),
+    _point(2.0, "specserve gamma=0", 2, 44.0),
+    _point(2.0, "specserve adaptive", 2, 43.0),
+]
+
+
+def _load_checks(points: list[dict]) -> list[tuple[str, bool, str]]:
+    costs = {
+        "target_step_ms": CPU.target_step_ms,
+        "draft_step_ms": CPU.draft_step_ms,
+        "verify_ms": CPU.verify_ms,
+    }
+    data = {"single_stream": {}, "runs": [], "costs": costs, "load": points}
+    return [t for t in targets(data) if t[0].startswith("load")]
+
+
+def test_load_rows_give_medians_over_repeats_and_the_range():
+    rows = {r["mode"]: r for r in load_rows(SWEEP)}
+    assert rows["specserve gamma=0"]["throughput_tok_s"] == 40.0
+    assert (rows["specserve gamma=0"]["throughput_min"], rows["specserve gamma=0"]["throughput_max"]) == (
+        30,
+        44,
+    )
+    assert rows["specserve adaptive"]["throughput_tok_s"] == 42.0
+    assert rows["specserve adaptive"]["repeats"] == 3 and rows["specserve adaptive"]["requests"] == 12
+
+
+def test_the_load_check_pairs_each_repeat_and_takes_the_median_ratio():
+    """Paired within a repeat, the slow repeat does not decide: ratios 1.05, 1.033, 0.977 -> median 1.033
+    (met); unpaired, the slow adaptive point against a fast gamma 0 point would read 0.70."""
+    (ratios,) = load_ratios(SWEEP).values()
+    assert ratios == pytest.approx([42 / 40, 31 / 30, 43 / 44])
+    (check,) = _load_checks(SWEEP)
+    assert check[1] is True and "1.03" in check[2] and "0.98-1.05 over 3 repeats" in check[2]
+    behind = [
+        p | {"throughput_tok_s": p["throughput_tok_s"] * 0.9} if "adaptive" in p["mode"] else p for p in SWEEP
+    ]
+    (check,) = _load_checks(behind)
+    assert check[1] is False
+
+
+def test_a_separate_load_run_names_its_command_in_the_section():
+    run = {
+        "command": "python -m bench.harness --only-load --load-repeats 3",
+        "date_utc": "2026-11-30 16:00",
+        "prompt_set": "chat",
+        "settings": {"load_max_new_tokens": 32, "load_duration_s": 8.0},
+        "load": SWEEP,
+    }
+    text = "\n".join(load_section(run))
+    assert "--only-load --load-repeats 3" in text and "measured 3 time(s)" in text
+    assert "| 2 | 1.05, 1.03, 0.98 | 1.03 |" in text

@@ -349,6 +349,35 @@ def test_sessions_sharing_a_probe_clock_probe_as_one_long_session_would() -> Non
     assert shared_clock.probe_interval == policy.max_probe_interval
 
 
+def test_in_a_batch_the_probe_interval_counts_target_passes() -> None:
+    """Eight sessions sharing a clock in batches of 8 (occupancy 0.5 of 16) run 8 rounds at 0 per target
+    pass, and a probe widens the whole padded pass; so the first probe comes after 8 x 8 session rounds,
+    where one session alone probes after 8, and under load probing takes no larger share of the passes."""
+    pair = SimulatedPair(c=1.0)
+    cm = CostModel()
+    for g in (0, 1, 2):
+        cm.observe_draft(tokens=max(g, 1), ns=int(pair.draft_ns(max(g, 1))))
+        cm.observe_verify(batch_size=1, positions=g + 1, ns=int(pair.verify_ns(1, g + 1)))
+    policy = AdaptiveGamma(cm, max_batch_size=16)
+    loaded = LoadSnapshot(active_sessions=8, batch_occupancy=0.5, verify_queue_depth=0)
+    assert policy.batch_size(loaded) == 8
+
+    def rounds_before_first_probe(load: LoadSnapshot) -> int:
+        clock = ProbeClock()
+        trackers = [AcceptanceTracker(prior_alpha=0.1, prior_weight=8.0) for _ in range(8)]
+        for tracker in trackers:
+            tracker.probe_clock = clock
+        for i in range(1000):
+            tracker = trackers[i % len(trackers)]
+            if policy.choose_gamma(tracker, load):
+                return i
+            tracker.observe(proposed=0, accepted=0)
+        raise AssertionError("never probed")
+
+    idle = rounds_before_first_probe(LoadSnapshot.idle())
+    assert rounds_before_first_probe(loaded) == 8 * idle
+
+
 def test_the_memory_hands_out_one_probe_clock_per_key() -> None:
     memory = AcceptanceMemory(max_keys=2)
     a = memory.probe_clock("model/greedy")
