@@ -18,13 +18,25 @@ machine):
   1.7x a step on the default target here, 9 positions about 2x), on an
   accelerator with spare parallelism ``v_m`` and ``v_p`` come out near 0;
 * **network round trip** of a call beyond the server's own time:
-  ``R(k) = r0 + r1 * k`` with ``k`` draft distributions carried in the message.
+  ``R(k) = r0 + r1 * k`` with ``k`` draft distributions carried in the message;
+* **the wait in the Verify batcher** of a round, ``Q(b, drafted)``
+  (:meth:`CostModel.queue_ns`): a decaying mean per batch-size class (1, 2-3,
+  4-7, ...) and per kind of round, drafted (its proposal came from a Propose
+  call) or not. Under load the two differ by about a pass: the sessions at
+  gamma = 0 resume together and ride the next pass together, while one that
+  goes to the draft first comes back after that pass has left and waits for
+  it to end (measured on the default pair at 0.5-4 requests/s: a median of
+  70-146 ms at a fixed gamma 1 against 1-3 ms at gamma 0,
+  ``docs/benchmarks``). No server time shows that cost; a model without it finds one more position nearly
+  free in a batch, and speculated where it lost. A drafted round is never
+  taken to wait less than an undrafted one (see :meth:`CostModel.queue_ns`).
 
 A round of one session with ``gamma`` proposals in a batch of ``b`` sessions
 then takes (:meth:`CostModel.round_ns`)::
 
     round(gamma, b) = R(gamma) + V(b, b * (gamma + 1))                 # Verify call
                     + [gamma > 0] * (R(gamma) + D(gamma))              # Propose call
+                    + Q(b, drafted = gamma > 0 and the proposal needs a Propose call)
 
 (``drafted=False``: a proposal from a proposer in the coordinator, which makes
 no Propose call, so the second line is 0.)
@@ -213,6 +225,11 @@ class DecayingLeastSquares:
         return (0.0,) * n
 
 
+def _size_class(batch_size: int) -> int:
+    """Batch sizes grouped by powers of two: 1 -> 0, 2-3 -> 1, 4-7 -> 2, ..."""
+    return batch_size.bit_length() - 1
+
+
 def _verify_features(batch_size: int, positions: int) -> tuple[float, float, float, float]:
     """``(1, b, P, [P > 1])``: the regressors of ``V(b, P)``."""
     return (1.0, float(batch_size), float(positions), 1.0 if positions > 1 else 0.0)
@@ -337,6 +354,8 @@ class CostModel:
     * ``observe_verify(batch_size=len(items), positions=VerifyResponse.positions_processed, ns=VerifyResponse.verify_ns)``
     * ``observe_rtt(ns=call wall time - server-reported time, tokens=draft distributions in the message)``
       for both Propose and Verify calls (for a Verify batch, ``tokens`` per item on average).
+    * ``observe_queue(drafted=the proposal came from a Propose call, batch_size=items in the call,
+      ns=BatchedResult.queue_ns)`` for every round's Verify item.
     """
 
     def __init__(self, *, decay: float = 0.98, prior: CostPrior | None = None) -> None:
@@ -354,6 +373,9 @@ class CostModel:
         self._verify = DecayingLeastSquares(4, decay=decay, prior_rows=pr.verify_rows())
         # theta = (r0, r1): round trip of a call carrying k draft distributions; r1 defaults to 0.
         self._rtt = DecayingLeastSquares(2, decay=decay, prior_rows=[((0.0, 1.0), 0.0, pr.ratio_weight)])
+        # (drafted, batch-size class) -> decayed mean wait of a round in the Verify batcher, ns.
+        self._queue: dict[tuple[bool, int], float] = {}
+        self._decay = decay
 
     # -- observations -------------------------------------------------------------------------
 
@@ -376,6 +398,16 @@ class CostModel:
         if tokens < 0:
             raise ValueError("tokens must be >= 0")
         self._rtt.add((1.0, float(tokens)), float(max(ns, 0)))
+
+    def observe_queue(self, *, drafted: bool, batch_size: int, ns: int) -> None:
+        """One round's wait in the Verify batcher (``BatchedResult.queue_ns``), in a call of ``batch_size``
+        items; ``drafted``: the round's proposal came from a Propose call."""
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        key = (drafted, _size_class(batch_size))
+        old = self._queue.get(key)
+        ns_f = float(max(ns, 0))
+        self._queue[key] = ns_f if old is None else self._decay * old + (1.0 - self._decay) * ns_f
 
     # -- estimates ----------------------------------------------------------------------------
 
@@ -410,6 +442,21 @@ class CostModel:
             return 0.0
         return self._rtt.predict((1.0, float(tokens)))
 
+    def queue_ns(self, batch_size: int, *, drafted: bool) -> float:
+        """Expected wait of a round in the Verify batcher at ``batch_size``: the mean observed for
+        rounds of the kind in that batch-size class (1, 2-3, 4-7, ...); 0 before any observation.
+
+        A drafted round is assumed to wait at least as long as an undrafted one: going to the draft
+        first never shortens the wait. The two means are learnt from different rounds, often at
+        different times (drafted ones mostly from probes); in a burst, undrafted rounds queued behind
+        prefills measured 400 ms where the last drafted ones had measured 75 ms, and the bare means
+        then made drafting look 3x cheaper than not drafting."""
+        cls = _size_class(batch_size)
+        undrafted = self._queue.get((False, cls), 0.0)
+        if not drafted:
+            return undrafted
+        return max(self._queue.get((True, cls), 0.0), undrafted)
+
     def round_ns(self, gamma: int, batch_size: int, *, drafted: bool = True) -> float:
         """Predicted wall time of one round of one session; see the module docstring for the formula.
 
@@ -423,7 +470,7 @@ class CostModel:
         total = rtt + self.verify_ns(batch_size, batch_size * (gamma + 1))
         if gamma > 0 and drafted:
             total += rtt + d * gamma
-        return total
+        return total + self.queue_ns(batch_size, drafted=gamma > 0 and drafted)
 
     def target_step_ns(self, batch_size: int = 1) -> float:
         """Predicted wall time of a target-only round (``round_ns(0, batch_size)``)."""

@@ -62,8 +62,12 @@ class LocalProposer(abc.ABC):
         """Tokens just committed after the ones observed before (the session calls this, in order)."""
 
     @abc.abstractmethod
+    def peek(self, gamma: int) -> tuple[int, ...]:
+        """What :meth:`propose` would offer now, recording nothing (the round loop's guess at gamma 0)."""
+
     def propose(self, gamma: int) -> tuple[int, ...]:
         """Up to ``gamma`` tokens to follow the committed ones (``()``: nothing to offer)."""
+        return self.peek(gamma)
 
     @property
     @abc.abstractmethod
@@ -82,7 +86,7 @@ class NgramProposer(LocalProposer):
     def observe(self, new_tokens: Sequence[int]) -> None:
         self._index.extend(new_tokens)
 
-    def propose(self, gamma: int) -> tuple[int, ...]:
+    def peek(self, gamma: int) -> tuple[int, ...]:
         return self._index.lookup(gamma)
 
     @property
@@ -143,11 +147,14 @@ class PredictionProposer(LocalProposer):
             return start + n
         return None
 
-    def propose(self, gamma: int) -> tuple[int, ...]:
+    def peek(self, gamma: int) -> tuple[int, ...]:
         if self._next is None or gamma <= 0:
             return ()
-        tokens = self._prediction[self._next : self._next + gamma]
-        self._pending = len(tokens)
+        return self._prediction[self._next : self._next + gamma]
+
+    def propose(self, gamma: int) -> tuple[int, ...]:
+        tokens = self.peek(gamma)
+        self._pending = len(tokens)  # counted as rejected unless the round commits them
         return tokens
 
     @property

@@ -17,7 +17,8 @@ How the coordinator drives them, each round of each session::
     local = pool.drafts_locally(session)   # the next proposal comes from the coordinator: no draft cost
     gamma = min(policy.choose_gamma(session.acceptance, load, local_draft=local), tokens_left - 1, server_max_gamma)
     pool.propose(...)  # the pool: cost_model.observe_draft(...), cost_model.observe_rtt(...)
-    pool.verify(...)   # the pool, once per call: cost_model.observe_verify(...), cost_model.observe_rtt(...)
+    pool.verify(...)   # the pool, once per call: cost_model.observe_verify(...), cost_model.observe_rtt(...);
+                       # once per item: cost_model.observe_queue(...) (its wait in the batcher, drafted or not)
     session.acceptance.observe(proposed=gamma, accepted=verdict.accepted)   # also when gamma == 0
 
 Terms: a round with ``gamma`` proposals feeds ``gamma + 1`` positions to the
@@ -121,8 +122,9 @@ class AdaptiveGamma(SpeculationPolicy):
         score(g) = E(g) / cost(g)                                 committed tokens per ns
 
     ``round_ns`` is the session's own latency (:meth:`CostModel.round_ns`: draft,
-    both round trips, and a Verify of ``b`` sessions feeding ``g + 1`` positions
-    each) and ``v_p`` the marginal verify cost of a position. The second term
+    both round trips, a Verify of ``b`` sessions feeding ``g + 1`` positions
+    each, and the wait in the batcher learnt for drafted and undrafted
+    rounds) and ``v_p`` the marginal verify cost of a position. The second term
     is the load awareness: a wasted position in a full batch delays every other
     session riding in that batch or queued behind it, so it is charged once per
     such session, scaled by how saturated the target is::

@@ -411,8 +411,14 @@ class WorkerPool:
         )
 
     # ---- Verify --------------------------------------------------------------------------
-    async def verify(self, session: Session, item: target_pb2.VerifyItem) -> Verified:
-        """Verify ``item`` on the session's target replica, failing over (see the module docstring)."""
+    async def verify(
+        self, session: Session, item: target_pb2.VerifyItem, *, drafted: bool = False
+    ) -> Verified:
+        """Verify ``item`` on the session's target replica, failing over (see the module docstring).
+
+        ``drafted``: the proposal came from a Propose call in this round; with the item's wait in the
+        batcher it teaches the cost model what going to the draft first costs in waiting
+        (:meth:`~coordinator.cost_model.CostModel.observe_queue`)."""
         sid = session.session_id
         last_exc: Exception | None = None
         attempt = 0
@@ -465,7 +471,7 @@ class WorkerPool:
                 )
                 continue
             self.targets.mark_ok(endpoint)
-            self._observe_verify(batched)
+            self._observe_verify(batched, drafted=drafted and bool(item.proposal.token_ids))
             refused = batched.item.error
             if isinstance(refused, errors.InvalidArgument) and item.proposal.token_ids:
                 # The proposal may be the draft's bug: the session gets one more try without it.
@@ -507,11 +513,16 @@ class WorkerPool:
         finally:
             self._verifying_now(session_id, False)
 
-    def _observe_verify(self, batched: BatchedResult) -> None:
-        """Report a Verify call's cost once (through the one result of the call that carries it)."""
+    def _observe_verify(self, batched: BatchedResult, *, drafted: bool) -> None:
+        """Report the item's wait in the batcher, and the Verify call's cost once (through the one result
+        of the call that carries it)."""
+        b = batched.batch_size
+        try:
+            self.cost_model.observe_queue(drafted=drafted, batch_size=b, ns=batched.queue_ns)
+        except Exception:  # statistics must never fail a round
+            log.exception("batch_observer_failed")
         if not batched.reports_call:
             return
-        b = batched.batch_size
         try:
             if batched.positions_processed >= b:
                 self.cost_model.observe_verify(

@@ -130,7 +130,9 @@ class RoundLoop:
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] != s.token_ids:  # the log moved otherwise (a resync): useless
             ahead = None
-        proposed = await self.pool.propose(s, self.choose_gamma(), ahead=ahead[1] if ahead else None)
+        gamma = self.choose_gamma()
+        shadow = self._shadow() if gamma == 0 else ()
+        proposed = await self.pool.propose(s, gamma, ahead=ahead[1] if ahead else None)
         if ahead is not None and proposed.wall_ns == 0 and proposed.source == "model":
             self.ahead_used += 1
             metrics.OVERLAP_DRAFTS.labels(outcome="used").inc()
@@ -148,7 +150,9 @@ class RoundLoop:
                 s, proposed.proposal.token_ids, min(gamma + 1, self.max_gamma + 1)
             )
         try:
-            batched, item = await self._verify(item)
+            batched, item = await self._verify(
+                item, drafted=proposed.source == "model" and proposed.wall_ns > 0
+            )
         except BaseException:
             if drafting is not None:
                 drafting.cancel()
@@ -162,7 +166,21 @@ class RoundLoop:
         _observe_stages(batched, proposed.network_ns)
         if batched.item.verdict is None:
             return await self._resync(batched.item.error)
-        return self._apply(batched.item, proposed=len(item.proposal.token_ids))
+        return self._apply(batched.item, proposed=len(item.proposal.token_ids), shadow=shadow)
+
+    def _shadow(self) -> tuple[int, ...]:
+        """At gamma 0, the token the session's local proposers would offer now (a lookup: no call, no
+        position verified). The target's next token then says whether it would have been accepted:
+        a proposal of one certain token ``x`` is accepted with probability ``p(x)``, the probability
+        that the target's own token is ``x`` (greedy: whether it is the argmax; coupled: whether the
+        one Gumbel-max sample is ``x``). So a session whose local proposer offers a guess learns its
+        acceptance at gamma 0 for free, and starts speculating as soon as its text turns to copying,
+        instead of waiting for a probe. ``()``: no local proposer, or none offers a token."""
+        for proposer in self.session.local_proposers:
+            tokens = proposer.peek(1)
+            if tokens:
+                return tokens
+        return ()
 
     async def _keep_ahead(
         self,
@@ -203,18 +221,26 @@ class RoundLoop:
             metrics.OVERLAP_DRAFTS.labels(outcome="wasted").inc()
             s.draft_lost()
 
-    async def _verify(self, item: target_pb2.VerifyItem) -> Verified:
-        """The round's verify phase: ``(batched result, the item as last sent)``."""
-        return await self.pool.verify(self.session, item)
+    async def _verify(self, item: target_pb2.VerifyItem, *, drafted: bool = False) -> Verified:
+        """The round's verify phase: ``(batched result, the item as last sent)``. ``drafted``: the
+        proposal came from a Propose call made in this round (for the cost model's batcher wait)."""
+        return await self.pool.verify(self.session, item, drafted=drafted)
 
-    def _apply(self, result: ItemReply, *, proposed: int) -> Committed:
-        """Advance the session by a committed (fresh or replayed) verdict; returns its new tokens."""
+    def _apply(self, result: ItemReply, *, proposed: int, shadow: tuple[int, ...] = ()) -> Committed:
+        """Advance the session by a committed (fresh or replayed) verdict; returns its new tokens.
+
+        ``shadow``: at gamma 0, what the local proposers would have offered (:meth:`_shadow`); the
+        session's own acceptance tracker learns from it (only it: the stats and the pooled
+        acceptance count proposals actually verified)."""
         s = self.session
         verdict = result.verdict
         assert verdict is not None
         new = self._committed(verdict, s.apply_verdict(verdict))
         s.stats.observe_round(proposed=proposed, accepted=verdict.accepted_count)
-        self.acceptance.observe(proposed=proposed, accepted=min(verdict.accepted_count, proposed))
+        if shadow and not proposed and verdict.committed_token_ids:
+            self.acceptance.observe(proposed=1, accepted=int(verdict.committed_token_ids[0] == shadow[0]))
+        else:
+            self.acceptance.observe(proposed=proposed, accepted=min(verdict.accepted_count, proposed))
         self.pool.observe_acceptance(
             self.speculation_key, proposed=proposed, accepted=min(verdict.accepted_count, proposed)
         )

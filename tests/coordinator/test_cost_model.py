@@ -185,6 +185,38 @@ def test_round_ns_is_the_documented_sum_of_parts() -> None:
         cm.round_ns(1, 0)
 
 
+def test_the_batcher_wait_is_learnt_per_kind_and_batch_size_class() -> None:
+    """Rounds at gamma 0 wait 2 ms in batches of 2-3; drafted ones wait 80 ms there (they come back
+    from the draft after the pass left). Round costs carry the wait of their kind and class; a
+    drafted round is taken to wait at least as long as an undrafted one (no data of its own, or
+    less measured at another time)."""
+    cm = CostModel()
+    assert cm.queue_ns(4, drafted=True) == 0.0
+    for _ in range(50):
+        cm.observe_queue(drafted=False, batch_size=2, ns=2_000_000)
+        cm.observe_queue(drafted=False, batch_size=5, ns=3_000_000)
+    for _ in range(3):
+        cm.observe_queue(drafted=True, batch_size=3, ns=80_000_000)
+    assert cm.queue_ns(2, drafted=False) == pytest.approx(2e6)
+    assert cm.queue_ns(3, drafted=True) == pytest.approx(80e6)  # 2 and 3: one class
+    assert cm.queue_ns(6, drafted=True) == pytest.approx(3e6)  # no drafted data for 4-7 yet
+    assert cm.queue_ns(1, drafted=True) == 0.0
+    for _ in range(50):
+        cm.observe_queue(drafted=True, batch_size=8, ns=1_000_000)
+        cm.observe_queue(drafted=False, batch_size=8, ns=400_000_000)
+    assert cm.queue_ns(8, drafted=True) == pytest.approx(400e6)  # never below the undrafted wait
+    cm.observe_draft(tokens=1, ns=1_000_000)
+    cm.observe_verify(batch_size=2, positions=2, ns=60_000_000)
+    without_wait = 2 * cm.rtt_ns(1) + cm.draft_ns(1) + cm.verify_ns(2, 4)
+    assert cm.round_ns(1, 2) == pytest.approx(without_wait + 80e6)
+    assert cm.round_ns(1, 2, drafted=False) == pytest.approx(
+        without_wait - cm.draft_ns(1) - cm.rtt_ns(1) + 2e6
+    )
+    assert cm.round_ns(0, 2) == pytest.approx(cm.rtt_ns(0) + cm.verify_ns(2, 2) + 2e6)
+    with pytest.raises(ValueError):
+        cm.observe_queue(drafted=True, batch_size=0, ns=1)
+
+
 def test_prior_answers_before_data_and_yields_to_it() -> None:
     prior = CostPrior(verify_step_ns=20e6, draft_token_ns=2e6)
     cm = CostModel(prior=prior)

@@ -97,3 +97,12 @@ def test_the_ngram_proposer_is_the_lookup_over_prompt_and_completion():
         new = [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
         proposer.observe(new)
         seen += new
+
+
+def test_peeking_at_a_prediction_counts_nothing():
+    """The round loop's guess at gamma 0 (``peek``) is not a proposal: no token of it counts as rejected."""
+    proposer = PredictionProposer([1, 2, 3, 4])
+    assert proposer.peek(2) == (1, 2)
+    proposer.observe([9])
+    assert proposer.rejected_tokens == 0 and proposer.accepted_tokens == 0
+    assert proposer.propose(2) == ()  # alignment lost at 9

@@ -347,3 +347,39 @@ async def test_a_model_draft_session_starts_from_the_pool_and_a_local_proposer_s
     finally:
         warm.detach()
         cold.detach()
+
+
+async def test_at_gamma_0_a_local_proposers_guess_teaches_the_session_its_acceptance(stack, store):
+    """An n-gram session held at gamma 0: each round its lookup's guess (made, not sent) is checked against
+    the target's token, and the session's tracker learns from it (one position per round with a guess,
+    accepted iff the target's token is the guess); nothing is proposed or counted in the stats. A prompt
+    that repeats (5 6 7 8) x 3 gives the lookup a guess from the first round."""
+    prompt = (5, 6, 7, 8) * 3
+    session = Session(
+        await _new_session(store, prompt),
+        prompt,
+        SAMPLING,
+        STOP,
+        SpeculationSettings(gamma=None, proposer=common_pb2.PROPOSER_KIND_NGRAM),
+    )
+    pool = stack.coordinator.coordinator.pool
+    loop = RoundLoop(session, pool=pool, store=store, policy=FixedGamma(0), max_gamma=8)
+    # No forgetting and no change detection: the counts below are the tracker's exactly.
+    loop.acceptance = AcceptanceTracker(decay=1.0, fall_threshold=1e9, rise_threshold=1e9)
+    (ngram,) = session.local_proposers
+    guesses = matches = 0
+    try:
+        for _ in range(8):
+            guess = ngram.peek(1)
+            committed = (await loop.step()).token_ids
+            if guess:
+                guesses += 1
+                matches += committed[0] == guess[0]
+        assert guesses >= 1
+        assert session.stats.proposed_tokens == 0
+        prior = AcceptanceTracker()
+        expected = (matches + prior.alpha() * 2.0) / (guesses + 2.0)  # the prior's weight: 2 positions
+        assert loop.acceptance.alpha() == pytest.approx(expected)
+    finally:
+        loop.detach()
+        await loop.release()
