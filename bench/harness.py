@@ -415,6 +415,21 @@ def greedy_identity(runs: list[Run]) -> dict:
     return {"identical": same, "total": total}
 
 
+#: The A/A control of the load sweep (``--load-control``): gamma = 0 measured a second time.
+LOAD_CONTROL = "specserve gamma=0 (again)"
+
+
+def _load_modes(args, fixed_gamma: int) -> list[tuple[str, int | None]]:
+    """The load sweep's modes: gamma 0, a fixed gamma, adaptive, and with ``--load-control`` gamma 0 again,
+    whose ratio to the first is what the machine's noise alone does to a pair of points."""
+    modes: list[tuple[str, int | None]] = [
+        ("specserve gamma=0", 0),
+        (f"specserve gamma={fixed_gamma}", fixed_gamma),
+        ("specserve adaptive", None),
+    ]
+    return modes + ([(LOAD_CONTROL, 0)] if args.load_control else [])
+
+
 async def _process_stack(args):
     """The stack under test, one process per role as in production and in ``specserve up`` (the roles
     share no GIL with each other or with the HF baselines, which run here while the stack waits), and
@@ -450,11 +465,7 @@ async def run_load_only(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
     first = (args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer))[0]
     named = sampling_modes.load_prompt_sets([first], tokenizer, args.target, args.prompts, args.prompt_chars)
-    modes = [
-        ("specserve gamma=0", 0),
-        (f"specserve gamma={args.load_fixed_gamma}", args.load_fixed_gamma),
-        ("specserve adaptive", None),
-    ]
+    modes = _load_modes(args, args.load_fixed_gamma)
     stack, metrics_url = await _process_stack(args)
     try:
         async with AsyncClient(stack.address, timeout=600) as client:
@@ -500,11 +511,7 @@ async def run_all(args) -> dict:
                 ),
             )
             load_prompts = [ids for _, ids in prompts[first]]
-            modes = [
-                ("specserve gamma=0", 0),
-                (f"specserve gamma={best_fixed}", best_fixed),
-                ("specserve adaptive", None),
-            ]
+            modes = _load_modes(args, best_fixed)
             load = await load_sweep(client, load_prompts, modes, args, metrics_url)
             comparison = (
                 await sampling_modes.run_phase(client, tokenizer, args) if args.sampling_modes else None
@@ -713,6 +720,12 @@ def main(argv: list[str] | None = None) -> int:
         "report's load section and checks then use",
     )
     parser.add_argument("--load-fixed-gamma", type=int, default=4, help="the fixed gamma of --only-load")
+    parser.add_argument(
+        "--load-control",
+        action="store_true",
+        help="measure gamma 0 twice at every load point (an A/A control: the spread of its ratio is the noise "
+        "a comparison of two modes has to clear)",
+    )
     parser.add_argument("--cost-repeats", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     lat = parser.add_argument_group("network latency between the tiers (bench/latency.py)")

@@ -156,12 +156,19 @@ def targets(data: dict) -> list[tuple[str, bool, str]]:
                 )
             )
     rows = {(r["rate_rps"], r["mode"]): r for r in load_rows(data["load"])}
+    controls = load_ratios(data["load"], LOAD_CONTROL)
     for rate, ratios in load_ratios(data["load"]).items():
         ad, base = rows[(rate, LOAD_ADAPTIVE)], rows[(rate, LOAD_BASE)]
         median = statistics.median(ratios)
         spread = (
             f", {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} repeats" if len(ratios) > 1 else ""
         )
+        control = controls.get(rate)
+        if control:
+            spread += (
+                f"; gamma 0 against itself: {min(control):.2f}-{max(control):.2f}, "
+                f"median {statistics.median(control):.2f}"
+            )
         out.append(
             (
                 f"load {rate:g} req/s: adaptive throughput >= gamma=0",
@@ -174,6 +181,8 @@ def targets(data: dict) -> list[tuple[str, bool, str]]:
 
 
 LOAD_BASE, LOAD_ADAPTIVE = "specserve gamma=0", "specserve adaptive"
+#: gamma 0 measured a second time (``bench.harness --load-control``): the A/A control.
+LOAD_CONTROL = "specserve gamma=0 (again)"
 #: Load-point fields the report gives as a median over repeats.
 _LOAD_MEDIANS = (
     "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "queue_p50_s",
@@ -204,14 +213,14 @@ def load_rows(points: list[dict]) -> list[dict]:
     return rows
 
 
-def load_ratios(points: list[dict]) -> dict[float, list[float]]:
-    """Per rate, adaptive's throughput over gamma 0's within each repeat (the two were measured minutes
+def load_ratios(points: list[dict], mode: str = "specserve adaptive") -> dict[float, list[float]]:
+    """Per rate, ``mode``'s throughput over gamma 0's within each repeat (the two were measured minutes
     apart at most, so the machine's slower drift cancels in the ratio)."""
     by_key = {(p["rate_rps"], p.get("repeat", 0), p["mode"]): p["throughput_tok_s"] for p in points}
     out: dict[float, list[float]] = {}
-    for (rate, repeat, mode), tok_s in sorted(by_key.items()):
+    for (rate, repeat, name), tok_s in sorted(by_key.items()):
         base = by_key.get((rate, repeat, LOAD_BASE))
-        if mode == LOAD_ADAPTIVE and base:
+        if name == mode and base:
             out.setdefault(rate, []).append(tok_s / base)
     return out
 
@@ -577,16 +586,30 @@ def load_section(run: dict) -> list[str]:
             f"{p['accepted_tokens']:.0f} | {p['wasted_tokens']:.0f} |"
         )
     ratios = load_ratios(run["load"])
+    controls = load_ratios(run["load"], LOAD_CONTROL)
     if ratios:
         lines += [
             "",
-            "Adaptive throughput over gamma = 0's, each repeat's pair measured side by side:",
+            "Adaptive throughput over gamma = 0's, each repeat's pair measured side by side"
+            + (
+                "; beside it gamma = 0 measured twice, the A/A control: what the machine's noise alone does "
+                "to such a ratio:"
+                if controls
+                else ":"
+            ),
             "",
-            "| rate req/s | per repeat | median |",
-            "| --- | --- | --- |",
+            "| rate req/s | adaptive / gamma 0, per repeat | median |"
+            + (" gamma 0 / gamma 0, per repeat | median |" if controls else ""),
+            "| --- | --- | --- |" + (" --- | --- |" if controls else ""),
         ]
         for rate, rs in ratios.items():
-            lines.append(f"| {rate:g} | {', '.join(f'{r:.2f}' for r in rs)} | {statistics.median(rs):.2f} |")
+            row = f"| {rate:g} | {', '.join(f'{r:.2f}' for r in rs)} | {statistics.median(rs):.2f} |"
+            cs = controls.get(rate)
+            if cs:
+                row += f" {', '.join(f'{r:.2f}' for r in cs)} | {statistics.median(cs):.2f} |"
+            elif controls:
+                row += " | |"
+            lines.append(row)
     lines.append("")
     return lines
 

@@ -116,3 +116,17 @@ def test_a_separate_load_run_names_its_command_in_the_section():
     text = "\n".join(load_section(run))
     assert "--only-load --load-repeats 3" in text and "measured 3 time(s)" in text
     assert "| 2 | 1.05, 1.03, 0.98 | 1.03 |" in text
+
+
+def test_the_a_a_control_is_reported_beside_the_ratio():
+    """With gamma 0 measured twice (--load-control), the check and the table give its ratio to itself."""
+    control = [
+        _point(2.0, "specserve gamma=0 (again)", 0, 41.0),
+        _point(2.0, "specserve gamma=0 (again)", 1, 29.0),
+        _point(2.0, "specserve gamma=0 (again)", 2, 44.0),
+    ]
+    (check,) = _load_checks(SWEEP + control)
+    assert "gamma 0 against itself: 0.97-1.02, median 1.00" in check[2]
+    run = {"settings": {"load_max_new_tokens": 32, "load_duration_s": 8.0}, "load": SWEEP + control}
+    text = "\n".join(load_section(run))
+    assert "| 2 | 1.05, 1.03, 0.98 | 1.03 | 1.02, 0.97, 1.00 | 1.00 |" in text
