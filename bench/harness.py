@@ -800,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
     args.target = Path(resolve_model_path(str(args.target), "target"))
     args.draft = Path(resolve_model_path(str(args.draft), "draft"))
 
-    from bench.report import write_report
+    from bench import report
     from specserve.logs import configure_logging
     from specserve.redis_server import private_redis
 
@@ -817,42 +817,22 @@ def main(argv: list[str] | None = None) -> int:
                 }
             return await run(args)
 
-    if args.latency:
-        from bench.report import write_latency
-
-        data = asyncio.run(go(run_latency))
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "latency.json").write_text(json.dumps(data, indent=1) + "\n")
-        print(f"wrote {args.out / 'latency.json'} and {write_latency(data, args.out)}")
-        return 0
-    if args.predicted_outputs:
-        from bench.report import write_prediction
-
-        data = asyncio.run(go(run_prediction))
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "prediction.json").write_text(json.dumps(data, indent=1) + "\n")
-        written = write_prediction(data, args.out)  # README.md is left alone, as for --draft-scaling
-        print(f"wrote {args.out / 'prediction.json'} and {written}")
-        return 0
-    if args.only_load:
-        from bench.report import write_load
-
-        data = asyncio.run(go(run_load_only))
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "load.json").write_text(json.dumps(data, indent=1) + "\n")
-        print(f"wrote {args.out / 'load.json'} and {write_load(data, args.out)}")
-        return 0
-    if args.draft_scaling:
-        from bench.report import write_draft_scaling
-
-        scaling = asyncio.run(go(run_draft_scaling))
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "draft_scaling.json").write_text(json.dumps(scaling, indent=1) + "\n")
-        # README.md is left alone (it may carry analysis added by hand); the next full run or
-        # `python -m bench.report <out>` includes the section in it.
-        written = write_draft_scaling(scaling, args.out)
-        print(f"wrote {args.out / 'draft_scaling.json'} and {written}")
-        return 0
+    # A mode of its own writes <name>.json and its section alone as <name>.md; README.md is left alone
+    # (it may carry analysis added by hand): the next full run or `python -m bench.report <out>` renders
+    # the section into it.
+    separate = [
+        (args.latency, run_latency, "latency", report.write_latency),
+        (args.predicted_outputs, run_prediction, "prediction", report.write_prediction),
+        (args.only_load, run_load_only, "load", report.write_load),
+        (args.draft_scaling, run_draft_scaling, "draft_scaling", report.write_draft_scaling),
+    ]
+    for chosen, run, name, write in separate:
+        if chosen:
+            data = asyncio.run(go(run))
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+            print(f"wrote {args.out / f'{name}.json'} and {write(data, args.out)}")
+            return 0
     data = asyncio.run(go(run_all))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.only_sampling_modes:
@@ -862,7 +842,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "bench.json").write_text(json.dumps(data, indent=1) + "\n")
     for older in ("load.json", "load.md"):  # this run's own sweep supersedes an --only-load run's
         (args.out / older).unlink(missing_ok=True)
-    write_report(data, args.out)
+    report.write_report(data, args.out)
     print(f"wrote {args.out / 'bench.json'} and {args.out / 'README.md'}")
     return 0
 

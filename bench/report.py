@@ -505,9 +505,7 @@ def write_draft_scaling(scaling: dict, out: Path) -> Path:
     """``draft_scaling.json``'s section alone, with its plot, as ``<out>/draft_scaling.md``."""
     out.mkdir(parents=True, exist_ok=True)
     plot = _draft_scaling_plot(scaling, out)
-    path = out / "draft_scaling.md"
-    path.write_text("\n".join([*draft_scaling_section(scaling), f"![{plot}]({plot})", ""]))
-    return path
+    return _write_section(out, "draft_scaling", [*draft_scaling_section(scaling), f"![{plot}]({plot})", ""])
 
 
 def prediction_section(data: dict) -> list[str]:
@@ -614,28 +612,27 @@ def load_section(run: dict) -> list[str]:
     return lines
 
 
+def _write_section(out: Path, name: str, lines: list[str]) -> Path:
+    """One mode's section alone, as ``<out>/<name>.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
 def write_load(run: dict, out: Path) -> Path:
     """``load.json``'s section alone (``--only-load``), as ``<out>/load.md``."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "load.md"
-    path.write_text("\n".join(load_section(run)))
-    return path
+    return _write_section(out, "load", load_section(run))
 
 
 def write_prediction(data: dict, out: Path) -> Path:
     """``prediction.json``'s section alone, as ``<out>/prediction.md``."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "prediction.md"
-    path.write_text("\n".join(prediction_section(data)))
-    return path
+    return _write_section(out, "prediction", prediction_section(data))
 
 
 def write_latency(data: dict, out: Path) -> Path:
     """``latency.json``'s section alone, as ``<out>/latency.md``."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "latency.md"
-    path.write_text("\n".join(latency_section(data)))
-    return path
+    return _write_section(out, "latency", latency_section(data))
 
 
 if __name__ == "__main__":
