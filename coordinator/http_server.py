@@ -79,7 +79,7 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.api.coordinator.admission.idle(), timeout=grace)
+            await asyncio.wait_for(asyncio.shield(self.api.coordinator.drain()), timeout=grace)
         self.server.config.timeout_graceful_shutdown = max(deadline - loop.time(), 0.1)
         self.server.should_exit = True
         try:

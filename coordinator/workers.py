@@ -177,33 +177,6 @@ class DraftClient(_WorkerClient):
         super().__init__(endpoint, settings, draft_pb2_grpc.DraftServiceStub)
         self._propose_timeout = settings.draft_timeout_s
 
-    async def propose(
-        self,
-        base: SessionBase,
-        *,
-        start_position: int,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        gamma: int,
-        proposer: int,
-        draft_top_k: int,
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        timeout_s: float | None = None,
-    ) -> ProposeReply:
-        request = propose_request(
-            base,
-            start_position=start_position,
-            token_ids=token_ids,
-            sampling=sampling,
-            gamma=gamma,
-            proposer=proposer,
-            draft_top_k=draft_top_k,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-        )
-        return await self.propose_one(request, timeout_s=timeout_s)
-
     async def propose_one(
         self, request: draft_pb2.ProposeRequest, *, timeout_s: float | None = None
     ) -> ProposeReply:

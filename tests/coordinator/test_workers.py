@@ -19,7 +19,7 @@ from coordinator.policy import FixedGamma
 from coordinator.requests import SpeculationSettings
 from coordinator.rounds import RoundLoop
 from coordinator.session import Session
-from coordinator.workers import DraftClient, TargetClient
+from coordinator.workers import DraftClient, TargetClient, propose_request
 from specserve import errors
 from specserve.config import CoordinatorSettings
 from specserve.params import SamplingParams, SessionBase, StopConditions
@@ -151,26 +151,30 @@ async def test_draft_client_and_error_mapping(stack, store):
         info = await client.info()
         assert info.model.vocab_size == 384 and info.max_gamma >= 8
         base = SessionBase("draft-client-test", 4, 0)
-        reply = await client.propose(
-            base,
-            start_position=0,
-            token_ids=(5, 6, 7, 8),
-            sampling=SAMPLING,
-            gamma=3,
-            proposer=common_pb2.PROPOSER_KIND_MODEL,
-            draft_top_k=0,
+        reply = await client.propose_one(
+            propose_request(
+                base,
+                start_position=0,
+                token_ids=(5, 6, 7, 8),
+                sampling=SAMPLING,
+                gamma=3,
+                proposer=common_pb2.PROPOSER_KIND_MODEL,
+                draft_top_k=0,
+            )
         )
         assert len(reply.proposal.token_ids) == 3 and len(reply.proposal.distributions) == 3
         # A draft that lacks the earlier tokens refuses a partial resend.
         with pytest.raises(errors.FailedPrecondition):
-            await client.propose(
-                SessionBase("never-seen", 6, 0),
-                start_position=4,
-                token_ids=(9, 10),
-                sampling=SAMPLING,
-                gamma=1,
-                proposer=common_pb2.PROPOSER_KIND_MODEL,
-                draft_top_k=0,
+            await client.propose_one(
+                propose_request(
+                    SessionBase("never-seen", 6, 0),
+                    start_position=4,
+                    token_ids=(9, 10),
+                    sampling=SAMPLING,
+                    gamma=1,
+                    proposer=common_pb2.PROPOSER_KIND_MODEL,
+                    draft_top_k=0,
+                )
             )
         assert await client.release("draft-client-test") is True
         assert await client.release("draft-client-test") is False

@@ -19,6 +19,7 @@ import pytest_asyncio
 import system_fixtures as sf
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator.workers import propose_request
 from specserve.params import SamplingParams, SessionBase, StopConditions
 from specserve.server import start_metrics_server
 from specserve.v1 import common_pb2, target_pb2
@@ -162,14 +163,16 @@ async def test_worker_gauges_and_counters_follow_a_live_session(stack, metrics_p
     base = SessionBase(sid, len(PROMPT), 0)
     before = await scrape(metrics_port)
 
-    proposed = await draft_client.propose(
-        base,
-        start_position=0,
-        token_ids=PROMPT,
-        sampling=sampling,
-        gamma=2,
-        proposer=common_pb2.PROPOSER_KIND_MODEL,
-        draft_top_k=0,
+    proposed = await draft_client.propose_one(
+        propose_request(
+            base,
+            start_position=0,
+            token_ids=PROMPT,
+            sampling=sampling,
+            gamma=2,
+            proposer=common_pb2.PROPOSER_KIND_MODEL,
+            draft_top_k=0,
+        )
     )
     reply = await target_client.verify([target_pb2.VerifyItem(base=base.to_pb(), proposal=proposed.proposal)])
     assert reply.results[0].verdict is not None
