@@ -442,10 +442,7 @@ class WorkerPool:
                 if not item.proposal.token_ids:
                     raise
                 last_exc = exc
-                log.error(
-                    "verify_refused_proposal_gamma_0", session_id=sid, endpoint=endpoint, error=exc.message
-                )
-                item = target_pb2.VerifyItem(base=item.base, proposal=common_pb2.Proposal())
+                item = _without_proposal(item, sid, endpoint, exc)
                 continue
             except errors.ResourceExhausted as exc:
                 last_exc = exc
@@ -476,13 +473,7 @@ class WorkerPool:
             if isinstance(refused, errors.InvalidArgument) and item.proposal.token_ids:
                 # The proposal may be the draft's bug: the session gets one more try without it.
                 last_exc = refused
-                log.error(
-                    "verify_refused_proposal_gamma_0",
-                    session_id=sid,
-                    endpoint=endpoint,
-                    error=refused.message,
-                )
-                item = target_pb2.VerifyItem(base=item.base, proposal=common_pb2.Proposal())
+                item = _without_proposal(item, sid, endpoint, refused)
                 continue
             return Verified(batched, item)
         log.warning(
@@ -634,6 +625,15 @@ def _first(proposal: common_pb2.Proposal, n: int) -> common_pb2.Proposal:
     out = common_pb2.Proposal(token_ids=proposal.token_ids[:n])
     out.distributions.extend(proposal.distributions[:n])
     return out
+
+
+def _without_proposal(
+    item: target_pb2.VerifyItem, session_id: str, endpoint: str, refusal: errors.SpecServeError
+) -> target_pb2.VerifyItem:
+    """The target refused the item's proposal (whole call or item alone): logged, and the item again with no
+    proposal, for one more try at gamma 0."""
+    log.error("verify_refused_proposal_gamma_0", session_id=session_id, endpoint=endpoint, error=refusal.message)
+    return target_pb2.VerifyItem(base=item.base, proposal=common_pb2.Proposal())
 
 
 def _session_propose_request(
