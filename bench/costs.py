@@ -30,11 +30,11 @@ class Costs:
         return self.draft_step_ms / self.target_step_ms
 
 
-def _prefilled(model, length: int):
+def random_context(model, length: int):
     return prefilled(model, torch.randint(0, model.config.vocab_size, (length,)).tolist())
 
 
-def _time_pass(model, cache, k: int, repeats: int) -> float:
+def time_pass(model, cache, k: int, repeats: int) -> float:
     times = []
     ids = torch.randint(0, model.config.vocab_size, (k,)).tolist()
     with torch.inference_mode():
@@ -47,11 +47,11 @@ def _time_pass(model, cache, k: int, repeats: int) -> float:
 
 
 def measure_costs(target, draft, *, context: int = 128, max_k: int = 9, repeats: int = 50) -> Costs:
-    t_cache = _prefilled(target, context)
-    d_cache = _prefilled(draft, context)
-    verify = [_time_pass(target, t_cache, k, repeats) for k in range(1, max_k + 1)]
+    t_cache = random_context(target, context)
+    d_cache = random_context(draft, context)
+    verify = [time_pass(target, t_cache, k, repeats) for k in range(1, max_k + 1)]
     return Costs(
-        target_step_ms=verify[0], draft_step_ms=_time_pass(draft, d_cache, 1, repeats), verify_ms=verify
+        target_step_ms=verify[0], draft_step_ms=time_pass(draft, d_cache, 1, repeats), verify_ms=verify
     )
 
 

@@ -75,6 +75,7 @@ from bench import sampling_modes
 from bench.costs import measure_costs
 from bench.pair import ignore_eos, load_pair
 from bench.prompts import code_prompts, heldout_files
+from specserve import cpu_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET = "smollm2-135m-instruct"  # registered names (specserve.model_registry), or directories
@@ -92,6 +93,8 @@ SPEC_MODES: dict[str, tuple[int | None, str]] = {
     "specserve adaptive": (None, "model"),
 }
 FIXED_GAMMAS = (1, 2, 4, 8)
+#: HF target-only with PyTorch's stock linear kernels, beside the baselines on the target's kernel path.
+HF_STOCK = "hf target-only (stock kernels)"
 
 
 @dataclass
@@ -197,17 +200,25 @@ async def single_stream(
     temperatures,
     max_new: int,
     seed: int,
+    stock_target=None,
 ) -> list[Run]:
-    """Every (prompt set, prompt, temperature) through every mode, one after another."""
+    """Every (prompt set, prompt, temperature) through every mode, one after another.
+
+    ``stock_target``: the target with PyTorch's stock kernels where ``target`` has packed ones
+    (:mod:`specserve.cpu_kernels`), run as one more baseline (:data:`HF_STOCK`).
+    """
     runs: list[Run] = []
     jobs = [(s, p, t) for s, ps in prompts.items() for p in ps for t in temperatures]
-    modes = ["hf target-only", "hf assisted", "hf prompt lookup", *SPEC_MODES]
+    modes = ["hf target-only", *([HF_STOCK] if stock_target is not None else []), "hf assisted"]
+    modes += ["hf prompt lookup", *SPEC_MODES]
     bar = tqdm(total=len(jobs) * len(modes), desc="single stream", unit="gen")
     for set_name, (name, token_ids), temp in jobs:
         ids = torch.tensor([token_ids])
         for mode in modes:
             if mode == "hf target-only":
                 run = _hf_generate(target, ids, max_new, temp, seed)
+            elif mode == HF_STOCK:
+                run = _hf_generate(stock_target, ids, max_new, temp, seed)
             elif mode == "hf assisted":
                 run = _hf_generate(target, ids, max_new, temp, seed, assistant=draft)
             elif mode == "hf prompt lookup":
@@ -401,18 +412,21 @@ def summarize_single(runs: list[Run]) -> dict:
 
 
 def greedy_identity(runs: list[Run]) -> dict:
-    """Fraction of greedy specserve runs token-identical to HF target-only on the same prompt."""
-    ref = {
-        (r.prompt_set, r.prompt): r.token_ids
-        for r in runs
-        if r.mode == "hf target-only" and r.temperature == 0
+    """Greedy specserve runs token-identical to HF target-only on the same prompt (same kernels), and
+    to HF target-only with the stock kernels where that baseline ran."""
+
+    def reference(mode: str) -> dict:
+        return {(r.prompt_set, r.prompt): r.token_ids for r in runs if r.mode == mode and r.temperature == 0}
+
+    ref, stock = reference("hf target-only"), reference(HF_STOCK)
+    spec = [r for r in runs if r.temperature == 0 and r.mode.startswith("specserve")]
+    out = {
+        "identical": sum(r.token_ids == ref.get((r.prompt_set, r.prompt)) for r in spec),
+        "total": len(spec),
     }
-    same = total = 0
-    for r in runs:
-        if r.temperature == 0 and r.mode.startswith("specserve"):
-            total += 1
-            same += r.token_ids == ref.get((r.prompt_set, r.prompt))
-    return {"identical": same, "total": total}
+    if stock:
+        out["identical_to_stock_kernels"] = sum(r.token_ids == stock.get((r.prompt_set, r.prompt)) for r in spec)
+    return out
 
 
 #: The A/A control of the load sweep (``--load-control``): gamma = 0 measured a second time.
@@ -442,7 +456,7 @@ async def _process_stack(args):
         target_model=str(args.target),
         draft_model=str(args.draft),
         redis_url=args.redis_url,
-        target_overrides={"metrics_port": metrics_port},
+        target_overrides={"metrics_port": metrics_port, "kernels": getattr(args, "kernels", "auto")},
         draft_overrides={"max_batch_size": args.draft_batch},
         coordinator_overrides=_coordinator_overrides(args.draft_batch),
     )
@@ -485,7 +499,9 @@ async def run_all(args) -> dict:
     from specserve.client import AsyncClient
 
     torch.manual_seed(args.seed)
-    tokenizer, target, draft = load_pair(args.target, args.draft)
+    tokenizer, target, draft = load_pair(args.target, args.draft, kernels=args.kernels)
+    kernels = "onednn" if any(isinstance(m, cpu_kernels.PackedLinear) for m in target.modules()) else "stock"
+    stock_target = load_pair(args.target, args.draft)[1] if kernels == "onednn" else None
 
     names = args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer, copy=True)
     prompts = sampling_modes.load_prompt_sets(names, tokenizer, args.target, args.prompts, args.prompt_chars)
@@ -497,7 +513,14 @@ async def run_all(args) -> dict:
         async with AsyncClient(stack.address, timeout=600) as client:
             await _warm_up(client)
             runs = await single_stream(
-                client, target, draft, prompts, args.temperatures, args.max_new_tokens, args.seed
+                client,
+                target,
+                draft,
+                prompts,
+                args.temperatures,
+                args.max_new_tokens,
+                args.seed,
+                stock_target=stock_target,
             )
             summary = summarize_single(runs)
             first = next(
@@ -524,6 +547,7 @@ async def run_all(args) -> dict:
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "machine": _machine(),
         "models": {"target": str(args.target), "draft": str(args.draft)},
+        "kernels": kernels,
         "heldout_prompts": heldout_ok,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "costs": asdict(costs),
@@ -728,6 +752,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cost-repeats", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kernels",
+        choices=("auto", "stock", "onednn"),
+        default="auto",
+        help="the target's linear-layer kernels (specserve/cpu_kernels.py), in the target service and in "
+        "the Hugging Face baselines alike; with onednn, HF target-only with the stock kernels runs too",
+    )
     lat = parser.add_argument_group("network latency between the tiers (bench/latency.py)")
     lat.add_argument(
         "--latency",

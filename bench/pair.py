@@ -14,16 +14,24 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import specserve.draft_model  # noqa: F401  (registers the default draft's model type)
+from specserve import cpu_kernels
+from specserve.cpu_kernels import Kernels
 
 
-def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype=torch.float32):
-    """``(tokenizer, target, draft)`` from local directories, in eval mode; the vocabularies must agree."""
+def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype=torch.float32, kernels: Kernels = "stock"):
+    """``(tokenizer, target, draft)`` from local directories, in eval mode; the vocabularies must agree.
+
+    The target's linear layers take the ``kernels`` path (:mod:`specserve.cpu_kernels`), as a target
+    service's do; the draft keeps the stock kernels, as the draft service does.
+    """
     tok = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     dtok = AutoTokenizer.from_pretrained(draft_dir, local_files_only=True)
     if tok.get_vocab() != dtok.get_vocab():
         raise ValueError("draft and target vocabularies differ")
     target = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True, dtype=dtype).eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, local_files_only=True, dtype=dtype).eval()
+    if cpu_kernels.resolve(kernels, target.device, dtype) == "onednn":
+        cpu_kernels.use_packed_linears(target)
     return tok, target, draft
 
 

@@ -313,6 +313,18 @@ def _plots(data: dict, out: Path) -> list[str]:
     return names
 
 
+def _kernels_line(data: dict) -> str:
+    """Which linear kernels the target ran on (specserve/cpu_kernels.py), in the service and the baselines."""
+    if data.get("kernels") != "onednn":
+        return "Target kernels: PyTorch's stock linear kernels, in the service and in the HF baselines."
+    return (
+        "Target kernels: linear layers with weights prepacked for oneDNN (`specserve/cpu_kernels.py`, the "
+        "target service's default on a CPU), in the service and in every HF baseline alike, so that ratios "
+        "compare like with like; the row `hf target-only (stock kernels)` is HF `generate()` with PyTorch's "
+        "stock kernels, what the packed path gains on its own."
+    )
+
+
 def write_report(data: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     load_file = out / "load.json"
@@ -337,6 +349,8 @@ def write_report(data: dict, out: Path) -> Path:
         "specserve runs as one process per role (`specserve up`'s stack); the HF baselines run in the "
         "benchmark's own process while the stack idles.",
         "",
+        _kernels_line(data),
+        "",
         "## Targets",
         "",
         "| target | met | figures |",
@@ -345,10 +359,15 @@ def write_report(data: dict, out: Path) -> Path:
     for name, ok, fig in targets(data):
         lines.append(f"| {name} | {'yes' if ok else '**missed**'} | {fig} |")
     gi = data["greedy_identity"]
+    stock_note = (
+        f", and {gi['identical_to_stock_kernels']} of {gi['total']} to HF target-only with PyTorch's stock kernels"
+        if "identical_to_stock_kernels" in gi
+        else ""
+    )
     lines += [
         "",
         f"Greedy exactness check in the same run: {gi['identical']} of {gi['total']} greedy specserve generations "
-        "were token-identical to HF target-only `generate()`.",
+        f"were token-identical to HF target-only `generate()`{stock_note}.",
         "",
         "## Model costs",
         "",

@@ -34,6 +34,8 @@ from typing import Any, Literal
 import structlog
 import torch
 
+from specserve import cpu_kernels
+from specserve.cpu_kernels import Kernels
 from specserve.errors import FailedPrecondition, InvalidArgument, VocabularyMismatch
 from specserve.v1 import common_pb2
 
@@ -226,6 +228,7 @@ def check_same_vocabulary(draft: ModelInfo | LoadedModel, target: ModelInfo | Lo
 
 def _memory_bytes(model: Any) -> int:
     tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [m.packed for m in model.modules() if isinstance(m, cpu_kernels.PackedLinear)]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -233,7 +236,7 @@ def vocab_size_of(model: Any) -> int:
     """The width of a causal LM's logits (a reduced head, ``specserve.draft_model.ScatteredHead``,
     still returns full-vocabulary rows)."""
     head = model.get_output_embeddings()
-    return int(getattr(head, "vocab_size", None) or head.weight.shape[0])
+    return int(getattr(head, "vocab_size", None) or getattr(head, "out_features", None) or head.weight.shape[0])
 
 
 def _load_pretrained(spec: str, torch_dtype: torch.dtype) -> tuple[Any, Any]:
@@ -264,9 +267,15 @@ def _load_pretrained(spec: str, torch_dtype: torch.dtype) -> tuple[Any, Any]:
 
 
 def load_model(
-    path: str | Path, *, device: str = "auto", dtype: str | torch.dtype = "auto", warmup: bool = False
+    path: str | Path,
+    *,
+    device: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    kernels: Kernels = "stock",
+    warmup: bool = False,
 ) -> LoadedModel:
-    """Load a causal LM (a local directory, or a hub id where the hub is reachable) onto ``device`` in ``dtype``."""
+    """Load a causal LM (a local directory, or a hub id where the hub is reachable) onto ``device`` in
+    ``dtype``, its linear layers on the ``kernels`` path (:mod:`specserve.cpu_kernels`)."""
     spec = str(path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -276,6 +285,13 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     vocab_size = vocab_size_of(model)
+    parameter_count = sum(p.numel() for p in model.parameters())  # before packing: packed weights are not parameters
+    try:
+        kernel_path = cpu_kernels.resolve(kernels, torch_device, torch_dtype)
+    except ValueError as exc:
+        raise FailedPrecondition(str(exc)) from None
+    if kernel_path == "onednn":
+        cpu_kernels.use_packed_linears(model)
     if len(tokenizer) > vocab_size:
         raise FailedPrecondition(
             f"the tokenizer in {str(path)!r} has {len(tokenizer)} tokens but the model only {vocab_size} "
@@ -294,7 +310,7 @@ def load_model(
         vocab_size=vocab_size,
         vocab_fingerprint=vocab_fingerprint(tokenizer),
         eos_token_id=None if eos is None else int(eos),
-        parameter_count=sum(p.numel() for p in model.parameters()),
+        parameter_count=parameter_count,
         name=spec,
     )
     if warmup:
@@ -310,6 +326,7 @@ def load_model(
         vocab_size=vocab_size,
         vocab_fingerprint=loaded.vocab_fingerprint[:12],
         load_s=round(time.perf_counter() - start, 3),
+        kernels=kernel_path,
         warmed_up=warmup,
     )
     return loaded

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal, Protocol, TypeVar
 import structlog
 
 from specserve.config import WorkerSettings
+from specserve.cpu_kernels import Kernels
 from specserve.interceptors import BearerTokenInterceptor, ClientCertificateInterceptor
 from specserve.kvcache import SessionCacheStore
 from specserve.models import LoadedModel, load_model, resolve_model_path
@@ -45,12 +46,16 @@ class ModelWork(Protocol):
         """Stop the model thread."""
 
 
-def load_worker_model(settings: WorkerSettings, role: Literal["draft", "target"]) -> LoadedModel:
-    """The role's model from ``settings.model`` (None: the embedded demo pair's)."""
+def load_worker_model(
+    settings: WorkerSettings, role: Literal["draft", "target"], *, kernels: Kernels = "stock"
+) -> LoadedModel:
+    """The role's model from ``settings.model`` (None: the default pair's), with ``kernels``
+    (:mod:`specserve.cpu_kernels`)."""
     return load_model(
         resolve_model_path(settings.model, role),
         device=settings.device,
         dtype=settings.dtype,
+        kernels=kernels,
         warmup=settings.warmup,
     )
 

@@ -62,7 +62,7 @@ def build_target(
 ) -> TargetApp:
     """Wire a target replica from ``settings`` (``model`` / ``store`` may be passed in, e.g. by tests)."""
     if model is None:
-        model = load_worker_model(settings, "target")
+        model = load_worker_model(settings, "target", kernels=settings.kernels)
     owns_store = store is None
     if store is None:
         store = SessionStore.from_url(settings.redis_url.get_secret_value())

@@ -1,0 +1,156 @@
+"""The target's linear kernels, stock against packed oneDNN: what a pass over k positions costs, and
+whether greedy output stays the same.
+
+Run (one run, one machine; docs/benchmarks/kernels.md comes from it)::
+
+    python -m bench.kernels --out docs/benchmarks
+
+Two copies of the target in this process, one with PyTorch's stock linear
+kernels and one with packed oneDNN weights (:mod:`specserve.cpu_kernels`):
+
+* **pass cost**: one pass over k = 1..9 new positions after a 128-token
+  context with a warm KV cache (:func:`bench.costs.measure_costs`' timing), the
+  two copies alternating round by round so drift on a shared machine hits both;
+  each k as a multiple of the same copy's one-position step;
+* **greedy output**: HF ``generate()`` of held-out chat and code prompts with
+  each copy, token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench.costs import random_context, time_pass
+from bench.harness import DEFAULT_TARGET, _machine
+from bench.pair import ignore_eos
+
+
+def _load(target: str, kernels: str):
+    from specserve.models import load_model, resolve_model_path
+
+    return load_model(resolve_model_path(target, "target"), device="cpu", dtype="float32", kernels=kernels)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from bench.chat_prompts import heldout_prompts
+
+    torch.set_num_threads(args.threads)
+    loaded = {name: _load(args.target, name) for name in ("stock", "onednn")}
+    models = {name: m.model for name, m in loaded.items()}
+    caches = {name: random_context(model, 128) for name, model in models.items()}
+    ks = range(1, args.max_k + 1)
+    times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in ks} for name in models}
+    for _ in tqdm(range(args.rounds), desc="pass cost", unit="round"):
+        for k in ks:
+            for name, model in models.items():
+                times[name][k].append(time_pass(model, caches[name], k, args.repeats))
+    passes = {name: {k: statistics.median(v) for k, v in per_k.items()} for name, per_k in times.items()}
+
+    tokenizer = loaded["stock"].tokenizer
+    prompts = [p for kind in ("chat", "code") for p in heldout_prompts(kind, args.prompts)]
+    greedy = []
+    for p in tqdm(prompts, desc="greedy output", unit="prompt"):
+        text = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False)
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        outs, secs = {}, {}
+        for name, model in models.items():
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=args.max_new_tokens,
+                    do_sample=False,
+                    **ignore_eos(model),
+                )
+            secs[name] = time.perf_counter() - start
+            outs[name] = out[0, ids.shape[1] :].tolist()
+        same = outs["stock"] == outs["onednn"]
+        pairs = enumerate(zip(outs["stock"], outs["onednn"], strict=True))  # both ran max_new_tokens
+        first = None if same else next(i for i, (a, b) in pairs if a != b)
+        greedy.append({"prompt": p.name, "identical": same, "first_difference": first, "seconds": secs})
+    return {
+        "command": args.command,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "machine": _machine(),
+        "target": str(args.target),
+        "settings": {"rounds": args.rounds, "repeats": args.repeats, "context": 128, "threads": args.threads},
+        "pass_ms": {name: {str(k): v for k, v in per_k.items()} for name, per_k in passes.items()},
+        "greedy": greedy,
+        "max_new_tokens": args.max_new_tokens,
+    }
+
+
+def render(data: dict) -> str:
+    stock, fast = data["pass_ms"]["stock"], data["pass_ms"]["onednn"]
+    lines = [
+        "# The target's linear kernels: stock against packed oneDNN",
+        "",
+        f"Measured {data['date_utc']} UTC ({data['machine']['platform']}, {data['settings']['threads']} torch "
+        f"threads, torch {data['machine']['torch']}), target `{Path(data['target']).name}` in float32; one run of:",
+        "",
+        f"```\n{data['command']}\n```",
+        "",
+        "One target pass over k new positions after a 128-token context, warm KV cache, batch 1 (median of "
+        f"{data['settings']['rounds']} rounds x {data['settings']['repeats']} timings, the two kernel paths "
+        "alternating). A verify pass at gamma feeds k = gamma + 1 positions.",
+        "",
+        "| k | stock ms | stock / its step | oneDNN packed ms | packed / its step | packed / stock |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for k in stock:
+        lines.append(
+            f"| {k} | {stock[k]:.1f} | {stock[k] / stock['1']:.2f}x | {fast[k]:.1f} | "
+            f"{fast[k] / fast['1']:.2f}x | {fast[k] / stock[k]:.2f} |"
+        )
+    same = sum(g["identical"] for g in data["greedy"])
+    hf = {name: sum(g["seconds"][name] for g in data["greedy"]) for name in ("stock", "onednn")}
+    tokens = data["max_new_tokens"] * len(data["greedy"])
+    lines += [
+        "",
+        f"Greedy output, HF `generate()` of {len(data['greedy'])} held-out chat and code prompts, "
+        f"{data['max_new_tokens']} tokens each (EOS ignored): **{same} of {len(data['greedy'])} token-identical** "
+        "between the two kernel paths"
+        + (
+            ""
+            if same == len(data["greedy"])
+            else " (first differences at "
+            + ", ".join(f"{g['prompt']}: token {g['first_difference']}" for g in data["greedy"] if not g["identical"])
+            + ")"
+        )
+        + f"; {1000 * hf['stock'] / tokens:.1f} ms/token stock, {1000 * hf['onednn'] / tokens:.1f} packed.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-k", type=int, default=9)
+    parser.add_argument("--prompts", type=int, default=6, help="held-out prompts per kind (chat, code)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    args = parser.parse_args(argv)
+    args.command = "python -m bench.kernels " + " ".join(argv if argv is not None else sys.argv[1:])
+    data = measure(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels.json").write_text(json.dumps(data, indent=1) + "\n")
+    (args.out / "kernels.md").write_text(render(data))
+    print(render(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""Linear layers with prepacked oneDNN weights: the target's faster kernel path on a CPU.
+
+On a CPU, PyTorch's stock ``F.linear`` runs a matrix-vector kernel for one
+row and MKL's ``sgemm`` for two or more. The verify pass feeds ``gamma + 1``
+positions, so it always takes the second, and measured on this project's
+2-core machine (float32, SmolLM2-135M's shapes, weights streamed from memory as
+in a real pass) ``sgemm`` reads the weights at about half the speed: 2 to 9
+rows cost 1.8x-2.1x one row, which is most of why a verify pass over k
+positions cost 1.7x-2x a decoding step. oneDNN's matmul with the weight
+reordered once, at load time, into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, the layout ``torch.compile``'s
+CPU backend freezes weights into) reads the weights at full speed for any
+number of rows: 2 to 9 rows cost 1.0x-1.6x one row, and one row costs no more
+than the stock kernel (``python -m bench.kernels`` measures both, per shape and
+for the whole pass; docs/benchmarks/README.md).
+
+Exactness. The kernel is a different order of float additions from the stock
+one, so logits differ from the stock path's in the last bits (about 1e-4 on the
+real target's logits), as the stock path's one-row and many-row kernels differ
+from each other. What the verify rule needs is that a position's logits do not
+depend on how many positions the pass holds: measured here, the packed kernel
+gives every row bitwise the same result whatever the number of rows (1-80) and
+wherever the row sits (``tests/specserve/test_cpu_kernels.py`` checks it on
+the machine that runs the tests). Greedy output through the system is compared
+token for token with the target alone using the same kernels, and with the
+stock kernels, in the tests and in every benchmark run.
+
+:func:`use_packed_linears` swaps every ``nn.Linear`` of a model for a
+:class:`PackedLinear` (after a check against ``F.linear`` on the model's own
+weights); :func:`resolve` picks the path for a setting, a device and a dtype:
+``"auto"`` is the packed path on a CPU in float32 where this PyTorch has the
+oneDNN ops, the stock path otherwise (CUDA has its own kernels).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import structlog
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+log = structlog.get_logger(__name__)
+
+#: The setting: "auto" (packed where it applies), "stock" (PyTorch's own kernels), "onednn" (packed, or fail).
+Kernels = Literal["auto", "stock", "onednn"]
+
+#: The row count the weights are packed for. Any count is served; with 1 oneDNN picks a layout that makes
+#: 2+ rows as slow as the stock kernel, with 2 or more one row stays as fast as the stock one (measured).
+PACK_ROWS = 16
+
+
+def onednn_available() -> bool:
+    """This PyTorch build has the oneDNN linear ops (CPU builds with MKL-DNN)."""
+    ops = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+def resolve(kernels: Kernels, device: torch.device, dtype: torch.dtype) -> Literal["stock", "onednn"]:
+    """The kernel path a model on ``device`` in ``dtype`` gets for the setting ``kernels``."""
+    fits = device.type == "cpu" and dtype == torch.float32
+    if kernels == "stock":
+        return "stock"
+    if kernels == "onednn":
+        if not fits:
+            raise ValueError(f"kernels='onednn' is for float32 models on a CPU, not {dtype} on {device}")
+        if not onednn_available():
+            raise ValueError("kernels='onednn' needs a PyTorch build with oneDNN (MKL-DNN); this one has none")
+        return "onednn"
+    return "onednn" if fits and onednn_available() else "stock"
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` with its weight held in oneDNN's blocked layout (inference only)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach()  # [out, in]
+        # Plain attributes, not buffers: the packed tensor is opaque to .to() and state_dict.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
+    """The packed layer computes the stock one's function (to float rounding) on a few random rows."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, linear.in_features, generator=gen)  # [3, in]
+    with torch.inference_mode():
+        want = F.linear(x, linear.weight, linear.bias)
+        got = packed(x)
+    scale = want.abs().max().item() + 1.0
+    return got.shape == want.shape and bool(((got - want).abs().max() <= 1e-4 * scale).item())
+
+
+def use_packed_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` in ``model`` (a float32 model on the CPU) by a :class:`PackedLinear`.
+
+    Returns the number replaced. Raises ``RuntimeError`` (and changes nothing)
+    when a packed layer does not compute what the stock one does.
+    """
+    swaps: list[tuple[nn.Module, str, PackedLinear]] = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear:
+                if child.weight.device.type != "cpu" or child.weight.dtype != torch.float32:
+                    raise ValueError("packed linears are for float32 weights on the CPU")
+                packed = PackedLinear(child)
+                if not _agrees(child, packed):
+                    raise RuntimeError(f"oneDNN's packed linear disagrees with F.linear on {name!r}; keep kernels=stock")
+                swaps.append((parent, name, packed))
+    for parent, name, packed in swaps:
+        setattr(parent, name, packed)
+    log.debug("packed_linears", layers=len(swaps))
+    return len(swaps)

@@ -1,0 +1,88 @@
+"""specserve.cpu_kernels: the target's packed oneDNN linears compute the stock function, row by row.
+
+Real oneDNN kernels on this machine's CPU and real tiny transformers models.
+Bitwise checks use ``torch.equal`` (no tolerance).
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny_models
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve import cpu_kernels
+from specserve.errors import FailedPrecondition
+from specserve.kvcache import SessionCache
+from specserve.models import load_model
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.onednn_available(), reason="this PyTorch has no oneDNN ops")
+
+
+def _packed(in_features: int, out_features: int, *, bias: bool, seed: int) -> tuple[nn.Linear, nn.Module]:
+    torch.manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=bias).eval()
+    return linear, cpu_kernels.PackedLinear(linear)
+
+
+@pytest.mark.parametrize(("k", "n", "bias"), [(64, 64, False), (576, 192, False), (96, 1536, True), (48, 8192, False)])
+def test_a_packed_linear_gives_each_row_the_same_bits_whatever_the_number_of_rows(k, n, bias):
+    """What the verify pass relies on: position i's result does not depend on how many positions the pass
+    holds or where the row sits; and the function is F.linear's up to float rounding."""
+    linear, packed = _packed(k, n, bias=bias, seed=k + n)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(n))  # [M, K]
+    with torch.inference_mode():
+        alone = torch.cat([packed(x[r : r + 1]) for r in range(40)])  # [M, N], one row per call
+        for rows in (2, 3, 5, 9, 16, 17, 40):
+            for start in (0, 40 - rows):
+                assert torch.equal(packed(x[start : start + rows]), alone[start : start + rows]), (rows, start)
+        assert torch.equal(packed(x[:9].reshape(1, 9, k))[0], alone[:9])  # [batch, T, K] inputs too
+        torch.testing.assert_close(alone, F.linear(x, linear.weight, linear.bias), rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_loaded_with_onednn_kernels_decodes_as_the_stock_model(tmp_path):
+    """Every linear is swapped (the tied head too), the logits match the stock model's to float rounding,
+    greedy decoding gives the same tokens, and a verify-shaped pass over 5 positions gives each position
+    the logits that one-position steps give."""
+    target_dir, _ = tiny_models.make_tiny_pair(tmp_path)
+    stock = load_model(target_dir, device="cpu", dtype="float32", kernels="stock")
+    fast = load_model(target_dir, device="cpu", dtype="float32", kernels="onednn")
+    linears = sum(type(m) is nn.Linear for m in stock.model.modules())
+    assert linears > 0
+    assert sum(type(m) is cpu_kernels.PackedLinear for m in fast.model.modules()) == linears
+    assert not any(type(m) is nn.Linear for m in fast.model.modules())
+    assert fast.vocab_size == stock.vocab_size
+    assert fast.parameter_count == stock.parameter_count
+
+    prompt = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            fast.model(input_ids=prompt).logits, stock.model(input_ids=prompt).logits, rtol=1e-4, atol=1e-4
+        )
+        want = stock.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False)
+        got = fast.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False)
+    assert got.tolist() == want.tolist()
+
+    stepped, passed = SessionCache(fast.model), SessionCache(fast.model)
+    stepped.extend(prompt[0].tolist())
+    passed.extend(prompt[0].tolist())
+    feed = [9, 8, 7, 6, 5]
+    steps = torch.cat([stepped.extend([t]) for t in feed])  # [5, vocab], one position per pass
+    torch.testing.assert_close(passed.extend(feed), steps, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_setting_resolves_by_device_and_dtype():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert cpu_kernels.resolve("auto", cpu, torch.float32) == "onednn"
+    assert cpu_kernels.resolve("auto", cpu, torch.bfloat16) == "stock"
+    assert cpu_kernels.resolve("auto", cuda, torch.float32) == "stock"
+    assert cpu_kernels.resolve("stock", cpu, torch.float32) == "stock"
+    with pytest.raises(ValueError, match="float32 models on a CPU"):
+        cpu_kernels.resolve("onednn", cuda, torch.bfloat16)
+
+
+def test_asking_for_onednn_on_a_model_it_does_not_fit_is_a_clear_error(tmp_path):
+    target_dir, _ = tiny_models.make_tiny_pair(tmp_path)
+    with pytest.raises(FailedPrecondition, match="kernels='onednn' is for float32 models on a CPU"):
+        load_model(target_dir, device="cpu", dtype="bfloat16", kernels="onednn")
