@@ -500,7 +500,7 @@ async def run_all(args) -> dict:
 
     torch.manual_seed(args.seed)
     tokenizer, target, draft = load_pair(args.target, args.draft, kernels=args.kernels)
-    kernels = "onednn" if any(isinstance(m, cpu_kernels.PackedLinear) for m in target.modules()) else "stock"
+    kernels = cpu_kernels.path_of(target)
     stock_target = load_pair(args.target, args.draft)[1] if kernels == "onednn" else None
 
     names = args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer, copy=True)

@@ -75,17 +75,17 @@ def _hf_run(model, ids: list[int], max_new: int) -> float:
 
 
 async def measure(args: argparse.Namespace) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from specserve import cpu_kernels
     from specserve.client import AsyncClient
     from specserve.local import start_process_stack
-    from specserve.models import resolve_model_path
+    from specserve.models import load_model, resolve_model_path
     from specserve.redis_server import private_redis
 
     torch.set_num_threads(args.threads)
     target = resolve_model_path(args.target, "target")
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    loaded = load_model(target, device="cpu", dtype="float32", kernels=args.kernels)
+    tokenizer, model = loaded.tokenizer, loaded.model
+    kernels = cpu_kernels.path_of(model)
     prompts = _prompts(tokenizer, args.prompts)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the target process: the same thread count
     hf: list[float] = []
@@ -93,7 +93,7 @@ async def measure(args: argparse.Namespace) -> dict:
     with private_redis(args.redis_url) as redis_url:
         stack = await start_process_stack(
             target_model=target, draft_model=None, redis_url=redis_url, with_draft=False,
-            target_overrides={"dtype": "float32"},
+            target_overrides={"dtype": "float32", "kernels": kernels},
         )  # fmt: skip
         try:
             async with AsyncClient(stack.address, timeout=600) as client:
@@ -129,10 +129,10 @@ async def measure(args: argparse.Namespace) -> dict:
                         )
         finally:
             await stack.stop()
-    return summarize(hf, runs, args)
+    return summarize(hf, runs, args, kernels)
 
 
-def summarize(hf: list[float], runs: list[dict], args: argparse.Namespace) -> dict:
+def summarize(hf: list[float], runs: list[dict], args: argparse.Namespace, kernels: str = "stock") -> dict:
     ms = 1e3
     spec = [r["client_s_per_token"] for r in runs]
     rounds = sum(r["rounds"] for r in runs)
@@ -155,6 +155,7 @@ def summarize(hf: list[float], runs: list[dict], args: argparse.Namespace) -> di
         "command": "python -m bench.overhead " + " ".join(args.argv),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": {"processor": platform.processor() or platform.machine(), "threads": args.threads},
+        "kernels": kernels,
         "prompts": args.prompts,
         "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
@@ -176,7 +177,8 @@ def section(data: dict) -> list[str]:
         f"{data['prompts']} held-out chat prompts, one process per role)",
         "",
         f"Command: `{data['command']}` ({data['when']}). HF `generate()` of the target alone: "
-        f"{data['hf_ms_per_token']:.2f} ms/token; specserve at gamma = 0, the same model, dtype and threads: "
+        f"{data['hf_ms_per_token']:.2f} ms/token; specserve at gamma = 0, the same model, dtype, threads and "
+        f"linear kernels ({data.get('kernels', 'stock')}): "
         f"{data['specserve_gamma0_ms_per_token']:.2f} ms/token, **{ratio:.2f}x** of HF "
         f"(target: 0.95x or better: **{'met' if ratio >= 0.95 else 'missed'}**).",
         "",
@@ -202,6 +204,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--redis-url", default=None)
+    ap.add_argument(
+        "--kernels",
+        choices=("auto", "stock", "onednn"),
+        default="auto",
+        help="the target's linear kernels (specserve/cpu_kernels.py), in the service and in HF alike",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     args.argv = argv

@@ -21,8 +21,8 @@ from specserve.cpu_kernels import Kernels
 def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype=torch.float32, kernels: Kernels = "stock"):
     """``(tokenizer, target, draft)`` from local directories, in eval mode; the vocabularies must agree.
 
-    The target's linear layers take the ``kernels`` path (:mod:`specserve.cpu_kernels`), as a target
-    service's do; the draft keeps the stock kernels, as the draft service does.
+    The linear layers of both take the ``kernels`` path (:mod:`specserve.cpu_kernels`), as the workers'
+    do (the draft service's drafting passes run their row-blocked linears on packed weights).
     """
     tok = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     dtok = AutoTokenizer.from_pretrained(draft_dir, local_files_only=True)
@@ -32,6 +32,7 @@ def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype=torch.float32
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, local_files_only=True, dtype=dtype).eval()
     if cpu_kernels.resolve(kernels, target.device, dtype) == "onednn":
         cpu_kernels.use_packed_linears(target)
+        cpu_kernels.use_packed_linears(draft)
     return tok, target, draft
 
 

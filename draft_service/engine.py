@@ -79,6 +79,7 @@ class DraftEngine:
         caches: SessionCacheStore | None = None,
         max_batch_size: int = 32,
         eos_token_ids: frozenset[int] = frozenset(),
+        thread: ModelThread | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -87,7 +88,7 @@ class DraftEngine:
         self.caches = caches
         self.max_batch_size = max_batch_size
         self.eos_token_ids = eos_token_ids
-        self.thread = ModelThread("draft-model")
+        self.thread = thread or ModelThread("draft-model")
         self._queue: collections.deque[_Job] = (
             collections.deque()
         )  # appended on the loop, taken on the thread

@@ -44,6 +44,7 @@ import structlog
 import torch
 
 from specserve import batching, row_invariant
+from specserve.cpu_kernels import Kernels
 from specserve.errors import InvalidArgument, SpecServeError
 from specserve.kvcache import SessionCache, SessionCacheStore, common_prefix_len
 from specserve.lookup import ngram_lookup
@@ -212,7 +213,9 @@ class ModelProposer(Proposer):
     kind = common_pb2.PROPOSER_KIND_MODEL
     needs_model = True
 
-    def __init__(self, caches: SessionCacheStore, *, inline_catchup_max: int = 32) -> None:
+    def __init__(
+        self, caches: SessionCacheStore, *, inline_catchup_max: int = 32, kernels: Kernels = "stock"
+    ) -> None:
         self.caches = caches
         self.inline_catchup_max = inline_catchup_max
         self.model = caches.model
@@ -221,7 +224,7 @@ class ModelProposer(Proposer):
         limit = getattr(self.config.get_text_config(decoder=True), "max_position_embeddings", None)
         #: Most tokens the model can attend over; a proposal stops there (None: unknown).
         self.max_positions: int | None = int(limit) if limit else None
-        row_invariant.prepare(caches.model)
+        row_invariant.prepare(caches.model, kernels=kernels)
 
     def propose(self, request: DraftRequest) -> Drafted:
         outcome = self.propose_batch([request])[0]

@@ -17,6 +17,7 @@ from draft_service.history import CommittedHistory
 from draft_service.proposers import ModelProposer, NgramProposer
 from draft_service.servicer import DraftServicer
 from specserve.config import DraftSettings
+from specserve.model_thread import ModelThread
 from specserve.models import LoadedModel
 from specserve.server import Registration, run_role
 from specserve.v1 import draft_pb2, draft_pb2_grpc
@@ -43,17 +44,19 @@ class DraftApp(WorkerApp):
 
 def build_draft(settings: DraftSettings, *, model: LoadedModel | None = None) -> DraftApp:
     """Wire a draft replica from ``settings`` (``model`` may be passed in, e.g. by tests)."""
-    if model is None:
-        model = load_worker_model(settings, "draft")
+    thread = ModelThread("draft-model")
+    if model is None:  # loaded on the model thread, where it runs
+        model = thread.call(load_worker_model, settings, "draft")
     caches = session_caches(model, settings)
     history = CommittedHistory(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s)
-    proposers = [ModelProposer(caches), NgramProposer()]
+    proposers = [ModelProposer(caches, kernels=settings.kernels), NgramProposer()]
     engine = DraftEngine(
         {p.kind: p for p in proposers},
         history,
         caches=caches,
         max_batch_size=settings.max_batch_size,
         eos_token_ids=model.eos_token_ids,
+        thread=thread,
     )
     max_tokens = min(settings.max_session_tokens, model.max_positions or settings.max_session_tokens)
     servicer = DraftServicer(engine, model.info, max_gamma=settings.max_gamma, max_tokens=max_tokens)

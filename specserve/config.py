@@ -123,6 +123,12 @@ class WorkerSettings(CommonSettings):
         description="Most committed tokens a session may hold here (also capped by the model's context); "
         "a longer Propose history is refused before any work.",
     )
+    kernels: Literal["auto", "stock", "onednn"] = Field(
+        "auto",
+        description="Linear-layer kernels: 'onednn' (weights prepacked for oneDNN, on a CPU: a pass over "
+        "several positions costs little more than one), 'stock' (PyTorch's), 'auto' (onednn for float32 on "
+        "a CPU where PyTorch has it, else stock).",
+    )
     warmup: bool = Field(True, description="Run one forward pass at start so the first request is not slow.")
     worker_token: SecretStr | None = Field(
         None,
@@ -189,12 +195,6 @@ class TargetSettings(WorkerSettings):
 
     port: int = Field(50052, ge=0, le=65535)
     max_batch_size: int = Field(32, ge=1, description="Most sessions in one Verify call.")
-    kernels: Literal["auto", "stock", "onednn"] = Field(
-        "auto",
-        description="Linear-layer kernels: 'onednn' (weights prepacked once for oneDNN: a verify pass over "
-        "several positions costs little more than one, on a CPU), 'stock' (PyTorch's), 'auto' (onednn for "
-        "float32 on a CPU where PyTorch has it, else stock).",
-    )
     measure_verify_cost: bool = Field(
         True,
         description="Time one session's verify pass for 1..max_gamma+1 positions at start-up (a few seconds "

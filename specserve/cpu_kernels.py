@@ -1,4 +1,4 @@
-"""Linear layers with prepacked oneDNN weights: the target's faster kernel path on a CPU.
+"""Linear layers with prepacked oneDNN weights: the workers' faster kernel path on a CPU.
 
 On a CPU, PyTorch's stock ``F.linear`` runs a matrix-vector kernel for one
 row and MKL's ``sgemm`` for two or more. The verify pass feeds ``gamma + 1``
@@ -29,11 +29,14 @@ stock kernels, in the tests and in every benchmark run.
 :class:`PackedLinear` (after a check against ``F.linear`` on the model's own
 weights); :func:`resolve` picks the path for a setting, a device and a dtype:
 ``"auto"`` is the packed path on a CPU in float32 where this PyTorch has the
-oneDNN ops, the stock path otherwise (CUDA has its own kernels).
+oneDNN ops, the stock path otherwise (CUDA has its own kernels). The draft's
+drafting passes take the same kernel inside their fixed-shape row blocks
+(:class:`specserve.row_invariant.PackedWeights`).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Literal
 
 import structlog
@@ -75,32 +78,60 @@ def resolve(kernels: Kernels, device: torch.device, dtype: torch.dtype) -> Liter
     return "onednn" if fits and onednn_available() else "stock"
 
 
+def pack(weight: Tensor) -> Tensor:
+    """``weight`` (``[out, in]``, float32, CPU) in oneDNN's blocked layout, for the calling thread.
+
+    Pack on the thread that will run the layer: measured here, a weight packed on
+    the main thread and used from another (a worker's model thread) ran the
+    whole pass 1.5x-1.8x slower than one packed where it runs (oneDNN picks the
+    layout for the calling thread's OpenMP settings, and a mismatch costs a
+    reorder per call).
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+class ThreadPacked:
+    """A weight's packed copy, made on first use by the thread that uses it (again if another thread
+    takes over: a worker loads its model on the main thread and runs it on its model thread)."""
+
+    def __init__(self, weight: Tensor) -> None:
+        self.weight = weight.detach()  # [out, in], kept to pack for another thread
+        self._packed: Tensor | None = None
+        self._thread: int | None = None
+
+    def get(self) -> Tensor:
+        if self._thread != threading.get_ident():
+            self._packed, self._thread = None, None  # free the old copy before making the new one
+            self._packed, self._thread = pack(self.weight), threading.get_ident()
+        assert self._packed is not None
+        return self._packed
+
+
 class PackedLinear(nn.Module):
-    """``nn.Linear`` with its weight held in oneDNN's blocked layout (inference only)."""
+    """``nn.Linear`` on oneDNN's blocked layout of its weight (inference only)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        weight = linear.weight.detach()  # [out, in]
-        # Plain attributes, not buffers: the packed tensor is opaque to .to() and state_dict.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        # Plain attributes, not parameters or buffers: nothing here trains, moves or is saved.
+        self.packed = ThreadPacked(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed.get(), self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
-    """The packed layer computes the stock one's function (to float rounding) on a few random rows."""
+def _agrees(linear: nn.Linear) -> bool:
+    """oneDNN's packed kernel computes the stock one's function (to float rounding) on a few random rows."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, linear.in_features, generator=gen)  # [3, in]
     with torch.inference_mode():
         want = F.linear(x, linear.weight, linear.bias)
-        got = packed(x)
+        got = torch.ops.mkldnn._linear_pointwise(x, pack(linear.weight), linear.bias, "none", [], "")
     scale = want.abs().max().item() + 1.0
     return got.shape == want.shape and bool(((got - want).abs().max() <= 1e-4 * scale).item())
 
@@ -117,11 +148,15 @@ def use_packed_linears(model: nn.Module) -> int:
             if type(child) is nn.Linear:
                 if child.weight.device.type != "cpu" or child.weight.dtype != torch.float32:
                     raise ValueError("packed linears are for float32 weights on the CPU")
-                packed = PackedLinear(child)
-                if not _agrees(child, packed):
+                if not _agrees(child):
                     raise RuntimeError(f"oneDNN's packed linear disagrees with F.linear on {name!r}; keep kernels=stock")
-                swaps.append((parent, name, packed))
+                swaps.append((parent, name, PackedLinear(child)))
     for parent, name, packed in swaps:
         setattr(parent, name, packed)
     log.debug("packed_linears", layers=len(swaps))
     return len(swaps)
+
+
+def path_of(model: nn.Module) -> Literal["stock", "onednn"]:
+    """The kernel path ``model`` runs on: "onednn" once :func:`use_packed_linears` swapped its layers."""
+    return "onednn" if any(isinstance(m, PackedLinear) for m in model.modules()) else "stock"

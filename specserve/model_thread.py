@@ -40,6 +40,14 @@ class ModelThread:
             self._executor, ctx.run, self._inside, fn, *args
         )
 
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the thread and wait for it, from synchronous code (a worker's start-up:
+        loading the model here too keeps every parallel torch region of the process on this one thread;
+        measured here, oneDNN's packed kernels ran 1.5x-2x slower on a thread other than the one that
+        first ran parallel torch work, ``specserve/cpu_kernels.py``)."""
+        ctx = contextvars.copy_context()
+        return self._executor.submit(ctx.run, self._inside, fn, *args).result()
+
     def _inside(self, fn: Callable[..., T], *args: Any) -> T:
         self._local.active = True
         try:

