@@ -456,7 +456,7 @@ async def _process_stack(args):
         target_model=str(args.target),
         draft_model=str(args.draft),
         redis_url=args.redis_url,
-        target_overrides={"metrics_port": metrics_port, "kernels": getattr(args, "kernels", "auto")},
+        target_overrides={"metrics_port": metrics_port, "kernels": args.kernels},
         draft_overrides={"max_batch_size": args.draft_batch},
         coordinator_overrides=_coordinator_overrides(args.draft_batch),
     )

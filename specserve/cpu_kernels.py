@@ -12,7 +12,7 @@ reordered once, at load time, into its blocked layout
 CPU backend freezes weights into) reads the weights at full speed for any
 number of rows: 2 to 9 rows cost 1.0x-1.6x one row, and one row costs no more
 than the stock kernel (``python -m bench.kernels`` measures both, per shape and
-for the whole pass; docs/benchmarks/README.md).
+for the whole pass; docs/benchmarks/kernels.md).
 
 Exactness. The kernel is a different order of float additions from the stock
 one, so logits differ from the stock path's in the last bits (about 1e-4 on the
@@ -21,9 +21,9 @@ from each other. What the verify rule needs is that a position's logits do not
 depend on how many positions the pass holds: measured here, the packed kernel
 gives every row bitwise the same result whatever the number of rows (1-80) and
 wherever the row sits (``tests/specserve/test_cpu_kernels.py`` checks it on
-the machine that runs the tests). Greedy output through the system is compared
-token for token with the target alone using the same kernels, and with the
-stock kernels, in the tests and in every benchmark run.
+the machine that runs the tests). A benchmark run with ``--kernels onednn`` compares
+greedy output token for token with the target alone using the same kernels,
+and with the stock kernels.
 
 :func:`use_packed_linears` swaps every ``nn.Linear`` of a model for a
 :class:`PackedLinear` (after a check against ``F.linear`` on the model's own
@@ -36,7 +36,6 @@ drafting passes take the same kernel inside their fixed-shape row blocks
 
 from __future__ import annotations
 
-import threading
 from typing import Literal
 
 import structlog
@@ -79,32 +78,8 @@ def resolve(kernels: Kernels, device: torch.device, dtype: torch.dtype) -> Liter
 
 
 def pack(weight: Tensor) -> Tensor:
-    """``weight`` (``[out, in]``, float32, CPU) in oneDNN's blocked layout, for the calling thread.
-
-    Pack on the thread that will run the layer: measured here, a weight packed on
-    the main thread and used from another (a worker's model thread) ran the
-    whole pass 1.5x-1.8x slower than one packed where it runs (oneDNN picks the
-    layout for the calling thread's OpenMP settings, and a mismatch costs a
-    reorder per call).
-    """
+    """``weight`` (``[out, in]``, float32, CPU) in oneDNN's blocked layout."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-
-
-class ThreadPacked:
-    """A weight's packed copy, made on first use by the thread that uses it (again if another thread
-    takes over: a worker loads its model on the main thread and runs it on its model thread)."""
-
-    def __init__(self, weight: Tensor) -> None:
-        self.weight = weight.detach()  # [out, in], kept to pack for another thread
-        self._packed: Tensor | None = None
-        self._thread: int | None = None
-
-    def get(self) -> Tensor:
-        if self._thread != threading.get_ident():
-            self._packed, self._thread = None, None  # free the old copy before making the new one
-            self._packed, self._thread = pack(self.weight), threading.get_ident()
-        assert self._packed is not None
-        return self._packed
 
 
 class PackedLinear(nn.Module):
@@ -115,11 +90,11 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         # Plain attributes, not parameters or buffers: nothing here trains, moves or is saved.
-        self.packed = ThreadPacked(linear.weight)
+        self.packed = pack(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed.get(), self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -228,8 +228,7 @@ def check_same_vocabulary(draft: ModelInfo | LoadedModel, target: ModelInfo | Lo
 
 def _memory_bytes(model: Any) -> int:
     tensors = list(model.parameters()) + list(model.buffers())
-    packed = [m.packed.weight for m in model.modules() if isinstance(m, cpu_kernels.PackedLinear)]
-    tensors += packed + packed  # each weight a packed linear keeps, and its packed copy (the same size)
+    tensors += [m.packed for m in model.modules() if isinstance(m, cpu_kernels.PackedLinear)]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

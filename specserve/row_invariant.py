@@ -87,7 +87,7 @@ class PackedWeights:
     as with the stock kernel, and a block of :data:`ROW_BLOCK` rows costs about what one row does)."""
 
     def __init__(self) -> None:
-        self._packed: dict[int, tuple[Tensor, cpu_kernels.ThreadPacked]] = {}  # id(weight) -> (weight, copy)
+        self._packed: dict[int, tuple[Tensor, Tensor]] = {}  # id(weight) -> (weight, packed copy)
 
     def get(self, weight: Tensor) -> Tensor | None:
         """The packed copy of ``weight``, or None where it does not apply (not float32 on the CPU)."""
@@ -95,9 +95,9 @@ class PackedWeights:
             return None
         hit = self._packed.get(id(weight))
         if hit is None or hit[0] is not weight:  # the weight is kept, so its id is not reused
-            hit = (weight, cpu_kernels.ThreadPacked(weight))
+            hit = (weight, cpu_kernels.pack(weight))
             self._packed[id(weight)] = hit
-        return hit[1].get()
+        return hit[1]
 
 
 class RowBlockedMatmuls(TorchFunctionMode):
