@@ -114,6 +114,11 @@ class Run:
     rounds: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    #: specserve's own account of the generation's rounds (GenerationStats): the Propose calls, the Verify
+    #: calls, and the target's forward passes inside them, in seconds.
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    forward_s: float = 0.0
 
     @property
     def ms_per_token(self) -> float:
@@ -185,6 +190,9 @@ async def _spec_generate(
         rounds=stats.rounds,
         accepted_per_position=list(stats.accepted_per_position),
         token_ids=tokens,
+        draft_s=stats.draft_ns / 1e9,
+        verify_s=stats.verify_ns / 1e9,
+        forward_s=stats.forward_ns / 1e9,
     )
     return run, stamps
 

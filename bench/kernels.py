@@ -13,7 +13,14 @@ kernels and one with packed oneDNN weights (:mod:`specserve.cpu_kernels`):
   two copies alternating round by round so drift on a shared machine hits both;
   each k as a multiple of the same copy's one-position step;
 * **greedy output**: HF ``generate()`` of held-out chat and code prompts with
-  each copy, token for token.
+  each copy, token for token;
+* **the draft's drafting step**: one session's proposals of ``--draft-gamma``
+  tokens through the draft service's row-invariant pass
+  (:class:`draft_service.proposers.ModelProposer`), with the stock kernels (in
+  16-row blocks) and with packed weights (rows unpadded where the kernel
+  allows), each round catching up on two committed tokens as a real round
+  does; beside them the plain model's one-position step, the cost model's
+  draft step.
 """
 
 from __future__ import annotations
@@ -29,14 +36,54 @@ import torch
 from tqdm import tqdm
 
 from bench.costs import random_context, time_pass
-from bench.harness import DEFAULT_TARGET, _machine
+from bench.harness import DEFAULT_DRAFT, DEFAULT_TARGET, _machine
 from bench.pair import ignore_eos
+
+#: kernels.md: what follows this line is written by hand and kept when the measurements are rerun.
+NOTES = "<!-- notes: kept by bench.kernels -->"
 
 
 def _load(target: str, kernels: str):
     from specserve.models import load_model, resolve_model_path
 
     return load_model(resolve_model_path(target, "target"), device="cpu", dtype="float32", kernels=kernels)
+
+
+def draft_steps(args: argparse.Namespace) -> dict[str, float]:
+    """ms per drafted token: the row-invariant pass with each kernel path, and the plain model's step."""
+    from draft_service.proposers import DraftRequest, ModelProposer
+    from specserve.kvcache import SessionCacheStore
+    from specserve.models import load_model, resolve_model_path
+    from specserve.params import SamplingParams
+
+    path = resolve_model_path(args.draft, "draft")
+    proposers = {}
+    for name in ("stock", "onednn"):  # a copy each: the proposer switches its model's attention function
+        model = load_model(path, device="cpu", dtype="float32").model
+        store = SessionCacheStore(model, max_sessions=2, budget_bytes=1 << 30, ttl_s=3600.0)
+        proposers[name] = ModelProposer(store, kernels=name)
+    plain = load_model(path, device="cpu", dtype="float32").model
+    vocab = plain.config.vocab_size
+    committed = {name: torch.randint(0, vocab, (128,)).tolist() for name in proposers}
+    times: dict[str, list[float]] = {name: [] for name in (*proposers, "plain")}
+    plain_cache = random_context(plain, 128)
+    for _ in tqdm(range(args.rounds), desc="draft step", unit="round"):
+        for name, proposer in proposers.items():
+            for _ in range(args.repeats + 1):
+                request = DraftRequest(
+                    session_id="s",
+                    committed=tuple(committed[name]),
+                    gamma=args.draft_gamma,
+                    sampling=SamplingParams(temperature=0.0),
+                    seed=0,
+                )
+                start = time.perf_counter()
+                drafted = proposer.propose(request)
+                times[name].append(1e3 * (time.perf_counter() - start) / args.draft_gamma)
+                committed[name] += [drafted.token_ids[0], 5]  # one accepted, a bonus token: the next catch-up
+            times[name].pop(-args.repeats - 1)  # the first of the round warms the path back up
+        times["plain"].append(time_pass(plain, plain_cache, 1, args.repeats))
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -84,6 +131,9 @@ def measure(args: argparse.Namespace) -> dict:
         "target": str(args.target),
         "settings": {"rounds": args.rounds, "repeats": args.repeats, "context": 128, "threads": args.threads},
         "pass_ms": {name: {str(k): v for k, v in per_k.items()} for name, per_k in passes.items()},
+        "draft": str(args.draft),
+        "draft_gamma": args.draft_gamma,
+        "draft_step_ms": draft_steps(args),
         "greedy": greedy,
         "max_new_tokens": args.max_new_tokens,
     }
@@ -92,7 +142,7 @@ def measure(args: argparse.Namespace) -> dict:
 def render(data: dict) -> str:
     stock, fast = data["pass_ms"]["stock"], data["pass_ms"]["onednn"]
     lines = [
-        "# The target's linear kernels: stock against packed oneDNN",
+        "# Linear kernels: stock against packed oneDNN (the target's pass, the draft's step)",
         "",
         f"Measured {data['date_utc']} UTC ({data['machine']['platform']}, {data['settings']['threads']} torch "
         f"threads, torch {data['machine']['torch']}), target `{Path(data['target']).name}` in float32; one run of:",
@@ -129,12 +179,36 @@ def render(data: dict) -> str:
         + f"; {1000 * hf['stock'] / tokens:.1f} ms/token stock, {1000 * hf['onednn'] / tokens:.1f} packed.",
         "",
     ]
+    step = data.get("draft_step_ms")
+    if step:
+        lines += [
+            "## The draft's drafting step",
+            "",
+            f"Draft `{Path(data['draft']).name}`: one session proposing {data['draft_gamma']} tokens through the "
+            "draft service's row-invariant pass (a session's proposals are the same bits alone or in a batch), "
+            "catching up on two committed tokens each time as a round does; ms per drafted token, median of "
+            f"{data['settings']['rounds']} rounds x {data['settings']['repeats']} proposals.",
+            "",
+            "| path | ms per drafted token | vs the plain step |",
+            "| --- | --- | --- |",
+            f"| stock kernels, 16-row blocks | {step['stock']:.2f} | {step['stock'] / step['plain']:.2f}x |",
+            f"| packed oneDNN, rows unpadded where the kernel allows (the draft's default) | {step['onednn']:.2f} | "
+            f"{step['onednn'] / step['plain']:.2f}x |",
+            f"| plain model step, 1 position (the cost model's draft step; not batch-invariant) | "
+            f"{step['plain']:.2f} | 1.00x |",
+            "",
+        ]
+    notes = data.get("notes")
+    if notes:
+        lines += [notes.rstrip(), ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--draft", default=DEFAULT_DRAFT)
+    parser.add_argument("--draft-gamma", type=int, default=4, help="tokens per proposal in the draft's timing")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-k", type=int, default=9)
@@ -145,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.command = "python -m bench.kernels " + " ".join(argv if argv is not None else sys.argv[1:])
     data = measure(args)
+    old = args.out / "kernels.md"
+    if old.exists() and NOTES in old.read_text():  # the hand-written part after the marker stays
+        data["notes"] = NOTES + old.read_text().split(NOTES, 1)[1]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernels.json").write_text(json.dumps(data, indent=1) + "\n")
     (args.out / "kernels.md").write_text(render(data))

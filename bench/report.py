@@ -77,18 +77,52 @@ def bound_rows(data: dict) -> list[dict]:
             alpha = _alpha_from_mean_accepted(sum(r["accepted"] for r in runs) / rounds, g)
             predicted = predicted_speedup(alpha, g, costs)
             measured = base / mode["ms_per_token_median"]
-            rows.append(
-                {
-                    "key": key,
-                    "gamma": g,
-                    "alpha": alpha,
-                    "predicted": predicted,
-                    "measured": measured,
-                    "efficiency": measured / predicted,
-                    "gpu_projection": predicted_speedup(alpha, g, projected_costs),
+            row = {
+                "key": key,
+                "gamma": g,
+                "alpha": alpha,
+                "predicted": predicted,
+                "measured": measured,
+                "efficiency": measured / predicted,
+                "gpu_projection": predicted_speedup(alpha, g, projected_costs),
+            }
+            if all("draft_s" in r for r in runs):  # where a round's time went, against the model's parts
+                parts = ("draft", "verify", "forward", "total")
+                per_round = {part: 1e3 * sum(r[f"{part}_s"] for r in runs) / rounds for part in parts}
+                other = per_round["total"] - per_round["draft"] - per_round["verify"]
+                row["round_ms"] = per_round | {"other": other}
+                row["model_round_ms"] = {
+                    "draft": g * costs.draft_step_ms,
+                    "verify": costs.verify_ms[min(g, len(costs.verify_ms) - 1)],  # a pass over g + 1
                 }
-            )
+            rows.append(row)
     return rows
+
+
+def round_parts_section(rows: list[dict]) -> list[str]:
+    """Where a round's time went, measured, beside the parts the bound counts: what the efficiency misses."""
+    timed = [r for r in rows if "round_ms" in r]
+    if not timed:
+        return []
+    lines = [
+        "Where the efficiency goes: one round's time, measured through the service (the runs' own "
+        "`GenerationStats`, summed over the set's prompts and divided by its rounds), beside the two parts "
+        "the bound counts (gamma draft steps, one target pass over gamma + 1 positions, timed in-process). "
+        "Draft = the Propose call as the coordinator saw it (the draft's catch-up on the last round's "
+        "tokens, its steps and row-invariant batching, gRPC); verify = the Verify call (forward = the "
+        "target's pass inside it); other = the rest of the round (coordinator, streaming).",
+        "",
+        "| prompts | gamma | draft ms (bound) | verify ms (bound) | of which forward | other ms | round ms (bound) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in timed:
+        m, b = r["round_ms"], r["model_round_ms"]
+        lines.append(
+            f"| {r['key']} | {r['gamma']} | {m['draft']:.1f} ({b['draft']:.1f}) | {m['verify']:.1f} "
+            f"({b['verify']:.1f}) | {m['forward']:.1f} | {m['other']:.1f} | {m['total']:.1f} "
+            f"({b['draft'] + b['verify']:.1f}) |"
+        )
+    return [*lines, ""]
 
 
 def targets(data: dict) -> list[tuple[str, bool, str]]:
@@ -420,6 +454,7 @@ def write_report(data: dict, out: Path) -> Path:
                 f"{r['measured']:.2f}x | {r['efficiency']:.0%} | {r['gpu_projection']:.2f}x |"
             )
         lines.append("")
+        lines += round_parts_section(rows)
     if data["load"]:
         lines += load_section(data.get("load_run") or data)
     if "sampling_modes" in data:

@@ -184,6 +184,14 @@ class DraftSettings(WorkerSettings):
     """The draft service."""
 
     port: int = Field(50053, ge=0, le=65535)
+    kernels: Literal["auto", "stock", "onednn"] = Field(
+        "auto",
+        description="Kernels of the drafting passes' linear layers: 'onednn' (weights prepacked for oneDNN, "
+        "on a CPU: the rows of a pass go unpadded where the kernel's bits do not depend on the row count, so "
+        "a lone session's step costs one row's matmul, not a 16-row block's), 'stock' (PyTorch's, in "
+        "16-row blocks), 'auto' (onednn for float32 on a CPU where PyTorch has it, else stock). Measured on "
+        "the default draft: 9-10 ms a step with onednn, 15 with stock (docs/benchmarks/kernels.md).",
+    )
     max_batch_size: int = Field(
         32,
         ge=1,

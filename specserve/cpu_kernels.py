@@ -19,9 +19,14 @@ one, so logits differ from the stock path's in the last bits (about 1e-4 on the
 real target's logits), as the stock path's one-row and many-row kernels differ
 from each other. What the verify rule needs is that a position's logits do not
 depend on how many positions the pass holds: measured here, the packed kernel
-gives every row bitwise the same result whatever the number of rows (1-80) and
-wherever the row sits (``tests/specserve/test_cpu_kernels.py`` checks it on
-the machine that runs the tests). A benchmark run with ``--kernels onednn`` compares
+gives every row bitwise the same result whatever the number of rows (2-80) and
+wherever the row sits, and for one row too, except where ``in_features`` is
+above 1,024 (the MLP's down projection): there a lone row takes another kernel.
+:func:`fewest_rows` finds this per weight shape, once, and a
+:class:`PackedLinear` pads a lone row to the fewest rows that share the kernel
+(2 costs no more than 1), so a one-position step and a pass over k positions
+give a position the same bits; ``tests/specserve/test_cpu_kernels.py`` checks
+it on the machine that runs the tests. A benchmark run with ``--kernels onednn`` compares
 greedy output token for token with the target alone using the same kernels,
 and with the stock kernels.
 
@@ -30,12 +35,14 @@ and with the stock kernels.
 weights); :func:`resolve` picks the path for a setting, a device and a dtype:
 ``"auto"`` is the packed path on a CPU in float32 where this PyTorch has the
 oneDNN ops, the stock path otherwise (CUDA has its own kernels). The draft's
-drafting passes take the same kernel inside their fixed-shape row blocks
+drafting passes take the same kernel, unpadded (or padded to 2) where
+:func:`fewest_rows` allows it and in fixed-shape row blocks otherwise
 (:class:`specserve.row_invariant.PackedWeights`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import structlog
@@ -82,6 +89,60 @@ def pack(weight: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
 
 
+def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear(x, weight, bias)`` on ``packed`` (:func:`pack` of ``weight``): ``[..., in] -> [..., out]``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def fewest_rows(run: Callable[[Tensor], Tensor], in_features: int) -> int | None:
+    """The fewest rows a call of ``run`` (a matmul ``[M, in] -> [M, out]``) must have for each row's bits
+    not to depend on how many rows the call has or where the row sits: 1, 2 (one row alone takes another
+    kernel: oneDNN does so for ``in`` above 1,024 here), or None (neither).
+
+    Checked on random rows, computed all at once and in slices of other sizes and offsets (a lone row
+    alone and padded to 2), bit for bit.
+    """
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(35, in_features, generator=gen)  # [35, in]
+    pad = torch.zeros(1, in_features)
+    with torch.inference_mode():
+        whole = run(x)  # [35, out]
+        slices = ((0, 2), (3, 9), (5, 21), (1, 34))
+        if not all(torch.equal(run(x[a:b]), whole[a:b]) for a, b in slices):
+            return None
+        if all(torch.equal(run(x[r : r + 1]), whole[r : r + 1]) for r in (0, 7, 34)):
+            return 1
+        if all(torch.equal(run(torch.cat([x[r : r + 1], pad]))[:1], whole[r : r + 1]) for r in (0, 7, 34)):
+            return 2
+    return None
+
+
+#: (out, in, bias, threads) -> fewest_rows for that weight shape: the kernel oneDNN runs depends on the shape,
+#: not the values, so each shape is checked once.
+_FEWEST: dict[tuple[int, int, bool, int], int | None] = {}
+
+
+def fewest_rows_of(packed: Tensor, shape: tuple[int, int], bias: Tensor | None) -> int | None:
+    """:func:`fewest_rows` for the packed weight of ``shape`` (``[out, in]``), checked once per shape."""
+    key = (shape[0], shape[1], bias is not None, torch.get_num_threads())
+    if key not in _FEWEST:
+        _FEWEST[key] = fewest_rows(lambda x: packed_linear(x, packed, bias), shape[1])
+        if _FEWEST[key] != 1:
+            log.debug("packed_linear_rows", shape=shape, fewest_rows=_FEWEST[key])
+    return _FEWEST[key]
+
+
+def pad_rows(x: Tensor, rows: int | None, matmul: Callable[[Tensor], Tensor]) -> Tensor:
+    """``matmul`` of ``x`` ``[..., K]`` in one call of at least ``rows`` rows (zero rows added, dropped from
+    the result; None or 1: ``x`` as it is) -> ``[..., N]``."""
+    flat = x.reshape(-1, x.shape[-1])  # [M, K]
+    m = flat.shape[0]
+    if rows is None or m >= rows:
+        return matmul(x)
+    out = matmul(torch.cat([flat, flat.new_zeros(rows - m, flat.shape[1])]))[:m]  # [M, N]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` on oneDNN's blocked layout of its weight (inference only)."""
 
@@ -92,9 +153,12 @@ class PackedLinear(nn.Module):
         # Plain attributes, not parameters or buffers: nothing here trains, moves or is saved.
         self.packed = pack(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        #: A lone row is padded to this many (2 where one row alone takes another kernel), so that a
+        #: position's logits are the same bits in a one-position step and in a verify pass over k.
+        self.fewest_rows = fewest_rows_of(self.packed, tuple(linear.weight.shape), self.bias)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return pad_rows(x, self.fewest_rows, lambda rows: packed_linear(rows, self.packed, self.bias))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -106,7 +170,7 @@ def _agrees(linear: nn.Linear) -> bool:
     x = torch.randn(3, linear.in_features, generator=gen)  # [3, in]
     with torch.inference_mode():
         want = F.linear(x, linear.weight, linear.bias)
-        got = torch.ops.mkldnn._linear_pointwise(x, pack(linear.weight), linear.bias, "none", [], "")
+        got = packed_linear(x, pack(linear.weight), linear.bias)
     scale = want.abs().max().item() + 1.0
     return got.shape == want.shape and bool(((got - want).abs().max() <= 1e-4 * scale).item())
 

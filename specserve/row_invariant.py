@@ -36,7 +36,14 @@ The cure is to make every row's arithmetic a function of that row alone:
 no change. :func:`forward` is :func:`specserve.batching.forward` with both in force.
 The price: a lone row pays a matmul of :data:`ROW_BLOCK` rows, and attention is a
 loop over the sessions; for the small drafts this is for, both are small
-beside what batching saves.
+beside what batching saves. With oneDNN-packed weights (``kernels="auto"`` or
+``"onednn"``) the first price goes away where the kernel allows it: a packed
+weight whose rows come out bitwise the same for any number of rows in the call
+(checked once per weight when it is packed,
+:func:`specserve.cpu_kernels.fewest_rows`) is
+multiplied with the rows as they are (padded to 2 where one row takes another
+kernel), so a lone session's step costs one row's matmul, not 16 rows'; a
+weight that fails the check keeps the fixed blocks.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import structlog
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -51,6 +59,8 @@ from torch.overrides import TorchFunctionMode
 
 from specserve import batching, cpu_kernels
 from specserve.cpu_kernels import Kernels
+
+log = structlog.get_logger(__name__)
 
 #: Rows per matmul call: every linear layer of a row-invariant pass runs on blocks of this many rows.
 ROW_BLOCK = 16
@@ -83,26 +93,35 @@ def _blocked(x: Tensor, matmul: Callable[[Tensor], Tensor]) -> Tensor:
 
 class PackedWeights:
     """oneDNN-packed copies of the float32 CPU weights ``F.linear`` is called with, made on first use
-    (:mod:`specserve.cpu_kernels`: for the same fixed block shape a row's result depends on that row alone,
-    as with the stock kernel, and a block of :data:`ROW_BLOCK` rows costs about what one row does)."""
+    (:mod:`specserve.cpu_kernels`), each with the fewest rows a call needs for a row's bits not to depend
+    on the others (:func:`specserve.cpu_kernels.fewest_rows`): then a call costs what its own rows do,
+    otherwise blocks of :data:`ROW_BLOCK` rows (for the same fixed block shape a row's result depends on
+    that row alone, as with the stock kernel)."""
 
     def __init__(self) -> None:
-        self._packed: dict[int, tuple[Tensor, Tensor]] = {}  # id(weight) -> (weight, packed copy)
+        #: id(weight) -> (weight, packed copy, fewest rows a call needs for row-independent bits, or None)
+        self._packed: dict[int, tuple[Tensor, Tensor, int | None]] = {}
 
-    def get(self, weight: Tensor) -> Tensor | None:
-        """The packed copy of ``weight``, or None where it does not apply (not float32 on the CPU)."""
+    def get(self, weight: Tensor, bias: Tensor | None = None) -> tuple[Tensor, int | None] | None:
+        """``(packed copy, fewest rows)`` for ``weight`` (:func:`specserve.cpu_kernels.fewest_rows`; None:
+        keep fixed blocks), or None where packing does not apply (not float32 on the CPU)."""
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
             return None
         hit = self._packed.get(id(weight))
         if hit is None or hit[0] is not weight:  # the weight is kept, so its id is not reused
-            hit = (weight, cpu_kernels.pack(weight))
+            fast = cpu_kernels.pack(weight)
+            fewest = cpu_kernels.fewest_rows_of(fast, tuple(weight.shape), bias)
+            if fewest is None:
+                log.info("packed_weight_row_blocked", shape=tuple(weight.shape))
+            hit = (weight, fast, fewest)
             self._packed[id(weight)] = hit
-        return hit[1]
+        return hit[1], hit[2]
 
 
 class RowBlockedMatmuls(TorchFunctionMode):
     """Inside this mode, ``F.linear`` and ``torch.addmm`` run on row blocks of :data:`ROW_BLOCK` rows
-    (``F.linear`` on oneDNN-packed weights when ``packed`` is given)."""
+    (``F.linear`` on oneDNN-packed weights when ``packed`` is given, unpadded where the packed kernel's
+    rows are independent of the row count)."""
 
     def __init__(self, packed: PackedWeights | None = None) -> None:
         super().__init__()
@@ -113,10 +132,14 @@ class RowBlockedMatmuls(TorchFunctionMode):
         if func is F.linear:
             named = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
             x, weight, bias = named["input"], named["weight"], named.get("bias")
-            fast = self.packed.get(weight) if self.packed is not None else None
-            if fast is not None:
-                return _blocked(x, lambda block: torch.ops.mkldnn._linear_pointwise(block, fast, bias, "none", [], ""))
-            return _blocked(x, lambda block: F.linear(block, weight, bias))
+            hit = self.packed.get(weight, bias) if self.packed is not None else None
+            if hit is None:
+                return _blocked(x, lambda block: F.linear(block, weight, bias))
+            fast, fewest = hit
+            matmul = lambda rows: cpu_kernels.packed_linear(rows, fast, bias)  # noqa: E731
+            if fewest is not None:  # a row's bits do not depend on the row count from `fewest` rows on
+                return cpu_kernels.pad_rows(x, fewest, matmul)
+            return _blocked(x, matmul)
         if func is torch.addmm and not kwargs and len(args) == 3 and args[1].dim() == 2:
             bias, x, weight = args
             return _blocked(x, lambda block: torch.addmm(bias, block, weight))

@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 
 from bench.costs import Costs, predicted_speedup
-from bench.report import GPU_LIKE_VERIFY, bound_rows, gpu_like, load_ratios, load_rows, load_section, targets
+from bench.report import (
+    GPU_LIKE_VERIFY,
+    bound_rows,
+    gpu_like,
+    load_ratios,
+    load_rows,
+    load_section,
+    round_parts_section,
+    targets,
+)
 
 #: The default pair's costs on the development machine (bench.costs, one run): a 2-position pass ~1.7 steps.
 CPU = Costs(
@@ -45,6 +54,43 @@ def test_bound_rows_carry_the_projection_beside_the_measured_bound():
     assert row["predicted"] == pytest.approx(predicted_speedup(row["alpha"], 2, CPU))
     assert row["gpu_projection"] == pytest.approx(predicted_speedup(row["alpha"], 2, gpu_like(CPU)))
     assert row["predicted"] < 1.0 < row["gpu_projection"]  # this acceptance loses here and would win there
+
+
+def test_a_rounds_time_is_split_into_the_parts_the_bound_counts_and_the_rest():
+    """Two runs of 10 rounds each at gamma 2: the service's draft, verify and forward time per round beside
+    the bound's (2 draft steps, a pass over 3 positions); 'other' is the round's remainder."""
+    runs = [
+        {
+            "mode": "specserve gamma=2",
+            "prompt_set": "chat",
+            "temperature": 0.0,
+            "rounds": 10,
+            "accepted": 6,
+            "total_s": total,
+            "draft_s": 0.2,
+            "verify_s": 1.4,
+            "forward_s": 1.2,
+        }
+        for total in (1.8, 2.0)
+    ]
+    data = {
+        "costs": {"target_step_ms": 62.0, "draft_step_ms": 6.0, "verify_ms": CPU.verify_ms},
+        "single_stream": {
+            "chat T=0": {
+                "hf target-only": {"ms_per_token_median": 62.0},
+                "specserve gamma=2": {"ms_per_token_median": 100.0},
+            }
+        },
+        "runs": runs,
+    }
+    (row,) = bound_rows(data)
+    assert row["round_ms"] == pytest.approx(
+        {"draft": 20.0, "verify": 140.0, "forward": 120.0, "total": 190.0, "other": 30.0}
+    )
+    assert row["model_round_ms"] == pytest.approx({"draft": 12.0, "verify": 126.0})  # verify_ms[2]: 3 positions
+    text = "\n".join(round_parts_section([row]))
+    assert "| chat T=0 | 2 | 20.0 (12.0) | 140.0 (126.0) | 120.0 | 30.0 | 190.0 (138.0) |" in text
+    assert round_parts_section([{k: v for k, v in row.items() if k != "round_ms"}]) == []  # older runs: none
 
 
 def _point(rate: float, mode: str, repeat: int, tok_s: float) -> dict:

@@ -13,7 +13,7 @@ from draft_service.proposers import (
     NgramProposer,
     draft_distribution,
 )
-from specserve import row_invariant
+from specserve import cpu_kernels, row_invariant
 from specserve.errors import InvalidArgument
 from specserve.kvcache import SessionCacheStore
 from specserve.params import SamplingParams
@@ -173,9 +173,20 @@ def _store(model) -> SessionCacheStore:
     return SessionCacheStore(model, max_sessions=64, budget_bytes=10**9, ttl_s=600)
 
 
-def test_eight_sessions_drafted_in_one_batch_equal_each_drafted_alone(draft_model):
-    """Token for token, with the same q bytes, in two rounds (the second after partial acceptance)."""
-    alone, batched = ModelProposer(_store(draft_model.model)), ModelProposer(_store(draft_model.model))
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        "stock",
+        pytest.param(
+            "onednn", marks=pytest.mark.skipif(not cpu_kernels.onednn_available(), reason="no oneDNN ops here")
+        ),
+    ],
+)
+def test_eight_sessions_drafted_in_one_batch_equal_each_drafted_alone(draft_model, kernels):
+    """Token for token, with the same q bytes, in two rounds (the second after partial acceptance); with
+    the stock kernels in 16-row blocks and with packed weights, rows unpadded (the draft service's default)."""
+    alone = ModelProposer(_store(draft_model.model), kernels=kernels)
+    batched = ModelProposer(_store(draft_model.model), kernels=kernels)
     requests = _eight_sessions(draft_model.vocab_size)
     for round_ in range(2):
         by_alone = [alone.propose(r) for r in requests]

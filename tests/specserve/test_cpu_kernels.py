@@ -26,11 +26,15 @@ def _packed(in_features: int, out_features: int, *, bias: bool, seed: int) -> tu
     return linear, cpu_kernels.PackedLinear(linear)
 
 
-@pytest.mark.parametrize(("k", "n", "bias"), [(64, 64, False), (576, 192, False), (96, 1536, True), (48, 8192, False)])
+@pytest.mark.parametrize(
+    ("k", "n", "bias"), [(64, 64, False), (576, 192, False), (96, 1536, True), (48, 8192, False), (1536, 576, False)]
+)
 def test_a_packed_linear_gives_each_row_the_same_bits_whatever_the_number_of_rows(k, n, bias):
     """What the verify pass relies on: position i's result does not depend on how many positions the pass
-    holds or where the row sits; and the function is F.linear's up to float rounding."""
+    holds or where the row sits (a lone row padded where one row alone takes another kernel, as oneDNN
+    does for k > 1024 here); and the function is F.linear's up to float rounding."""
     linear, packed = _packed(k, n, bias=bias, seed=k + n)
+    assert packed.fewest_rows in (1, 2)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(n))  # [M, K]
     with torch.inference_mode():
         alone = torch.cat([packed(x[r : r + 1]) for r in range(40)])  # [M, N], one row per call
@@ -38,7 +42,28 @@ def test_a_packed_linear_gives_each_row_the_same_bits_whatever_the_number_of_row
             for start in (0, 40 - rows):
                 assert torch.equal(packed(x[start : start + rows]), alone[start : start + rows]), (rows, start)
         assert torch.equal(packed(x[:9].reshape(1, 9, k))[0], alone[:9])  # [batch, T, K] inputs too
+        assert torch.equal(packed(x[4:5].reshape(1, 1, k))[0], alone[4:5])
         torch.testing.assert_close(alone, F.linear(x, linear.weight, linear.bias), rtol=1e-4, atol=1e-4)
+
+
+def test_fewest_rows_tells_a_lone_row_kernel_and_a_row_mixing_one_apart():
+    """The check finds 1 for a row-wise function, 2 where a lone row alone is computed otherwise (as the
+    stock kernels do: a matrix-vector product for one row), and None where a row's result depends on the
+    other rows of the call."""
+
+    def rowwise(x):  # [M, 16] -> [M, 8], no reduction at all
+        return x[:, :8] * 3.0
+
+    def lone_row_other_kernel(x):
+        return rowwise(x) + 1e-3 if x.shape[0] == 1 else rowwise(x)
+
+    assert cpu_kernels.fewest_rows(rowwise, 16) == 1
+    assert cpu_kernels.fewest_rows(lone_row_other_kernel, 16) == 2
+    assert cpu_kernels.fewest_rows(lambda x: rowwise(x) + x.sum(0, keepdim=True)[:, :8], 16) is None
+    x = torch.randn(1, 1, 16)
+    padded = cpu_kernels.pad_rows(x, 2, lone_row_other_kernel)  # [1, 1, 8]
+    assert padded.shape == (1, 1, 8) and torch.equal(padded, rowwise(x[0])[None])
+    assert torch.equal(cpu_kernels.pad_rows(x, 1, lone_row_other_kernel), rowwise(x) + 1e-3)
 
 
 def test_a_model_loaded_with_onednn_kernels_decodes_as_the_stock_model(tmp_path):

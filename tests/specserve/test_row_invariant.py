@@ -34,11 +34,12 @@ def model(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kernels", ["stock", ONEDNN])
-@pytest.mark.parametrize(("k", "n"), [(32, 64), (48, 384), (192, 512), (512, 192), (192, 8192)])
+@pytest.mark.parametrize(("k", "n"), [(32, 64), (48, 384), (192, 512), (512, 192), (192, 8192), (1536, 96)])
 def test_a_row_blocked_matmul_gives_a_row_the_same_bits_whatever_its_neighbours(k, n, kernels):
-    """The kernel property the design rests on: with every call the same shape, a row's result depends on
-    that row alone, not on the rows around it or its place in the block (stock kernels, and oneDNN's on
-    packed weights)."""
+    """The kernel property the design rests on: a row's result depends on that row alone, not on the rows
+    around it, their number or its place (stock kernels: every call a block of the same shape; oneDNN's on
+    packed weights: rows unpadded, a lone row padded to 2 where it would take another kernel, as for
+    k = 1536 here, or blocks where neither holds)."""
     gen = torch.Generator().manual_seed(k * n)
     weight = torch.randn(n, k, generator=gen)  # [N, K]
     x = torch.randn(40, k, generator=gen)  # [M, K]
