@@ -264,8 +264,9 @@ class LoadPoint:
     repeat: int = 0
 
 
-def _metric(url: str, name: str) -> float:
-    """An unlabelled sample of the target's Prometheus metrics at ``url`` (the target runs in its own process)."""
+def _metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """A sample of the Prometheus metrics at ``url`` (a role running in its own process): the one named
+    ``name`` with exactly ``labels`` (none by default); 0 when there is none yet."""
     from urllib.request import urlopen
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -274,7 +275,7 @@ def _metric(url: str, name: str) -> float:
         text = reply.read().decode()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name and not sample.labels:
+            if sample.name == name and sample.labels == (labels or {}):
                 return float(sample.value)
     return 0.0
 

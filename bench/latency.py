@@ -1,7 +1,8 @@
 """Network latency between the tiers: what a round trip to the draft or the target costs.
 
 ``python -m bench.harness --latency`` (or ``specserve bench --latency``) starts a
-local stack once per setting and puts a :class:`LatencyProxy` between the
+stack of one process per role (``specserve up``'s, as the harness's single-stream
+runs) once per setting and puts a :class:`LatencyProxy` between the
 coordinator and one tier: every byte the coordinator sends to that tier, and
 every byte it gets back, arrives ``rtt / 2`` later (an order-preserving delay,
 not a bandwidth limit: bytes in flight overlap as on a real link). For each
@@ -10,7 +11,11 @@ target), it runs the held-out chat prompts greedily, EOS ignored, with
 gamma = 0, a fixed gamma and the adaptive policy, then the last two again with
 overlap on (``CoordinatorSettings.overlap``: the draft drafts the next round
 while the target verifies), and records ms per committed token and the tokens
-per round. Greedy output must be the same in every setting.
+per round. Greedy output must be the same in every setting. With overlap on,
+the coordinator's ``specserve_coordinator_overlap_drafts_total`` counts the
+drafts made ahead that the next round used (the verdict bore the hypothesis
+out: every proposed token accepted and the bonus token the draft's guess) and
+those thrown away; the report gives that hit rate beside what overlap won back.
 
 The draft side is the setting of a draft tier on cheap machines away from the
 target tier. What it shows: a round pays one round trip to each tier it calls,
@@ -118,6 +123,8 @@ class LatencyRun:
     proposed: int
     accepted: int
     identical: bool  # greedy output equal to the same mode at RTT 0
+    ahead_used: int = 0  # overlap: drafts made ahead that the next round used
+    ahead_wasted: int = 0  # overlap: drafts made ahead and thrown away
 
     @property
     def ms_per_token(self) -> float:
@@ -137,8 +144,10 @@ async def measure(
     progress=lambda n=1: None,
 ) -> list[LatencyRun]:
     """Every (side, RTT, mode, prompt), one stack per (side, RTT); see the module docstring."""
+    from bench.harness import _metric
     from specserve.client import AsyncClient
-    from specserve.local import start_local_stack
+    from specserve.local import start_process_stack
+    from specserve.redis_server import free_port
 
     plain = {"gamma=0": 0, f"gamma={fixed_gamma}": fixed_gamma, "adaptive": None}
     with_overlap = {f"gamma={fixed_gamma} +overlap": fixed_gamma, "adaptive +overlap": None}
@@ -155,12 +164,18 @@ async def measure(
             proxies.append(proxy)
             return proxy.address
 
-        stack = await start_local_stack(
+        metrics_port = free_port()
+        metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+
+        def ahead(outcome: str, metrics=metrics) -> int:
+            return int(_metric(metrics, "specserve_coordinator_overlap_drafts_total", {"outcome": outcome}))
+
+        stack = await start_process_stack(
             target_model=str(target),
             draft_model=str(draft),
             redis_url=redis_url,
             endpoint_map=via,
-            coordinator_overrides={"overlap": overlap},
+            coordinator_overrides={"overlap": overlap, "metrics_port": metrics_port},
         )
         try:
             async with AsyncClient(stack.address, timeout=600) as client:
@@ -168,6 +183,7 @@ async def measure(
                     await client.generate(prompt_token_ids=prompts[0][1], max_new_tokens=8, gamma=gamma)
                 for mode, gamma in modes.items():
                     for name, ids in prompts:
+                        used, wasted = ahead("used"), ahead("wasted")
                         start = time.perf_counter()
                         result = await client.generate(
                             prompt_token_ids=ids,
@@ -192,6 +208,8 @@ async def measure(
                                 s.proposed_tokens,
                                 s.accepted_tokens,
                                 tokens == ref,
+                                ahead("used") - used,
+                                ahead("wasted") - wasted,
                             )
                         )
                         progress()
@@ -224,6 +242,8 @@ def summarize(runs: list[LatencyRun]) -> list[dict]:
                 "added_ms_per_token": ms - base[(side, mode)] if (side, mode) in base else None,
                 "identical": all(r.identical for r in sel),
                 "n": len(sel),
+                "ahead_used": sum(r.ahead_used for r in sel),
+                "ahead_wasted": sum(r.ahead_wasted for r in sel),
             }
         )
     return rows
@@ -242,21 +262,23 @@ def section(data: dict) -> list[str]:
     st = data["settings"]
     lines = [
         f"## Network latency between the tiers (greedy, {st['max_new_tokens']} tokens, "
-        f"{st['prompts']} held-out chat prompts, one stack per setting)",
+        f"{st['prompts']} held-out chat prompts, one stack of processes per setting)",
         "",
         f"Command: `{st['command']}`. A proxy delays every byte between the coordinator and one tier by "
-        "RTT / 2 each way. 'added' is ms/token above the same mode at RTT 0 on the same side.",
+        "RTT / 2 each way. 'added' is ms/token above the same mode at RTT 0 on the same side. 'drafted ahead, "
+        "used': with overlap, the drafts made while the target verified that the next round could use (the "
+        "verdict accepted every proposed token and its bonus token was the draft's guess), of all drafted ahead.",
         "",
         "| tier behind the delay | RTT ms | mode | ms/token | added ms/token | tokens/round | acceptance "
-        "| greedy output unchanged |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| drafted ahead, used | greedy output unchanged |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in data["summary"]:
         added = f"{r['added_ms_per_token']:+.2f}" if r["added_ms_per_token"] is not None else "-"
         tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
         lines.append(
             f"| {r['side']} | {r['rtt_ms']:g} | {r['mode']} | {r['ms_per_token']:.2f} | {added} | {tpr} | "
-            f"{r['acceptance']:.2f} | {'yes' if r['identical'] else '**no**'} |"
+            f"{r['acceptance']:.2f} | {_hit_rate(r)} | {'yes' if r['identical'] else '**no**'} |"
         )
     lines.append("")
     won = won_back(data["summary"])
@@ -274,6 +296,12 @@ def section(data: dict) -> list[str]:
             )
         lines.append("")
     return lines
+
+
+def _hit_rate(row: dict) -> str:
+    """'used of drafted ahead (share)', or '-' where nothing was drafted ahead (overlap off, or gamma 0)."""
+    used, wasted = row.get("ahead_used", 0), row.get("ahead_wasted", 0)
+    return f"{used} of {used + wasted} ({used / (used + wasted):.0%})" if used + wasted else "-"
 
 
 def won_back(summary: list[dict]) -> list[dict]:

@@ -291,12 +291,15 @@ async def start_process_stack(
     draft_overrides: Mapping[str, Any] | None = None,
     with_draft: bool = True,
     start_timeout_s: float = 300.0,
+    endpoint_map: Callable[[str, str], Awaitable[str]] | None = None,
 ) -> ProcessStack:
     """Start one ``specserve serve`` process per role on loopback ports; see :class:`ProcessStack`.
 
     The workers always listen on 127.0.0.1 (only the coordinator takes ``host``);
     ``port`` / ``http_port`` 0 pick free ports. Each process's log goes to this
-    process's stderr at ``log_level``.
+    process's stderr at ``log_level``. ``endpoint_map(role, endpoint)``, as for
+    :func:`start_local_stack`, gives the address the coordinator dials for each
+    worker (a delaying proxy in front of it, for the latency benchmark).
     """
     import sys
 
@@ -342,13 +345,18 @@ async def start_process_stack(
         await _wait_serving(
             await spawn("target", settings), "target", f"{loopback}:{target_port}", start_timeout_s
         )
+        target_endpoints = [f"{loopback}:{target_port}"]
+        draft_endpoints = [f"{loopback}:{draft_port}"] if draft_port is not None else []
+        if endpoint_map is not None:
+            target_endpoints = [await endpoint_map("target", e) for e in target_endpoints]
+            draft_endpoints = [await endpoint_map("draft", e) for e in draft_endpoints]
         coordinator = {
             **common,
             "host": host,
             "port": port,
             "http_port": http_port,
-            "target_endpoints": [f"{loopback}:{target_port}"],
-            "draft_endpoints": [f"{loopback}:{draft_port}"] if draft_port is not None else [],
+            "target_endpoints": target_endpoints,
+            "draft_endpoints": draft_endpoints,
             "tokenizer": target_model,
             **(coordinator_overrides or {}),
         }

@@ -69,4 +69,10 @@ async def test_the_mode_runs_through_the_harness_and_greedy_output_never_changes
     assert all(run["tokens"] == 10 for run in data["runs"])
     slowed = [r for r in rows if r["side"] == "target" and r["rtt_ms"] == 4.0]
     assert all(r["added_ms_per_token"] is not None for r in slowed)
+    # Overlap's drafts ahead are counted from the coordinator process's metrics: every round of a fixed
+    # gamma drafts ahead; without overlap none does.
+    for r in rows:
+        ahead = r["ahead_used"] + r["ahead_wasted"]
+        assert (ahead > 0) if r["mode"] == "gamma=4 +overlap" else (ahead == 0 or "+overlap" in r["mode"]), r
+    assert "drafted ahead, used" in (tmp_path / "latency.md").read_text()
     assert "Network latency" in (tmp_path / "latency.md").read_text()
