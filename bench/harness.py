@@ -74,6 +74,7 @@ from tqdm import tqdm
 from bench import sampling_modes
 from bench.costs import measure_costs
 from bench.pair import ignore_eos, load_pair
+from bench.prom import scrape
 from bench.prompts import code_prompts, heldout_files
 from specserve import cpu_kernels
 
@@ -264,22 +265,6 @@ class LoadPoint:
     repeat: int = 0
 
 
-def _metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """A sample of the Prometheus metrics at ``url`` (a role running in its own process): the one named
-    ``name`` with exactly ``labels`` (none by default); 0 when there is none yet."""
-    from urllib.request import urlopen
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == (labels or {}):
-                return float(sample.value)
-    return 0.0
-
-
 async def load_point(
     client,
     prompts: list[list[int]],
@@ -300,8 +285,8 @@ async def load_point(
         if t > duration_s:
             break
         arrivals.append(t)
-    positions0 = _metric(metrics_url, "specserve_target_positions_processed_total")
-    passes0 = _metric(metrics_url, "specserve_target_forward_seconds_count")
+    positions0 = scrape(metrics_url, "specserve_target_positions_processed_total")
+    passes0 = scrape(metrics_url, "specserve_target_forward_seconds_count")
     results: list[tuple[Run, list[tuple[float, int]]] | BaseException] = []
     start = time.perf_counter()
 
@@ -348,8 +333,8 @@ async def load_point(
         proposed_tokens=proposed,
         accepted_tokens=accepted,
         wasted_tokens=proposed - accepted,
-        target_positions=int(_metric(metrics_url, "specserve_target_positions_processed_total") - positions0),
-        target_forward_passes=int(_metric(metrics_url, "specserve_target_forward_seconds_count") - passes0),
+        target_positions=int(scrape(metrics_url, "specserve_target_positions_processed_total") - positions0),
+        target_forward_passes=int(scrape(metrics_url, "specserve_target_forward_seconds_count") - passes0),
         repeat=repeat,
     )
 

@@ -144,7 +144,7 @@ async def measure(
     progress=lambda n=1: None,
 ) -> list[LatencyRun]:
     """Every (side, RTT, mode, prompt), one stack per (side, RTT); see the module docstring."""
-    from bench.harness import _metric
+    from bench.prom import scrape
     from specserve.client import AsyncClient
     from specserve.local import start_process_stack
     from specserve.redis_server import free_port
@@ -168,7 +168,7 @@ async def measure(
         metrics = f"http://127.0.0.1:{metrics_port}/metrics"
 
         def ahead(outcome: str, metrics=metrics) -> int:
-            return int(_metric(metrics, "specserve_coordinator_overlap_drafts_total", {"outcome": outcome}))
+            return int(scrape(metrics, "specserve_coordinator_overlap_drafts_total", {"outcome": outcome}))
 
         stack = await start_process_stack(
             target_model=str(target),
