@@ -127,7 +127,9 @@ def fewest_rows_of(packed: Tensor, shape: tuple[int, int], bias: Tensor | None) 
     key = (shape[0], shape[1], bias is not None, torch.get_num_threads())
     if key not in _FEWEST:
         _FEWEST[key] = fewest_rows(lambda x: packed_linear(x, packed, bias), shape[1])
-        if _FEWEST[key] != 1:
+        if _FEWEST[key] is None:  # a row-invariant pass keeps fixed row blocks for this shape
+            log.info("packed_weight_row_blocked", shape=shape)
+        elif _FEWEST[key] != 1:
             log.debug("packed_linear_rows", shape=shape, fewest_rows=_FEWEST[key])
     return _FEWEST[key]
 
@@ -144,18 +146,19 @@ def pad_rows(x: Tensor, rows: int | None, matmul: Callable[[Tensor], Tensor]) ->
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear`` on oneDNN's blocked layout of its weight (inference only)."""
+    """``F.linear`` with ``weight`` (``[out, in]``, float32, CPU) on oneDNN's blocked layout of it
+    (inference only)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        self.out_features, self.in_features = weight.shape
         # Plain attributes, not parameters or buffers: nothing here trains, moves or is saved.
-        self.packed = pack(linear.weight)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.packed = pack(weight)
+        self.bias = None if bias is None else bias.detach()
         #: A lone row is padded to this many (2 where one row alone takes another kernel), so that a
-        #: position's logits are the same bits in a one-position step and in a verify pass over k.
-        self.fewest_rows = fewest_rows_of(self.packed, tuple(linear.weight.shape), self.bias)
+        #: position's logits are the same bits in a one-position step and in a verify pass over k;
+        #: None: no row count gives row-independent bits (the call is made as it comes).
+        self.fewest_rows = fewest_rows_of(self.packed, tuple(weight.shape), self.bias)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
         return pad_rows(x, self.fewest_rows, lambda rows: packed_linear(rows, self.packed, self.bias))
@@ -164,13 +167,13 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _agrees(linear: nn.Linear) -> bool:
-    """oneDNN's packed kernel computes the stock one's function (to float rounding) on a few random rows."""
+def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
+    """The packed layer computes the stock one's function (to float rounding) on a few random rows."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, linear.in_features, generator=gen)  # [3, in]
     with torch.inference_mode():
         want = F.linear(x, linear.weight, linear.bias)
-        got = packed_linear(x, pack(linear.weight), linear.bias)
+        got = packed(x)
     scale = want.abs().max().item() + 1.0
     return got.shape == want.shape and bool(((got - want).abs().max() <= 1e-4 * scale).item())
 
@@ -187,9 +190,10 @@ def use_packed_linears(model: nn.Module) -> int:
             if type(child) is nn.Linear:
                 if child.weight.device.type != "cpu" or child.weight.dtype != torch.float32:
                     raise ValueError("packed linears are for float32 weights on the CPU")
-                if not _agrees(child):
+                packed = PackedLinear(child.weight, child.bias)
+                if not _agrees(child, packed):
                     raise RuntimeError(f"oneDNN's packed linear disagrees with F.linear on {name!r}; keep kernels=stock")
-                swaps.append((parent, name, PackedLinear(child)))
+                swaps.append((parent, name, packed))
     for parent, name, packed in swaps:
         setattr(parent, name, packed)
     log.debug("packed_linears", layers=len(swaps))

@@ -51,7 +51,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import structlog
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -59,8 +58,6 @@ from torch.overrides import TorchFunctionMode
 
 from specserve import batching, cpu_kernels
 from specserve.cpu_kernels import Kernels
-
-log = structlog.get_logger(__name__)
 
 #: Rows per matmul call: every linear layer of a row-invariant pass runs on blocks of this many rows.
 ROW_BLOCK = 16
@@ -81,41 +78,32 @@ class RowLayout:
 def _blocked(x: Tensor, matmul: Callable[[Tensor], Tensor]) -> Tensor:
     """``matmul`` of ``x`` ``[..., K]`` computed on row blocks of exactly :data:`ROW_BLOCK` rows -> ``[..., N]``."""
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
-    rows = flat.shape[0]
-    pad = (-rows) % ROW_BLOCK
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])  # [M + pad, K]
     out = torch.cat(
-        [matmul(flat[i : i + ROW_BLOCK]) for i in range(0, rows + pad, ROW_BLOCK)]
-    )  # [M + pad, N]
-    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])  # [..., N]
+        [cpu_kernels.pad_rows(block, ROW_BLOCK, matmul) for block in flat.split(ROW_BLOCK)]
+    )  # [M, N], the last block zero-padded to ROW_BLOCK rows for its call
+    return out.reshape(*x.shape[:-1], out.shape[-1])  # [..., N]
 
 
 class PackedWeights:
-    """oneDNN-packed copies of the float32 CPU weights ``F.linear`` is called with, made on first use
-    (:mod:`specserve.cpu_kernels`), each with the fewest rows a call needs for a row's bits not to depend
-    on the others (:func:`specserve.cpu_kernels.fewest_rows`): then a call costs what its own rows do,
-    otherwise blocks of :data:`ROW_BLOCK` rows (for the same fixed block shape a row's result depends on
-    that row alone, as with the stock kernel)."""
+    """A :class:`specserve.cpu_kernels.PackedLinear` for each float32 CPU weight ``F.linear`` is called
+    with, made on first use. Where its kernel gives a row the same bits whatever the row count (from
+    ``fewest_rows`` rows on) a call costs what its own rows do; otherwise it runs on blocks of
+    :data:`ROW_BLOCK` rows (for the same fixed block shape a row's result depends on that row alone, as
+    with the stock kernel)."""
 
     def __init__(self) -> None:
-        #: id(weight) -> (weight, packed copy, fewest rows a call needs for row-independent bits, or None)
-        self._packed: dict[int, tuple[Tensor, Tensor, int | None]] = {}
+        self._packed: dict[int, tuple[Tensor, cpu_kernels.PackedLinear]] = {}  # id(weight) -> (weight, layer)
 
-    def get(self, weight: Tensor, bias: Tensor | None = None) -> tuple[Tensor, int | None] | None:
-        """``(packed copy, fewest rows)`` for ``weight`` (:func:`specserve.cpu_kernels.fewest_rows`; None:
-        keep fixed blocks), or None where packing does not apply (not float32 on the CPU)."""
+    def get(self, weight: Tensor, bias: Tensor | None = None) -> cpu_kernels.PackedLinear | None:
+        """The packed layer for ``weight`` (and ``bias``), or None where packing does not apply (not float32
+        on the CPU)."""
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
             return None
         hit = self._packed.get(id(weight))
         if hit is None or hit[0] is not weight:  # the weight is kept, so its id is not reused
-            fast = cpu_kernels.pack(weight)
-            fewest = cpu_kernels.fewest_rows_of(fast, tuple(weight.shape), bias)
-            if fewest is None:
-                log.info("packed_weight_row_blocked", shape=tuple(weight.shape))
-            hit = (weight, fast, fewest)
+            hit = (weight, cpu_kernels.PackedLinear(weight, bias))
             self._packed[id(weight)] = hit
-        return hit[1], hit[2]
+        return hit[1]
 
 
 class RowBlockedMatmuls(TorchFunctionMode):
@@ -132,14 +120,12 @@ class RowBlockedMatmuls(TorchFunctionMode):
         if func is F.linear:
             named = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
             x, weight, bias = named["input"], named["weight"], named.get("bias")
-            hit = self.packed.get(weight, bias) if self.packed is not None else None
-            if hit is None:
+            layer = self.packed.get(weight, bias) if self.packed is not None else None
+            if layer is None:
                 return _blocked(x, lambda block: F.linear(block, weight, bias))
-            fast, fewest = hit
-            matmul = lambda rows: cpu_kernels.packed_linear(rows, fast, bias)  # noqa: E731
-            if fewest is not None:  # a row's bits do not depend on the row count from `fewest` rows on
-                return cpu_kernels.pad_rows(x, fewest, matmul)
-            return _blocked(x, matmul)
+            if layer.fewest_rows is not None:  # a row's bits do not depend on the row count: no blocks
+                return layer(x)
+            return _blocked(x, layer)
         if func is torch.addmm and not kwargs and len(args) == 3 and args[1].dim() == 2:
             bias, x, weight = args
             return _blocked(x, lambda block: torch.addmm(bias, block, weight))

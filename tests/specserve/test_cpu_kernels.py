@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.onednn_available(), reason="this
 def _packed(in_features: int, out_features: int, *, bias: bool, seed: int) -> tuple[nn.Linear, nn.Module]:
     torch.manual_seed(seed)
     linear = nn.Linear(in_features, out_features, bias=bias).eval()
-    return linear, cpu_kernels.PackedLinear(linear)
+    return linear, cpu_kernels.PackedLinear(linear.weight, linear.bias)
 
 
 @pytest.mark.parametrize(
