@@ -52,9 +52,9 @@ from specserve.params import SamplingParams
 from specserve.rng import Purpose, gumbel_noise, uniform
 from specserve.sampling import (
     check_distribution,
+    greedy_tokens,
     gumbel_argmax,
     logits_to_probs,
-    require_finite_logits,
     sample_from,
 )
 from specserve.v1 import common_pb2
@@ -120,9 +120,8 @@ def draw_token(
     ``uniform(seed, position, Purpose.DRAFT)``.
     """
     params = request.sampling
-    if params.greedy and params.repetition_penalty == 1.0:  # nothing processes the logits: their argmax
-        require_finite_logits(logits.unsqueeze(0))  # a NaN row has no argmax to propose
-        return int(logits.argmax()), None
+    if params.plain_greedy:  # nothing processes the logits: their argmax
+        return int(greedy_tokens(logits.unsqueeze(0))[0]), None  # a NaN row has no argmax to propose
     q32 = draft_distribution(logits.unsqueeze(0), params, [context], request.draft_top_k)  # [1, vocab]
     if params.greedy:
         return int(q32[0].argmax()), None
@@ -324,14 +323,17 @@ class ModelProposer(Proposer):
         logits, grown = row_invariant.forward(self.model, packed)
         first = True
         while True:
+            last = batching.last_logits(logits, packed)  # [batch, vocab]
+            plain = [b for b, row in enumerate(active) if row.request.sampling.plain_greedy]
+            # One argmax over every plain greedy row (a row's max does not depend on the others').
+            rows_of_plain = last if len(plain) == len(active) else last[plain]  # [plain rows, vocab]
+            picked = dict(zip(plain, greedy_tokens(rows_of_plain).tolist(), strict=True)) if plain else {}
             for b, row in enumerate(active):
-                base = len(row.request.committed)
-                token, q32 = draw_token(
-                    batching.row_logits(logits, packed, b)[-1],
-                    row.request,
-                    base + len(row.tokens),
-                    row.context,
-                )  # row logits: [vocab]
+                if b in picked:
+                    token, q32 = picked[b], None
+                else:
+                    base = len(row.request.committed)
+                    token, q32 = draw_token(last[b], row.request, base + len(row.tokens), row.context)
                 row.tokens.append(token)
                 row.context.append(token)
                 if q32 is not None:

@@ -278,6 +278,14 @@ def row_logits(logits: Tensor, packed: PackedBatch, b: int) -> Tensor:
     return logits[b, stop - packed.logits_needed[b] : stop]
 
 
+def last_logits(logits: Tensor, packed: PackedBatch) -> Tensor:
+    """Every row's logits at its last real input: ``[batch, vocab]`` from :func:`forward`'s logits."""
+    ends = [t - packed.logits_from - 1 for t in packed.input_lens]
+    if len(set(ends)) == 1:  # every row ends in the same column (each decoding step): a view, no copy
+        return logits[:, ends[0]]
+    return logits[torch.arange(packed.batch_size, device=logits.device), ends]
+
+
 def new_kv(cache: DynamicCache, packed: PackedBatch, b: int) -> LayerKV:
     """Row ``b``'s keys/values of the tokens fed since :func:`pack`: per layer ``[1, heads, fed_b, head_dim]``."""
     stop = packed.spans[b][1]

@@ -126,6 +126,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing processing the logits: the token is their argmax."""
+        return self.greedy and self.repetition_penalty == 1.0
+
+    @property
     def coupled(self) -> bool:
         """Sampled with the coupled rule (False for greedy decoding, which needs no noise)."""
         return self.sampling_mode == "coupled" and not self.greedy

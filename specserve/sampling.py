@@ -127,11 +127,11 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams, context: Conte
     no distribution, and a NaN argmax or softmax must never be sampled from.
     """
     scores = process_logits(logits, params, context)  # [N, vocab] float32
-    require_finite_logits(scores)
     if params.greedy:
         probs = torch.zeros(scores.shape, dtype=torch.float64, device=scores.device)  # [N, vocab]
-        probs.scatter_(-1, scores.argmax(dim=-1, keepdim=True), 1.0)
+        probs.scatter_(-1, greedy_tokens(scores).unsqueeze(-1), 1.0)
         return probs
+    require_finite_logits(scores)
     return torch.softmax(scores.to(torch.float64), dim=-1)  # [N, vocab] float64
 
 
@@ -141,16 +141,30 @@ def require_finite_logits(scores: torch.Tensor) -> None:
     A row has one when it holds no NaN and no +inf (``-inf`` marks a removed
     token) and keeps at least one token. The message names the first bad row.
     """
+    greedy_tokens(scores)
+
+
+def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax ``[N]`` (the first index of the largest score, as ``argmax``), after
+    :func:`require_finite_logits`'s check.
+
+    One reduction does both: a row's maximum is NaN when the row holds a NaN
+    (``max`` propagates it), ``+inf`` when it holds ``+inf``, ``-inf`` when every
+    token is removed, and finite exactly when the row has a distribution. That is
+    one pass over the vocabulary where the check and the argmax took four, which
+    matters on a plain greedy verify of one position (every round at gamma = 0).
+    """
     if scores.numel() == 0:
-        return
-    bad = torch.isnan(scores).any(dim=-1) | torch.isposinf(scores).any(dim=-1)  # [N]
-    bad |= torch.isneginf(scores).all(dim=-1)
+        return torch.empty(scores.shape[:-1], dtype=torch.int64, device=scores.device)
+    best, tokens = scores.max(dim=-1)  # [N], [N]
+    bad = ~torch.isfinite(best)
     if bool(bad.any()):
         row = int(torch.nonzero(bad)[0])
         raise InvalidDistribution(
             f"the processed logits of row {row} are NaN or infinite, so there is no distribution to sample "
             "from (the model's output or the sampling settings: temperature, repetition_penalty)"
         )
+    return tokens
 
 
 def sample_from(probs: torch.Tensor, u: float) -> int:

@@ -125,7 +125,7 @@ from specserve.model_thread import ModelThread
 from specserve.models import LoadedModel
 from specserve.params import PositionLogprobs, Verdict
 from specserve.proposal import DraftProposal
-from specserve.sampling import logits_to_probs, pick_logprobs, processed_logprobs, require_finite_logits
+from specserve.sampling import greedy_tokens, logits_to_probs, pick_logprobs, processed_logprobs
 from specserve.store import SessionRecord, SessionSettings, SessionStore
 from specserve.v1 import common_pb2
 from specserve.verification import VerifyOutcome, verify_batch, verify_coupled, verify_greedy
@@ -147,6 +147,7 @@ class _Work:
     feed: tuple[int, ...] = ()  # tokens fed in the verify pass: catch-up + pending + proposal
     logits: torch.Tensor | None = None  # [gamma + 1, vocab] float32: p_1..p_{gamma+1} before processing
     probs: torch.Tensor | None = None  # [gamma + 1, vocab] float64: p_1..p_{gamma+1} after processing
+    choices: torch.Tensor | None = None  # [gamma + 1] int64: greedy rows' argmax tokens
     outcome: VerifyOutcome | None = None
     verdict: Verdict | None = None
     error: SpecServeError | None = None  # this item's own failure: nothing is committed for it
@@ -437,10 +438,10 @@ class Verifier:
         for w in work:
             if w.error is None:
                 try:
-                    if w.record.sampling.greedy and w.record.sampling.repetition_penalty == 1.0:
+                    if w.record.sampling.plain_greedy:
                         # Nothing processes a plain greedy row: its argmax is the one-hot's (finite rows only).
                         assert w.logits is not None
-                        require_finite_logits(w.logits)
+                        w.choices = greedy_tokens(w.logits).cpu()  # [gamma + 1]
                     else:
                         w.probs = self._target_probs(w)  # [gamma + 1, vocab] float64
                 except InvalidArgument as exc:
@@ -455,9 +456,10 @@ class Verifier:
             width = max(w.item.gamma for w in greedy) + 1
             argmax = torch.zeros((len(greedy), width), dtype=torch.int64)  # [batch, max_gamma + 1]
             for b, w in enumerate(greedy):
-                rows = w.probs if w.probs is not None else w.logits  # [gamma + 1, vocab]
-                assert rows is not None
-                argmax[b, : w.item.gamma + 1] = rows.argmax(dim=-1).cpu()
+                if w.choices is None:  # a processed row (repetition penalty): the one-hot's argmax
+                    assert w.probs is not None
+                    w.choices = w.probs.argmax(dim=-1).cpu()
+                argmax[b, : w.item.gamma + 1] = w.choices
             for w, outcome in zip(
                 greedy, verify_greedy(argmax, [w.item.proposal for w in greedy]), strict=True
             ):

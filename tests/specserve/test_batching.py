@@ -63,9 +63,11 @@ def test_padded_pass_equals_each_row_alone(target):
     logits, grown = batching.forward(target.model, packed)
     assert not torch.isnan(logits).any()
     assert logits.shape[1] == 6  # row 0 needs all its 3 inputs' logits: columns 0..5 are computed
+    last = batching.last_logits(logits, packed)  # [4, vocab]: ragged rows end in different columns
     for b, ((past_len, t), seq) in enumerate(zip(specs, seqs, strict=True)):
         want = fresh_logits(target, seq)[past_len:][-(needed[b] or t) :]  # [k_b, vocab]
         torch.testing.assert_close(batching.row_logits(logits, packed, b), want, atol=ATOL, rtol=RTOL)
+        assert torch.equal(last[b], batching.row_logits(logits, packed, b)[-1])
         kv = batching.new_kv(grown, packed, b)
         for (k, v), (fk, fv) in zip(kv, fresh_kv(target, seq), strict=True):
             assert k.shape[2] == t
@@ -86,9 +88,11 @@ def test_steps_after_a_ragged_pass_equal_each_row_alone(target):
     fed = [list(seq) for seq in seqs]
     alive = [0, 1, 2]
     for step, keep in enumerate([[0, 1, 2], [0, 2], [2]]):
+        last = batching.last_logits(logits, packed)  # [alive, vocab]
         for b, row in enumerate(alive):  # check this pass's logits, then feed each row its argmax
             want = fresh_logits(target, fed[row])[-1]  # [vocab]
             torch.testing.assert_close(batching.row_logits(logits, packed, b)[-1], want, atol=ATOL, rtol=RTOL)
+            assert torch.equal(last[b], batching.row_logits(logits, packed, b)[-1])
         tokens = [int(batching.row_logits(logits, packed, alive.index(r))[-1].argmax()) for r in keep]
         for b, row in enumerate(alive):
             if row not in keep:  # drops out: everything it was fed since pack comes back out

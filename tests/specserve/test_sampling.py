@@ -22,6 +22,7 @@ from specserve.params import SamplingParams
 from specserve.rng import gumbel_noise
 from specserve.sampling import (
     check_distribution,
+    greedy_tokens,
     gumbel_argmax,
     logits_to_probs,
     pick_logprobs,
@@ -195,6 +196,31 @@ def test_greedy_probs_are_one_hot_at_lowest_tied_argmax():
     probs = logits_to_probs(logits, SamplingParams(temperature=0.0), None)
     expected = torch.tensor([[0, 1, 0, 0], [0, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.float64)
     assert torch.equal(probs, expected)
+
+
+def test_greedy_tokens_is_argmax_and_refuses_rows_without_a_distribution():
+    """One reduction gives the argmax (lowest id on ties, as ``torch.argmax`` and HF greedy) of every healthy
+    row, however many rows the call holds, and names the first row holding NaN or +inf or removing every
+    token."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, VOCAB, generator=gen)
+    logits[2, 3] = logits[2, 7] = logits[2].max() + 1  # a tie: the lower id wins
+    logits[4, :10] = -float("inf")
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert int(greedy_tokens(logits)[2]) == 3
+    for b in range(9):  # a row's token does not depend on the rows beside it
+        assert int(greedy_tokens(logits[b : b + 1])[0]) == int(logits[b].argmax())
+    assert greedy_tokens(torch.empty(0, VOCAB)).shape == (0,)
+    for poison in (float("nan"), float("inf"), None):
+        bad = logits.clone()
+        if poison is None:
+            bad[5] = -float("inf")
+        else:
+            bad[5, 11] = poison
+        bad[7, 0] = float("nan")
+        with pytest.raises(InvalidDistribution) as info:
+            greedy_tokens(bad)
+        assert "row 5" in info.value.message
 
 
 def test_greedy_applies_the_repetition_penalty_only():
