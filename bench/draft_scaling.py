@@ -1,8 +1,8 @@
 """How the draft tier scales with concurrent sessions, with draft batching on and off.
 
 ``python -m bench.harness --draft-scaling`` (or ``specserve bench --draft-scaling``)
-starts a local stack like ``specserve up`` (all three roles in this process)
-once per setting:
+starts a stack like ``specserve up`` (one process per role, as in a deployment,
+so the draft, the target and the coordinator share no GIL) once per setting:
 
 * **batching on**: the draft drafts up to ``--draft-batch`` sessions in one
   forward pass per step (``DraftSettings.max_batch_size``) and the coordinator
@@ -18,7 +18,9 @@ tokens each, EOS ignored, held-out code prompts) and reads from the
 rounds``: the Propose call as the round saw it, batching wait included),
 verify ms per round (``verify_ns / rounds``) and queue ms per round; and
 the throughput, committed tokens over the wall-clock time of the whole group.
-Each point is measured ``--scaling-repeats`` times after one warm-up group;
+The draft's batches and the proposals they held come from its ``/metrics``
+(``specserve_draft_batch_size``'s count and sum). Each point is measured
+``--scaling-repeats`` times after one warm-up group;
 the JSON keeps every repeat, the table their medians.
 
 Writes ``<out>/draft_scaling.json``, and ``bench.report`` renders it as
@@ -77,8 +79,18 @@ async def _group(client, prompts: list[list[int]], n: int, gamma: int, max_new: 
     return time.perf_counter() - start, results
 
 
+def _draft_batches(metrics_url: str) -> tuple[int, int]:
+    """The draft's batches so far and the proposals they held (its batch-size histogram's count and sum)."""
+    from bench.prom import scrape
+
+    return (
+        int(scrape(metrics_url, "specserve_draft_batch_size_count")),
+        int(scrape(metrics_url, "specserve_draft_batch_size_sum")),
+    )
+
+
 def _run(
-    batching: bool, n: int, repeat: int, wall_s: float, results, engine, before: tuple[int, int]
+    batching: bool, n: int, repeat: int, wall_s: float, results, before: tuple[int, int], after: tuple[int, int]
 ) -> ScalingRun:
     stats = [r for r in results if not isinstance(r, BaseException)]
     rounds = sum(s.rounds for s in stats) or 1
@@ -96,8 +108,8 @@ def _run(
         verify_ms_per_round=sum(s.verify_ns for s in stats) / rounds / 1e6,
         queue_ms_per_round=sum(s.queue_ns for s in stats) / rounds / 1e6,
         throughput_tok_s=tokens / wall_s if wall_s > 0 else 0.0,
-        draft_batches=engine.batches - before[0],
-        draft_items=engine.items_drafted - before[1],
+        draft_batches=after[0] - before[0],
+        draft_items=after[1] - before[1],
         errors=len(results) - len(stats),
     )
 
@@ -119,19 +131,22 @@ async def measure(
 ) -> list[ScalingRun]:
     """Every (batching, sessions, repeat) point; see the module docstring."""
     from specserve.client import AsyncClient
-    from specserve.local import start_local_stack
+    from specserve.local import start_process_stack
+    from specserve.redis_server import free_port
 
     runs: list[ScalingRun] = []
     most = max(sessions)
     for batching in (True, False):
         size = draft_batch if batching else 1
-        stack = await start_local_stack(
+        metrics_port = free_port()
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        stack = await start_process_stack(
             target_model=target,
             draft_model=draft,
             redis_url=redis_url,
             device=device,
             dtype=dtype,
-            draft_overrides={"max_batch_size": size},
+            draft_overrides={"max_batch_size": size, "metrics_port": metrics_port},
             coordinator_overrides={
                 "draft_max_batch_size": size,
                 "max_batch_size": max(16, most),  # Verify batches up to every session (the target takes 32)
@@ -140,16 +155,16 @@ async def measure(
             target_overrides={"max_batch_size": max(32, most)},
         )
         try:
-            engine = stack.draft.engine
             async with AsyncClient(stack.address, timeout=600) as client:
                 await _group(client, prompts, min(most, 4), gamma, 8, seed=0)  # warm-up
                 for n in sessions:
                     for repeat in range(repeats):
-                        before = (engine.batches, engine.items_drafted)
+                        before = await asyncio.to_thread(_draft_batches, metrics_url)
                         wall_s, results = await _group(
                             client, prompts, n, gamma, max_new_tokens, seed=1000 * n
                         )
-                        runs.append(_run(batching, n, repeat, wall_s, results, engine, before))
+                        after = await asyncio.to_thread(_draft_batches, metrics_url)
+                        runs.append(_run(batching, n, repeat, wall_s, results, before, after))
                         if progress is not None:
                             progress()
         finally:

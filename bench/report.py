@@ -491,7 +491,7 @@ def draft_scaling_section(scaling: dict) -> list[str]:
         f"## The draft tier under concurrent sessions (greedy, gamma {st['gamma']}, "
         f"{st['max_new_tokens']} tokens, median of {st['repeats']} run(s))",
         "",
-        f"Measured {st['date_utc']} UTC through the benchmark's in-process stack (all three roles in one Python process); "
+        f"Measured {st['date_utc']} UTC through a stack of one process per role (as `specserve up`); "
         f"target `{st['target']}`, draft `{st['draft']}`. Batching on: the draft drafts up to "
         f"{st['draft_batch']} sessions per forward pass; off: each session alone. Per round, from the "
         "clients' `GenerationStats`: draft = the Propose call as the round saw it (batching wait included), "
