@@ -117,11 +117,11 @@ def draw_token(
     coupled mode (``argmax(log q + G)``; the target needs the tokens alone). The
     vector goes through :func:`draft_distribution` and ``check_distribution``,
     exactly what the target rebuilds; the uniform is
-    ``uniform(seed, position, Purpose.DRAFT)``.
+    ``uniform(seed, position, Purpose.DRAFT)``. (A plain greedy row's token is
+    the argmax of its logits, which :meth:`ModelProposer._draft` takes for every
+    row of a step in one reduction instead.)
     """
     params = request.sampling
-    if params.plain_greedy:  # nothing processes the logits: their argmax
-        return int(greedy_tokens(logits.unsqueeze(0))[0]), None  # a NaN row has no argmax to propose
     q32 = draft_distribution(logits.unsqueeze(0), params, [context], request.draft_top_k)  # [1, vocab]
     if params.greedy:
         return int(q32[0].argmax()), None
@@ -200,8 +200,10 @@ class ModelProposer(Proposer):
 
     Every pass is row-invariant (:mod:`specserve.row_invariant`): a session's
     logits, hence its tokens and the ``q`` bytes it ships, are bit for bit
-    those it gets when drafted alone, whatever else shares its batch. The
-    tokens are drawn per session (:func:`draw_token`) with its own uniforms.
+    those it gets when drafted alone, whatever else shares its batch. A plain
+    greedy session's token is its row's argmax (one reduction for the step's
+    rows); any other is drawn per session (:func:`draw_token`) with its own
+    uniforms.
 
     After a proposal the session's cache holds ``C + x1..x_{gamma-1}`` (the
     branch); the next reconcile keeps whichever of those tokens were committed.
@@ -324,13 +326,12 @@ class ModelProposer(Proposer):
         first = True
         while True:
             last = batching.last_logits(logits, packed)  # [batch, vocab]
-            plain = [b for b, row in enumerate(active) if row.request.sampling.plain_greedy]
-            # One argmax over every plain greedy row (a row's max does not depend on the others').
-            rows_of_plain = last if len(plain) == len(active) else last[plain]  # [plain rows, vocab]
-            picked = dict(zip(plain, greedy_tokens(rows_of_plain).tolist(), strict=True)) if plain else {}
+            # Every row's argmax in one reduction (a row's max does not depend on the others'): a plain
+            # greedy row's token; a NaN or +inf row has none, and fails the batch as its sampling would.
+            argmax = greedy_tokens(last).tolist()  # [batch]
             for b, row in enumerate(active):
-                if b in picked:
-                    token, q32 = picked[b], None
+                if row.request.sampling.plain_greedy:
+                    token, q32 = argmax[b], None
                 else:
                     base = len(row.request.committed)
                     token, q32 = draw_token(last[b], row.request, base + len(row.tokens), row.context)
