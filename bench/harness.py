@@ -77,6 +77,7 @@ from bench.pair import ignore_eos, load_pair
 from bench.prom import scrape
 from bench.prompts import code_prompts, heldout_files
 from specserve import cpu_kernels
+from specserve.config import CoordinatorSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET = "smollm2-135m-instruct"  # registered names (specserve.model_registry), or directories
@@ -542,6 +543,7 @@ async def run_all(args) -> dict:
         "machine": _machine(),
         "models": {"target": str(args.target), "draft": str(args.draft)},
         "kernels": kernels,
+        "decode_steps": CoordinatorSettings.model_fields["decode_steps"].default,
         "heldout_prompts": heldout_ok,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "costs": asdict(costs),

@@ -11,9 +11,12 @@ commits exactly ``--max-new-tokens`` tokens), through:
   ``--threads`` threads);
 * **specserve gamma = 0**: a stack of one process per role (``specserve serve
   target`` and ``coordinator``; no draft), the target with the same dtype and
-  thread count, through the SDK.
+  thread count, through the SDK; once per ``--decode-steps`` value (target
+  steps per Verify call after the first token: 1 is one round trip, one
+  commit and one coordinator round per token; the coordinator's default
+  amortizes them over several steps).
 
-The two alternate prompt by prompt, so drift on a shared machine hits both.
+HF and specserve alternate prompt by prompt, so drift on a shared machine hits both.
 Every specserve round is split, from the statistics the system reports, into:
 
 ``forward``
@@ -29,7 +32,8 @@ Every specserve round is split, from the statistics the system reports, into:
     the rest of the request's wall time: the round loop, the policy,
     detokenizing, streaming to the client (``total_ns - verify_ns - draft_ns``).
 
-The *fixed overhead per round* is everything but ``forward``.
+The *fixed overhead per round* is everything but ``forward``; per committed
+token it is that divided by the tokens a round commits.
 """
 
 from __future__ import annotations
@@ -76,8 +80,6 @@ def _hf_run(model, ids: list[int], max_new: int) -> float:
 
 async def measure(args: argparse.Namespace) -> dict:
     from specserve import cpu_kernels
-    from specserve.client import AsyncClient
-    from specserve.local import start_process_stack
     from specserve.models import load_model, resolve_model_path
     from specserve.redis_server import private_redis
 
@@ -89,53 +91,62 @@ async def measure(args: argparse.Namespace) -> dict:
     prompts = _prompts(tokenizer, args.prompts)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the target process: the same thread count
     hf: list[float] = []
-    runs: list[dict] = []
+    runs: dict[int, list[dict]] = {}
     with private_redis(args.redis_url) as redis_url:
-        stack = await start_process_stack(
-            target_model=target, draft_model=None, redis_url=redis_url, with_draft=False,
-            target_overrides={"dtype": "float32", "kernels": kernels},
-        )  # fmt: skip
-        try:
-            async with AsyncClient(stack.address, timeout=600) as client:
-                kw = {
-                    "max_new_tokens": args.max_new_tokens,
-                    "temperature": 0.0,
-                    "ignore_eos": True,
-                    "gamma": 0,
-                }
-                await client.generate(prompt_token_ids=prompts[0], **{**kw, "max_new_tokens": 4})  # warm-up
-                _hf_run(model, prompts[0], 4)
-                for i, ids in enumerate(prompts * args.repeats):
-                    order = ("hf", "spec") if i % 2 == 0 else ("spec", "hf")
-                    for which in order:
-                        if which == "hf":
-                            hf.append(_hf_run(model, ids, args.max_new_tokens) / args.max_new_tokens)
-                            continue
-                        start = time.perf_counter()
-                        result = await client.generate(prompt_token_ids=ids, **kw)
-                        wall = time.perf_counter() - start
-                        s = result.stats
-                        assert s.completion_tokens == args.max_new_tokens
-                        runs.append(
-                            {
-                                "client_s_per_token": wall / s.completion_tokens,
-                                "rounds": s.rounds,
-                                "total_ns": s.total_ns,
-                                "verify_ns": s.verify_ns,
-                                "target_ns": s.target_ns,
-                                "forward_ns": s.forward_ns,
-                                "draft_ns": s.draft_ns,
-                            }
-                        )
-        finally:
-            await stack.stop()
+        for steps in args.decode_steps:
+            runs[steps] = await _specserve_runs(args, target, kernels, redis_url, steps, model, prompts, hf)
     return summarize(hf, runs, args, kernels)
 
 
-def summarize(hf: list[float], runs: list[dict], args: argparse.Namespace, kernels: str = "stock") -> dict:
-    ms = 1e3
-    spec = [r["client_s_per_token"] for r in runs]
+async def _specserve_runs(args, target, kernels, redis_url, steps, model, prompts, hf) -> list[dict]:
+    """Every prompt through a stack whose coordinator asks for ``steps`` target steps per gamma-0 round,
+    alternating with HF target-only runs (appended to ``hf``)."""
+    from specserve.client import AsyncClient
+    from specserve.local import start_process_stack
+
+    runs: list[dict] = []
+    stack = await start_process_stack(
+        target_model=target, draft_model=None, redis_url=redis_url, with_draft=False,
+        target_overrides={"dtype": "float32", "kernels": kernels},
+        coordinator_overrides={"decode_steps": steps},
+    )  # fmt: skip
+    try:
+        async with AsyncClient(stack.address, timeout=600) as client:
+            kw = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": True, "gamma": 0}
+            await client.generate(prompt_token_ids=prompts[0], **{**kw, "max_new_tokens": 4})  # warm-up
+            _hf_run(model, prompts[0], 4)
+            for i, ids in enumerate(prompts * args.repeats):
+                order = ("hf", "spec") if i % 2 == 0 else ("spec", "hf")
+                for which in order:
+                    if which == "hf":
+                        hf.append(_hf_run(model, ids, args.max_new_tokens) / args.max_new_tokens)
+                        continue
+                    start = time.perf_counter()
+                    result = await client.generate(prompt_token_ids=ids, **kw)
+                    wall = time.perf_counter() - start
+                    s = result.stats
+                    assert s.completion_tokens == args.max_new_tokens
+                    runs.append(
+                        {
+                            "client_s_per_token": wall / s.completion_tokens,
+                            "tokens": s.completion_tokens,
+                            "rounds": s.rounds,
+                            "total_ns": s.total_ns,
+                            "verify_ns": s.verify_ns,
+                            "target_ns": s.target_ns,
+                            "forward_ns": s.forward_ns,
+                            "draft_ns": s.draft_ns,
+                        }
+                    )
+    finally:
+        await stack.stop()
+    return runs
+
+
+def _breakdown(runs: list[dict]) -> dict:
+    """Per round (and per committed token) figures of one setting's runs."""
     rounds = sum(r["rounds"] for r in runs)
+    tokens = sum(r["tokens"] for r in runs)
 
     def per_round(key_a: str, key_b: str | None = None) -> float:
         total = sum(r[key_a] - (r[key_b] if key_b else 0) for r in runs)
@@ -150,7 +161,28 @@ def summarize(hf: list[float], runs: list[dict], args: argparse.Namespace, kerne
     breakdown["fixed_overhead_ms"] = (
         breakdown["target_ms"] + breakdown["network_ms"] + breakdown["coordinator_ms"]
     )
-    hf_ms, spec_ms = statistics.median(hf) * ms, statistics.median(spec) * ms
+    breakdown["tokens_per_round"] = tokens / rounds
+    breakdown["fixed_overhead_ms_per_token"] = breakdown["fixed_overhead_ms"] * rounds / tokens
+    return breakdown
+
+
+def summarize(
+    hf: list[float], runs: dict[int, list[dict]], args: argparse.Namespace, kernels: str = "stock"
+) -> dict:
+    from specserve.config import CoordinatorSettings
+
+    ms = 1e3
+    hf_ms = statistics.median(hf) * ms
+    default = CoordinatorSettings.model_fields["decode_steps"].default
+    settings = {}
+    for steps, these in runs.items():
+        spec_ms = statistics.median(r["client_s_per_token"] for r in these) * ms
+        settings[str(steps)] = {
+            "specserve_gamma0_ms_per_token": spec_ms,
+            "specserve_vs_hf": hf_ms / spec_ms,
+            "per_round": _breakdown(these),
+            "specserve_ms_per_token_all": [r["client_s_per_token"] * ms for r in these],
+        }
     return {
         "command": "python -m bench.overhead " + " ".join(args.argv),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -160,37 +192,64 @@ def summarize(hf: list[float], runs: list[dict], args: argparse.Namespace, kerne
         "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
         "hf_ms_per_token": hf_ms,
-        "specserve_gamma0_ms_per_token": spec_ms,
-        "specserve_vs_hf": hf_ms / spec_ms,
-        "per_round": breakdown,
+        "default_decode_steps": default,
+        "decode_steps": settings,
         "hf_ms_per_token_all": [x * ms for x in hf],
-        "specserve_ms_per_token_all": [x * ms for x in spec],
     }
 
 
 def section(data: dict) -> list[str]:
     """The report's section (``bench.report`` renders it whenever ``overhead.json`` is there)."""
-    b = data["per_round"]
-    ratio = data["specserve_vs_hf"]
-    return [
+    settings = data["decode_steps"]
+    default = str(data["default_decode_steps"])
+    shown = sorted(settings, key=int)
+    ratio = settings[default]["specserve_vs_hf"] if default in settings else None
+    verdict = "not measured" if ratio is None else ("met" if ratio >= 0.95 else "missed")
+
+    def row(label: str, value) -> str:
+        return f"| {label} | " + " | ".join(value(settings[k]) for k in shown) + " |"
+
+    lines = [
         f"## The service's own overhead (gamma = 0, greedy, {data['max_new_tokens']} tokens, "
         f"{data['prompts']} held-out chat prompts, one process per role)",
         "",
         f"Command: `{data['command']}` ({data['when']}). HF `generate()` of the target alone: "
-        f"{data['hf_ms_per_token']:.2f} ms/token; specserve at gamma = 0, the same model, dtype, threads and "
-        f"linear kernels ({data.get('kernels', 'stock')}): "
-        f"{data['specserve_gamma0_ms_per_token']:.2f} ms/token, **{ratio:.2f}x** of HF "
-        f"(target: 0.95x or better: **{'met' if ratio >= 0.95 else 'missed'}**).",
+        f"{data['hf_ms_per_token']:.2f} ms/token. specserve at gamma = 0 with the same model, dtype, threads "
+        f"and linear kernels ({data.get('kernels', 'stock')}), once per `decode_steps` (target steps per "
+        "Verify call after the first token; the coordinator's default is "
+        f"{default}): at the default, **{ratio:.2f}x** of HF (target: 0.95x or better: **{verdict}**)."
+        if ratio is not None
+        else f"Command: `{data['command']}` ({data['when']}): the default decode_steps ({default}) was not run.",
         "",
-        "| per round | ms |",
-        "| --- | --- |",
-        f"| target forward pass | {b['forward_ms']:.2f} |",
-        f"| rest of the target's Verify (session, logits, decision, commit, thread hops) | {b['target_ms']:.2f} |",
-        f"| network (gRPC both ways, serialisation, batcher) | {b['network_ms']:.2f} |",
-        f"| coordinator (round loop, policy, detokenizing, streaming) | {b['coordinator_ms']:.2f} |",
-        f"| **fixed overhead per round** (all but the forward pass) | **{b['fixed_overhead_ms']:.2f}** |",
+        "| | " + " | ".join(f"decode_steps = {k}" for k in shown) + " |",
+        "| --- | " + " | ".join("---" for _ in shown) + " |",
+        row("ms per token (median over prompts)", lambda d: f"{d['specserve_gamma0_ms_per_token']:.2f}"),
+        row("vs HF target-only", lambda d: f"{d['specserve_vs_hf']:.2f}x"),
+        row("tokens per round", lambda d: f"{d['per_round']['tokens_per_round']:.2f}"),
+        row("target forward passes, ms per round", lambda d: f"{d['per_round']['forward_ms']:.2f}"),
+        row(
+            "rest of the target's Verify (session, logits, decision, commit, thread hops), ms per round",
+            lambda d: f"{d['per_round']['target_ms']:.2f}",
+        ),
+        row(
+            "network (gRPC both ways, serialisation, batcher), ms per round",
+            lambda d: f"{d['per_round']['network_ms']:.2f}",
+        ),
+        row(
+            "coordinator (round loop, policy, detokenizing, streaming), ms per round",
+            lambda d: f"{d['per_round']['coordinator_ms']:.2f}",
+        ),
+        row(
+            "**fixed overhead per round** (all but the forward passes), ms",
+            lambda d: f"**{d['per_round']['fixed_overhead_ms']:.2f}**",
+        ),
+        row(
+            "fixed overhead per committed token, ms",
+            lambda d: f"{d['per_round']['fixed_overhead_ms_per_token']:.2f}",
+        ),
         "",
     ]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -210,11 +269,18 @@ def main(argv: list[str] | None = None) -> dict:
         default="stock",
         help="the target's linear kernels (specserve/cpu_kernels.py), in the service and in HF alike",
     )
+    ap.add_argument(
+        "--decode-steps",
+        type=int,
+        nargs="+",
+        default=[1, 4],
+        help="the coordinator's decode_steps for each stack measured (1: a round trip per token)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     args.argv = argv
     result = asyncio.run(measure(args))
-    text = json.dumps({k: v for k, v in result.items() if not k.endswith("_all")}, indent=1)
+    text = "\n".join(section(result))
     print(text)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

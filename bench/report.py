@@ -359,6 +359,19 @@ def _kernels_line(data: dict) -> str:
     )
 
 
+def _decode_steps_line(data: dict) -> list[str]:
+    """The coordinator's decode_steps in the run (a report from before it existed says nothing)."""
+    steps = data.get("decode_steps")
+    if steps is None:
+        return []
+    return [
+        f"Rounds without a proposal (gamma = 0, and the adaptive policy's refusals) ask the target for {steps} "
+        "steps per Verify call after the first token (the coordinator's `decode_steps`); each step commits "
+        "what a one-step round would.",
+        "",
+    ]
+
+
 def write_report(data: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     load_file = out / "load.json"
@@ -385,6 +398,7 @@ def write_report(data: dict, out: Path) -> Path:
         "",
         _kernels_line(data),
         "",
+        *_decode_steps_line(data),
         "## Targets",
         "",
         "| target | met | figures |",

@@ -69,6 +69,7 @@ class BatchedResult:
     forward_ns: int = 0  # the target's forward passes in the call (VerifyResponse.forward_ns)
     draft_tokens: int = 0  # draft distributions the whole call carried
     reports_call: bool = False  # the one result of its call that reports the call's cost
+    decode_steps: int = 1  # most target steps an item of the call asked for (VerifyItem.decode_steps)
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,7 @@ class VerifyBatcher(Batcher[target_pb2.VerifyItem, BatchedResult]):
                 log.exception("batch_observer_failed")
         live = [not p.future.done() for p in batch]
         first = live.index(True) if any(live) else -1
+        steps = max(max(p.item.decode_steps, 1) for p in batch)
         return [
             BatchedResult(
                 item=result,
@@ -285,6 +287,7 @@ class VerifyBatcher(Batcher[target_pb2.VerifyItem, BatchedResult]):
                 positions_processed=reply.positions_processed,
                 draft_tokens=tokens,
                 reports_call=i == first,
+                decode_steps=steps,
             )
             for i, (p, result) in enumerate(zip(batch, reply.results, strict=True))
         ]

@@ -472,6 +472,16 @@ class CostModel:
             total += rtt + d * gamma
         return total + self.queue_ns(batch_size, drafted=gamma > 0 and drafted)
 
+    def target_only_token_ns(self, batch_size: int = 1, steps: int = 1) -> float:
+        """Predicted wall time per token of target-only rounds whose Verify call takes ``steps`` target steps
+        (``VerifyItem.decode_steps``): the call's fixed part (the round trip, the batcher's wait and the
+        Verify's own fixed cost ``v0``) once per call, the pass once per step."""
+        if steps < 1:
+            raise ValueError("steps must be >= 1")
+        one = self.round_ns(0, batch_size)
+        fixed = one - (self.verify_ns(batch_size, batch_size) - self._verify.coef[0])
+        return fixed / steps + (one - fixed)
+
     def target_step_ns(self, batch_size: int = 1) -> float:
         """Predicted wall time of a target-only round (``round_ns(0, batch_size)``)."""
         return self.round_ns(0, batch_size)

@@ -205,6 +205,7 @@ class Coordinator:
             policy=self._policy(request),
             max_gamma=self.max_gamma,
             overlap=self.overlap,
+            decode_steps=self.settings.decode_steps,
         )
         return session, loop
 

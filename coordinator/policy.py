@@ -215,6 +215,7 @@ class AdaptiveGamma(SpeculationPolicy):
         waste_weight: float = 1.0,
         probe_interval: int | None = 8,
         max_probe_interval: int = 64,
+        decode_steps: int = 1,
     ) -> None:
         ladder = tuple(sorted(set(choices)))
         if not ladder or ladder[0] != 0 or any(g < 0 for g in ladder):
@@ -231,6 +232,8 @@ class AdaptiveGamma(SpeculationPolicy):
             raise ValueError("waste_weight must be >= 0")
         if probe_interval is not None and not 1 <= probe_interval <= max_probe_interval:
             raise ValueError("probe_interval must be None or in [1, max_probe_interval]")
+        if decode_steps < 1:
+            raise ValueError("decode_steps must be >= 1")
         self.cost_model = cost_model
         self.choices = ladder
         self.max_batch_size = max_batch_size
@@ -240,6 +243,8 @@ class AdaptiveGamma(SpeculationPolicy):
         self.waste_weight = waste_weight
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
+        #: Target steps per Verify call of a round at gamma 0 (the coordinator's ``decode_steps``).
+        self.decode_steps = decode_steps
 
     @classmethod
     def up_to(cls, cost_model: CostModel, max_gamma: int, **kwargs: object) -> AdaptiveGamma:
@@ -277,7 +282,10 @@ class AdaptiveGamma(SpeculationPolicy):
         out: dict[int, float] = {}
         for g in self.choices:
             expected = acceptance.expected_tokens(g)
-            cost = cm.round_ns(g, b, drafted=not local_draft) + charge * (g + 1 - expected)
+            if g == 0:  # one token per step; the call's fixed part is shared by decode_steps steps
+                cost = cm.target_only_token_ns(b, self.decode_steps)
+            else:
+                cost = cm.round_ns(g, b, drafted=not local_draft) + charge * (g + 1 - expected)
             out[g] = expected / max(cost, 1.0)
         return out
 

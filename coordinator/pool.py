@@ -515,7 +515,8 @@ class WorkerPool:
         if not batched.reports_call:
             return
         try:
-            if batched.positions_processed >= b:
+            # A call with several target steps ran passes one after another: not one pass over its positions.
+            if batched.positions_processed >= b and batched.decode_steps == 1:
                 self.cost_model.observe_verify(
                     batch_size=b, positions=batched.positions_processed, ns=batched.verify_ns
                 )

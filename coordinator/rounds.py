@@ -45,6 +45,7 @@ from coordinator.pool import Verified, WorkerPool
 from coordinator.session import Session
 from coordinator.workers import ItemReply
 from specserve import errors, metrics
+from specserve.kvcache import common_prefix_len
 from specserve.params import PositionLogprobs, Verdict
 from specserve.store import SessionStore
 from specserve.v1 import common_pb2, target_pb2
@@ -75,6 +76,7 @@ class RoundLoop:
         policy: SpeculationPolicy,
         max_gamma: int,
         overlap: bool = False,
+        decode_steps: int = 1,
     ) -> None:
         self.session = session
         self.pool = pool
@@ -82,6 +84,7 @@ class RoundLoop:
         self.policy = policy
         self.max_gamma = max_gamma
         self.overlap = overlap
+        self.decode_steps = decode_steps
         #: Overlap: the next round's proposal, drafted while this round was verified, valid only for
         #: this committed prefix (the hypothesis it was drafted on).
         self._ahead: tuple[tuple[int, ...], common_pb2.Proposal] | None = None
@@ -131,7 +134,7 @@ class RoundLoop:
         if ahead is not None and ahead[0] != s.token_ids:  # the log moved otherwise (a resync): useless
             ahead = None
         gamma = self.choose_gamma()
-        shadow = self._shadow() if gamma == 0 else ()
+        shadow = self._shadow(self._steps(common_pb2.Proposal())) if gamma == 0 else ()
         proposed = await self.pool.propose(s, gamma, ahead=ahead[1] if ahead else None)
         if ahead is not None and proposed.wall_ns == 0 and proposed.source == "model":
             self.ahead_used += 1
@@ -139,7 +142,9 @@ class RoundLoop:
         s.stats.draft_ns += proposed.wall_ns
         if proposed.draft_ns is not None:
             metrics.STAGE_SECONDS.labels(stage="draft").observe(proposed.draft_ns / 1e9)
-        item = target_pb2.VerifyItem(base=s.base.to_pb(), proposal=proposed.proposal)
+        item = target_pb2.VerifyItem(
+            base=s.base.to_pb(), proposal=proposed.proposal, decode_steps=self._steps(proposed.proposal)
+        )
         if s.top_logprobs is not None:
             item.logprobs.CopyFrom(common_pb2.LogprobsParams(top_logprobs=s.top_logprobs))
         drafting = None
@@ -168,16 +173,29 @@ class RoundLoop:
             return await self._resync(batched.item.error)
         return self._apply(batched.item, proposed=len(item.proposal.token_ids), shadow=shadow)
 
-    def _shadow(self) -> tuple[int, ...]:
-        """At gamma 0, the token the session's local proposers would offer now (a lookup: no call, no
-        position verified). The target's next token then says whether it would have been accepted:
-        a proposal of one certain token ``x`` is accepted with probability ``p(x)``, the probability
-        that the target's own token is ``x`` (greedy: whether it is the argmax; coupled: whether the
-        one Gumbel-max sample is ``x``). So a session whose local proposer offers a guess learns its
-        acceptance at gamma 0 for free, and starts speculating as soon as its text turns to copying,
-        instead of waiting for a probe. ``()``: no local proposer, or none offers a token."""
+    def _steps(self, proposal: common_pb2.Proposal) -> int:
+        """Target steps the round asks for: ``decode_steps`` for a round without a proposal once the first
+        token is out (the first round is the prefill: its token goes out alone, as soon as it exists),
+        capped by the tokens left; 1 otherwise. Each step commits what a gamma = 0 round would; the call
+        saves the round trips, the commits and the coordinator's share of the steps after the first."""
+        s = self.session
+        generated = s.committed_len - s.prompt_len
+        if proposal.token_ids or generated == 0:
+            return 1
+        return max(1, min(self.decode_steps, s.stop.max_new_tokens - generated))
+
+    def _shadow(self, steps: int) -> tuple[int, ...]:
+        """At gamma 0, the tokens the session's local proposers would offer now for the round's ``steps``
+        target steps (a lookup: no call, no position verified). The target's tokens then say how many
+        would have been accepted: a proposal of certain tokens ``x_1..x_k`` has ``x_i`` accepted with
+        probability ``p_i(x_i)``, the probability that the target's own token there is ``x_i`` (greedy:
+        whether it is the argmax; coupled: whether the one Gumbel-max sample is ``x_i``), so the guess's
+        longest prefix equal to the committed tokens is what a round proposing it would have accepted.
+        So a session whose local proposer offers a guess learns its acceptance at gamma 0 for free, and
+        starts speculating as soon as its text turns to copying, instead of waiting for a probe.
+        ``()``: no local proposer, or none offers a token."""
         for proposer in self.session.local_proposers:
-            tokens = proposer.peek(1)
+            tokens = proposer.peek(steps)
             if tokens:
                 return tokens
         return ()
@@ -238,7 +256,9 @@ class RoundLoop:
         new = self._committed(verdict, s.apply_verdict(verdict))
         s.stats.observe_round(proposed=proposed, accepted=verdict.accepted_count)
         if shadow and not proposed and verdict.committed_token_ids:
-            self.acceptance.observe(proposed=1, accepted=int(verdict.committed_token_ids[0] == shadow[0]))
+            guess = shadow[: len(verdict.committed_token_ids)]
+            matched = common_prefix_len(guess, verdict.committed_token_ids)
+            self.acceptance.observe(proposed=len(guess), accepted=matched)
         else:
             self.acceptance.observe(proposed=proposed, accepted=min(verdict.accepted_count, proposed))
         self.pool.observe_acceptance(

@@ -98,7 +98,12 @@ async def build_coordinator(
         max_batch_size=limits.max_batch_size,
         draft_max_batch_size=limits.draft_max_batch_size,
     )
-    adaptive = AdaptiveGamma.up_to(cost_model, limits.max_gamma, max_batch_size=settings.max_batch_size)
+    adaptive = AdaptiveGamma.up_to(
+        cost_model,
+        limits.max_gamma,
+        max_batch_size=settings.max_batch_size,
+        decode_steps=settings.decode_steps,
+    )
     return Coordinator(
         settings, store=store, pool=pool, adaptive=adaptive, tokenizer=tokenizer, limits=limits
     )

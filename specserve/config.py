@@ -260,6 +260,15 @@ class CoordinatorSettings(CommonSettings):
         64, ge=1, description="Concurrent sessions per authenticated client."
     )
     max_gamma: int = Field(8, ge=0, le=64, description="Largest gamma the policy may pick.")
+    decode_steps: int = Field(
+        4,
+        ge=1,
+        le=16,
+        description="Target steps per Verify call in a round that runs the target alone (gamma = 0), after "
+        "the first token: each step commits exactly what a gamma = 0 round would, and the call saves the "
+        "round trips, commits and coordinator work of the steps after the first (vLLM's multi-step "
+        "scheduling). Tokens of such a round reach the client together; 1 streams each on its own.",
+    )
     overlap: bool = Field(
         False,
         description="Proactive drafting: while the target verifies a round, the draft already drafts the "

@@ -22,6 +22,10 @@ from specserve.proposal import DraftProposal, draft_probs_from_pb
 from specserve.status import item_code
 from specserve.v1 import target_pb2
 
+#: Most target steps one gamma = 0 item may ask for in a call (``VerifyItem.decode_steps``): a call holds
+#: its batch's other items and the model thread for this many passes.
+MAX_DECODE_STEPS = 16
+
 
 @dataclass(frozen=True)
 class VerifyItem:
@@ -31,6 +35,8 @@ class VerifyItem:
     proposal: DraftProposal
     #: Report the committed tokens' log probabilities with this many alternatives each (None: none).
     top_logprobs: int | None = None
+    #: Target steps to decode in this call (gamma = 0 only): each commits what a gamma = 0 round would.
+    decode_steps: int = 1
 
     @property
     def session_id(self) -> str:
@@ -120,8 +126,19 @@ def _item_from_pb(pb: target_pb2.VerifyItem, *, vocab_size: int, max_gamma: int)
                     f"proposed token {t} at index {i} has probability 0 under the distribution sent with it"
                 )
     top_logprobs = check_top_logprobs(pb.logprobs.top_logprobs) if pb.HasField("logprobs") else None
+    steps = max(1, pb.decode_steps)
+    if steps > 1 and token_ids:
+        raise InvalidArgument(
+            f"decode_steps={steps} with {len(token_ids)} proposed tokens; several target steps in one call "
+            "are for gamma = 0 items only (send an empty proposal, or decode_steps <= 1)"
+        )
+    if steps > MAX_DECODE_STEPS:
+        raise InvalidArgument(f"decode_steps={steps}; this server decodes at most {MAX_DECODE_STEPS} per call")
     return VerifyItem(
-        base=base, proposal=DraftProposal(token_ids=token_ids, probs=probs), top_logprobs=top_logprobs
+        base=base,
+        proposal=DraftProposal(token_ids=token_ids, probs=probs),
+        top_logprobs=top_logprobs,
+        decode_steps=steps,
     )
 
 

@@ -90,6 +90,14 @@ the decision, and settling each cache on its verdict (optimistically, before
 the commit); only an item whose commit then fails or replays needs a second
 hop, to roll its cache back to ``C[:-1]``.
 
+Several target steps (``VerifyItem.decode_steps``, gamma = 0 items only): in
+the same hop, each item that committed a token, did not finish and has steps
+left takes the next step as a gamma = 0 item on the log its verdict so far
+leaves (:meth:`_Work.next_step`; the items still going share one pass per
+step), and the step's verdict extends the item's (:meth:`_Work.absorb`). All
+the steps are one commit at ``v + 1``. A step that fails alone ends the item's
+steps; the ones before it are committed.
+
 Every model call and every cache mutation (reconcile, the verify pass, settling
 or rolling back each cache after the commit, eviction, release) runs on the
 verifier's :class:`~specserve.model_thread.ModelThread`, one batch at a time
@@ -151,6 +159,7 @@ class _Work:
     outcome: VerifyOutcome | None = None
     verdict: Verdict | None = None
     error: SpecServeError | None = None  # this item's own failure: nothing is committed for it
+    steps: int = 1  # target steps taken for the item in this call (decode_steps)
 
     @property
     def n(self) -> int:
@@ -159,6 +168,44 @@ class _Work:
     def fail(self, exc: SpecServeError) -> None:
         """Mark this item failed with ``exc`` (its message prefixed with the session)."""
         self.error = type(exc)(f"session {self.item.session_id!r}: {exc.message}")
+
+    def next_step(self) -> _Work:
+        """The next target step of a gamma = 0 item (``decode_steps``): the work a gamma = 0 round would
+        do on the log as this call's verdict so far leaves it (same version: it is one commit)."""
+        assert self.verdict is not None and self.cache is not None and self.item.gamma == 0
+        record = dataclasses.replace(
+            self.record, token_ids=self.record.token_ids + self.verdict.committed_token_ids
+        )
+        return _Work(index=self.index, item=self.item, record=record)
+
+    def goes_on(self) -> bool:
+        """Whether the item takes another target step in this call: committed so far, not finished,
+        steps left."""
+        return (
+            self.steps < self.item.decode_steps
+            and self.error is None
+            and self.verdict is not None
+            and not self.verdict.finished
+        )
+
+    def absorb(self, step: _Work) -> None:
+        """Extend this item's verdict by its next step's (one commit of all the steps' tokens). A step that
+        failed alone ends the item's steps: the ones before it are committed."""
+        assert self.verdict is not None
+        self.steps += 1
+        verdict = step.verdict
+        if verdict is None:
+            assert step.error is not None
+            log.warning("decode_step_failed", session_id=self.item.session_id, message=step.error.message)
+            self.steps = self.item.decode_steps
+            return
+        self.verdict = dataclasses.replace(
+            verdict,
+            accepted_count=self.verdict.accepted_count,
+            committed_token_ids=self.verdict.committed_token_ids + verdict.committed_token_ids,
+            bonus=self.verdict.bonus,
+            logprobs=self.verdict.logprobs + verdict.logprobs,
+        )
 
 
 class Verifier:
@@ -363,12 +410,25 @@ class Verifier:
     def _compute(self, work: list[_Work]) -> tuple[int, int]:
         """The model work of a batch in one hop: the pass, the decision, each cache settled on its verdict
         (before the commit; :meth:`_roll_back` undoes it for an item whose commit fails), the budget."""
+        forward_ns, positions = self._step(work)
+        going = [w for w in work if w.goes_on()]
+        while going:  # gamma = 0 items asking for more target steps in this call (decode_steps)
+            nexts = [w.next_step() for w in going]
+            ns, fed = self._step(nexts)
+            forward_ns, positions = forward_ns + ns, positions + fed
+            for w, nxt in zip(going, nexts, strict=True):
+                w.absorb(nxt)
+            going = [w for w in going if w.goes_on()]
+        self.caches.trim(protect=[w.item.session_id for w in work])  # the caches grew: keep the budget
+        self._update_cache_gauges()
+        return forward_ns, positions
+
+    def _step(self, work: list[_Work]) -> tuple[int, int]:
+        """One pass for ``work`` and its decision, each cache settled on its verdict; (forward_ns, positions)."""
         forward_ns, positions = self._forward(work)
         self._decide(work)
         for w in work:
             self._settle(w, w.verdict.committed_len - 1 if w.verdict is not None else w.n - 1)
-        self.caches.trim(protect=[w.item.session_id for w in work])  # the caches grew: keep the budget
-        self._update_cache_gauges()
         return forward_ns, positions
 
     def _forward(self, work: list[_Work]) -> tuple[int, int]:

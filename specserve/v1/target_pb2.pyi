@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyItem(_message.Message):
-    __slots__ = ("base", "proposal", "logprobs")
+    __slots__ = ("base", "proposal", "logprobs", "decode_steps")
     BASE_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     base: _common_pb2.SessionBase
     proposal: _common_pb2.Proposal
     logprobs: _common_pb2.LogprobsParams
-    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsParams, _Mapping]] = ...) -> None: ...
+    decode_steps: int
+    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsParams, _Mapping]] = ..., decode_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)

@@ -185,6 +185,25 @@ def test_round_ns_is_the_documented_sum_of_parts() -> None:
         cm.round_ns(1, 0)
 
 
+def test_target_only_rounds_of_several_steps_share_the_calls_fixed_part() -> None:
+    """Per token, a target-only call of k steps costs its fixed part (round trip, the Verify's intercept v0)
+    once and the pass k times: fixed / k + (round(0) - fixed); one step is exactly round(0)."""
+    cm = CostModel()
+    for g in (0, 1, 2, 4):
+        for _ in range(5):
+            cm.observe_verify(batch_size=1, positions=g + 1, ns=int(_true_verify(1, g + 1)))
+            cm.observe_rtt(ns=2_000_000, tokens=g)
+    one = cm.round_ns(0, 1)
+    v0 = cm.snapshot()["verify_fixed_ns"]
+    fixed = cm.rtt_ns(0) + v0
+    assert cm.target_only_token_ns(1, 1) == pytest.approx(one)
+    for k in (2, 4, 16):
+        assert cm.target_only_token_ns(1, k) == pytest.approx(fixed / k + one - fixed)
+        assert cm.target_only_token_ns(1, k) < cm.target_only_token_ns(1, k // 2)
+    with pytest.raises(ValueError):
+        cm.target_only_token_ns(1, 0)
+
+
 def test_the_batcher_wait_is_learnt_per_kind_and_batch_size_class() -> None:
     """Rounds at gamma 0 wait 2 ms in batches of 2-3; drafted ones wait 80 ms there (they come back
     from the draft after the pass left). Round costs carry the wait of their kind and class; a

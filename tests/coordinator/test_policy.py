@@ -258,6 +258,28 @@ def test_scores_agree_with_the_speedup_bound() -> None:
         assert scores[g] / scores[0] == pytest.approx(bound, rel=2e-3)
 
 
+def test_gamma_zero_is_scored_per_token_of_its_decode_steps() -> None:
+    """With decode_steps k the policy scores gamma 0 at the cost model's per-token cost of k-step calls, so
+    a round trip that made a marginal draft worth it at one step per call no longer does at four."""
+    pair = SimulatedPair(c=0.15, rtt_ns=8e6)
+    cm = CostModel()
+    for _ in range(10):
+        for g in (0, 1, 2, 3, 4, 6, 8):
+            if g:
+                cm.observe_draft(tokens=g, ns=int(pair.draft_ns(g)))
+            cm.observe_verify(batch_size=1, positions=g + 1, ns=int(pair.verify_ns(1, g + 1)))
+            cm.observe_rtt(ns=int(pair.rtt_ns), tokens=g)
+    pinned = AcceptanceTracker(prior_alpha=0.5, prior_weight=1e12)
+    one, four = AdaptiveGamma(cm), AdaptiveGamma(cm, decode_steps=4)
+    s1, s4 = one.scores(pinned, LoadSnapshot.idle()), four.scores(pinned, LoadSnapshot.idle())
+    assert s4[0] == pytest.approx(1.0 / cm.target_only_token_ns(1, 4))
+    assert all(s4[g] == s1[g] for g in LADDER if g)
+    assert max(s1, key=s1.get) > 0, "at one step per call the round trip makes this draft worth it"
+    assert max(s4, key=s4.get) == 0, "at four steps per call it does not"
+    with pytest.raises(ValueError):
+        AdaptiveGamma(cm, decode_steps=0)
+
+
 def test_a_local_draft_costs_no_draft_call_and_needs_no_draft_data() -> None:
     """A proposal from the coordinator (prediction, n-gram) makes no Propose call: with a draft as costly as a
     target step and high acceptance, the model would not pay (gamma 0) but the local draft goes from its

@@ -111,3 +111,15 @@ async def test_sampled_generation_is_reproducible_by_seed_and_is_the_log(stack, 
     assert a.stats.seed == 42 and a.stats.proposed_tokens > 0
     for out in (a, b, c):
         await assert_stream_is_log(store, out)
+
+
+async def test_gamma_zero_rounds_decode_several_target_steps_per_call(stack, store, prompts, expected):
+    """At gamma 0 the first round (the prefill) sends its token alone, every later round asks the target for
+    decode_steps (4, the default) steps in one Verify call: greedy output is still the target's own, and
+    each round is still one commit, so 24 tokens take 1 + ceil(23 / 4) = 7 rounds instead of 24."""
+    out = await sf.generate(stack.address, sf.request(prompts[0], max_new_tokens=MAX_NEW, gamma=0))
+    assert out.token_ids == expected[0]
+    await assert_stream_is_log(store, out)
+    assert out.stats.rounds == 1 + -(-(MAX_NEW - 1) // 4)
+    assert [len(c.token_ids) for c in out.chunks][:2] == [1, 4]
+    assert out.stats.proposed_tokens == 0

@@ -19,6 +19,7 @@ import grpc
 import pytest
 import system_fixtures as sf
 
+from specserve.config import CoordinatorSettings
 from specserve.v1 import coordinator_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -116,12 +117,14 @@ async def test_draft_down_continues_at_gamma_zero(pair, redis_server, store, pro
         )
         record = await store.load(stats.session_id)
         assert list(record.generated_token_ids) == received
-        # A new session with the draft gone still finishes, every round at gamma = 0.
+        # A new session with the draft gone still finishes, every round at gamma = 0 (after the first token,
+        # decode_steps target steps per round).
         later = await sf.generate(
             stack.address, sf.request(prompt, max_new_tokens=24, gamma=4, ignore_eos=True)
         )
         assert later.token_ids == expected[:24]
-        assert later.stats.proposed_tokens == 0 and later.stats.rounds == 24
+        steps = CoordinatorSettings.model_fields["decode_steps"].default
+        assert later.stats.proposed_tokens == 0 and later.stats.rounds == 1 + -(-23 // steps)
 
 
 async def test_cancellation_releases_caches_on_both_workers(pair, redis_server, store, prompt):

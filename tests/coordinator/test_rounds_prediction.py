@@ -82,7 +82,10 @@ async def test_a_half_wrong_prediction_changes_nothing_and_its_rejections_are_co
 async def test_predictions_are_drafted_in_the_coordinator_with_no_draft_tier(pair, redis_server, prompts, greedy):
     """No draft replica at all: the prediction drafts alone (where it has nothing, the round is gamma 0, or the
     n-gram lookup drafts); the output is the target's own."""
-    async with sf.local_stack(pair, redis_server.url, with_draft=False) as stack:
+    # One target step per round: with these tiny models a round trip costs several target steps, so at the
+    # default decode_steps the policy rightly prefers four target steps per call to a half-wrong prediction.
+    one_step = {"decode_steps": 1}
+    async with sf.local_stack(pair, redis_server.url, with_draft=False, coordinator_overrides=one_step) as stack:
         async with AsyncClient(stack.address) as client:
             for proposer in ("model", "ngram"):
                 result = await client.generate(

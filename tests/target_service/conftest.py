@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import tiny_models
+from target_helpers import NAN_AT
 
 from specserve.models import load_model
 
@@ -37,3 +38,16 @@ def llama_target(tmp_path_factory):
     """One Llama target, for tests that need only one architecture (the gRPC ones)."""
     target_dir, _ = tiny_models.make_tiny_pair(tmp_path_factory.mktemp("target_llama_only"), seed=11)
     return load_model(target_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def poisoned_target(tmp_path_factory):
+    """A tiny GPT-2 target whose position embedding NAN_AT is NaN: a real model giving NaN logits to every
+    row of a sequence that reaches that position, and normal ones to shorter sequences."""
+    import system_fixtures as sf
+
+    from specserve.models import load_model
+
+    pair = sf.tiny_pair(tmp_path_factory, arch="gpt2")
+    out = sf.poisoned_copy(pair.target_dir, tmp_path_factory.mktemp("poisoned-verifier") / "target", position=NAN_AT)
+    return load_model(out, device="cpu", dtype="float32")

@@ -18,6 +18,7 @@ from target_service.messages import ItemResult, VerifyBatch, VerifyItem
 from target_service.verifier import Verifier
 
 ATOL = 1e-4
+NAN_AT = 40  # the poisoned target's position embedding NAN_AT is NaN (conftest.py, poisoned_target)
 GREEDY = SamplingParams(temperature=0.0)
 
 

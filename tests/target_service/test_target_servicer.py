@@ -107,7 +107,11 @@ async def test_a_malformed_item_fails_alone_and_its_batch_mate_is_verified_as_if
             "top_logprobs must be in [0, 20]",
         ),
         "an over-long session id": (verify_item(record), "at most 128"),
+        "decode_steps with a proposal": (verify_item(record, (1,)), "gamma = 0 items only"),
+        "decode_steps above the limit": (verify_item(record), "at most 16 per call"),
     }
+    cases["decode_steps with a proposal"][0].decode_steps = 2
+    cases["decode_steps above the limit"][0].decode_steps = 17
     cases["an over-long session id"][0].base.session_id = "x" * 129
     for name, (bad, needle) in cases.items():
         mate, twin = await new_session(store, PROMPT, SAMPLED), await new_session(store, PROMPT, SAMPLED)

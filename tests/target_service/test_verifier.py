@@ -14,6 +14,7 @@ import pytest
 import torch
 from target_helpers import (
     GREEDY,
+    NAN_AT,
     assert_cache_holds,
     fresh_logits,
     greedy_continuation,
@@ -556,20 +557,6 @@ async def test_concurrent_and_cancelled_calls_commit_once(target, store):
 
 # --------------------------------------------------------------------------- each item has its own fate
 
-NAN_AT = 40  # the poisoned target's position embedding NAN_AT is NaN
-
-
-@pytest.fixture(scope="module")
-def poisoned_target(tmp_path_factory):
-    """A tiny GPT-2 target whose position embedding NAN_AT is NaN: a real model giving NaN logits to every
-    row of a sequence that reaches that position, and normal ones to shorter sequences."""
-    import system_fixtures as sf
-
-    from specserve.models import load_model
-
-    pair = sf.tiny_pair(tmp_path_factory, arch="gpt2")
-    out = sf.poisoned_copy(pair.target_dir, tmp_path_factory.mktemp("poisoned-verifier") / "target", position=NAN_AT)
-    return load_model(out, device="cpu", dtype="float32")
 
 
 @pytest.mark.parametrize("bad_sampling", [GREEDY, SamplingParams(temperature=0.9, seed=3)], ids=["greedy", "sampled"])
