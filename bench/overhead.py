@@ -11,12 +11,13 @@ commits exactly ``--max-new-tokens`` tokens), through:
   ``--threads`` threads);
 * **specserve gamma = 0**: a stack of one process per role (``specserve serve
   target`` and ``coordinator``; no draft), the target with the same dtype and
-  thread count, through the SDK; once per ``--decode-steps`` value (target
+  thread count, through the SDK; one stack per ``--decode-steps`` value (target
   steps per Verify call after the first token: 1 is one round trip, one
   commit and one coordinator round per token; the coordinator's default
-  amortizes them over several steps).
+  amortizes them over several steps), all up at once.
 
-HF and specserve alternate prompt by prompt, so drift on a shared machine hits both.
+HF and every stack take turns prompt by prompt, in a rotating order, so drift on
+a shared machine hits all of them alike.
 Every specserve round is split, from the statistics the system reports, into:
 
 ``forward``
@@ -91,55 +92,61 @@ async def measure(args: argparse.Namespace) -> dict:
     prompts = _prompts(tokenizer, args.prompts)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the target process: the same thread count
     hf: list[float] = []
-    runs: dict[int, list[dict]] = {}
     with private_redis(args.redis_url) as redis_url:
-        for steps in args.decode_steps:
-            runs[steps] = await _specserve_runs(args, target, kernels, redis_url, steps, model, prompts, hf)
+        runs = await _interleaved_runs(args, target, kernels, redis_url, model, prompts, hf)
     return summarize(hf, runs, args, kernels)
 
 
-async def _specserve_runs(args, target, kernels, redis_url, steps, model, prompts, hf) -> list[dict]:
-    """Every prompt through a stack whose coordinator asks for ``steps`` target steps per gamma-0 round,
-    alternating with HF target-only runs (appended to ``hf``)."""
+async def _interleaved_runs(args, target, kernels, redis_url, model, prompts, hf) -> dict[int, list[dict]]:
+    """Every prompt through one stack per ``--decode-steps`` value (all up at once, the idle ones waiting),
+    interleaved prompt by prompt with HF target-only runs (appended to ``hf``) in a rotating order, so that
+    the machine's drift hits every setting alike."""
     from specserve.client import AsyncClient
     from specserve.local import start_process_stack
 
-    runs: list[dict] = []
-    stack = await start_process_stack(
-        target_model=target, draft_model=None, redis_url=redis_url, with_draft=False,
-        target_overrides={"dtype": "float32", "kernels": kernels},
-        coordinator_overrides={"decode_steps": steps},
-    )  # fmt: skip
+    kw = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": True, "gamma": 0}
+    stacks, clients = {}, {}
+    runs: dict[int, list[dict]] = {steps: [] for steps in args.decode_steps}
     try:
-        async with AsyncClient(stack.address, timeout=600) as client:
-            kw = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": True, "gamma": 0}
-            await client.generate(prompt_token_ids=prompts[0], **{**kw, "max_new_tokens": 4})  # warm-up
-            _hf_run(model, prompts[0], 4)
-            for i, ids in enumerate(prompts * args.repeats):
-                order = ("hf", "spec") if i % 2 == 0 else ("spec", "hf")
-                for which in order:
-                    if which == "hf":
-                        hf.append(_hf_run(model, ids, args.max_new_tokens) / args.max_new_tokens)
-                        continue
-                    start = time.perf_counter()
-                    result = await client.generate(prompt_token_ids=ids, **kw)
-                    wall = time.perf_counter() - start
-                    s = result.stats
-                    assert s.completion_tokens == args.max_new_tokens
-                    runs.append(
-                        {
-                            "client_s_per_token": wall / s.completion_tokens,
-                            "tokens": s.completion_tokens,
-                            "rounds": s.rounds,
-                            "total_ns": s.total_ns,
-                            "verify_ns": s.verify_ns,
-                            "target_ns": s.target_ns,
-                            "forward_ns": s.forward_ns,
-                            "draft_ns": s.draft_ns,
-                        }
-                    )
+        for steps in args.decode_steps:
+            stacks[steps] = await start_process_stack(
+                target_model=target, draft_model=None, redis_url=redis_url, with_draft=False,
+                target_overrides={"dtype": "float32", "kernels": kernels},
+                coordinator_overrides={"decode_steps": steps},
+            )  # fmt: skip
+            clients[steps] = AsyncClient(stacks[steps].address, timeout=600)
+            await clients[steps].generate(
+                prompt_token_ids=prompts[0], **{**kw, "max_new_tokens": 4}
+            )  # warm-up
+        _hf_run(model, prompts[0], 4)
+        order: list[int | None] = [None, *args.decode_steps]  # None: HF
+        for i, ids in enumerate(prompts * args.repeats):
+            for which in order[i % len(order) :] + order[: i % len(order)]:
+                if which is None:
+                    hf.append(_hf_run(model, ids, args.max_new_tokens) / args.max_new_tokens)
+                    continue
+                start = time.perf_counter()
+                result = await clients[which].generate(prompt_token_ids=ids, **kw)
+                wall = time.perf_counter() - start
+                s = result.stats
+                assert s.completion_tokens == args.max_new_tokens
+                runs[which].append(
+                    {
+                        "client_s_per_token": wall / s.completion_tokens,
+                        "tokens": s.completion_tokens,
+                        "rounds": s.rounds,
+                        "total_ns": s.total_ns,
+                        "verify_ns": s.verify_ns,
+                        "target_ns": s.target_ns,
+                        "forward_ns": s.forward_ns,
+                        "draft_ns": s.draft_ns,
+                    }
+                )
     finally:
-        await stack.stop()
+        for client in clients.values():
+            await client.close()
+        for stack in stacks.values():
+            await stack.stop()
     return runs
 
 
@@ -215,9 +222,10 @@ def section(data: dict) -> list[str]:
         "",
         f"Command: `{data['command']}` ({data['when']}). HF `generate()` of the target alone: "
         f"{data['hf_ms_per_token']:.2f} ms/token. specserve at gamma = 0 with the same model, dtype, threads "
-        f"and linear kernels ({data.get('kernels', 'stock')}), once per `decode_steps` (target steps per "
-        "Verify call after the first token; the coordinator's default is "
-        f"{default}): at the default, **{ratio:.2f}x** of HF (target: 0.95x or better: **{verdict}**)."
+        f"and linear kernels ({data.get('kernels', 'stock')}), one stack per `decode_steps` value (target steps "
+        "per Verify call after the first token), all up at once and taking turns with HF prompt by prompt; the "
+        "coordinator's default is "
+        f"{default}. At the default, **{ratio:.2f}x** of HF (target: 0.95x or better: **{verdict}**)."
         if ratio is not None
         else f"Command: `{data['command']}` ({data['when']}): the default decode_steps ({default}) was not run.",
         "",

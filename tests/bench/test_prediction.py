@@ -23,7 +23,13 @@ def test_half_wrong_replaces_every_other_block():
     assert half_wrong(list(range(10)), [90, 91, 92], 2) == [0, 1, 92, 90, 4, 5, 90, 91, 8, 9]
 
 
-async def test_the_mode_runs_through_the_harness_and_renders_its_section(pair, redis_server, tmp_path):
+async def test_the_mode_runs_through_the_harness_and_renders_its_section(
+    pair, redis_server, tmp_path, monkeypatch
+):
+    # One target step per round: with these tiny models a round trip costs several target steps, so at the
+    # default decode_steps the policy rightly prefers four target steps per call to drafting a half-wrong
+    # prediction, and this test checks that mode's rejected tokens too.
+    monkeypatch.setenv("SPECSERVE_DECODE_STEPS", "1")
     argv = [
         "--predicted-outputs",
         "--target", str(pair.target_dir),
@@ -48,7 +54,9 @@ async def test_the_mode_runs_through_the_harness_and_renders_its_section(pair, r
         "adaptive",
     ]
     assert len(data["runs"]) == 2 * len(modes)
-    assert all(run["tokens"] == 24 and run["identical"] for run in data["runs"]), "greedy output never changes"
+    assert all(run["tokens"] == 24 and run["identical"] for run in data["runs"]), (
+        "greedy output never changes"
+    )
     rows = {row["mode"]: row for row in data["summary"]}
     assert rows["prediction"]["accepted_prediction_share"] >= 0.9
     assert rows[f"prediction gamma={gamma}"]["tokens_per_round"] > 4
