@@ -334,7 +334,9 @@ async def words(redis_server, tmp_path_factory):
     """A stack on a word-level tokenizer with a chat template: a completion's text encodes back to the same
     tokens, so a prediction sent as text (as OpenAI clients send it) is exactly the tokens predicted."""
     pair = sf.tiny_vocab_pair(tmp_path_factory, vocab_size=27, chat_template=tiny_models.CHAT_TEMPLATE)
-    overrides = {"http_port": 0, "served_model_name": MODEL}
+    # decode_steps 1, as in ``stack``: at the default the policy prefers four target steps per call to
+    # drafting a half-wrong prediction with these tiny models.
+    overrides = {"http_port": 0, "served_model_name": MODEL, "decode_steps": 1}
     async with sf.local_stack(pair, redis_server.url, coordinator_overrides=overrides) as s:
         yield pair, s
 
