@@ -125,8 +125,9 @@ def summary(outcomes: list[Outcome], *, must_match: bool = True) -> str:
     else:
         lines.append("sampled with the optimal rule: the text may differ from the target alone's (same distribution).")
     model = [o for o in compared if o.scenario.proposer is None]
-    paying = [o for o in compared if o.speedup >= PAYS]
-    if model and not any(o.speedup >= PAYS for o in model):
+    # A run that accepted no draft token ran the target alone, as its comparison did: its ratio is noise.
+    paying = [o for o in compared if o.speedup >= PAYS and o.spec.stats.accepted_tokens > 0]  # type: ignore[union-attr]
+    if model and not any(o in paying for o in model):
         best = max(model, key=lambda o: o.speedup)
         spec, alone = best.spec.stats, best.alone.stats  # type: ignore[union-attr]
         spec_round = 1e3 * spec.total_s / max(spec.rounds, 1)
@@ -134,8 +135,8 @@ def summary(outcomes: list[Outcome], *, must_match: bool = True) -> str:
         lines.append(
             f"On this machine the draft model does not pay: at best {best.speedup:.2f}x the target alone. "
             f"A speculative round took {spec_round:.1f} ms and committed {spec.tokens_per_round:.2f} tokens "
-            f"({100 * spec.acceptance_rate:.0f}% of draft tokens accepted); a plain target step took "
-            f"{plain_round:.1f} ms for 1 token."
+            f"({100 * spec.acceptance_rate:.0f}% of draft tokens accepted); a round of the target alone took "
+            f"{plain_round:.1f} ms for {alone.tokens_per_round:.2f} tokens."
         )
         drafted = sum(o.spec.stats.draft_rounds for o in model)  # type: ignore[union-attr]
         rounds = sum(o.spec.stats.rounds for o in model)  # type: ignore[union-attr]
