@@ -283,7 +283,8 @@ class AdaptiveGamma(SpeculationPolicy):
         for g in self.choices:
             expected = acceptance.expected_tokens(g)
             if g == 0:  # one token per step; the call's fixed part is shared by decode_steps steps
-                cost = cm.target_only_token_ns(b, self.decode_steps)
+                # (a session drafting locally keeps one step per round: coordinator/rounds.py)
+                cost = cm.target_only_token_ns(b, 1 if local_draft else self.decode_steps)
             else:
                 cost = cm.round_ns(g, b, drafted=not local_draft) + charge * (g + 1 - expected)
             out[g] = expected / max(cost, 1.0)

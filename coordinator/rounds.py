@@ -176,11 +176,13 @@ class RoundLoop:
     def _steps(self, proposal: common_pb2.Proposal) -> int:
         """Target steps the round asks for: ``decode_steps`` for a round without a proposal once the first
         token is out (the first round is the prefill: its token goes out alone, as soon as it exists),
-        capped by the tokens left; 1 otherwise. Each step commits what a gamma = 0 round would; the call
+        capped by the tokens left, for a session whose proposals need a draft call; 1 otherwise. Each step commits what a gamma = 0 round would; the call
         saves the round trips, the commits and the coordinator's share of the steps after the first."""
         s = self.session
         generated = s.committed_len - s.prompt_len
-        if proposal.token_ids or generated == 0:
+        if proposal.token_ids or generated == 0 or self.pool.drafts_locally(s):
+            # A session whose proposals come from the coordinator (n-gram lookup, a prediction) keeps one
+            # step per round: they are free, so every round is its chance to start drafting a copied run.
             return 1
         return max(1, min(self.decode_steps, s.stop.max_new_tokens - generated))
 
