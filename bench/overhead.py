@@ -273,9 +273,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--redis-url", default=None)
     ap.add_argument(
         "--kernels",
-        choices=("auto", "stock", "onednn"),
-        default="stock",
-        help="the target's linear kernels (specserve/cpu_kernels.py), in the service and in HF alike",
+        choices=("fastest", "auto", "stock", "onednn"),
+        default="fastest",
+        help="the target's linear kernels (specserve/cpu_kernels.py), in the service and in HF alike "
+        "(fastest, the target's default: both timed here as the model loads, the faster one used by both)",
     )
     ap.add_argument(
         "--decode-steps",

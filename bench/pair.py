@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import specserve.draft_model  # noqa: F401  (registers the default draft's model type)
 from specserve import cpu_kernels
 from specserve.cpu_kernels import Kernels
+from specserve.models import pass_timer
 
 
 def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype=torch.float32, kernels: Kernels = "stock"):
@@ -31,8 +32,11 @@ def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype=torch.float32
     target = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True, dtype=dtype).eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, local_files_only=True, dtype=dtype).eval()
     if cpu_kernels.resolve(kernels, target.device, dtype) == "onednn":
-        cpu_kernels.use_packed_linears(target)
-        cpu_kernels.use_packed_linears(draft)
+        if kernels == "fastest":  # the target service's default: both paths timed, the faster kept
+            cpu_kernels.use_faster_linears(target, pass_timer(target, target.device))
+        else:
+            cpu_kernels.use_packed_linears(target)
+        cpu_kernels.use_packed_linears(draft)  # the draft service's default (auto)
     return tok, target, draft
 
 

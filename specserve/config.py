@@ -123,12 +123,15 @@ class WorkerSettings(CommonSettings):
         description="Most committed tokens a session may hold here (also capped by the model's context); "
         "a longer Propose history is refused before any work.",
     )
-    kernels: Literal["auto", "stock", "onednn"] = Field(
-        "stock",
-        description="Linear-layer kernels: 'onednn' (weights prepacked for oneDNN, on a CPU: a pass over "
-        "several positions costs little more than one), 'stock' (PyTorch's), 'auto' (onednn for float32 on "
-        "a CPU where PyTorch has it, else stock). Default stock: measured through the whole stack on 2 "
-        "cores, onednn made the kernels faster but the service slower (docs/benchmarks/kernels.md).",
+    kernels: Literal["fastest", "auto", "stock", "onednn"] = Field(
+        "fastest",
+        description="Linear-layer kernels: 'fastest' (for float32 on a CPU where PyTorch has oneDNN, both "
+        "paths timed on the model as it loads, a step and a pass over 5 positions, and the faster kept, "
+        "logged as kernels_timed; elsewhere stock), 'onednn' (weights prepacked for oneDNN, on a CPU: a pass "
+        "over several positions costs little more than one), 'stock' (PyTorch's), 'auto' (onednn for "
+        "float32 on a CPU where PyTorch has it, else stock). Which is faster depends on the CPU: the packed "
+        "step was 1.7x faster on one of this project's machines and slower on another "
+        "(docs/benchmarks/kernels.md).",
     )
     warmup: bool = Field(True, description="Run one forward pass at start so the first request is not slow.")
     worker_token: SecretStr | None = Field(

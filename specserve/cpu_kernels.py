@@ -42,6 +42,7 @@ drafting passes take the same kernel, unpadded (or padded to 2) where
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Literal
 
@@ -52,8 +53,10 @@ from torch import Tensor, nn
 
 log = structlog.get_logger(__name__)
 
-#: The setting: "auto" (packed where it applies), "stock" (PyTorch's own kernels), "onednn" (packed, or fail).
-Kernels = Literal["auto", "stock", "onednn"]
+#: The setting: "auto" (packed where it applies), "stock" (PyTorch's own kernels), "onednn" (packed, or fail),
+#: "fastest" (where packing applies, both timed on the model as it loads and the faster kept:
+#: :func:`use_faster_linears`; elsewhere stock).
+Kernels = Literal["auto", "stock", "onednn", "fastest"]
 
 #: The row count the weights are packed for. Any count is served; with 1 oneDNN picks a layout that makes
 #: 2+ rows as slow as the stock kernel, with 2 or more one row stays as fast as the stock one (measured).
@@ -71,7 +74,8 @@ def onednn_available() -> bool:
 
 
 def resolve(kernels: Kernels, device: torch.device, dtype: torch.dtype) -> Literal["stock", "onednn"]:
-    """The kernel path a model on ``device`` in ``dtype`` gets for the setting ``kernels``."""
+    """The kernel path a model on ``device`` in ``dtype`` gets for the setting ``kernels`` ("fastest": the
+    path it may get, "onednn" where both are timed, :func:`use_faster_linears`)."""
     fits = device.type == "cpu" and dtype == torch.float32
     if kernels == "stock":
         return "stock"
@@ -178,13 +182,10 @@ def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
     return got.shape == want.shape and bool(((got - want).abs().max() <= 1e-4 * scale).item())
 
 
-def use_packed_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` in ``model`` (a float32 model on the CPU) by a :class:`PackedLinear`.
-
-    Returns the number replaced. Raises ``RuntimeError`` (and changes nothing)
-    when a packed layer does not compute what the stock one does.
-    """
-    swaps: list[tuple[nn.Module, str, PackedLinear]] = []
+def _swaps(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, PackedLinear]]:
+    """``(parent, name, stock layer, packed layer)`` for every ``nn.Linear`` of ``model``; raises
+    ``RuntimeError`` when a packed layer does not compute what the stock one does."""
+    swaps = []
     for parent in model.modules():
         for name, child in parent.named_children():
             if type(child) is nn.Linear:
@@ -193,11 +194,59 @@ def use_packed_linears(model: nn.Module) -> int:
                 packed = PackedLinear(child.weight, child.bias)
                 if not _agrees(child, packed):
                     raise RuntimeError(f"oneDNN's packed linear disagrees with F.linear on {name!r}; keep kernels=stock")
-                swaps.append((parent, name, packed))
-    for parent, name, packed in swaps:
+                swaps.append((parent, name, child, packed))
+    return swaps
+
+
+def use_packed_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` in ``model`` (a float32 model on the CPU) by a :class:`PackedLinear`.
+
+    Returns the number replaced. Raises ``RuntimeError`` (and changes nothing)
+    when a packed layer does not compute what the stock one does.
+    """
+    swaps = _swaps(model)
+    for parent, name, _, packed in swaps:
         setattr(parent, name, packed)
     log.debug("packed_linears", layers=len(swaps))
     return len(swaps)
+
+
+def use_faster_linears(
+    model: nn.Module, timed_pass: Callable[[int], int], *, positions: tuple[int, ...] = (1, 5), repeats: int = 5
+) -> tuple[Literal["stock", "onednn"], dict[str, float]]:
+    """Leave ``model`` (float32, CPU) on whichever kernel path runs its passes faster on this machine.
+
+    ``timed_pass(k)`` runs one pass of the model over ``k`` new positions and returns its nanoseconds. Each
+    path is timed at every ``k`` in ``positions`` (a decoding step and a verify pass), ``repeats`` times
+    with the two paths alternating (a machine busy with something else slows both alike), after a round
+    that warms both up; the path with the smaller sum of medians wins. Returns the path and each path's
+    sum in milliseconds. Which path is faster depends on the CPU: measured on the project's machines, the
+    packed one ran the default target's step 1.7x faster on one and 1.5x slower on another
+    (docs/benchmarks/kernels.md).
+    """
+    if path_of(model) == "onednn":
+        raise ValueError("the model's linears are packed already; time the paths on a freshly loaded model")
+    swaps = _swaps(model)
+    if not swaps:
+        return "stock", {}
+
+    def take(path: str) -> None:
+        for parent, name, stock, packed in swaps:
+            setattr(parent, name, packed if path == "onednn" else stock)
+
+    samples: dict[str, dict[int, list[int]]] = {p: {k: [] for k in positions} for p in ("stock", "onednn")}
+    for rep in range(repeats + 1):  # the first round warms both paths up and is not kept
+        for path in ("stock", "onednn") if rep % 2 else ("onednn", "stock"):
+            take(path)
+            for k in positions:
+                elapsed = timed_pass(k)
+                if rep:
+                    samples[path][k].append(elapsed)
+    totals = {p: sum(statistics.median(s) for s in by_k.values()) / 1e6 for p, by_k in samples.items()}
+    choice: Literal["stock", "onednn"] = "onednn" if totals["onednn"] < totals["stock"] else "stock"
+    take(choice)
+    log.info("kernels_timed", choice=choice, positions=list(positions), **{f"{p}_ms": round(t, 2) for p, t in totals.items()})
+    return choice, totals
 
 
 def path_of(model: nn.Module) -> Literal["stock", "onednn"]:

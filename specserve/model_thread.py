@@ -67,3 +67,26 @@ class ModelThread:
     def close(self, *, wait: bool) -> None:
         """Stop the thread: ``wait`` for the call in flight, or cancel what has not started."""
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def serial_torch_off_the_model_thread() -> None:
+    """Make torch run serially on the calling thread (a worker process's event loop, once its model has
+    loaded on its :class:`ModelThread`) and on threads that start using torch after this call.
+
+    With libgomp (PyTorch's OpenMP on Linux) every thread that runs a parallel torch region gets a team
+    of its own, and once a process holds more OpenMP threads than there are cores, libgomp stops letting
+    any team's threads spin at their barriers: every parallel region of the model's passes then waits on
+    a futex. Measured on the default target (2 cores, packed kernels): a decoding step went from 23 ms to
+    33 ms, for the life of the process, after the first Verify call whose dense draft distributions the
+    event loop checked with torch (parallel over ``[gamma, vocab]``). Work on the event loop is small
+    (a request's checks and conversions); serial there, it never starts a second team. The model thread
+    took its thread count when it first ran torch (loading the model), which this leaves alone.
+    """
+    import sys
+
+    if "torch" not in sys.modules:  # a role that does no tensor work (the coordinator)
+        return
+    import torch
+
+    torch.set_num_threads(1)
+

@@ -266,6 +266,33 @@ def _load_pretrained(spec: str, torch_dtype: torch.dtype) -> tuple[Any, Any]:
     return tokenizer, model
 
 
+def pass_timer(model, device: torch.device, context: int = 64):
+    """``time(k)``: nanoseconds of one pass of ``model`` over ``k`` new positions after ``context`` cached
+    tokens (fewer where the model's context is shorter), the cache cropped back after each pass."""
+    from transformers import DynamicCache
+
+    most = 8  # the longest pass timed (cpu_kernels.use_faster_linears times 1 and 5 positions)
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    context = max(1, min(context, int(limit) - most)) if limit else context
+    vocab = vocab_size_of(model)
+    tokens = torch.tensor([[(7919 * i + 13) % vocab for i in range(context + most)]], device=device)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=tokens[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+
+    @torch.inference_mode()
+    def time_pass(k: int) -> int:
+        start = time.perf_counter_ns()
+        model(input_ids=tokens[:, context : context + k], cache=cache, use_cache=True, logits_to_keep=k)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter_ns() - start
+        cache.crop(-k)
+        return elapsed
+
+    return time_pass
+
+
 def load_model(
     path: str | Path,
     *,
@@ -290,7 +317,9 @@ def load_model(
         kernel_path = cpu_kernels.resolve(kernels, torch_device, torch_dtype)
     except ValueError as exc:
         raise FailedPrecondition(str(exc)) from None
-    if kernel_path == "onednn":
+    if kernel_path == "onednn" and kernels == "fastest":
+        kernel_path, _ = cpu_kernels.use_faster_linears(model, pass_timer(model, torch_device))
+    elif kernel_path == "onednn":
         cpu_kernels.use_packed_linears(model)
     if len(tokenizer) > vocab_size:
         raise FailedPrecondition(

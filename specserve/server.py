@@ -27,6 +27,7 @@ from specserve import logs
 from specserve.config import CommonSettings
 from specserve.errors import InvalidArgument, SpecServeError
 from specserve.interceptors import RequestIdInterceptor
+from specserve.model_thread import serial_torch_off_the_model_thread
 from specserve.status import status_code_for, trailers_for
 
 log = structlog.get_logger(__name__)
@@ -280,6 +281,7 @@ async def run_role(settings: CommonSettings, start: Callable[[], Awaitable[RoleA
     """The ``serve()`` of every role: logging, start, ``/metrics``, run until SIGTERM/SIGINT, stop."""
     logs.configure_logging(settings.log_format, settings.log_level, secrets=logs.settings_secrets(settings))
     app = await start()
+    serial_torch_off_the_model_thread()  # after the model thread took its thread count (start loads it there)
     start_metrics_server(settings.metrics_port, settings.host)
     try:
         assert app.running is not None

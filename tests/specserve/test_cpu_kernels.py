@@ -111,3 +111,51 @@ def test_asking_for_onednn_on_a_model_it_does_not_fit_is_a_clear_error(tmp_path)
     target_dir, _ = tiny_models.make_tiny_pair(tmp_path)
     with pytest.raises(FailedPrecondition, match="kernels='onednn' is for float32 models on a CPU"):
         load_model(target_dir, device="cpu", dtype="bfloat16", kernels="onednn")
+
+
+def test_fastest_keeps_the_path_whose_passes_time_faster_and_gives_the_stock_layers_back(tmp_path):
+    """use_faster_linears times both paths at each pass size, alternating, and leaves the model on the one
+    whose passes took less: where that is stock, the model's own nn.Linear objects are back in place."""
+    target_dir, _ = tiny_models.make_tiny_pair(tmp_path)
+    for faster, slower in (("onednn", "stock"), ("stock", "onednn")):
+        model = load_model(target_dir, device="cpu", dtype="float32", kernels="stock").model
+        originals = [m for m in model.modules() if type(m) is nn.Linear]
+        calls: list[tuple[str, int]] = []
+
+        def timed(k: int, faster=faster, model=model, calls=calls) -> int:
+            path = cpu_kernels.path_of(model)
+            calls.append((path, k))
+            return (1_000 if path == faster else 1_500) * k
+
+        choice, totals = cpu_kernels.use_faster_linears(model, timed, positions=(1, 5), repeats=3)
+        assert choice == faster == cpu_kernels.path_of(model)
+        assert totals[faster] == pytest.approx(6 * 1e-3) and totals[slower] == pytest.approx(9 * 1e-3)
+        for path in ("stock", "onednn"):  # a warm-up round and 3 kept, at both sizes
+            assert sorted(k for p, k in calls if p == path) == [1] * 4 + [5] * 4
+        assert calls[0][0] != calls[4][0]  # the order alternates by round (2 sizes x 2 paths per round)
+        if faster == "stock":
+            assert [m for m in model.modules() if type(m) is nn.Linear] == originals  # the same objects
+        else:
+            with pytest.raises(ValueError, match="packed already"):  # it would compare onednn with itself
+                cpu_kernels.use_faster_linears(model, timed)
+
+
+def test_a_model_loaded_with_the_fastest_kernels_runs_one_path_and_decodes_as_the_stock_model(tmp_path):
+    """kernels='fastest' (the target's default) times the real passes as the model loads; whichever path
+    wins, greedy decoding matches the stock model. Where packing does not apply it is stock, untimed."""
+    from specserve.config import TargetSettings
+
+    assert TargetSettings.model_fields["kernels"].default == "fastest"
+    target_dir, _ = tiny_models.make_tiny_pair(tmp_path)
+    stock = load_model(target_dir, device="cpu", dtype="float32", kernels="stock")
+    chosen = load_model(target_dir, device="cpu", dtype="float32", kernels="fastest")
+    packed = sum(type(m) is cpu_kernels.PackedLinear for m in chosen.model.modules())
+    plain = sum(type(m) is nn.Linear for m in chosen.model.modules())
+    assert (packed, plain) in ((0, plain), (plain + packed, 0)) and packed + plain > 0  # all one path
+    prompt = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
+    with torch.inference_mode():
+        want = stock.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False)
+        got = chosen.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False)
+    assert got.tolist() == want.tolist()
+    half = load_model(target_dir, device="cpu", dtype="bfloat16", kernels="fastest")
+    assert cpu_kernels.path_of(half.model) == "stock"
