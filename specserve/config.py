@@ -193,7 +193,7 @@ class DraftSettings(WorkerSettings):
         "on a CPU: the rows of a pass go unpadded where the kernel's bits do not depend on the row count, so "
         "a lone session's step costs one row's matmul, not a 16-row block's), 'stock' (PyTorch's, in "
         "16-row blocks), 'auto' (onednn for float32 on a CPU where PyTorch has it, else stock). Measured on "
-        "the default draft: 8.0 ms per drafted token with onednn, 11.7 with stock (docs/benchmarks/kernels.md).",
+        "the default draft: 2.75 ms per drafted token with onednn, 7.40 with stock (docs/benchmarks/kernels.md).",
     )
     max_batch_size: int = Field(
         32,
