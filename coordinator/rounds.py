@@ -134,7 +134,6 @@ class RoundLoop:
         if ahead is not None and ahead[0] != s.token_ids:  # the log moved otherwise (a resync): useless
             ahead = None
         gamma = self.choose_gamma()
-        shadow = self._shadow(self._steps(common_pb2.Proposal())) if gamma == 0 else ()
         proposed = await self.pool.propose(s, gamma, ahead=ahead[1] if ahead else None)
         if ahead is not None and proposed.wall_ns == 0 and proposed.source == "model":
             self.ahead_used += 1
@@ -142,9 +141,9 @@ class RoundLoop:
         s.stats.draft_ns += proposed.wall_ns
         if proposed.draft_ns is not None:
             metrics.STAGE_SECONDS.labels(stage="draft").observe(proposed.draft_ns / 1e9)
-        item = target_pb2.VerifyItem(
-            base=s.base.to_pb(), proposal=proposed.proposal, decode_steps=self._steps(proposed.proposal)
-        )
+        steps = self._steps(proposed.proposal)
+        shadow = self._shadow(steps) if gamma == 0 else ()
+        item = target_pb2.VerifyItem(base=s.base.to_pb(), proposal=proposed.proposal, decode_steps=steps)
         if s.top_logprobs is not None:
             item.logprobs.CopyFrom(common_pb2.LogprobsParams(top_logprobs=s.top_logprobs))
         drafting = None
@@ -176,8 +175,9 @@ class RoundLoop:
     def _steps(self, proposal: common_pb2.Proposal) -> int:
         """Target steps the round asks for: ``decode_steps`` for a round without a proposal once the first
         token is out (the first round is the prefill: its token goes out alone, as soon as it exists),
-        capped by the tokens left, for a session whose proposals need a draft call; 1 otherwise. Each step commits what a gamma = 0 round would; the call
-        saves the round trips, the commits and the coordinator's share of the steps after the first."""
+        capped by the tokens left, for a session whose proposals need a draft call; 1 otherwise. Each
+        step commits what a gamma = 0 round would; the call saves the round trips, the commits and the
+        coordinator's share of the steps after the first."""
         s = self.session
         generated = s.committed_len - s.prompt_len
         if proposal.token_ids or generated == 0 or self.pool.drafts_locally(s):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -266,12 +267,15 @@ def _load_pretrained(spec: str, torch_dtype: torch.dtype) -> tuple[Any, Any]:
     return tokenizer, model
 
 
-def pass_timer(model, device: torch.device, context: int = 64):
-    """``time(k)``: nanoseconds of one pass of ``model`` over ``k`` new positions after ``context`` cached
-    tokens (fewer where the model's context is shorter), the cache cropped back after each pass."""
+def pass_timer(
+    model, device: torch.device, *, context: int = 64, most: int = 8, clock: Callable[[], int] = time.perf_counter_ns
+) -> Callable[[int], int]:
+    """``time(k)``: ``clock`` nanoseconds of one pass of ``model`` over ``k <= most`` new positions after
+    ``context`` cached tokens (fewer where the model's context is shorter), the cache cropped back after
+    each pass. Shared by the kernel choice (:func:`specserve.cpu_kernels.use_faster_linears`) and the
+    target's start-up verify curve (``target_service/calibration.py``); run it where the model runs."""
     from transformers import DynamicCache
 
-    most = 8  # the longest pass timed (cpu_kernels.use_faster_linears times 1 and 5 positions)
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     context = max(1, min(context, int(limit) - most)) if limit else context
     vocab = vocab_size_of(model)
@@ -282,11 +286,13 @@ def pass_timer(model, device: torch.device, context: int = 64):
 
     @torch.inference_mode()
     def time_pass(k: int) -> int:
-        start = time.perf_counter_ns()
+        if not 1 <= k <= most:
+            raise ValueError(f"a timed pass feeds 1 to {most} positions, not {k}")
+        start = clock()
         model(input_ids=tokens[:, context : context + k], cache=cache, use_cache=True, logits_to_keep=k)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        elapsed = time.perf_counter_ns() - start
+        elapsed = clock() - start
         cache.crop(-k)
         return elapsed
 

@@ -25,10 +25,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-import torch
-
-from specserve.kvcache import SessionCache
-from specserve.models import LoadedModel
+from specserve.models import LoadedModel, pass_timer
 
 __all__ = ["CURVE_MAX_POSITIONS", "measure_verify_curve"]
 
@@ -54,23 +51,11 @@ def measure_verify_curve(
     """
     if max_positions < 1 or repeats < 1:
         raise ValueError("max_positions and repeats must be >= 1")
-    cache = SessionCache(model.model, "verify-calibration")
-    room = cache.max_positions if cache.max_positions is not None else context_tokens + max_positions
-    context = max(1, min(context_tokens, room - max_positions))
-    vocab = cache.vocab_size
-    tokens = [(7919 * i + 13) % vocab for i in range(context + max_positions)]
-    cache.reconcile(tokens[: context + 1], pending=True)  # context tokens cached, committed; the next one fed first
-    feed = tokens[context:]
+    time_pass = pass_timer(model.model, model.device, context=context_tokens, most=max_positions, clock=clock)
     samples: list[list[int]] = [[] for _ in range(max_positions)]
     for rep in range(repeats + 1):  # the first sweep warms every shape up and is not kept
         for k in range(1, max_positions + 1):
-            t0 = clock()
-            cache.extend(feed[:k])  # under inference_mode (SessionCache)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize(model.device)
-            elapsed = clock() - t0
-            cache.rollback()
+            elapsed = time_pass(k)
             if rep:
                 samples[k - 1].append(elapsed)
-    cache.reset()
     return tuple(max(1, int(statistics.median(s))) for s in samples)
