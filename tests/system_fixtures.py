@@ -242,11 +242,16 @@ async def local_stack(pair: TinyPair, redis_url: str, **kwargs: Any) -> AsyncIte
     kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("device", "cpu")
     overrides = {"warmup": False, **kwargs.pop("worker_overrides", {})}
+    # The target on PyTorch's stock kernels, as the references here (load_reference) are: its default,
+    # "fastest", times both paths as it loads, and for a tiny model that choice is the machine's noise,
+    # which would change the stacks' costs (and so the adaptive policy's choices) from run to run.
+    # tests/specserve/test_cpu_kernels.py covers "fastest".
+    target = {**overrides, "kernels": "stock", **kwargs.pop("target_overrides", {})}
     stack = await start_local_stack(
         target_model=pair.target_dir,
         draft_model=pair.draft_dir,
         redis_url=redis_url,
-        target_overrides={**overrides, **kwargs.pop("target_overrides", {})},
+        target_overrides=target,
         draft_overrides={**overrides, **kwargs.pop("draft_overrides", {})},
         **kwargs,
     )
