@@ -133,6 +133,14 @@ class WorkerSettings(CommonSettings):
         "step was 1.7x faster on one of this project's machines and slower on another "
         "(docs/benchmarks/kernels.md).",
     )
+    threads: int = Field(
+        0,
+        ge=0,
+        description="CPU threads for the model's passes (torch's intra-op threads on the model thread); 0: "
+        "torch's default, one per core. `specserve up` and `demo` give their draft 1: it shares the cores with "
+        "the target there, and a second thread team costs the target's passes more than it saves the draft "
+        "(docs/operations.md, 'Threads').",
+    )
     warmup: bool = Field(True, description="Run one forward pass at start so the first request is not slow.")
     worker_token: SecretStr | None = Field(
         None,

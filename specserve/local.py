@@ -37,6 +37,13 @@ from specserve.config import CoordinatorSettings, DraftSettings, TargetSettings
 
 log = structlog.get_logger(__name__)
 
+#: The draft process's torch threads in a stack of processes on one machine (``specserve up``, ``demo``,
+#: the benchmarks): the draft and the target take turns on the same cores, and a second team of threads
+#: in the draft process costs the target's passes more than it saves the draft. Measured on the default
+#: pair (2 cores, greedy, gamma = 2): a round's Propose call 12.2 -> 9.5 ms and the target's pass over
+#: 3 positions 28.8 -> 23.0 ms, gamma = 0 unchanged (docs/operations.md, "Threads").
+COLOCATED_DRAFT_THREADS = 1
+
 #: Where the workers of a local stack listen: loopback only.
 WORKER_HOST = "127.0.0.1"
 
@@ -337,7 +344,13 @@ async def start_process_stack(
         # The draft first, then the target: the target times its verify pass as it starts
         # (target_service/calibration.py), which a draft loading beside it on the same cores would skew.
         if draft_port is not None:
-            settings = {**worker, "port": draft_port, "model": draft_model, **(draft_overrides or {})}
+            settings = {
+                **worker,
+                "port": draft_port,
+                "model": draft_model,
+                "threads": COLOCATED_DRAFT_THREADS,
+                **(draft_overrides or {}),
+            }
             await _wait_serving(
                 await spawn("draft", settings), "draft", f"{loopback}:{draft_port}", start_timeout_s
             )

@@ -362,6 +362,7 @@ def load_model(
         vocab_fingerprint=loaded.vocab_fingerprint[:12],
         load_s=round(time.perf_counter() - start, 3),
         kernels=kernel_path,
+        threads=torch.get_num_threads(),  # the loading thread's: the model thread's, in a worker
         warmed_up=warmup,
     )
     return loaded

@@ -50,7 +50,12 @@ def load_worker_model(
     settings: WorkerSettings, role: Literal["draft", "target"], *, kernels: Kernels = "stock"
 ) -> LoadedModel:
     """The role's model from ``settings.model`` (None: the default pair's), with ``kernels``
-    (:mod:`specserve.cpu_kernels`)."""
+    (:mod:`specserve.cpu_kernels`). Call it on the role's model thread: ``settings.threads`` (when set)
+    becomes that thread's torch thread count before the model loads and times its kernels."""
+    if settings.threads:
+        import torch
+
+        torch.set_num_threads(settings.threads)
     return load_model(
         resolve_model_path(settings.model, role),
         device=settings.device,

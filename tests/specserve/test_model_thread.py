@@ -68,3 +68,45 @@ def test_without_it_the_main_thread_s_tensor_work_starts_a_second_team():
     from spinning at barriers, which slowed the default target's step from 23 to 33 ms)."""
     before, after, *_ = _run("parallel")
     assert after > before
+
+
+#: A draft replica built with ``threads`` from argv[2] in a process whose OpenMP default is 2: the
+#: count its model thread runs with, and the process's thread count before and after passes there
+#: large enough for torch to split (a second team would show as new threads).
+WORKER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    from draft_service.server import build_draft
+    from specserve.config import DraftSettings
+
+    settings = DraftSettings(model=sys.argv[1], threads=int(sys.argv[2]), host="127.0.0.1", port=0, warmup=False)
+    app = build_draft(settings)
+    thread = app.engine.thread
+    before = len(os.listdir("/proc/self/task"))
+    for _ in range(3):
+        thread.call(lambda: torch.randn(512, 512) @ torch.randn(512, 512))
+    print(thread.call(torch.get_num_threads), before, len(os.listdir("/proc/self/task")))
+    """
+)
+
+
+def _worker(model_dir, threads: int) -> list[int]:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run(
+        [sys.executable, "-c", WORKER_SCRIPT, str(model_dir), str(threads)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return [int(x) for x in out.stdout.splitlines()[-1].split()]  # after the load's log lines
+
+
+def test_a_worker_s_threads_setting_is_its_model_thread_s_count_and_starts_no_team(tmp_path):
+    """``threads = 1`` (what `specserve up` gives its draft): the model thread runs torch serially, and
+    its passes start no OpenMP threads; ``threads = 0`` keeps torch's default (2 here)."""
+    from tiny_models import make_tiny_pair
+
+    _, draft_dir = make_tiny_pair(tmp_path)
+    count, before, after = _worker(draft_dir, 1)
+    assert count == 1 and after == before
+    count, _, _ = _worker(draft_dir, 0)
+    assert count == 2

@@ -1,0 +1,35 @@
+"""specserve.local.start_process_stack: what each role's process is started with."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+
+@pytest.fixture
+def pair(tmp_path):
+    from tiny_models import make_tiny_pair
+
+    return make_tiny_pair(tmp_path)
+
+
+async def test_a_process_stack_runs_its_draft_on_one_thread_and_the_target_on_the_default(
+    pair, redis_url, monkeypatch, capfd
+):
+    """The roles share this machine's cores: the draft's process gets ``threads = 1``
+    (``COLOCATED_DRAFT_THREADS``), the target keeps torch's default (2 here), as each role's
+    ``model_loaded`` log line reports from its model thread."""
+    from specserve.local import COLOCATED_DRAFT_THREADS, start_process_stack
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the roles' default (the tests' own processes run 1)
+    target_dir, draft_dir = pair
+    stack = await start_process_stack(
+        target_model=target_dir, draft_model=draft_dir, redis_url=redis_url, log_level="info",
+        target_overrides={"measure_verify_cost": False},
+    )  # fmt: skip
+    await stack.stop()
+    loaded = re.findall(r"model_loaded .*?model=(\S+).*?threads=(\d+)", capfd.readouterr().err)
+    threads = {model: int(n) for model, n in loaded}
+    assert threads == {str(draft_dir): COLOCATED_DRAFT_THREADS, str(target_dir): 2}
+    assert COLOCATED_DRAFT_THREADS == 1
