@@ -178,15 +178,20 @@ class SessionCache:
         self.touch()
         return out.logits[0].float()  # [logits_to_keep, vocab]
 
-    def extend(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Feed ``token_ids`` as a tentative branch; return their next-token logits ``[n, vocab]`` float32.
+    def extend(self, token_ids: Sequence[int], *, logits_to_keep: int | None = None) -> torch.Tensor:
+        """Feed ``token_ids`` as a tentative branch; return the next-token logits of the last
+        ``logits_to_keep`` of them (None: all) ``[logits_to_keep, vocab]`` float32.
 
-        Row ``i`` is the distribution of the token after ``token_ids[i]``.
+        Row ``i`` of all ``n`` is the distribution of the token after ``token_ids[i]``; the output head
+        runs on the kept rows only (a prompt fed with a proposal pays it for the proposal's rows).
         """
         if len(token_ids) == 0:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self._device)
         self._check_ids(token_ids)
-        return self._feed(token_ids, logits_to_keep=len(token_ids))
+        keep = len(token_ids) if logits_to_keep is None else logits_to_keep
+        if not 1 <= keep <= len(token_ids):
+            raise InvalidArgument(f"logits_to_keep must be 1..{len(token_ids)}, got {keep}")
+        return self._feed(token_ids, logits_to_keep=keep)
 
     def commit(self, n: int) -> None:
         """Make the first ``n`` tokens of the branch committed."""

@@ -36,9 +36,11 @@ One call (:meth:`Verifier.verify`) for a :class:`~target_service.messages.Verify
    session's missing committed tokens, pending token and proposal in **one**
    padded forward pass (:mod:`specserve.batching`). A session missing
    more than ``inline_catchup_max`` committed tokens (a cold start, a long
-   prompt) is prefilled first by its own pass (``SessionCache.reconcile``),
-   so one long prompt does not pad every row. A batch of one session runs on
-   its own cache, unpadded.
+   prompt) beside other sessions is prefilled first by its own pass
+   (``SessionCache.reconcile``), so one long prompt does not pad every row. A
+   batch of one session runs on its own cache, unpadded, in one pass whatever
+   it misses (a prompt and its first proposal together, as target-only
+   decoding's prefill; the output head on the proposal's positions only).
 3. Process the logits at every position exactly as target-only decoding would
    (:func:`specserve.sampling.logits_to_probs`) and decide with
    :func:`specserve.verification.verify_batch` (sampled sessions, randomness
@@ -438,12 +440,15 @@ class Verifier:
         """
         self.thread.check()
         forward_ns = positions = 0
+        # A lone session's catch-up rides in its verify pass whatever its length: no padding to save, and
+        # a separate prefill would cost one more pass (a step's worth of weight reads on a CPU).
+        catchup_max = self.inline_catchup_max if len(work) > 1 else None
         for w in work:
             try:
                 cache, _created = self.caches.get_or_create(w.item.session_id)
                 committed = w.record.token_ids
                 keep = min(common_prefix_len(cache.tokens, committed), w.n - 1)
-                if w.n - 1 - keep > self.inline_catchup_max:
+                if catchup_max is not None and w.n - 1 - keep > catchup_max:
                     t0 = time.perf_counter_ns()
                     reconciled = cache.reconcile(committed, pending=True)  # a separate prefill pass
                     forward_ns += time.perf_counter_ns() - t0
@@ -464,7 +469,7 @@ class Verifier:
         if len(ready) == 1:
             w = ready[0]
             assert w.cache is not None
-            w.logits = w.cache.extend(w.feed)[-(w.item.gamma + 1) :]  # [gamma + 1, vocab]
+            w.logits = w.cache.extend(w.feed, logits_to_keep=w.item.gamma + 1)  # [gamma + 1, vocab]
         else:
             rows = []
             for w in ready:

@@ -65,6 +65,19 @@ def test_extend_logits_equal_fresh_prefill(model):
     torch.testing.assert_close(rows, fresh_logits(model, PROMPT + BRANCH)[len(PROMPT) :], atol=ATOL, rtol=0)
 
 
+def test_extend_keeps_the_logits_asked_for_and_refuses_a_count_it_cannot_give(model):
+    """``logits_to_keep``: the output head runs on the last rows only, which equal those of a full
+    extend; a count outside 1..n is refused before anything is fed."""
+    cache = SessionCache(model, "s")
+    tail = cache.extend(PROMPT + BRANCH, logits_to_keep=3)  # [3, vocab]
+    assert tail.shape == (3, cache.vocab_size)
+    torch.testing.assert_close(tail, fresh_logits(model, PROMPT + BRANCH)[-3:], atol=ATOL, rtol=0)
+    for bad in (0, 3):
+        with pytest.raises(InvalidArgument, match="logits_to_keep"):
+            cache.extend(BRANCH[:2], logits_to_keep=bad)
+    assert cache.tokens == tuple(PROMPT + BRANCH)  # the refused calls fed nothing
+
+
 @pytest.mark.parametrize("accepted", [0, 2, len(BRANCH)], ids=["first", "middle", "last"])
 def test_target_round_rejection_points(model, accepted):
     """Target-style round: pending token + gamma proposals fed, `accepted` kept, a correction/bonus appended."""

@@ -125,6 +125,31 @@ def greedy_proposal(target, committed, gamma, reject_at):
     return chain
 
 
+@pytest.mark.parametrize("sessions", [1, 2])
+async def test_a_lone_session_s_prompt_rides_in_its_verify_pass_and_a_batch_prefills_it_apart(
+    target, store, sessions
+):
+    """A prompt longer than ``inline_catchup_max``: alone in a call, it is fed with the proposal in one
+    forward pass (as target-only decoding's prefill, no extra pass); beside another session, each
+    such prompt gets its own prefill pass first, so it pads no row of the batched pass. The verdicts
+    are the target's greedy choices either way."""
+    prompt = tuple(range(30, 50))  # 20 tokens
+    verifier = make_verifier(target, store, inline_catchup_max=4)
+    records = [await new_session(store, prompt) for _ in range(sessions)]
+    chain = greedy_continuation(target, prompt, 3)
+    passes = []
+    hook = target.model.register_forward_hook(lambda _m, _a, _out: passes.append(1))
+    try:
+        result = await verifier.verify(VerifyBatch(items=tuple(item(r, chain[:2]) for r in records)))
+    finally:
+        hook.remove()
+    assert len(passes) == (1 if sessions == 1 else sessions + 1)
+    assert result.positions_processed == sessions * (len(prompt) + 2)
+    for r, got in zip(records, result.results, strict=True):
+        assert got.error is None and got.verdict.committed_token_ids == tuple(chain)
+        assert_cache_holds(verifier, r.session_id, prompt + tuple(chain))
+
+
 PROMPTS = ((7,), (5, 17, 42, 99, 3, 250, 7, 11, 9), tuple(range(30, 44)), (1, 2, 3, 1, 2, 3))
 GAMMAS = ((0, 2, 5, 3), (4, 0, 1, 5), (2, 3, 0, 1))
 REJECT = ((None, 1, 3, None), (0, None, None, 4), (1, None, None, 0))
