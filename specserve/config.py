@@ -139,7 +139,7 @@ class WorkerSettings(CommonSettings):
         description="CPU threads for the model's passes (torch's intra-op threads on the model thread); 0: "
         "torch's default, one per core. `specserve up` and `demo` give their draft 1: it shares the cores with "
         "the target there, and a second thread team costs the target's passes more than it saves the draft "
-        "(docs/operations.md, 'Threads').",
+        "(docs/operations.md, the paragraph on `threads`).",
     )
     warmup: bool = Field(True, description="Run one forward pass at start so the first request is not slow.")
     worker_token: SecretStr | None = Field(

@@ -39,9 +39,8 @@ log = structlog.get_logger(__name__)
 
 #: The draft process's torch threads in a stack of processes on one machine (``specserve up``, ``demo``,
 #: the benchmarks): the draft and the target take turns on the same cores, and a second team of threads
-#: in the draft process costs the target's passes more than it saves the draft. Measured on the default
-#: pair (2 cores, greedy, gamma = 2): a round's Propose call 12.2 -> 9.5 ms and the target's pass over
-#: 3 positions 28.8 -> 23.0 ms, gamma = 0 unchanged (docs/operations.md, "Threads").
+#: in the draft process costs the target's passes more than it saves the draft (the benchmark's
+#: figures: docs/operations.md, the paragraph on ``threads``).
 COLOCATED_DRAFT_THREADS = 1
 
 #: Where the workers of a local stack listen: loopback only.
