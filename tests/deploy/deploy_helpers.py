@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -237,9 +238,28 @@ def resolve_env(docs: list[Doc], c: Container, secret_placeholder: str = "placeh
         elif "secretKeyRef" in ref:
             data = secret(ref["secretKeyRef"]["name"])
             env[item["name"]] = data[ref["secretKeyRef"]["key"]] if data is not None else secret_placeholder
+        elif "resourceFieldRef" in ref:  # the kubelet's value: the container's own quantity, rounded up
+            env[item["name"]] = resource_field(c.spec, ref["resourceFieldRef"])
         else:
-            env[item["name"]] = secret_placeholder  # fieldRef / resourceFieldRef: set by the kubelet
+            env[item["name"]] = secret_placeholder  # fieldRef: set by the kubelet
     return env
+
+
+def _cpu(quantity: str | int | float) -> float:
+    """A CPU quantity in cores: ``2``, ``"1.5"``, ``"500m"``."""
+    text = str(quantity)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def resource_field(container: Doc, ref: Doc) -> str:
+    """What the kubelet gives ``valueFrom.resourceFieldRef`` for CPU limits and requests (the
+    quantity over ``divisor``, rounded up); other resources give a placeholder."""
+    kind, _, name = ref["resource"].partition(".")
+    if name != "cpu" or kind not in ("limits", "requests"):
+        return "placeholder"
+    quantity = container.get("resources", {}).get(kind, {}).get("cpu")
+    assert quantity is not None, f"{container['name']}: {ref['resource']} is not set"
+    return str(math.ceil(_cpu(quantity) / _cpu(ref.get("divisor", "1"))))
 
 
 # --------------------------------------------------------------------------- NetworkPolicy

@@ -602,6 +602,39 @@ def test_env_check_can_fail(rendered):
     assert "target/target: SPECSERVE_MODLE is not a TargetSettings field" in problems
 
 
+def thread_problems(docs: list[dict]) -> list[str]:
+    """Each worker's torch threads come from its own CPU limit (SPECSERVE_THREADS from
+    ``limits.cpu``), and it has one: without, torch starts a thread per core of the node."""
+    problems = []
+    for c in (c for c in containers(docs) if is_specserve_server(c) and role_of(c) in ("draft", "target")):
+        env = {e["name"]: e for e in c.spec.get("env", [])}
+        ref = env.get("SPECSERVE_THREADS", {}).get("valueFrom", {}).get("resourceFieldRef") or {}
+        if ref.get("resource") != "limits.cpu" or str(ref.get("divisor", "1")) != "1":
+            problems.append(f"{c.workload}/{c.name}: SPECSERVE_THREADS is not its limits.cpu")
+        if ref.get("containerName", c.name) != c.name:
+            problems.append(f"{c.workload}/{c.name}: SPECSERVE_THREADS reads another container's limit")
+        if "cpu" not in c.spec.get("resources", {}).get("limits", {}):
+            problems.append(f"{c.workload}/{c.name}: no CPU limit")
+    return problems
+
+
+@ALL
+def test_workers_run_as_many_torch_threads_as_their_cpu_limit(rendered, variant):
+    assert thread_problems(rendered[variant]) == []
+
+
+def test_thread_check_can_fail(rendered):
+    docs = copy.deepcopy(rendered["gpu"])
+    target = pod_template(tier_workload(docs, "target"))["spec"]["containers"][0]
+    target["env"] = [e for e in target["env"] if e["name"] != "SPECSERVE_THREADS"]
+    draft = pod_template(tier_workload(docs, "draft"))["spec"]["containers"][0]
+    del draft["resources"]["limits"]["cpu"]
+    assert sorted(thread_problems(docs)) == [
+        "draft/draft: no CPU limit",
+        "target/target: SPECSERVE_THREADS is not its limits.cpu",
+    ]
+
+
 def test_container_arguments_parse_with_the_cli(rendered):
     """The image's entry point is `specserve`; each server's args are a valid `specserve serve ROLE`."""
     from specserve.cli import ROLES, build_parser, cmd_serve
