@@ -95,6 +95,9 @@ SPEC_MODES: dict[str, tuple[int | None, str]] = {
     "specserve adaptive": (None, "model"),
 }
 FIXED_GAMMAS = (1, 2, 4, 8)
+#: HF prompt-lookup baselines: name -> ``prompt_lookup_num_tokens``. 16 is the coordinator's default
+#: ``max_gamma``, the longest proposal the n-gram proposer may make (like for like); 8 as in earlier runs.
+HF_LOOKUP: dict[str, int] = {"hf prompt lookup (8)": 8, "hf prompt lookup (16)": 16}
 #: HF target-only with PyTorch's stock linear kernels, beside the baselines on the target's kernel path.
 HF_STOCK = "hf target-only (stock kernels)"
 
@@ -220,7 +223,7 @@ async def single_stream(
     runs: list[Run] = []
     jobs = [(s, p, t) for s, ps in prompts.items() for p in ps for t in temperatures]
     modes = ["hf target-only", *([HF_STOCK] if stock_target is not None else []), "hf assisted"]
-    modes += ["hf prompt lookup", *SPEC_MODES]
+    modes += [*HF_LOOKUP, *SPEC_MODES]
     bar = tqdm(total=len(jobs) * len(modes), desc="single stream", unit="gen")
     for set_name, (name, token_ids), temp in jobs:
         ids = torch.tensor([token_ids])
@@ -231,8 +234,8 @@ async def single_stream(
                 run = _hf_generate(stock_target, ids, max_new, temp, seed)
             elif mode == "hf assisted":
                 run = _hf_generate(target, ids, max_new, temp, seed, assistant=draft)
-            elif mode == "hf prompt lookup":
-                run = _hf_generate(target, ids, max_new, temp, seed, lookup=8)
+            elif mode in HF_LOOKUP:
+                run = _hf_generate(target, ids, max_new, temp, seed, lookup=HF_LOOKUP[mode])
             else:
                 gamma, proposer = SPEC_MODES[mode]
                 run, _ = await _spec_generate(client, token_ids, max_new, temp, seed, gamma, proposer)

@@ -14,7 +14,7 @@ the proposer and the verifier never import each other).
   (:meth:`ModelProposer.propose_batch`): one forward pass per draft step for
   all of them, and a session drafted in a batch gets exactly what it gets
   alone (see the class).
-* :class:`NgramProposer`: prompt lookup (no model). It finds the latest earlier
+* :class:`NgramProposer`: prompt lookup (no model). It finds the first
   occurrence of the last ``n`` tokens of ``C`` (``n`` from ``max_n`` down to
   ``min_n``) and proposes what followed it, as point masses
   (:func:`specserve.lookup.ngram_lookup`, the one implementation, which the

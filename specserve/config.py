@@ -270,7 +270,13 @@ class CoordinatorSettings(CommonSettings):
     max_sessions_per_client: int = Field(
         64, ge=1, description="Concurrent sessions per authenticated client."
     )
-    max_gamma: int = Field(8, ge=0, le=64, description="Largest gamma the policy may pick.")
+    max_gamma: int = Field(
+        16,
+        ge=0,
+        le=64,
+        description="Largest gamma a request may ask for and the policy may pick (at most the workers' own, "
+        "which are 16 by default).",
+    )
     decode_steps: int = Field(
         4,
         ge=1,

@@ -5,8 +5,12 @@ growing token sequence starts, so that a lookup costs a few dictionary reads
 instead of a scan of the sequence. Two kinds of proposer use it:
 
 * **prompt lookup** (:meth:`NgramIndex.lookup`, :func:`ngram_lookup`): find the
-  latest earlier occurrence of the sequence's last ``n`` tokens (``n`` from
-  ``max_n`` down to ``min_n``) and propose what followed it. The coordinator's
+  first occurrence of the sequence's last ``n`` tokens (``n`` from ``max_n``
+  down to ``min_n``) and propose what followed it. The first, as Hugging Face's
+  prompt lookup and vLLM's n-gram proposer take it: text being copied sits in
+  the prompt, before any later repeat of a common n-gram (a closing code fence,
+  an indented ``return``); where recent context repeats more (chat and code
+  answers) the latest occurrence does a little better. The coordinator's
   n-gram proposer keeps one index per session and extends it as tokens commit
   (``coordinator/local_proposers.py``); the draft's n-gram proposer, kept for older
   coordinators, builds one per call (``draft_service/proposers.py``).
@@ -61,11 +65,11 @@ class NgramIndex:
         return self._starts.get(tuple(gram), [])
 
     def lookup(self, gamma: int) -> tuple[int, ...]:
-        """Prompt lookup: up to ``gamma`` tokens that followed the latest earlier occurrence of the suffix.
+        """Prompt lookup: up to ``gamma`` tokens that followed the first occurrence of the suffix.
 
         Tries the last ``n`` tokens for ``n = max_n`` down to ``min_n``; for the
         first ``n`` that occurred before (a start other than the suffix's own),
-        returns what followed its latest such occurrence. ``()`` when nothing matches.
+        returns what followed its first occurrence. ``()`` when nothing matches.
         """
         length = len(self._tokens)
         if gamma <= 0:
@@ -73,7 +77,7 @@ class NgramIndex:
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             starts = self._starts.get(tuple(self._tokens[length - n :]), [])
             if len(starts) >= 2:  # the last start is the suffix itself
-                i = starts[-2]
+                i = starts[0]
                 return tuple(self._tokens[i + n : i + n + gamma])
         return ()
 
@@ -81,7 +85,7 @@ class NgramIndex:
 def ngram_lookup(tokens: Sequence[int], gamma: int, *, max_n: int = 3, min_n: int = 1) -> tuple[int, ...]:
     """Prompt lookup over ``tokens`` in one call (:meth:`NgramIndex.lookup` of a fresh index).
 
-    Returns up to ``gamma`` tokens that followed the latest earlier occurrence
+    Returns up to ``gamma`` tokens that followed the first occurrence
     of the last ``n`` tokens, for the largest ``n`` in ``[min_n, max_n]`` that
     has one; ``()`` when nothing matches.
     """

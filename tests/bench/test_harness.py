@@ -11,7 +11,7 @@ import pytest
 import system_fixtures as sf
 
 from bench.chat_prompts import copy_prompts
-from bench.harness import HF_STOCK, SPEC_MODES, main
+from bench.harness import HF_LOOKUP, HF_STOCK, SPEC_MODES, main
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(p
     # target-only with the stock kernels beside them.
     assert data["kernels"] == "stock"  # the harness's default, as the workers' (--kernels onednn adds HF_STOCK)
     stock = [HF_STOCK] if data["kernels"] == "onednn" else []
-    modes = ["hf target-only", *stock, "hf assisted", "hf prompt lookup", *SPEC_MODES]
+    modes = ["hf target-only", *stock, "hf assisted", *HF_LOOKUP, *SPEC_MODES]
     assert sorted(data["single_stream"]) == ["chat T=0", "chat T=0.7", "copy T=0", "copy T=0.7"]
     for group in data["single_stream"].values():
         assert list(group) == modes

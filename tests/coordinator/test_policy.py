@@ -213,7 +213,8 @@ def test_a_warm_started_session_starts_at_the_best_rung_for_what_other_sessions_
     assert memory.prior("ngram/greedy") == 1.0 and memory.prior("model/greedy") is None
     warm = AcceptanceTracker(prior_alpha=0.97, prior_weight=8.0)
     warm.warm_start = True
-    assert policy.choose_gamma(warm, LoadSnapshot.idle()) == 8  # not 2, and no climb one rung per round
+    # the top rung, not 2, and no climb one rung per round
+    assert policy.choose_gamma(warm, LoadSnapshot.idle()) == policy.choices[-1] == 16
     cold = AcceptanceTracker(prior_alpha=0.97, prior_weight=8.0)
     assert policy.choose_gamma(cold, LoadSnapshot.idle()) <= 2
     # A bad memory is unlearnt by the session's own rounds: it falls at once.
@@ -293,13 +294,14 @@ def test_a_local_draft_costs_no_draft_call_and_needs_no_draft_data() -> None:
     pinned = AcceptanceTracker(prior_alpha=0.97, prior_weight=1e12)
     local = AdaptiveGamma(cm)
     choices = [local.choose_gamma(pinned, LoadSnapshot.idle(), local_draft=True) for _ in range(6)]
-    assert choices == [2, 8, 8, 8, 8, 8]
+    top = local.choices[-1]  # the default ladder's top rung, 16
+    assert top == 16 and choices == [2, top, top, top, top, top]
     for g in LADDER[1:]:
         cm.observe_draft(tokens=g, ns=int(pair.draft_ns(g)))
     scores = local.scores(pinned, LoadSnapshot.idle())
     assert max(scores, key=scores.get) == 0, "with the model's cost, no gamma pays"
     local_scores = local.scores(pinned, LoadSnapshot.idle(), local_draft=True)
-    assert max(local_scores, key=local_scores.get) == 8
+    assert max(local_scores, key=local_scores.get) == top
 
 
 # ---- must show: gamma = 0 when speculation cannot pay --------------------------------------------
@@ -482,7 +484,7 @@ def test_a_new_session_on_the_measured_curve_starts_at_zero() -> None:
     cm = CostModel(prior=CostPrior(verify_curve=pair.curve))
     cm.observe_draft(tokens=1, ns=int(pair.draft_ns(1)))
     cm.observe_verify(batch_size=1, positions=2, ns=int(pair.verify_ns(1, 2)))
-    policy = AdaptiveGamma(cm)
+    policy = AdaptiveGamma(cm, LADDER)  # the ladder the measured curve (9 positions) covers
     for alpha, want in ((0.35, 0), (0.9, pair.optimum(0.9))):
         tracker = AcceptanceTracker(prior_alpha=alpha, prior_weight=8.0)
         tracker.warm_start = True

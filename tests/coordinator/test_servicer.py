@@ -49,7 +49,7 @@ BAD = {
     "prompt too long": (lambda: sf.request(list(range(1, 18))), "limit of 16"),
     "unknown proposer": (lambda: sf.request([1, 2], proposer=7), "unknown proposer 7"),
     "unknown sampling mode": (lambda: sf.request([1, 2], sampling_mode=9), "unknown sampling_mode 9"),
-    "gamma above max": (lambda: sf.request([1, 2], gamma=9), "maximum of 8"),
+    "gamma above max": (lambda: sf.request([1, 2], gamma=17), "maximum of 16"),
     "draft_top_k above vocabulary": (lambda: sf.request([1, 2], draft_top_k=999), "draft_top_k=999"),
 }
 

@@ -56,14 +56,14 @@ def test_greedy_distribution_is_one_hot_at_argmax():
 
 
 def test_ngram_proposer_prefers_the_longest_match():
-    # The 1-gram "3" last occurred before 9, the 3-gram "1 2 3" before 4: the longer match wins.
-    tokens = (1, 2, 3, 4, 0, 5, 3, 9, 1, 2, 3)
+    # The 1-gram "3" first occurred before 9, the 3-gram "1 2 3" before 4: the longer match wins.
+    tokens = (3, 9, 0, 1, 2, 3, 4, 0, 1, 2, 3)
     drafted = NgramProposer().propose(DraftRequest("s", tokens, gamma=2, sampling=SamplingParams(), seed=0))
     assert drafted.token_ids == (4, 0) and drafted.probs_f32 is None
     only_unigrams = NgramProposer(max_n=1).propose(
         DraftRequest("s", tokens, gamma=2, sampling=SamplingParams(), seed=0)
     )
-    assert only_unigrams.token_ids == (9, 1)
+    assert only_unigrams.token_ids == (9, 0)
 
 
 def test_model_proposer_samples_from_the_vectors_it_ships(draft_model):

@@ -11,13 +11,13 @@ from specserve.lookup import NgramIndex, ngram_lookup
 
 
 def scan_lookup(tokens, gamma, *, max_n=3, min_n=1):
-    """Prompt lookup by scanning: the latest earlier start of the last n tokens, n from max_n down."""
+    """Prompt lookup by scanning: the first start of the last n tokens (not the suffix's own), n from max_n down."""
     length = len(tokens)
     if gamma <= 0:
         return ()
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = list(tokens[length - n :])
-        for i in range(length - n - 1, -1, -1):
+        for i in range(length - n):
             if list(tokens[i : i + n]) == suffix:
                 return tuple(tokens[i + n : i + n + gamma])
     return ()
@@ -28,16 +28,25 @@ def scan_lookup(tokens, gamma, *, max_n=3, min_n=1):
     [
         ((1, 2, 3, 4, 5, 6, 1, 2, 3), 3, (4, 5, 6)),  # 3-gram match
         ((1, 2, 3, 4, 5, 6, 1, 2, 3), 10, (4, 5, 6, 1, 2, 3)),  # runs up to the end of the history
-        ((9, 2, 3, 7, 8, 1, 2, 3, 5, 6, 2, 3), 2, (5, 6)),  # the latest of two occurrences
-        ((4, 9, 9, 1, 8, 9), 2, (1, 8)),  # no 3- or 2-gram match: the 1-gram 9, latest at index 2
+        ((9, 2, 3, 7, 8, 1, 2, 3, 5, 6, 2, 3), 2, (7, 8)),  # the first of two occurrences
+        ((4, 9, 9, 1, 8, 9), 2, (9, 1)),  # no 3- or 2-gram match: the 1-gram 9, first at index 1
         ((1, 2, 3), 4, ()),  # nothing repeats
         ((7,), 4, ()),
         ((1, 2, 1, 2), 0, ()),
-        ((5, 5, 5, 5), 2, (5,)),  # overlapping occurrences: the latest earlier start of "5 5 5" is 0
+        ((5, 5, 5, 5), 2, (5,)),  # overlapping occurrences: the first start of "5 5 5" is 0
     ],
 )
 def test_ngram_lookup(tokens, gamma, expected):
     assert ngram_lookup(tokens, gamma) == expected == scan_lookup(tokens, gamma)
+
+
+def test_a_copy_follows_the_source_not_a_later_repeat_of_its_gram():
+    # A prompt holding a fenced block, then the answer opening its own fence: "```" occurs as the
+    # source's opening fence (followed by "python") and its closing one (followed by the end of the
+    # turn); the copy continues the opening one.
+    fence, python, body, end, newline = 10, 11, (20, 21, 22), 12, 13
+    prompt = (newline, fence, python, newline, *body, newline, fence, end, newline)
+    assert ngram_lookup((*prompt, newline, fence), 4) == (python, newline, *body[:2])  # latest: (end, newline, ...)
 
 
 def test_the_index_grown_token_by_token_equals_a_scan_at_every_length():
