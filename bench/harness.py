@@ -83,16 +83,18 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET = "smollm2-135m-instruct"  # registered names (specserve.model_registry), or directories
 DEFAULT_DRAFT = "specserve-smollm2-draft"
 
-#: specserve modes: name -> (gamma or None for adaptive, proposer)
-SPEC_MODES: dict[str, tuple[int | None, str]] = {
-    "specserve gamma=0": (0, "model"),
-    "specserve gamma=1": (1, "model"),
-    "specserve gamma=2": (2, "model"),
-    "specserve gamma=4": (4, "model"),
-    "specserve gamma=8": (8, "model"),
-    "specserve n-gram gamma=4": (4, "ngram"),
-    "specserve n-gram adaptive": (None, "ngram"),
-    "specserve adaptive": (None, "model"),
+#: specserve modes: name -> (gamma or None for adaptive, proposer, hybrid lookup: None for the server's
+#: default, on). "specserve adaptive" is what a request that sets nothing gets.
+SPEC_MODES: dict[str, tuple[int | None, str, bool | None]] = {
+    "specserve gamma=0": (0, "model", None),
+    "specserve gamma=1": (1, "model", None),
+    "specserve gamma=2": (2, "model", None),
+    "specserve gamma=4": (4, "model", None),
+    "specserve gamma=8": (8, "model", None),
+    "specserve n-gram gamma=4": (4, "ngram", None),
+    "specserve n-gram adaptive": (None, "ngram", None),
+    "specserve adaptive, model only": (None, "model", False),
+    "specserve adaptive": (None, "model", None),
 }
 FIXED_GAMMAS = (1, 2, 4, 8)
 #: HF prompt-lookup baselines: name -> ``prompt_lookup_num_tokens``. 16 is the coordinator's default
@@ -124,6 +126,9 @@ class Run:
     draft_s: float = 0.0
     verify_s: float = 0.0
     forward_s: float = 0.0
+    #: Of ``proposed`` and ``accepted``, the tokens an n-gram lookup in the coordinator drafted.
+    lookup_proposed: int = 0
+    lookup_accepted: int = 0
 
     @property
     def ms_per_token(self) -> float:
@@ -160,7 +165,14 @@ def _hf_generate(
 
 
 async def _spec_generate(
-    client, ids: list[int], max_new: int, temperature: float, seed: int, gamma: int | None, proposer: str
+    client,
+    ids: list[int],
+    max_new: int,
+    temperature: float,
+    seed: int,
+    gamma: int | None,
+    proposer: str,
+    hybrid_lookup: bool | None = None,
 ) -> tuple[Run, list[tuple[float, int]]]:
     """One streamed generation; returns the run and (arrival time, size) of each chunk."""
     stream = client.stream(
@@ -171,6 +183,7 @@ async def _spec_generate(
         ignore_eos=True,
         gamma=gamma,
         proposer=proposer,
+        hybrid_lookup=hybrid_lookup,
     )
     start = time.perf_counter()
     stamps: list[tuple[float, int]] = []  # (arrival time, tokens in the chunk)
@@ -198,6 +211,8 @@ async def _spec_generate(
         draft_s=stats.draft_ns / 1e9,
         verify_s=stats.verify_ns / 1e9,
         forward_s=stats.forward_ns / 1e9,
+        lookup_proposed=stats.lookup_proposed_tokens,
+        lookup_accepted=stats.lookup_accepted_tokens,
     )
     return run, stamps
 
@@ -237,8 +252,8 @@ async def single_stream(
             elif mode in HF_LOOKUP:
                 run = _hf_generate(target, ids, max_new, temp, seed, lookup=HF_LOOKUP[mode])
             else:
-                gamma, proposer = SPEC_MODES[mode]
-                run, _ = await _spec_generate(client, token_ids, max_new, temp, seed, gamma, proposer)
+                gamma, proposer, lookup = SPEC_MODES[mode]
+                run, _ = await _spec_generate(client, token_ids, max_new, temp, seed, gamma, proposer, lookup)
             run.mode, run.prompt_set, run.prompt = mode, set_name, name
             runs.append(run)
             bar.update()

@@ -169,6 +169,16 @@ def targets(data: dict) -> list[tuple[str, bool, str]]:
                     f"{hfa / ad:.2f}x ({hfa:.2f} vs {ad:.2f} ms/token)",
                 )
             )
+        if key.startswith("copy T=0") and hf and ad and "specserve adaptive, model only" in group:
+            # runs from 2026-12-01 19:00 UTC on: a request that sets nothing keeps the hybrid lookup
+            out.append(
+                (
+                    f"{key}: adaptive (a request that sets nothing) picks the copying up: >= 2x HF target-only",
+                    hf / ad >= 2.0,
+                    f"{hf / ad:.2f}x ({ad:.2f} ms/token; the draft model alone: "
+                    f"{hf / ms(group, 'specserve adaptive, model only'):.2f}x)",
+                )
+            )
         if key.startswith("copy T=0") and hf and ng:
             out.append(
                 (

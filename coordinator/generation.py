@@ -197,6 +197,7 @@ class Coordinator:
             r.speculation,
             top_logprobs=r.top_logprobs,
             prediction=r.prediction_token_ids,
+            lookup=r.speculation.hybrid_lookup,
         )
         loop = RoundLoop(
             session,

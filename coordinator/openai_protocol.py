@@ -25,7 +25,8 @@ extension ``top_k``,           ``SamplingParams`` (``top_k`` -1 or 0 disables it
 extension ``ignore_eos``,      ``StopConditions``
 ``stop_token_ids``
 extension ``speculation``      ``SpeculationParams``: ``{"gamma": int | "auto", "proposer":
-                               "model" | "ngram", "draft_top_k": int}``
+                               "model" | "ngram", "draft_top_k": int,
+                               "hybrid_lookup": bool}``
 chat ``logprobs`` (bool),      ``GenerateRequest.logprobs`` (``top_logprobs`` 0..20; it needs
 ``top_logprobs``               ``logprobs: true``)
 completions ``logprobs`` (int) ``GenerateRequest.logprobs`` with that many alternatives, 0..20
@@ -86,6 +87,7 @@ class SpeculationOptions(BaseModel):
     gamma: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
     proposer: Literal["model", "ngram"] = "model"
     draft_top_k: int = Field(0, ge=0)
+    hybrid_lookup: bool | None = None
 
 
 def _text_parts(content: str | list[dict[str, Any]], param: str) -> str:
@@ -204,7 +206,7 @@ class _OpenAIRequest(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         spec = self.speculation or SpeculationOptions()
         speculation = coordinator_pb2.SpeculationParams(
-            proposer=_PROPOSERS[spec.proposer], draft_top_k=spec.draft_top_k
+            proposer=_PROPOSERS[spec.proposer], draft_top_k=spec.draft_top_k, hybrid_lookup=spec.hybrid_lookup
         )
         if isinstance(spec.gamma, int):
             speculation.gamma = spec.gamma

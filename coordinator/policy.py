@@ -89,11 +89,19 @@ class SpeculationPolicy(abc.ABC):
     """Chooses a session's gamma for its next round."""
 
     @abc.abstractmethod
-    def choose_gamma(self, acceptance: AcceptanceTracker, load: LoadSnapshot, *, local_draft: bool = False) -> int:
+    def choose_gamma(
+        self,
+        acceptance: AcceptanceTracker,
+        load: LoadSnapshot,
+        *,
+        local_draft: bool = False,
+        zero_steps: int | None = None,
+    ) -> int:
         """The number of tokens to draft next round (0: a plain target decode step).
 
         ``local_draft``: the proposal will come from a proposer in the coordinator (prediction,
-        n-gram), which costs no draft call.
+        n-gram), which costs no draft call. ``zero_steps``: target steps a round at gamma 0 would
+        take (None: one for a local draft, which keeps one step per round, else ``decode_steps``).
         """
 
 
@@ -105,7 +113,14 @@ class FixedGamma(SpeculationPolicy):
             raise ValueError(f"gamma must be >= 0, got {gamma}")
         self.gamma = gamma
 
-    def choose_gamma(self, acceptance: AcceptanceTracker, load: LoadSnapshot, *, local_draft: bool = False) -> int:
+    def choose_gamma(
+        self,
+        acceptance: AcceptanceTracker,
+        load: LoadSnapshot,
+        *,
+        local_draft: bool = False,
+        zero_steps: int | None = None,
+    ) -> int:
         acceptance.last_gamma = self.gamma
         return self.gamma
 
@@ -276,18 +291,25 @@ class AdaptiveGamma(SpeculationPolicy):
         return self.waste_weight * self.pressure(load) * others
 
     def scores(
-        self, acceptance: AcceptanceTracker, load: LoadSnapshot, *, local_draft: bool = False
+        self,
+        acceptance: AcceptanceTracker,
+        load: LoadSnapshot,
+        *,
+        local_draft: bool = False,
+        zero_steps: int | None = None,
     ) -> dict[int, float]:
-        """``score(g)`` (expected committed tokens per ns) for every rung of the ladder."""
+        """``score(g)`` (expected committed tokens per ns) for every rung of the ladder (``local_draft``,
+        ``zero_steps``: as :meth:`SpeculationPolicy.choose_gamma`)."""
+        if zero_steps is None:  # a session drafting locally keeps one step per round (coordinator/rounds.py)
+            zero_steps = 1 if local_draft else self.decode_steps
         cm = self.cost_model
         b = self.batch_size(load)
         charge = self.waste_charge(load) * cm.verify_ns_per_position()
         out: dict[int, float] = {}
         for g in self.choices:
             expected = acceptance.expected_tokens(g)
-            if g == 0:  # one token per step; the call's fixed part is shared by decode_steps steps
-                # (a session drafting locally keeps one step per round: coordinator/rounds.py)
-                cost = cm.target_only_token_ns(b, 1 if local_draft else self.decode_steps)
+            if g == 0:  # one token per step; the call's fixed part is shared by the call's steps
+                cost = cm.target_only_token_ns(b, zero_steps)
             else:
                 cost = cm.round_ns(g, b, drafted=not local_draft) + charge * (g + 1 - expected)
             out[g] = expected / max(cost, 1.0)
@@ -303,13 +325,20 @@ class AdaptiveGamma(SpeculationPolicy):
                 idx = i
         return idx
 
-    def choose_gamma(self, acceptance: AcceptanceTracker, load: LoadSnapshot, *, local_draft: bool = False) -> int:
+    def choose_gamma(
+        self,
+        acceptance: AcceptanceTracker,
+        load: LoadSnapshot,
+        *,
+        local_draft: bool = False,
+        zero_steps: int | None = None,
+    ) -> int:
         last = acceptance.last_gamma
         ready = self.cost_model.ready_for(drafted=not local_draft)
         if last is None:  # the first round: cautious, unless other sessions' rounds back the prior
             top = len(self.choices) - 1 if acceptance.warm_start and ready else self._rung(self.initial_gamma)
             if ready:
-                scores = self.scores(acceptance, load, local_draft=local_draft)
+                scores = self.scores(acceptance, load, local_draft=local_draft, zero_steps=zero_steps)
                 choice = max(self.choices[: top + 1], key=lambda g: scores[g])
             else:
                 choice = self.choices[top]
@@ -317,7 +346,7 @@ class AdaptiveGamma(SpeculationPolicy):
         current = self.choices[self._rung(last)]
         if not ready:
             return self._record(acceptance, current)
-        scores = self.scores(acceptance, load, local_draft=local_draft)
+        scores = self.scores(acceptance, load, local_draft=local_draft, zero_steps=zero_steps)
         # Up one rung at most, down any (a proposer in the coordinator: any; see Bounds above).
         allowed = self.choices if local_draft else self.choices[: self._rung(current) + 2]
         best = max(allowed, key=lambda g: scores[g])  # ties: the smaller gamma

@@ -80,6 +80,7 @@ import structlog
 from coordinator.acceptance import AcceptanceMemory, ProbeClock
 from coordinator.batcher import BatchedResult, ProposeBatcher, VerifyBatcher
 from coordinator.cost_model import CostModel
+from coordinator.local_proposers import LocalProposer
 from coordinator.policy import LoadSnapshot
 from coordinator.routing import ReplicaSet
 from coordinator.session import Session
@@ -264,20 +265,29 @@ class WorkerPool:
         return any(p.ready for p in session.local_proposers)
 
     async def propose(
-        self, session: Session, gamma: int, *, ahead: common_pb2.Proposal | None = None
+        self,
+        session: Session,
+        gamma: int,
+        *,
+        ahead: common_pb2.Proposal | None = None,
+        lookup: LocalProposer | None = None,
     ) -> Proposed:
         """Up to ``gamma`` draft tokens after the session's committed tokens (none: gamma = 0 this round).
 
         The session's local proposers first (no call), then the draft model if the session drafts
         with it: ``ahead`` when given (a proposal :meth:`propose_ahead` drafted for exactly this
-        prefix while the last round was verified; cut to ``gamma``), else a Propose call. A round
-        starts here, so the session is bound to its target replica first: that replica's next batch
-        waits for its item.
+        prefix while the last round was verified; cut to ``gamma``), else a Propose call. ``lookup``:
+        the round loop chose this proposer in the coordinator for the round (the session's hybrid
+        lookup), so it alone drafts, with no call. A round starts here, so the session is bound to its
+        target replica first: that replica's next batch waits for its item.
         """
         sid = session.session_id
         self._bind(sid, self.targets.choose(sid))
+        if gamma > 0 and lookup is not None:
+            self._bind_draft(sid, None)
+            return self._propose_locally((lookup,), gamma) or Proposed(common_pb2.Proposal())
         if gamma > 0:
-            local = self._propose_locally(session, gamma)
+            local = self._propose_locally(session.local_proposers, gamma)
             if local is not None or session.speculation.proposer not in MODEL_PROPOSERS:
                 self._bind_draft(sid, None)
                 return local or Proposed(common_pb2.Proposal())
@@ -353,10 +363,10 @@ class WorkerPool:
 
         return asyncio.create_task(draft())
 
-    def _propose_locally(self, session: Session, gamma: int) -> Proposed | None:
-        """The first proposal a local proposer of the session offers (None: none offers any)."""
+    def _propose_locally(self, proposers: Sequence[LocalProposer], gamma: int) -> Proposed | None:
+        """The first proposal one of a session's ``proposers`` in the coordinator offers (None: none offers any)."""
         start_ns = time.perf_counter_ns()
-        for proposer in session.local_proposers:
+        for proposer in proposers:
             tokens = proposer.propose(gamma)
             if tokens:
                 metrics.PROPOSALS.labels(proposer=proposer.name).inc()

@@ -27,7 +27,7 @@ from coordinator.chat import ChatMessage, messages_from_pb
 from specserve.config import CoordinatorSettings
 from specserve.errors import InvalidArgument
 from specserve.params import SamplingParams, StopConditions, check_top_logprobs, resolve_proposer
-from specserve.v1 import coordinator_pb2
+from specserve.v1 import common_pb2, coordinator_pb2
 
 #: Tokenizes a text prompt (off the event loop) into token ids.
 Tokenize = Callable[[str], Awaitable[tuple[int, ...]]]
@@ -47,6 +47,9 @@ class SpeculationSettings:
     gamma: int | None
     proposer: int  # common_pb2.ProposerKind, never UNSPECIFIED
     draft_top_k: int = 0
+    #: Keep a hybrid lookup beside the draft model (coordinator/rounds.py); only where it applies:
+    #: the automatic policy and the model proposer.
+    hybrid_lookup: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,9 @@ class GenerationRequest:
         _check_stop_lists(pb.stop, settings, vocab_size)
         sampling = SamplingParams.from_pb(pb.sampling, default_seed=random_seed())
         stop = StopConditions.from_pb(pb.stop, default_max_new_tokens=settings.default_max_new_tokens)
-        speculation = _speculation_from_pb(pb.speculation, max_gamma=max_gamma, vocab_size=vocab_size)
+        speculation = _speculation_from_pb(
+            pb.speculation, max_gamma=max_gamma, vocab_size=vocab_size, hybrid_lookup=settings.hybrid_lookup
+        )
         top_logprobs = check_top_logprobs(pb.logprobs.top_logprobs) if pb.HasField("logprobs") else None
         prompt = await _prompt(
             pb, settings=settings, tokenize=tokenize, render_chat=render_chat, vocab_size=vocab_size
@@ -212,7 +217,10 @@ def _check_bytes(what: str, size: int, settings: CoordinatorSettings) -> None:
         )
 
 
-def _speculation_from_pb(pb: coordinator_pb2.SpeculationParams, *, max_gamma: int, vocab_size: int):
+def _speculation_from_pb(
+    pb: coordinator_pb2.SpeculationParams, *, max_gamma: int, vocab_size: int, hybrid_lookup: bool = True
+):
+    """The request's speculation, checked (``hybrid_lookup``: the server's default for it)."""
     proposer = resolve_proposer(pb.proposer)
     gamma: int | None = None
     if pb.HasField("gamma"):
@@ -226,4 +234,10 @@ def _speculation_from_pb(pb: coordinator_pb2.SpeculationParams, *, max_gamma: in
         raise InvalidArgument(
             f"draft_top_k={pb.draft_top_k} exceeds the vocabulary size {vocab_size}; use 0 (off) or a smaller k"
         )
-    return SpeculationSettings(gamma=gamma, proposer=proposer, draft_top_k=pb.draft_top_k)
+    lookup = pb.hybrid_lookup if pb.HasField("hybrid_lookup") else hybrid_lookup
+    return SpeculationSettings(
+        gamma=gamma,
+        proposer=proposer,
+        draft_top_k=pb.draft_top_k,
+        hybrid_lookup=lookup and gamma is None and proposer == common_pb2.PROPOSER_KIND_MODEL,
+    )

@@ -34,12 +34,14 @@ What it handles itself is the session's state:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from coordinator.acceptance import AcceptanceTracker
 from coordinator.batcher import BatchedResult
+from coordinator.local_proposers import NgramProposer
 from coordinator.policy import SpeculationPolicy
 from coordinator.pool import Verified, WorkerPool
 from coordinator.session import Session
@@ -112,20 +114,48 @@ class RoundLoop:
             self.acceptance = AcceptanceTracker(prior_alpha=prior, prior_weight=8.0)
             self.acceptance.warm_start = True
             self.acceptance.probe_clock = pool.probe_clock(self.speculation_key)
+        #: The hybrid lookup's own acceptance (None: the session has no hybrid lookup). It learns from
+        #: every round for free (:meth:`_apply`), so it starts from a cautious prior: the lookup drafts
+        #: once its guesses have been seen to match, and a request whose text never repeats pays nothing.
+        self.lookup_acceptance = AcceptanceTracker(prior_alpha=0.3) if session.lookup is not None else None
         self._fruitless = 0
         self._log = log.bind(session_id=session.session_id)
         pool.attach(session)
 
     # ---- one round ---------------------------------------------------------------------
     def choose_gamma(self) -> int:
+        """The next round's gamma (see :meth:`_choose`)."""
+        return self._choose()[0]
+
+    def _choose(self) -> tuple[int, bool]:
+        """``(gamma, from the lookup)``: the policy's choice for the next round, capped by the tokens left
+        and the server's largest gamma.
+
+        A session with a hybrid lookup (``Session.lookup``) asks the policy first with the lookup's own
+        acceptance, as a proposer in the coordinator (no draft call), whenever the lookup has a match;
+        a gamma above 0 there drafts the round from the lookup. Otherwise the session's own tracker and
+        proposer decide, as for any session. So the draft model keeps the rounds where the text is not
+        repeating, and a copied run is drafted from the lookup, whose rounds cost no draft call and may
+        go to any rung (docs/design.md, "The hybrid lookup")."""
+        s = self.session
+        load = self.pool.load()
+        lookup = s.lookup
+        if lookup is not None and self.lookup_acceptance is not None and lookup.ready:
+            zero_steps = self._steps(common_pb2.Proposal())
+            gamma = self._capped(
+                self.policy.choose_gamma(self.lookup_acceptance, load, local_draft=True, zero_steps=zero_steps)
+            )
+            if gamma > 0:
+                metrics.GAMMA_CHOSEN.observe(gamma)
+                return gamma, True
+        gamma = self._capped(self.policy.choose_gamma(self.acceptance, load, local_draft=self.pool.drafts_locally(s)))
+        metrics.GAMMA_CHOSEN.observe(gamma)
+        return gamma, False
+
+    def _capped(self, gamma: int) -> int:
         s = self.session
         tokens_left = s.stop.max_new_tokens - (s.committed_len - s.prompt_len)
-        gamma = self.policy.choose_gamma(
-            self.acceptance, self.pool.load(), local_draft=self.pool.drafts_locally(s)
-        )
-        gamma = max(0, min(gamma, tokens_left - 1, self.max_gamma))
-        metrics.GAMMA_CHOSEN.observe(gamma)
-        return gamma
+        return max(0, min(gamma, tokens_left - 1, self.max_gamma))
 
     async def step(self) -> Committed:
         """One round: choose gamma, propose, verify, apply the verdict; returns what it newly committed."""
@@ -133,8 +163,11 @@ class RoundLoop:
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] != s.token_ids:  # the log moved otherwise (a resync): useless
             ahead = None
-        gamma = self.choose_gamma()
-        proposed = await self.pool.propose(s, gamma, ahead=ahead[1] if ahead else None)
+        gamma, from_lookup = self._choose()
+        if from_lookup:
+            proposed = await self.pool.propose(s, gamma, lookup=s.lookup)
+        else:
+            proposed = await self.pool.propose(s, gamma, ahead=ahead[1] if ahead else None)
         if ahead is not None and proposed.wall_ns == 0 and proposed.source == "model":
             self.ahead_used += 1
             metrics.OVERLAP_DRAFTS.labels(outcome="used").inc()
@@ -143,6 +176,13 @@ class RoundLoop:
             metrics.STAGE_SECONDS.labels(stage="draft").observe(proposed.draft_ns / 1e9)
         steps = self._steps(proposed.proposal)
         shadow = self._shadow(steps) if gamma == 0 else ()
+        # What the hybrid lookup would have drafted for the positions this round commits (when it does
+        # not draft the round itself): its tracker learns from that for free, as a local proposer's at 0.
+        lookup_shadow = (
+            s.lookup.peek(len(proposed.proposal.token_ids) + steps)
+            if s.lookup is not None and not from_lookup
+            else ()
+        )
         item = target_pb2.VerifyItem(base=s.base.to_pb(), proposal=proposed.proposal, decode_steps=steps)
         if s.top_logprobs is not None:
             item.logprobs.CopyFrom(common_pb2.LogprobsParams(top_logprobs=s.top_logprobs))
@@ -170,7 +210,14 @@ class RoundLoop:
         _observe_stages(batched, proposed.network_ns)
         if batched.item.verdict is None:
             return await self._resync(batched.item.error)
-        return self._apply(batched.item, proposed=len(item.proposal.token_ids), shadow=shadow)
+        return self._apply(
+            batched.item,
+            proposed=len(item.proposal.token_ids),
+            shadow=shadow,
+            lookup_shadow=lookup_shadow,
+            from_lookup=from_lookup,
+            lookup_drafted=proposed.source == NgramProposer.name,
+        )
 
     def _steps(self, proposal: common_pb2.Proposal) -> int:
         """Target steps the round asks for: ``decode_steps`` for a round without a proposal once the first
@@ -246,26 +293,41 @@ class RoundLoop:
         proposal came from a Propose call made in this round (for the cost model's batcher wait)."""
         return await self.pool.verify(self.session, item, drafted=drafted)
 
-    def _apply(self, result: ItemReply, *, proposed: int, shadow: tuple[int, ...] = ()) -> Committed:
+    def _apply(
+        self,
+        result: ItemReply,
+        *,
+        proposed: int,
+        shadow: tuple[int, ...] = (),
+        lookup_shadow: tuple[int, ...] = (),
+        from_lookup: bool = False,
+        lookup_drafted: bool = False,
+    ) -> Committed:
         """Advance the session by a committed (fresh or replayed) verdict; returns its new tokens.
 
         ``shadow``: at gamma 0, what the local proposers would have offered (:meth:`_shadow`); the
         session's own acceptance tracker learns from it (only it: the stats and the pooled
-        acceptance count proposals actually verified)."""
+        acceptance count proposals actually verified). ``lookup_shadow``: what the hybrid lookup
+        would have offered for the round's positions, which its tracker learns from the same way;
+        ``from_lookup``: the round drafted from the hybrid lookup, so its tracker, not the
+        session's, learns from the verdict (and the pooled acceptance, the draft model's, does not);
+        ``lookup_drafted``: an n-gram lookup drafted the round (the hybrid lookup or the ``ngram``
+        proposer), for the stats."""
         s = self.session
         verdict = result.verdict
         assert verdict is not None
         new = self._committed(verdict, s.apply_verdict(verdict))
-        s.stats.observe_round(proposed=proposed, accepted=verdict.accepted_count)
-        if shadow and not proposed and verdict.committed_token_ids:
-            guess = shadow[: len(verdict.committed_token_ids)]
-            matched = common_prefix_len(guess, verdict.committed_token_ids)
-            self.acceptance.observe(proposed=len(guess), accepted=matched)
+        s.stats.observe_round(proposed=proposed, accepted=verdict.accepted_count, lookup=lookup_drafted)
+        accepted = min(verdict.accepted_count, proposed)
+        if from_lookup and self.lookup_acceptance is not None:
+            self.lookup_acceptance.observe(proposed=proposed, accepted=accepted)
+        elif shadow and not proposed and verdict.committed_token_ids:
+            self.acceptance.observe(**_shadow_outcome(shadow, verdict.committed_token_ids))
         else:
-            self.acceptance.observe(proposed=proposed, accepted=min(verdict.accepted_count, proposed))
-        self.pool.observe_acceptance(
-            self.speculation_key, proposed=proposed, accepted=min(verdict.accepted_count, proposed)
-        )
+            self.acceptance.observe(proposed=proposed, accepted=accepted)
+            self.pool.observe_acceptance(self.speculation_key, proposed=proposed, accepted=accepted)
+        if lookup_shadow and self.lookup_acceptance is not None and verdict.committed_token_ids:
+            self.lookup_acceptance.observe(**_shadow_outcome(lookup_shadow, verdict.committed_token_ids))
         self._fruitless = 0
         _count_round(proposed, verdict.accepted_count, len(verdict.committed_token_ids))
         if result.replayed:
@@ -332,6 +394,14 @@ class RoundLoop:
     async def release(self, *, wait_s: float = 30.0) -> None:
         """Wait for calls in flight, then drop the session's caches on every worker it used."""
         await self.pool.release(self.session, wait_s=wait_s)
+
+
+def _shadow_outcome(guess: tuple[int, ...], committed: Sequence[int]) -> dict[str, int]:
+    """What a round proposing ``guess`` would have accepted, given the tokens it committed without it:
+    the guess's longest prefix equal to them (``RoundLoop._shadow``), as ``AcceptanceTracker.observe``
+    arguments."""
+    guess = guess[: len(committed)]
+    return {"proposed": len(guess), "accepted": common_prefix_len(guess, committed)}
 
 
 def _observe_stages(batched: BatchedResult, propose_network_ns: int) -> None:

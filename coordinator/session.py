@@ -9,8 +9,10 @@ replayed one, or a re-read of the log after a conflict.
 
 A session also owns its proposers that need no model
 (:mod:`coordinator.local_proposers`: the n-gram lookup when it drafts with
-``ngram``, the prediction when the request carries one): ``advance`` feeds
-them every newly committed token, so they follow the committed prefix exactly.
+``ngram``, the prediction when the request carries one, and the *hybrid
+lookup* of a session that drafts with the model under the adaptive policy):
+``advance`` feeds them every newly committed token, so they follow the
+committed prefix exactly.
 """
 
 from __future__ import annotations
@@ -52,13 +54,21 @@ class SessionStats:
     target_ns: int = 0  # the target's own account of the Verify calls
     forward_ns: int = 0  # the target's forward passes in those calls
     first_token_ns: int = 0
+    #: Of the proposed and accepted tokens, those an n-gram lookup in the coordinator drafted.
+    lookup_proposed_tokens: int = 0
+    lookup_accepted_tokens: int = 0
 
-    def observe_round(self, *, proposed: int, accepted: int) -> None:
+    def observe_round(self, *, proposed: int, accepted: int, lookup: bool = False) -> None:
+        """One round: ``proposed`` draft tokens, ``accepted`` of them accepted; ``lookup``: drafted by an
+        n-gram lookup in the coordinator."""
         self.rounds += 1
         if proposed:
             self.draft_rounds += 1
         self.proposed_tokens += proposed
         self.accepted_tokens += accepted
+        if lookup:
+            self.lookup_proposed_tokens += proposed
+            self.lookup_accepted_tokens += accepted
         if len(self.accepted_per_position) < proposed:
             self.accepted_per_position.extend([0] * (proposed - len(self.accepted_per_position)))
         for i in range(accepted):
@@ -79,7 +89,10 @@ class Session:
         start_ns: int | None = None,
         top_logprobs: int | None = None,
         prediction: Sequence[int] | None = None,
+        lookup: bool = False,
     ) -> None:
+        """``lookup``: keep a hybrid lookup (:attr:`lookup`) beside the draft model; only for a session that
+        drafts with the model and has no prediction (their proposers already run in the coordinator)."""
         self.session_id = session_id
         self.prompt_len = len(prompt_token_ids)
         self.sampling = sampling
@@ -95,6 +108,16 @@ class Session:
         #: Proposers that run in the coordinator, asked in this order before the draft model.
         self.local_proposers: tuple[LocalProposer, ...] = tuple(
             p for p in (self.prediction, ngram) if p is not None
+        )
+        #: The hybrid lookup: an n-gram index over the session's tokens that the round loop drafts from
+        #: instead of the model when the lookup's own acceptance makes that pay (coordinator/rounds.py).
+        #: Not one of :attr:`local_proposers`: those are asked before the model every round.
+        self.lookup: NgramProposer | None = (
+            NgramProposer(prompt_token_ids)
+            if lookup
+            and not self.local_proposers
+            and speculation.proposer in (common_pb2.PROPOSER_KIND_UNSPECIFIED, common_pb2.PROPOSER_KIND_MODEL)
+            else None
         )
         self.start_ns = time.perf_counter_ns() if start_ns is None else start_ns
         self.status = SessionStatus.RUNNING
@@ -174,6 +197,8 @@ class Session:
         self._version = version
         for proposer in self.local_proposers:
             proposer.observe(new)
+        if self.lookup is not None:
+            self.lookup.observe(new)
         if finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self.finish_reason = finish_reason
             self.status = SessionStatus.FINISHED
@@ -209,6 +234,8 @@ class Session:
             queue_ns=s.queue_ns,
             target_ns=s.target_ns,
             forward_ns=s.forward_ns,
+            lookup_proposed_tokens=s.lookup_proposed_tokens,
+            lookup_accepted_tokens=s.lookup_accepted_tokens,
             first_token_ns=s.first_token_ns,
             total_ns=time.perf_counter_ns() - self.start_ns,
             finish_reason=self.finish_reason,

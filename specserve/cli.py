@@ -263,7 +263,7 @@ def _request_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
         gamma=_parse_gamma(args.gamma), proposer=args.proposer, draft_top_k=args.draft_top_k,
-        sampling_mode=args.sampling_mode,
+        sampling_mode=args.sampling_mode, hybrid_lookup=args.hybrid_lookup,
     )  # fmt: skip
 
 
@@ -440,6 +440,13 @@ def _request_flags() -> argparse.ArgumentParser:
     p.add_argument("--gamma", default="auto", help="draft tokens per round, or 'auto'")
     p.add_argument("--proposer", choices=["model", "ngram"], default="model")
     p.add_argument("--draft-top-k", type=int, default=0)
+    p.add_argument(
+        "--hybrid-lookup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --gamma auto and the model proposer, also draft copied text from a prompt lookup "
+        "(default: the server's setting, on)",
+    )
     _add_sampling_mode_flag(p)
     p.add_argument(
         "--token", default=os.environ.get("SPECSERVE_TOKEN"), help="bearer token [env SPECSERVE_TOKEN]"

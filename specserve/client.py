@@ -139,6 +139,11 @@ class GenerationStats:
     target_ns: int = 0
     #: The target's forward passes in those calls (a batched pass counted for each session in it).
     forward_ns: int = 0
+    #: Of ``proposed_tokens``, those an n-gram lookup in the coordinator drafted (no draft call): the
+    #: ``ngram`` proposer's, or the hybrid lookup's of a session drafting with the model.
+    lookup_proposed_tokens: int = 0
+    #: Of ``accepted_tokens``, those the lookup drafted.
+    lookup_accepted_tokens: int = 0
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.GenerationStats) -> GenerationStats:
@@ -162,6 +167,8 @@ class GenerationStats:
             rejected_prediction_tokens=pb.rejected_prediction_tokens,
             target_ns=pb.target_ns,
             forward_ns=pb.forward_ns,
+            lookup_proposed_tokens=pb.lookup_proposed_tokens,
+            lookup_accepted_tokens=pb.lookup_accepted_tokens,
         )
 
     @property
@@ -279,6 +286,7 @@ def build_request(
     logprobs: bool = False,
     top_logprobs: int = 0,
     prediction: str | Sequence[int] | None = None,
+    hybrid_lookup: bool | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """The ``GenerateRequest`` for :meth:`Client.generate`'s arguments (see there).
 
@@ -325,6 +333,7 @@ def build_request(
         speculation=coordinator_pb2.SpeculationParams(
             proposer=PROPOSER_KINDS[proposer] if proposer is not None else common_pb2.PROPOSER_KIND_UNSPECIFIED,
             draft_top_k=draft_top_k,
+            hybrid_lookup=hybrid_lookup,
         ),
     )
     if logprobs:
@@ -630,6 +639,7 @@ class Client:
         logprobs: bool = False,
         top_logprobs: int = 0,
         prediction: str | Sequence[int] | None = None,
+        hybrid_lookup: bool | None = None,
     ) -> GenerateResult:
         """Generate a completion of ``prompt`` (text) or ``prompt_token_ids``.
 
@@ -666,6 +676,13 @@ class Client:
         ``proposer="model"`` the draft model drafts where the prediction has nothing to
         offer, with ``"ngram"`` the prompt lookup. ``stats.accepted_prediction_tokens``
         and ``stats.rejected_prediction_tokens`` count how it went.
+
+        ``hybrid_lookup`` (None: the server's setting, on by default): with the automatic
+        policy and ``proposer="model"``, the server also drafts from an n-gram lookup over
+        the session's own tokens where the completion copies earlier text and the lookup's
+        measured acceptance makes that pay, with no draft call; ``False`` drafts from the
+        model alone. ``stats.lookup_proposed_tokens`` and ``stats.lookup_accepted_tokens``
+        count the lookup's share.
 
         Example::
 

@@ -286,6 +286,13 @@ class CoordinatorSettings(CommonSettings):
         "round trips, commits and coordinator work of the steps after the first (vLLM's multi-step "
         "scheduling). Tokens of such a round reach the client together; 1 streams each on its own.",
     )
+    hybrid_lookup: bool = Field(
+        True,
+        description="Sessions that draft with the model under the adaptive policy also keep an n-gram index "
+        "of their own tokens (prompt lookup) and draft a round from it, with no draft call, when its own "
+        "acceptance (learnt from every round's committed tokens) makes that pay more than the draft model "
+        "or the target alone: copied text is drafted from the lookup, the rest by the model.",
+    )
     overlap: bool = Field(
         False,
         description="Proactive drafting: while the target verifies a round, the draft already drafts the "

@@ -28,14 +28,16 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("gamma", "proposer", "draft_top_k")
+    __slots__ = ("gamma", "proposer", "draft_top_k", "hybrid_lookup")
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    HYBRID_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     gamma: int
     proposer: _common_pb2.ProposerKind
     draft_top_k: int
-    def __init__(self, gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ...) -> None: ...
+    hybrid_lookup: bool
+    def __init__(self, gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ..., hybrid_lookup: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "tokens", "chat", "sampling", "stop", "speculation", "logprobs", "prediction")
@@ -76,7 +78,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("session_id", "prompt_tokens", "completion_tokens", "rounds", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_ns", "verify_ns", "queue_ns", "first_token_ns", "total_ns", "finish_reason", "seed", "draft_rounds", "accepted_prediction_tokens", "rejected_prediction_tokens", "target_ns", "forward_ns")
+    __slots__ = ("session_id", "prompt_tokens", "completion_tokens", "rounds", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_ns", "verify_ns", "queue_ns", "first_token_ns", "total_ns", "finish_reason", "seed", "draft_rounds", "accepted_prediction_tokens", "rejected_prediction_tokens", "target_ns", "forward_ns", "lookup_proposed_tokens", "lookup_accepted_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +98,8 @@ class GenerationStats(_message.Message):
     REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_NS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_tokens: int
     completion_tokens: int
@@ -115,7 +119,9 @@ class GenerationStats(_message.Message):
     rejected_prediction_tokens: int
     target_ns: int
     forward_ns: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., seed: _Optional[int] = ..., draft_rounds: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ..., target_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ...) -> None: ...
+    lookup_proposed_tokens: int
+    lookup_accepted_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., seed: _Optional[int] = ..., draft_rounds: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ..., target_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., lookup_proposed_tokens: _Optional[int] = ..., lookup_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "stats")
