@@ -118,6 +118,9 @@ class RoundLoop:
         #: every round for free (:meth:`_apply`), so it starts from a cautious prior: the lookup drafts
         #: once its guesses have been seen to match, and a request whose text never repeats pays nothing.
         self.lookup_acceptance = AcceptanceTracker(prior_alpha=0.3) if session.lookup is not None else None
+        #: The hybrid lookup has had a guess seen to match (in its shadow or in a round it drafted): it
+        #: drafts no round before that, so a request whose text never repeats spends nothing on it.
+        self._lookup_matched = False
         self._fruitless = 0
         self._log = log.bind(session_id=session.session_id)
         pool.attach(session)
@@ -140,7 +143,7 @@ class RoundLoop:
         s = self.session
         load = self.pool.load()
         lookup = s.lookup
-        if lookup is not None and self.lookup_acceptance is not None and lookup.ready:
+        if lookup is not None and self.lookup_acceptance is not None and self._lookup_matched and lookup.ready:
             zero_steps = self._steps(common_pb2.Proposal())
             gamma = self._capped(
                 self.policy.choose_gamma(self.lookup_acceptance, load, local_draft=True, zero_steps=zero_steps)
@@ -321,13 +324,16 @@ class RoundLoop:
         accepted = min(verdict.accepted_count, proposed)
         if from_lookup and self.lookup_acceptance is not None:
             self.lookup_acceptance.observe(proposed=proposed, accepted=accepted)
+            self._lookup_matched = self._lookup_matched or accepted > 0
         elif shadow and not proposed and verdict.committed_token_ids:
             self.acceptance.observe(**_shadow_outcome(shadow, verdict.committed_token_ids))
         else:
             self.acceptance.observe(proposed=proposed, accepted=accepted)
             self.pool.observe_acceptance(self.speculation_key, proposed=proposed, accepted=accepted)
         if lookup_shadow and self.lookup_acceptance is not None and verdict.committed_token_ids:
-            self.lookup_acceptance.observe(**_shadow_outcome(lookup_shadow, verdict.committed_token_ids))
+            outcome = _shadow_outcome(lookup_shadow, verdict.committed_token_ids)
+            self.lookup_acceptance.observe(**outcome)
+            self._lookup_matched = self._lookup_matched or outcome["accepted"] > 0
         self._fruitless = 0
         _count_round(proposed, verdict.accepted_count, len(verdict.committed_token_ids))
         if result.replayed:

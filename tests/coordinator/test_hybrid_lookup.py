@@ -161,7 +161,9 @@ def test_copied_text_is_drafted_from_the_lookup_with_no_draft_call():
     prompt, script = copied_prompt()
     stats, pool = asyncio.run(run_session(prompt, script))
     assert pool.lookup_rounds > 0
-    assert stats.lookup_accepted_tokens >= 0.8 * stats.completion_tokens, stats
+    # The first rounds run without it (the prefill's token, then one round of 4 target steps, in whose
+    # tokens its guesses are first seen to match); from there on the copy is drafted from the lookup.
+    assert stats.lookup_accepted_tokens >= 0.7 * stats.completion_tokens, stats
     assert stats.rounds <= 8, f"copied runs are verified many tokens per pass: {stats.rounds} rounds for 48"
     assert pool.model_calls <= 2, "the draft model, whose tokens are all rejected, is left alone"
     # Only the draft model's rounds feed the acceptance pooled across its sessions.
@@ -186,8 +188,7 @@ def test_a_lookup_that_keeps_guessing_wrong_is_left_alone():
     prompt = motif * 8
     script = [t for i in range(24) for t in (7, 200 + i)]  # after every 7 the lookup guesses 8: wrong
     stats, pool = asyncio.run(run_session(prompt, script))
-    assert pool.lookup_rounds <= 4, f"the lookup drafted {pool.lookup_rounds} rounds of wrong guesses"
-    assert stats.lookup_accepted_tokens <= 2
+    assert pool.lookup_rounds == 0, f"the lookup, never seen to match, drafted {pool.lookup_rounds} rounds"
     assert stats.rounds <= 20, f"{stats.rounds} rounds for 48 tokens: the lookup kept the target from 4 steps"
     # It learnt that from the rounds it did not draft: its acceptance is the one its guesses had there.
     lookup_alpha = run_session.last_loop.lookup_acceptance.alpha()
@@ -207,7 +208,9 @@ def test_only_a_model_session_without_a_prediction_keeps_a_hybrid_lookup():
 # ---- the whole system ------------------------------------------------------------------------------------
 
 MAX_NEW = 32
-PROMPTS = ([5, 17, 42, 9, 5, 17, 42], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [100, 200, 300, 50, 60, 100, 200])
+# The tiny target's greedy continuations of the first three fall into loops (a token repeated, then another
+# after a break), which the lookup matches and drafts from once seen to match; the fourth never repeats.
+PROMPTS = ([142] * 8, [160] * 8, [31] * 8, [5, 17, 42, 9, 5, 17, 42])
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +239,8 @@ async def test_greedy_output_is_the_targets_with_the_hybrid_lookup_on_and_off(st
             assert fixed.stats.lookup_proposed_tokens == 0, "a fixed gamma drafts with the model only"
             assert on.stats.lookup_accepted_tokens <= on.stats.lookup_proposed_tokens <= on.stats.proposed_tokens
             lookup_drafted += on.stats.lookup_proposed_tokens
-        # The prompts repeat themselves, so the lookup has matches from the first round: it must have drafted
-        # (and been verified) somewhere, or this test checked nothing about it.
+        # The looping continuations give the lookup matches: it must have drafted (and been verified)
+        # somewhere, or this test checked nothing about it.
         assert lookup_drafted > 0
 
 
