@@ -22,7 +22,6 @@ import asyncio
 import uuid
 
 import pytest
-import pytest_asyncio
 import system_fixtures as sf
 
 from coordinator.acceptance import ProbeClock
@@ -211,17 +210,6 @@ MAX_NEW = 32
 # The tiny target's greedy continuations of the first three fall into loops (a token repeated, then another
 # after a break), which the lookup matches and drafts from once seen to match; the fourth never repeats.
 PROMPTS = ([142] * 8, [160] * 8, [31] * 8, [5, 17, 42, 9, 5, 17, 42])
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return sf.tiny_pair(tmp_path_factory)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(pair, redis_server):
-    async with sf.local_stack(pair, redis_server.url) as s:
-        yield s
 
 
 @pytest.mark.asyncio(loop_scope="module")

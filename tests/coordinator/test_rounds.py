@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import pytest_asyncio
 import system_fixtures as sf
 
 from specserve.store import SessionStore
@@ -26,11 +25,6 @@ NGRAM = common_pb2.PROPOSER_KIND_NGRAM
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return sf.tiny_pair(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def prompts(pair):
     tok = pair.tokenizer
     return [tok.encode(t, add_special_tokens=False) for t in PROMPTS_TEXT]
@@ -39,12 +33,6 @@ def prompts(pair):
 @pytest.fixture(scope="module")
 def expected(pair, prompts):
     return [sf.reference_greedy(pair.target_dir, p, MAX_NEW) for p in prompts]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(pair, redis_server):
-    async with sf.local_stack(pair, redis_server.url) as s:
-        yield s
 
 
 async def assert_stream_is_log(store: SessionStore, out: sf.Generated) -> None:

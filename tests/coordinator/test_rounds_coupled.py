@@ -49,19 +49,8 @@ SETTINGS = {
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return sf.tiny_pair(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def prompts(pair):
     return [pair.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(pair, redis_server):
-    async with sf.local_stack(pair, redis_server.url) as s:
-        yield s
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -7,7 +7,6 @@ speed."""
 from __future__ import annotations
 
 import pytest
-import pytest_asyncio
 import system_fixtures as sf
 
 from specserve import AsyncClient
@@ -21,11 +20,6 @@ MAX_NEW = 48
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return sf.tiny_pair(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def prompts(pair):
     return [pair.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
 
@@ -33,12 +27,6 @@ def prompts(pair):
 @pytest.fixture(scope="module")
 def greedy(pair, prompts):
     return [sf.reference_greedy(pair.target_dir, p, MAX_NEW, ignore_eos=True) for p in prompts]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(pair, redis_server):
-    async with sf.local_stack(pair, redis_server.url) as s:
-        yield s
 
 
 def half_wrong(tokens: list[int]) -> list[int]:

@@ -33,17 +33,6 @@ SAMPLING = SamplingParams(temperature=1.0, seed=1234)
 STOP = StopConditions(max_new_tokens=64, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return sf.tiny_pair(tmp_path_factory)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(pair, redis_server):
-    async with sf.local_stack(pair, redis_server.url) as s:
-        yield s
-
-
 @pytest_asyncio.fixture(loop_scope="module")
 async def target(stack):
     client = TargetClient(f"127.0.0.1:{stack.target_ports[0]}", CoordinatorSettings(target_endpoints=["x:1"]))
