@@ -222,6 +222,14 @@ class GenerationStats:
             ]
             + (
                 [
+                    f"of which from the prompt lookup: proposed {self.lookup_proposed_tokens}, "
+                    f"accepted {self.lookup_accepted_tokens}"
+                ]
+                if self.lookup_proposed_tokens
+                else []
+            )
+            + (
+                [
                     f"prediction tokens accepted {self.accepted_prediction_tokens}, "
                     f"rejected {self.rejected_prediction_tokens}"
                 ]

@@ -2,8 +2,10 @@
 
 1. **a chat answer** (the target's chat template), the draft model proposing;
 2. **a code request** (chat), the draft model proposing;
-3. **output that repeats its input** (code rewritten with type hints), the
-   n-gram proposer, which copies from the prompt and needs no model.
+3. **output that repeats its input** (a function to repeat), the default
+   request again: under the adaptive policy it also drafts from a prompt lookup
+   over its own tokens, which needs no model, where the text repeats
+   (docs/design.md, "The hybrid lookup").
 
 Each runs greedy with speculation (adaptive gamma unless ``--gamma``), then the
 same request through the target alone (gamma = 0, same seed), and prints both
@@ -47,16 +49,19 @@ SCENARIOS = (
         None,
     ),
     Scenario(
-        "output that repeats its input (the n-gram proposer copies from the prompt)",
+        "output that repeats its input (a prompt lookup drafts the copy)",
         (
             {
                 "role": "user",
-                "content": "Add type hints to these functions and change nothing else:\n\n"
-                "def area(width, height):\n    result = width * height\n    return result\n\n"
-                "def perimeter(width, height):\n    result = 2 * (width + height)\n    return result\n",
+                "content": "Repeat this Python function exactly as it is, in a code block, with no "
+                "explanation:\n\n```python\ndef area(width, height):\n"
+                '    """Return the area of a rectangle of the given *width* and *height*."""\n'
+                "    if width < 0 or height < 0:\n"
+                '        raise ValueError("width and height must not be negative")\n'
+                "    result = width * height\n    return result\n```",
             },
         ),
-        "ngram",
+        None,
     ),
 )
 
@@ -90,7 +95,7 @@ async def run_scenario(
             out.flush()
     spec = stream.result
     label = "gamma auto" if gamma is None else f"gamma {gamma}"
-    out.write(f"\n\n-- speculative decoding ({scenario.proposer or 'draft model'}, {label}) --\n")
+    out.write(f"\n\n-- speculative decoding ({_proposer(scenario, spec)}, {label}) --\n")
     out.write(spec.stats.summary() + "\n")
     alone = None
     if compare:
@@ -104,15 +109,23 @@ async def run_scenario(
     return outcome
 
 
+def _proposer(scenario: Scenario, result: GenerateResult, *, short: bool = False) -> str:
+    """What drafted the request's tokens: its proposer, and the prompt lookup where it drafted too."""
+    name = scenario.proposer or ("model" if short else "draft model")
+    if result.stats.lookup_proposed_tokens:
+        name += " + lookup" if short else " + prompt lookup"
+    return name
+
+
 def summary(outcomes: list[Outcome], *, must_match: bool = True) -> str:
     """A table of the runs and a plain verdict: where speculation paid here and where it did not."""
-    lines = ["", "== summary ==", f"{'request':<34} {'proposer':<12} {'accepted':>9} {'tok/round':>9} {'speedup':>8}"]
+    lines = ["", "== summary ==", f"{'request':<34} {'proposer':<15} {'accepted':>9} {'tok/round':>9} {'speedup':>8}"]
     for o in outcomes:
         s = o.spec.stats
         speed = "-" if o.speedup is None else f"{o.speedup:.2f}x"
         title = o.scenario.title.split(" (")[0][:34]
         lines.append(
-            f"{title:<34} {o.scenario.proposer or 'model':<12} {100 * s.acceptance_rate:>8.0f}% "
+            f"{title:<34} {_proposer(o.scenario, o.spec, short=True):<15} {100 * s.acceptance_rate:>8.0f}% "
             f"{s.tokens_per_round:>9.2f} {speed:>8}"
         )
     compared = [o for o in outcomes if o.speedup is not None]
@@ -124,7 +137,8 @@ def summary(outcomes: list[Outcome], *, must_match: bool = True) -> str:
         lines.append("SOME OUTPUTS DIFFER from the target alone's: that is a bug, please report it.")
     else:
         lines.append("sampled with the optimal rule: the text may differ from the target alone's (same distribution).")
-    model = [o for o in compared if o.scenario.proposer is None]
+    # The draft model's verdict: the requests it drafted alone (a prompt lookup's copied runs are not its).
+    model = [o for o in compared if o.scenario.proposer is None and not o.spec.stats.lookup_proposed_tokens]
     # A run that accepted no draft token ran the target alone, as its comparison did: its ratio is noise.
     paying = [o for o in compared if o.speedup >= PAYS and o.spec.stats.accepted_tokens > 0]  # type: ignore[union-attr]
     if model and not any(o in paying for o in model):

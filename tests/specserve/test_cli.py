@@ -343,8 +343,8 @@ def test_demo_runs_each_scenario_beside_the_target_alone(pair, capsys, monkeypat
     for i, scenario in enumerate(SCENARIOS, 1):
         assert f"== {i}. {scenario.title} ==" in out
         assert f"user> {scenario.messages[-1]['content']}" in out
-    assert out.count("-- speculative decoding (draft model, gamma 3) --") == 2
-    assert out.count("-- speculative decoding (ngram, gamma 3) --") == 1
+    # A fixed gamma is a request for the draft model's proposals: no prompt lookup in any of the three.
+    assert out.count("-- speculative decoding (draft model, gamma 3) --") == 3
     assert out.count("-- the target alone (gamma = 0), same request --") == 3
     assert out.count("output identical to the target alone's") == 3
     assert len(re.findall(r"tokens 8 \(prompt \d+\)", out)) == 6
@@ -470,3 +470,46 @@ def test_the_demo_summary_tells_probes_from_speculating(draft_rounds, verdict):
     outcome = Outcome(chat, result(40, draft_rounds, 2_200_000_000), result(40, 0, 2_000_000_000))
     text = summary([outcome])
     assert "the draft model does not pay" in text and verdict in text
+
+
+def test_the_demo_summary_keeps_the_prompt_lookups_copy_out_of_the_draft_models_verdict():
+    """The default request drafts copied text from its prompt lookup (the hybrid lookup): a copy that pays
+    that way is what pays, labelled so, and the draft model's own verdict is taken from the requests it
+    drafted alone."""
+    from specserve.client import GenerateResult, GenerationStats
+    from specserve.demo import SCENARIOS, Outcome, summary
+
+    def result(total_ns: int, *, proposed: int = 0, accepted: int = 0, lookup: bool = False) -> GenerateResult:
+        stats = GenerationStats(
+            session_id="s",
+            prompt_tokens=4,
+            completion_tokens=40,
+            rounds=12,
+            proposed_tokens=proposed,
+            accepted_tokens=accepted,
+            accepted_per_position=(),
+            draft_ns=0,
+            verify_ns=0,
+            queue_ns=0,
+            first_token_ns=0,
+            total_ns=total_ns,
+            finish_reason="length",
+            seed=1,
+            draft_rounds=0 if lookup else 1,
+            lookup_proposed_tokens=proposed if lookup else 0,
+            lookup_accepted_tokens=accepted if lookup else 0,
+        )
+        return GenerateResult(text="", token_ids=(1,) * 40, stats=stats)
+
+    chat, _, copy = SCENARIOS
+    assert chat.proposer is None and copy.proposer is None, "the demo shows the default request"
+    outcomes = [
+        Outcome(chat, result(2_000_000_000, proposed=1), result(2_000_000_000)),
+        Outcome(copy, result(1_000_000_000, proposed=40, accepted=30, lookup=True), result(2_000_000_000)),
+    ]
+    text = summary(outcomes)
+    assert "the draft model does not pay: at best 1.00x" in text
+    assert "What pays here: output that repeats its input (2.00x)." in text
+    assert re.search(r"output that repeats its input +model \+ lookup +75% ", text), text
+    assert re.search(r"a chat answer +model +0% ", text), text
+    assert "of which from the prompt lookup: proposed 40, accepted 30" in outcomes[1].spec.stats.summary()
