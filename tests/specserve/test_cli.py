@@ -432,6 +432,35 @@ def test_up_on_a_busy_http_port_says_to_pick_another(pair, capsys):
     assert "pass --http-port with a free port" in err
 
 
+def demo_result(
+    total_ns: int, *, rounds: int = 40, proposed: int = 0, accepted: int = 0, draft_rounds: int = 0, lookup: bool = False
+):
+    """A request's result for the demo's summary: 40 tokens in ``total_ns``; ``lookup``: the proposals were the
+    prompt lookup's (the hybrid lookup), else the draft model's over ``draft_rounds`` rounds."""
+    from specserve.client import GenerateResult, GenerationStats
+
+    stats = GenerationStats(
+        session_id="s",
+        prompt_tokens=4,
+        completion_tokens=40,
+        rounds=rounds,
+        proposed_tokens=proposed,
+        accepted_tokens=accepted,
+        accepted_per_position=(),
+        draft_ns=0,
+        verify_ns=0,
+        queue_ns=0,
+        first_token_ns=0,
+        total_ns=total_ns,
+        finish_reason="length",
+        seed=1,
+        draft_rounds=draft_rounds,
+        lookup_proposed_tokens=proposed if lookup else 0,
+        lookup_accepted_tokens=accepted if lookup else 0,
+    )
+    return GenerateResult(text="", token_ids=(1,) * 40, stats=stats)
+
+
 @pytest.mark.parametrize(
     ("draft_rounds", "verdict"),
     [
@@ -443,31 +472,11 @@ def test_up_on_a_busy_http_port_says_to_pick_another(pair, capsys):
 def test_the_demo_summary_tells_probes_from_speculating(draft_rounds, verdict):
     """Where the draft does not pay, the summary says whether the policy fell back: a few probe rounds are
     not speculating; half the rounds drafting is."""
-    from specserve.client import GenerateResult, GenerationStats
     from specserve.demo import SCENARIOS, Outcome, summary
 
-    def result(rounds: int, drafted: int, total_ns: int) -> GenerateResult:
-        stats = GenerationStats(
-            session_id="s",
-            prompt_tokens=4,
-            completion_tokens=40,
-            rounds=rounds,
-            proposed_tokens=drafted,
-            accepted_tokens=0,
-            accepted_per_position=(),
-            draft_ns=0,
-            verify_ns=0,
-            queue_ns=0,
-            first_token_ns=0,
-            total_ns=total_ns,
-            finish_reason="length",
-            seed=1,
-            draft_rounds=drafted,
-        )
-        return GenerateResult(text="", token_ids=(1,) * 40, stats=stats)
-
     chat = next(s for s in SCENARIOS if s.proposer is None)
-    outcome = Outcome(chat, result(40, draft_rounds, 2_200_000_000), result(40, 0, 2_000_000_000))
+    drafted = demo_result(2_200_000_000, proposed=draft_rounds, draft_rounds=draft_rounds)
+    outcome = Outcome(chat, drafted, demo_result(2_000_000_000))
     text = summary([outcome])
     assert "the draft model does not pay" in text and verdict in text
 
@@ -476,40 +485,18 @@ def test_the_demo_summary_keeps_the_prompt_lookups_copy_out_of_the_draft_models_
     """The default request drafts copied text from its prompt lookup (the hybrid lookup): a copy that pays
     that way is what pays, labelled so, and the draft model's own verdict is taken from the requests it
     drafted alone."""
-    from specserve.client import GenerateResult, GenerationStats
     from specserve.demo import SCENARIOS, Outcome, summary
-
-    def result(total_ns: int, *, proposed: int = 0, accepted: int = 0, lookup: bool = False) -> GenerateResult:
-        stats = GenerationStats(
-            session_id="s",
-            prompt_tokens=4,
-            completion_tokens=40,
-            rounds=12,
-            proposed_tokens=proposed,
-            accepted_tokens=accepted,
-            accepted_per_position=(),
-            draft_ns=0,
-            verify_ns=0,
-            queue_ns=0,
-            first_token_ns=0,
-            total_ns=total_ns,
-            finish_reason="length",
-            seed=1,
-            draft_rounds=0 if lookup else 1,
-            lookup_proposed_tokens=proposed if lookup else 0,
-            lookup_accepted_tokens=accepted if lookup else 0,
-        )
-        return GenerateResult(text="", token_ids=(1,) * 40, stats=stats)
 
     chat, _, copy = SCENARIOS
     assert chat.proposer is None and copy.proposer is None, "the demo shows the default request"
+    copied = demo_result(1_000_000_000, rounds=12, proposed=40, accepted=30, lookup=True)
     outcomes = [
-        Outcome(chat, result(2_000_000_000, proposed=1), result(2_000_000_000)),
-        Outcome(copy, result(1_000_000_000, proposed=40, accepted=30, lookup=True), result(2_000_000_000)),
+        Outcome(chat, demo_result(2_000_000_000, rounds=12, proposed=1, draft_rounds=1), demo_result(2_000_000_000)),
+        Outcome(copy, copied, demo_result(2_000_000_000, rounds=12)),
     ]
     text = summary(outcomes)
     assert "the draft model does not pay: at best 1.00x" in text
     assert "What pays here: output that repeats its input (2.00x)." in text
     assert re.search(r"output that repeats its input +model \+ lookup +75% ", text), text
     assert re.search(r"a chat answer +model +0% ", text), text
-    assert "of which from the prompt lookup: proposed 40, accepted 30" in outcomes[1].spec.stats.summary()
+    assert "of which from the prompt lookup: proposed 40, accepted 30" in copied.stats.summary()
