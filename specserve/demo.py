@@ -146,8 +146,13 @@ def summary(outcomes: list[Outcome], *, must_match: bool = True) -> str:
         spec, alone = best.spec.stats, best.alone.stats  # type: ignore[union-attr]
         spec_round = 1e3 * spec.total_s / max(spec.rounds, 1)
         plain_round = 1e3 * alone.total_s / max(alone.rounds, 1)
+        noise = (
+            " (no draft token was accepted, so the difference is the machine's noise)"
+            if best.speedup >= PAYS and not spec.accepted_tokens
+            else ""
+        )
         lines.append(
-            f"On this machine the draft model does not pay: at best {best.speedup:.2f}x the target alone. "
+            f"On this machine the draft model does not pay: at best {best.speedup:.2f}x the target alone{noise}. "
             f"A speculative round took {spec_round:.1f} ms and committed {spec.tokens_per_round:.2f} tokens "
             f"({100 * spec.acceptance_rate:.0f}% of draft tokens accepted); a round of the target alone took "
             f"{plain_round:.1f} ms for {alone.tokens_per_round:.2f} tokens."

@@ -479,6 +479,9 @@ def test_the_demo_summary_tells_probes_from_speculating(draft_rounds, verdict):
     outcome = Outcome(chat, drafted, demo_result(2_000_000_000))
     text = summary([outcome])
     assert "the draft model does not pay" in text and verdict in text
+    assert "noise" not in text, "0.91x is not a gain to explain away"
+    lucky = summary([Outcome(chat, demo_result(1_600_000_000), demo_result(2_000_000_000))])
+    assert "at best 1.25x the target alone (no draft token was accepted, so the difference is the machine's noise)" in lucky
 
 
 def test_the_demo_summary_keeps_the_prompt_lookups_copy_out_of_the_draft_models_verdict():
