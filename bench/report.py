@@ -170,7 +170,7 @@ def targets(data: dict) -> list[tuple[str, bool, str]]:
                 )
             )
         if key.startswith("copy T=0") and hf and ad and "specserve adaptive, model only" in group:
-            # runs from 2026-12-01 19:00 UTC on: a request that sets nothing keeps the hybrid lookup
+            # a run with the model-only mode is one where a request that sets nothing keeps the hybrid lookup
             out.append(
                 (
                     f"{key}: adaptive (a request that sets nothing) picks the copying up: >= 2x HF target-only",

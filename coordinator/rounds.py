@@ -144,7 +144,7 @@ class RoundLoop:
         load = self.pool.load()
         lookup = s.lookup
         if lookup is not None and self.lookup_acceptance is not None and self._lookup_matched and lookup.ready:
-            zero_steps = self._steps(common_pb2.Proposal())
+            zero_steps = self._steps(_NO_PROPOSAL)
             gamma = self._capped(
                 self.policy.choose_gamma(self.lookup_acceptance, load, local_draft=True, zero_steps=zero_steps)
             )
@@ -322,23 +322,26 @@ class RoundLoop:
         new = self._committed(verdict, s.apply_verdict(verdict))
         s.stats.observe_round(proposed=proposed, accepted=verdict.accepted_count, lookup=lookup_drafted)
         accepted = min(verdict.accepted_count, proposed)
-        if from_lookup and self.lookup_acceptance is not None:
-            self.lookup_acceptance.observe(proposed=proposed, accepted=accepted)
-            self._lookup_matched = self._lookup_matched or accepted > 0
+        if from_lookup:
+            self._lookup_learns(proposed=proposed, accepted=accepted)
         elif shadow and not proposed and verdict.committed_token_ids:
             self.acceptance.observe(**_shadow_outcome(shadow, verdict.committed_token_ids))
         else:
             self.acceptance.observe(proposed=proposed, accepted=accepted)
             self.pool.observe_acceptance(self.speculation_key, proposed=proposed, accepted=accepted)
-        if lookup_shadow and self.lookup_acceptance is not None and verdict.committed_token_ids:
-            outcome = _shadow_outcome(lookup_shadow, verdict.committed_token_ids)
-            self.lookup_acceptance.observe(**outcome)
-            self._lookup_matched = self._lookup_matched or outcome["accepted"] > 0
+        if lookup_shadow and verdict.committed_token_ids:
+            self._lookup_learns(**_shadow_outcome(lookup_shadow, verdict.committed_token_ids))
         self._fruitless = 0
         _count_round(proposed, verdict.accepted_count, len(verdict.committed_token_ids))
         if result.replayed:
             self._log.info("verdict_replayed", version=verdict.new_version)
         return new
+
+    def _lookup_learns(self, *, proposed: int, accepted: int) -> None:
+        """One outcome of the hybrid lookup's guesses (a round it drafted, or its shadow) into its tracker."""
+        assert self.lookup_acceptance is not None
+        self.lookup_acceptance.observe(proposed=proposed, accepted=accepted)
+        self._lookup_matched = self._lookup_matched or accepted > 0
 
     def _check_logprobs(self, verdict: Verdict) -> None:
         """A session that reports logprobs needs one per committed token (an older target sends none)."""
@@ -400,6 +403,10 @@ class RoundLoop:
     async def release(self, *, wait_s: float = 30.0) -> None:
         """Wait for calls in flight, then drop the session's caches on every worker it used."""
         await self.pool.release(self.session, wait_s=wait_s)
+
+
+#: A round's proposal when it has none (read only).
+_NO_PROPOSAL = common_pb2.Proposal()
 
 
 def _shadow_outcome(guess: tuple[int, ...], committed: Sequence[int]) -> dict[str, int]:

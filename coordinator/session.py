@@ -112,12 +112,9 @@ class Session:
         #: The hybrid lookup: an n-gram index over the session's tokens that the round loop drafts from
         #: instead of the model when the lookup's own acceptance makes that pay (coordinator/rounds.py).
         #: Not one of :attr:`local_proposers`: those are asked before the model every round.
+        #: (A session with local proposers drafts with the ``ngram`` proposer or from a prediction.)
         self.lookup: NgramProposer | None = (
-            NgramProposer(prompt_token_ids)
-            if lookup
-            and not self.local_proposers
-            and speculation.proposer in (common_pb2.PROPOSER_KIND_UNSPECIFIED, common_pb2.PROPOSER_KIND_MODEL)
-            else None
+            NgramProposer(prompt_token_ids) if lookup and not self.local_proposers else None
         )
         self.start_ns = time.perf_counter_ns() if start_ns is None else start_ns
         self.status = SessionStatus.RUNNING
