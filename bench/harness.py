@@ -78,6 +78,7 @@ from bench.prom import scrape
 from bench.prompts import code_prompts, heldout_files
 from specserve import cpu_kernels
 from specserve.config import CoordinatorSettings
+from specserve.local import COLOCATED_DRAFT_THREADS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET = "smollm2-135m-instruct"  # registered names (specserve.model_registry), or directories
@@ -520,7 +521,7 @@ async def run_all(args) -> dict:
     names = args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer, copy=True)
     prompts = sampling_modes.load_prompt_sets(names, tokenizer, args.target, args.prompts, args.prompt_chars)
     heldout_ok = all(n in ("chat", "chat-code", "copy") for n in names) or heldout_files(args.target)[1]
-    costs = measure_costs(target, draft, repeats=args.cost_repeats)
+    costs = measure_costs(target, draft, repeats=args.cost_repeats, draft_threads=COLOCATED_DRAFT_THREADS)
 
     stack, metrics_url = await _process_stack(args)
     try:

@@ -93,6 +93,42 @@ def test_a_rounds_time_is_split_into_the_parts_the_bound_counts_and_the_rest():
     assert round_parts_section([{k: v for k, v in row.items() if k != "round_ms"}]) == []  # older runs: none
 
 
+def test_with_the_draft_timed_after_a_target_pass_the_report_gives_a_second_bound():
+    """A run that timed the draft step after a target pass (6 ms against 3 back to back): every bound row
+    carries the bound with that step and the efficiency against it, and the round-parts table both draft
+    bounds; the targets stay judged against the first bound."""
+    run = {
+        "mode": "specserve gamma=2", "prompt_set": "chat", "temperature": 0.0, "rounds": 10, "accepted": 6,
+        "total_s": 1.9, "draft_s": 0.2, "verify_s": 1.4, "forward_s": 1.2,
+    }  # fmt: skip
+    costs = {
+        "target_step_ms": 62.0, "draft_step_ms": 3.0, "verify_ms": CPU.verify_ms,
+        "draft_step_after_target_ms": 6.0, "draft_threads": 1,
+    }  # fmt: skip
+    data = {
+        "costs": costs,
+        "single_stream": {
+            "chat T=0": {
+                "hf target-only": {"ms_per_token_median": 62.0},
+                "specserve gamma=2": {"ms_per_token_median": 100.0},
+            }
+        },
+        "runs": [run],
+        "load": [],
+    }
+    (row,) = bound_rows(data)
+    dear = Costs(target_step_ms=62.0, draft_step_ms=6.0, verify_ms=CPU.verify_ms)
+    assert row["predicted_as_run"] == pytest.approx(predicted_speedup(row["alpha"], 2, dear))
+    assert row["predicted_as_run"] < row["predicted"]
+    assert row["efficiency_as_run"] == pytest.approx(row["measured"] / row["predicted_as_run"])
+    assert row["efficiency_as_run"] > row["efficiency"]
+    assert row["model_round_ms"] == pytest.approx({"draft": 6.0, "draft_as_run": 12.0, "verify": 126.0})
+    text = "\n".join(round_parts_section([row]))
+    assert "| chat T=0 | 2 | 20.0 (6.0; 12.0) | 140.0 (126.0) | 120.0 | 30.0 | 190.0 (132.0; 138.0) |" in text
+    (check,) = [t for t in targets(data) if "efficiency" in t[0]]
+    assert check[2] == f"{row['efficiency']:.0%}"
+
+
 def _point(rate: float, mode: str, repeat: int, tok_s: float) -> dict:
     zero = dict.fromkeys(
         ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "queue_p50_s", "target_forward_passes",
