@@ -663,7 +663,7 @@ async def run_draft_scaling(args) -> dict:
 async def run_latency(args) -> dict:
     from transformers import AutoTokenizer
 
-    from bench.latency import measure, to_json
+    from bench.latency import measure, tier_cpus, to_json
 
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
     sets = args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer)
@@ -671,15 +671,19 @@ async def run_latency(args) -> dict:
         sets[:1], tokenizer, args.target, args.latency_prompts, args.prompt_chars
     )
     prompts_list = next(iter(prompts.values()))
-    total = len(args.rtts_ms) * 2 * 5 * len(prompts_list)
+    total = len(args.rtts_ms) * 2 * 5 * len(prompts_list) * args.latency_repeats
     bar = tqdm(total=total, desc="latency", unit="gen")
+    cpus = tier_cpus(args.latency_cores == "separate")
     runs = await measure(
         target=args.target,
         draft=args.draft,
         redis_url=args.redis_url,
         prompts=prompts_list,
         rtts_ms=tuple(args.rtts_ms),
+        fixed_gamma=args.latency_gamma,
         max_new_tokens=args.latency_max_new_tokens,
+        repeats=args.latency_repeats,
+        cpus=cpus,
         progress=bar.update,
     )
     bar.close()
@@ -689,6 +693,9 @@ async def run_latency(args) -> dict:
         "prompts": len(prompts_list),
         "rtts_ms": list(args.rtts_ms),
         "max_new_tokens": args.latency_max_new_tokens,
+        "fixed_gamma": args.latency_gamma,
+        "repeats": args.latency_repeats,
+        "cpus": None if cpus is None else {role: sorted(c) for role, c in cpus.items()},
     }
     return to_json(runs, settings)
 
@@ -786,6 +793,23 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--rtts-ms", type=float, nargs="+", default=[0.0, 2.0, 10.0])
     lat.add_argument("--latency-prompts", type=int, default=3, help="held-out prompts (the first set)")
     lat.add_argument("--latency-max-new-tokens", type=int, default=64)
+    lat.add_argument(
+        "--latency-gamma",
+        type=int,
+        default=1,
+        help="the fixed gamma run with and without overlap (a round drafted ahead is used only when every "
+        "proposed token is accepted and the bonus token guessed: about alpha^gamma x P(guess))",
+    )
+    lat.add_argument(
+        "--latency-repeats", type=int, default=2, help="times each setting runs each prompt, interleaved"
+    )
+    lat.add_argument(
+        "--latency-cores",
+        choices=("separate", "shared"),
+        default="separate",
+        help="separate: the draft tier and the coordinator on the first CPU, the target on the others (tiers "
+        "on machines of their own; needs 2 CPUs); shared: every role on every core",
+    )
     modes = parser.add_argument_group("sampling modes (coupled against optimal, bench/sampling_modes.py)")
     modes.add_argument("--sampling-modes", action="store_true", help="add the sampling-mode comparison")
     modes.add_argument(

@@ -1,21 +1,35 @@
 """Network latency between the tiers: what a round trip to the draft or the target costs.
 
-``python -m bench.harness --latency`` (or ``specserve bench --latency``) starts a
-stack of one process per role (``specserve up``'s, as the harness's single-stream
-runs) once per setting and puts a :class:`LatencyProxy` between the
+``python -m bench.harness --latency`` (or ``specserve bench --latency``) starts
+stacks of one process per role (``specserve up``'s, as the harness's single-stream
+runs), one per setting, and puts a :class:`LatencyProxy` between the
 coordinator and one tier: every byte the coordinator sends to that tier, and
 every byte it gets back, arrives ``rtt / 2`` later (an order-preserving delay,
 not a bandwidth limit: bytes in flight overlap as on a real link). For each
-round-trip time (``--rtts-ms``, 0, 2 and 10 by default) and each side (draft,
-target), it runs the held-out chat prompts greedily, EOS ignored, with
-gamma = 0, a fixed gamma and the adaptive policy, then the last two again with
-overlap on (``CoordinatorSettings.overlap``: the draft drafts the next round
-while the target verifies), and records ms per committed token and the tokens
-per round. Greedy output must be the same in every setting. With overlap on,
-the coordinator's ``specserve_coordinator_overlap_drafts_total`` counts the
-drafts made ahead that the next round used (the verdict bore the hypothesis
-out: every proposed token accepted and the bonus token the draft's guess) and
-those thrown away; the report gives that hit rate beside what overlap won back.
+side (draft, target) and each round-trip time (``--rtts-ms``, 0, 2 and 10 by
+default) it runs the held-out prompts of the first set greedily, EOS ignored,
+with gamma = 0, a fixed gamma (``--latency-gamma``, 1) and the adaptive policy,
+then the last two again with overlap on (``CoordinatorSettings.overlap``: the
+draft drafts the next round while the target verifies), and records ms per
+committed token and the tokens per round. Greedy output must be the same in
+every setting. With overlap on, the coordinator's
+``specserve_coordinator_overlap_drafts_total`` counts the drafts made ahead
+that the next round used (the verdict bore the hypothesis out: every proposed
+token accepted and the bonus token the draft's guess) and those thrown away;
+the report gives that hit rate beside what overlap won back.
+
+Two things keep the comparison fair on one small machine:
+
+- **Tiers on cores of their own** (``--latency-cores separate``, the default
+  where there are two CPUs): the draft tier and the coordinator run on the
+  first CPU, the target on the others with one thread per CPU
+  (:func:`tier_cpus`; ``start_process_stack(cpus=)``). Overlap runs the draft
+  while the target verifies; on shared cores that drafting takes cores from
+  the target's pass, which machines of their own would not.
+- **Settings interleaved**: for each side, every (RTT, overlap) stack is up at
+  once and the settings take turns prompt by prompt, ``--latency-repeats``
+  times (every other repeat in the reverse order), so the machine's drift
+  falls on every setting alike.
 
 The draft side is the setting of a draft tier on cheap machines away from the
 target tier. What it shows: a round pays one round trip to each tier it calls,
@@ -32,9 +46,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 RTTS_MS = (0.0, 2.0, 10.0)
 SIDES = ("draft", "target")
@@ -122,13 +137,24 @@ class LatencyRun:
     rounds: int
     proposed: int
     accepted: int
-    identical: bool  # greedy output equal to the same mode at RTT 0
+    identical: bool  # greedy output equal to the prompt's first run (every setting's must be the same)
     ahead_used: int = 0  # overlap: drafts made ahead that the next round used
     ahead_wasted: int = 0  # overlap: drafts made ahead and thrown away
+    token_ids: list[int] = field(default_factory=list, repr=False)
 
     @property
     def ms_per_token(self) -> float:
         return 1000.0 * self.total_s / max(self.tokens, 1)
+
+
+def tier_cpus(separate: bool = True) -> dict[str, set[int]] | None:
+    """The CPUs each role gets: the draft tier and the coordinator on the first CPU, the target on the
+    rest (tiers on cores of their own, as on machines of their own); None where ``separate`` is off or
+    this process may use fewer than two CPUs (every role shares every core)."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not separate or len(allowed) < 2:
+        return None
+    return {"draft": {allowed[0]}, "coordinator": {allowed[0]}, "target": set(allowed[1:])}
 
 
 async def measure(
@@ -139,85 +165,102 @@ async def measure(
     prompts: list[tuple[str, list[int]]],
     rtts_ms=RTTS_MS,
     sides=SIDES,
-    fixed_gamma: int = 4,
+    fixed_gamma: int = 1,
     max_new_tokens: int = 64,
+    repeats: int = 2,
+    cpus: dict[str, set[int]] | None = None,
     progress=lambda n=1: None,
 ) -> list[LatencyRun]:
-    """Every (side, RTT, mode, prompt), one stack per (side, RTT); see the module docstring."""
-    from bench.prom import scrape
+    """Every (side, RTT, mode, prompt) ``repeats`` times; see the module docstring.
+
+    For each side, one stack per (RTT, overlap) is up at once and the settings take turns, prompt by
+    prompt and repeat by repeat (every other repeat in the reverse order), so a machine that slows
+    down in the middle slows every setting alike. ``cpus``: each role's CPUs (:func:`tier_cpus`;
+    the target then runs one thread per CPU it has)."""
     from specserve.client import AsyncClient
     from specserve.local import start_process_stack
     from specserve.redis_server import free_port
 
     plain = {"gamma=0": 0, f"gamma={fixed_gamma}": fixed_gamma, "adaptive": None}
     with_overlap = {f"gamma={fixed_gamma} +overlap": fixed_gamma, "adaptive +overlap": None}
+    target_overrides = {} if cpus is None else {"threads": len(cpus["target"])}
     runs: list[LatencyRun] = []
     reference: dict[str, list[int]] = {}
-    for side, rtt, overlap in ((s, t, o) for s in sides for t in rtts_ms for o in (False, True)):
-        modes = with_overlap if overlap else plain
-        proxies: list[LatencyProxy] = []
+    for side in sides:
+        async with contextlib.AsyncExitStack() as up:
+            settings = []  # (rtt, overlap, client, metrics url)
+            for rtt, overlap in ((t, o) for t in rtts_ms for o in (False, True)):
+                proxies: list[LatencyProxy] = []
 
-        async def via(role: str, endpoint: str, side=side, rtt=rtt, proxies=proxies) -> str:
-            if role != side or rtt <= 0:
-                return endpoint
-            proxy = await LatencyProxy(endpoint, rtt / 2000.0).start()
-            proxies.append(proxy)
-            return proxy.address
+                async def via(role: str, endpoint: str, side=side, rtt=rtt, proxies=proxies) -> str:
+                    if role != side or rtt <= 0:
+                        return endpoint
+                    proxy = await LatencyProxy(endpoint, rtt / 2000.0).start()
+                    proxies.append(proxy)
+                    return proxy.address
 
-        metrics_port = free_port()
-        metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+                async def stop_proxies(proxies=proxies) -> None:
+                    for proxy in proxies:
+                        await proxy.stop()
 
-        def ahead(outcome: str, metrics=metrics) -> int:
-            return int(scrape(metrics, "specserve_coordinator_overlap_drafts_total", {"outcome": outcome}))
-
-        stack = await start_process_stack(
-            target_model=str(target),
-            draft_model=str(draft),
-            redis_url=redis_url,
-            endpoint_map=via,
-            coordinator_overrides={"overlap": overlap, "metrics_port": metrics_port},
-        )
-        try:
-            async with AsyncClient(stack.address, timeout=600) as client:
+                up.push_async_callback(stop_proxies)
+                metrics_port = free_port()
+                stack = await start_process_stack(
+                    target_model=str(target),
+                    draft_model=str(draft),
+                    redis_url=redis_url,
+                    endpoint_map=via,
+                    coordinator_overrides={"overlap": overlap, "metrics_port": metrics_port},
+                    target_overrides=target_overrides,
+                    cpus=cpus,
+                )
+                up.push_async_callback(stack.stop)
+                client = await up.enter_async_context(AsyncClient(stack.address, timeout=600))
                 for gamma in (0, fixed_gamma, None):  # warm-up: connections, caches, the cost model
                     await client.generate(prompt_token_ids=prompts[0][1], max_new_tokens=8, gamma=gamma)
-                for mode, gamma in modes.items():
-                    for name, ids in prompts:
-                        used, wasted = ahead("used"), ahead("wasted")
-                        start = time.perf_counter()
-                        result = await client.generate(
-                            prompt_token_ids=ids,
-                            max_new_tokens=max_new_tokens,
-                            temperature=0,
-                            ignore_eos=True,
-                            gamma=gamma,
-                        )
-                        total = time.perf_counter() - start
-                        tokens = list(result.token_ids)
-                        ref = reference.setdefault(name, tokens)  # greedy: one output for every setting
-                        s = result.stats
-                        runs.append(
-                            LatencyRun(
-                                side,
-                                rtt,
-                                mode,
-                                name,
-                                len(tokens),
-                                total,
-                                s.rounds,
-                                s.proposed_tokens,
-                                s.accepted_tokens,
-                                tokens == ref,
-                                ahead("used") - used,
-                                ahead("wasted") - wasted,
+                settings.append((rtt, overlap, client, f"http://127.0.0.1:{metrics_port}/metrics"))
+            for repeat in range(repeats):
+                for name, ids in prompts:
+                    for rtt, overlap, client, metrics in settings[:: 1 if repeat % 2 == 0 else -1]:
+                        for mode, gamma in (with_overlap if overlap else plain).items():
+                            runs.append(
+                                await _one(client, metrics, side, rtt, mode, gamma, name, ids, max_new_tokens)
                             )
-                        )
-                        progress()
-        finally:
-            await stack.stop()
-            for proxy in proxies:
-                await proxy.stop()
+                            run = runs[-1]
+                            run.identical = run.token_ids == reference.setdefault(name, run.token_ids)
+                            progress()
     return runs
+
+
+async def _one(client, metrics: str, side: str, rtt: float, mode: str, gamma, name: str, ids, max_new_tokens):
+    """One greedy generation of ``ids`` through ``client``, with the overlap counters' change around it."""
+    from bench.prom import scrape
+
+    def ahead(outcome: str) -> int:
+        return int(scrape(metrics, "specserve_coordinator_overlap_drafts_total", {"outcome": outcome}))
+
+    used, wasted = ahead("used"), ahead("wasted")
+    start = time.perf_counter()
+    result = await client.generate(
+        prompt_token_ids=ids, max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, gamma=gamma
+    )
+    total = time.perf_counter() - start
+    s = result.stats
+    return LatencyRun(
+        side,
+        rtt,
+        mode,
+        name,
+        len(result.token_ids),
+        total,
+        s.rounds,
+        s.proposed_tokens,
+        s.accepted_tokens,
+        True,
+        ahead("used") - used,
+        ahead("wasted") - wasted,
+        token_ids=list(result.token_ids),
+    )
 
 
 def summarize(runs: list[LatencyRun]) -> list[dict]:
@@ -253,19 +296,40 @@ def to_json(runs: list[LatencyRun], settings: dict) -> dict:
     return {
         "settings": settings,
         "summary": summarize(runs),
-        "runs": [asdict(r) | {"ms_per_token": r.ms_per_token} for r in runs],
+        "runs": [
+            {k: v for k, v in asdict(r).items() if k != "token_ids"} | {"ms_per_token": r.ms_per_token}
+            for r in runs
+        ],
     }
 
 
 def section(data: dict) -> list[str]:
     """The Markdown section of the report."""
     st = data["settings"]
+    cpus = st.get("cpus")
+    where = (
+        f"the draft tier and the coordinator on CPU {', '.join(map(str, cpus['draft']))}, the target on CPU "
+        f"{', '.join(map(str, cpus['target']))} with {len(cpus['target'])} thread(s): tiers on cores of their "
+        "own, as on machines of their own"
+        if cpus
+        else "every role on every core"
+    )
+    repeats = st.get("repeats", 1)
     lines = [
         f"## Network latency between the tiers (greedy, {st['max_new_tokens']} tokens, "
-        f"{st['prompts']} held-out chat prompts, one stack of processes per setting)",
+        f"{st['prompts']} held-out {st.get('prompt_set', 'chat')} prompts x {repeats}, one stack of processes "
+        "per setting)",
         "",
         f"Command: `{st['command']}`. A proxy delays every byte between the coordinator and one tier by "
-        "RTT / 2 each way. 'added' is ms/token above the same mode at RTT 0 on the same side. 'drafted ahead, "
+        f"RTT / 2 each way; {where}. "
+        + (
+            "For each tier, every setting's stack is up at once and the settings take turns prompt by prompt "
+            "(each repeat in the other order), so the machine's drift falls on all alike; ms/token is the "
+            "median over prompts and repeats. "
+            if repeats > 1
+            else ""
+        )
+        + "'added' is ms/token above the same mode at RTT 0 on the same side. 'drafted ahead, "
         "used': with overlap, the drafts made while the target verified that the next round could use (the "
         "verdict accepted every proposed token and its bonus token was the draft's guess), of all drafted ahead.",
         "",

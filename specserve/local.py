@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -281,6 +281,24 @@ async def _wait_serving(proc: asyncio.subprocess.Process, role: str, address: st
             await asyncio.sleep(0.2)
 
 
+def _affinity(cpus: Mapping[str, Collection[int]] | None) -> dict[str, frozenset[int]]:
+    """``start_process_stack``'s ``cpus``, checked: known roles, CPUs this process may use."""
+    if not cpus:
+        return {}
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("cpus= needs os.sched_setaffinity (Linux); this platform has none")
+    allowed = os.sched_getaffinity(0)
+    out: dict[str, frozenset[int]] = {}
+    for role, chosen in cpus.items():
+        if role not in ("draft", "target", "coordinator"):
+            raise ValueError(f"cpus names the role {role!r}; the roles are draft, target and coordinator")
+        pin = frozenset(chosen)
+        if not pin or not pin <= allowed:
+            raise ValueError(f"cpus[{role!r}] = {sorted(pin)}: give CPUs among {sorted(allowed)}")
+        out[role] = pin
+    return out
+
+
 async def start_process_stack(
     *,
     target_model: str | Path | None,
@@ -298,6 +316,7 @@ async def start_process_stack(
     with_draft: bool = True,
     start_timeout_s: float = 300.0,
     endpoint_map: Callable[[str, str], Awaitable[str]] | None = None,
+    cpus: Mapping[str, Collection[int]] | None = None,
 ) -> ProcessStack:
     """Start one ``specserve serve`` process per role on loopback ports; see :class:`ProcessStack`.
 
@@ -306,12 +325,16 @@ async def start_process_stack(
     process's stderr at ``log_level``. ``endpoint_map(role, endpoint)``, as for
     :func:`start_local_stack`, gives the address the coordinator dials for each
     worker (a delaying proxy in front of it, for the latency benchmark).
+    ``cpus`` (Linux): the CPUs a role's process, and every thread it starts, may run on, by role
+    (``draft``, ``target``, ``coordinator``; a role not named runs anywhere): tiers on cores of their
+    own, as on machines of their own. A thread count is not implied: give the workers ``threads``.
     """
     import sys
 
     from specserve.redis_server import free_port
 
     loopback = "127.0.0.1"
+    affinity = _affinity(cpus)
     _check_free(host, port, "could not listen on {where} ({error}): is another server using the port?")
     if http_port:
         _check_free(host, http_port, "could not bind the HTTP API to {where} ({error})")
@@ -327,7 +350,14 @@ async def start_process_stack(
 
     async def spawn(role: str, settings: Mapping[str, Any]) -> asyncio.subprocess.Process:
         args = [sys.executable, "-m", "specserve.cli", "serve", role, *_flags(settings)]
-        proc = await asyncio.create_subprocess_exec(*args, env=env, stdin=asyncio.subprocess.DEVNULL)
+        pin = affinity.get(role)
+        proc = await asyncio.create_subprocess_exec(
+            *args,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            # Set in the child before exec, so the interpreter and every thread it starts inherit it.
+            preexec_fn=None if pin is None else (lambda: os.sched_setaffinity(0, pin)),
+        )
         processes[role] = proc
         return proc
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import pytest
@@ -59,12 +60,20 @@ async def test_the_mode_runs_through_the_harness_and_greedy_output_never_changes
         "--rtts-ms", "0", "4",
         "--latency-prompts", "1",
         "--latency-max-new-tokens", "10",
+        "--latency-repeats", "2",
     ]  # fmt: skip
     assert await asyncio.to_thread(main, argv) == 0
     data = json.loads((tmp_path / "latency.json").read_text())
     rows = data["summary"]
     assert {(r["side"], r["rtt_ms"]) for r in rows} == {(s, t) for s in ("draft", "target") for t in (0.0, 4.0)}
-    assert {r["mode"] for r in rows} == {"gamma=0", "gamma=4", "adaptive", "gamma=4 +overlap", "adaptive +overlap"}
+    assert {r["mode"] for r in rows} == {"gamma=0", "gamma=1", "adaptive", "gamma=1 +overlap", "adaptive +overlap"}
+    assert all(r["n"] == 2 for r in rows), "each setting ran the prompt once per repeat"
+    # Tiers on cores of their own where there are two: the draft and the coordinator share the first.
+    cpus = data["settings"]["cpus"]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert cpus["draft"] == cpus["coordinator"] and not set(cpus["draft"]) & set(cpus["target"])
+    else:
+        assert cpus is None
     assert all(r["identical"] for r in rows), "latency never changes greedy output"
     assert all(run["tokens"] == 10 for run in data["runs"])
     slowed = [r for r in rows if r["side"] == "target" and r["rtt_ms"] == 4.0]
@@ -73,6 +82,6 @@ async def test_the_mode_runs_through_the_harness_and_greedy_output_never_changes
     # gamma drafts ahead; without overlap none does.
     for r in rows:
         ahead = r["ahead_used"] + r["ahead_wasted"]
-        assert (ahead > 0) if r["mode"] == "gamma=4 +overlap" else (ahead == 0 or "+overlap" in r["mode"]), r
+        assert (ahead > 0) if r["mode"] == "gamma=1 +overlap" else (ahead == 0 or "+overlap" in r["mode"]), r
     assert "drafted ahead, used" in (tmp_path / "latency.md").read_text()
     assert "Network latency" in (tmp_path / "latency.md").read_text()
