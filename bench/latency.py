@@ -223,17 +223,19 @@ async def measure(
                 for name, ids in prompts:
                     for rtt, overlap, client, metrics in settings[:: 1 if repeat % 2 == 0 else -1]:
                         for mode, gamma in (with_overlap if overlap else plain).items():
-                            runs.append(
-                                await _one(client, metrics, side, rtt, mode, gamma, name, ids, max_new_tokens)
+                            run = await _one(
+                                client, metrics, side, rtt, mode, gamma, name, ids, max_new_tokens
                             )
-                            run = runs[-1]
+                            # Greedy: one output for every setting, the prompt's first run's.
                             run.identical = run.token_ids == reference.setdefault(name, run.token_ids)
+                            runs.append(run)
                             progress()
     return runs
 
 
 async def _one(client, metrics: str, side: str, rtt: float, mode: str, gamma, name: str, ids, max_new_tokens):
-    """One greedy generation of ``ids`` through ``client``, with the overlap counters' change around it."""
+    """One greedy generation of ``ids`` through ``client``, with the overlap counters' change around it
+    (``identical`` is left for the caller, who holds every setting's outputs)."""
     from bench.prom import scrape
 
     def ahead(outcome: str) -> int:
