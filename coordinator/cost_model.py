@@ -356,6 +356,9 @@ class CostModel:
       for both Propose and Verify calls (for a Verify batch, ``tokens`` per item on average).
     * ``observe_queue(drafted=the proposal came from a Propose call, batch_size=items in the call,
       ns=BatchedResult.queue_ns)`` for every round's Verify item.
+    * ``observe_call_overhead(ns=VerifyResponse.verify_ns, forward_ns=VerifyResponse.forward_ns)``: the
+      part of a Verify call spent outside the target's passes (reading the session, deciding, committing),
+      which a call of several target steps pays once.
     """
 
     def __init__(self, *, decay: float = 0.98, prior: CostPrior | None = None) -> None:
@@ -375,6 +378,8 @@ class CostModel:
         self._rtt = DecayingLeastSquares(2, decay=decay, prior_rows=[((0.0, 1.0), 0.0, pr.ratio_weight)])
         # (drafted, batch-size class) -> decayed mean wait of a round in the Verify batcher, ns.
         self._queue: dict[tuple[bool, int], float] = {}
+        # Decayed mean of a Verify call's time outside its forward passes, ns (None before any call).
+        self._call_overhead: float | None = None
         self._decay = decay
 
     # -- observations -------------------------------------------------------------------------
@@ -408,6 +413,14 @@ class CostModel:
         old = self._queue.get(key)
         ns_f = float(max(ns, 0))
         self._queue[key] = ns_f if old is None else self._decay * old + (1.0 - self._decay) * ns_f
+
+    def observe_call_overhead(self, *, ns: int, forward_ns: int) -> None:
+        """One Verify call that took ``ns`` server time, ``forward_ns`` of it in the target's passes."""
+        if ns < 0 or forward_ns < 0:
+            raise ValueError("ns and forward_ns must be >= 0")
+        outside = float(max(ns - forward_ns, 0))
+        old = self._call_overhead
+        self._call_overhead = outside if old is None else self._decay * old + (1.0 - self._decay) * outside
 
     # -- estimates ----------------------------------------------------------------------------
 
@@ -474,13 +487,24 @@ class CostModel:
 
     def target_only_token_ns(self, batch_size: int = 1, steps: int = 1) -> float:
         """Predicted wall time per token of target-only rounds whose Verify call takes ``steps`` target steps
-        (``VerifyItem.decode_steps``): the call's fixed part (the round trip, the batcher's wait and the
-        Verify's own fixed cost ``v0``) once per call, the pass once per step."""
+        (``VerifyItem.decode_steps``): the call's fixed part once per call, the rest of ``round(0)`` once
+        per step.
+
+        The fixed part is what a call pays outside its passes: the round trip, the batcher's wait and the
+        Verify's time outside the target's forward passes (:meth:`verify_call_overhead_ns`). The verify
+        fit's intercept ``v0`` is not in it: a one-position pass is mostly a fixed cost (the weights are
+        read whatever the positions), and every step pays that pass again.
+        """
         if steps < 1:
             raise ValueError("steps must be >= 1")
         one = self.round_ns(0, batch_size)
-        fixed = one - (self.verify_ns(batch_size, batch_size) - self._verify.coef[0])
+        verify = self.verify_ns(batch_size, batch_size)
+        fixed = (one - verify) + min(self.verify_call_overhead_ns(), verify)
         return fixed / steps + (one - fixed)
+
+    def verify_call_overhead_ns(self) -> float:
+        """A Verify call's time outside the target's passes, decayed mean (0 before any call)."""
+        return self._call_overhead or 0.0
 
     def target_step_ns(self, batch_size: int = 1) -> float:
         """Predicted wall time of a target-only round (``round_ns(0, batch_size)``)."""
@@ -512,4 +536,5 @@ class CostModel:
             "verify_multi_position_ns": vm,
             "rtt_ns": r0,
             "rtt_ns_per_token": r1,
+            "verify_call_overhead_ns": self.verify_call_overhead_ns(),
         }

@@ -530,6 +530,8 @@ class WorkerPool:
                 self.cost_model.observe_verify(
                     batch_size=b, positions=batched.positions_processed, ns=batched.verify_ns
                 )
+            if batched.forward_ns > 0:
+                self.cost_model.observe_call_overhead(ns=batched.verify_ns, forward_ns=batched.forward_ns)
             self.cost_model.observe_rtt(
                 ns=batched.call_ns - batched.verify_ns, tokens=batched.draft_tokens // max(b, 1)
             )

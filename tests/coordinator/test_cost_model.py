@@ -186,22 +186,53 @@ def test_round_ns_is_the_documented_sum_of_parts() -> None:
 
 
 def test_target_only_rounds_of_several_steps_share_the_calls_fixed_part() -> None:
-    """Per token, a target-only call of k steps costs its fixed part (round trip, the Verify's intercept v0)
-    once and the pass k times: fixed / k + (round(0) - fixed); one step is exactly round(0)."""
+    """Per token, a target-only call of k steps costs its fixed part (the round trip and the Verify's time
+    outside its passes) once and the rest k times: fixed / k + (round(0) - fixed); one step is round(0)."""
     cm = CostModel()
     for g in (0, 1, 2, 4):
         for _ in range(5):
-            cm.observe_verify(batch_size=1, positions=g + 1, ns=int(_true_verify(1, g + 1)))
+            ns = int(_true_verify(1, g + 1))
+            cm.observe_verify(batch_size=1, positions=g + 1, ns=ns)
+            cm.observe_call_overhead(ns=ns, forward_ns=ns - 3_000_000)
             cm.observe_rtt(ns=2_000_000, tokens=g)
     one = cm.round_ns(0, 1)
-    v0 = cm.snapshot()["verify_fixed_ns"]
-    fixed = cm.rtt_ns(0) + v0
+    assert cm.verify_call_overhead_ns() == pytest.approx(3_000_000)
+    assert cm.snapshot()["verify_call_overhead_ns"] == pytest.approx(3_000_000)
+    fixed = cm.rtt_ns(0) + 3_000_000
     assert cm.target_only_token_ns(1, 1) == pytest.approx(one)
     for k in (2, 4, 16):
         assert cm.target_only_token_ns(1, k) == pytest.approx(fixed / k + one - fixed)
         assert cm.target_only_token_ns(1, k) < cm.target_only_token_ns(1, k // 2)
     with pytest.raises(ValueError):
         cm.target_only_token_ns(1, 0)
+    with pytest.raises(ValueError):
+        cm.observe_call_overhead(ns=-1, forward_ns=0)
+
+
+def test_several_steps_per_call_never_amortise_the_forward_pass() -> None:
+    """A one-position pass is mostly fixed cost (the verify fit's intercept v0), and each step of a call pays
+    it again: however many steps a call takes, a token never costs less than the call's time in passes.
+    (Amortising v0 over the steps priced gamma 0 at 25 ms/token on the default pair where it ran 58, and
+    the policy then refused every draft.)"""
+    cm = CostModel()
+    pass_ns = 50_000_000
+    for g in (0, 1, 2, 4):
+        for _ in range(5):
+            ns = int(pass_ns * (1 + 0.1 * g)) + 2_000_000
+            cm.observe_verify(batch_size=1, positions=g + 1, ns=ns)
+            cm.observe_call_overhead(ns=ns, forward_ns=ns - 2_000_000)
+            cm.observe_rtt(ns=1_000_000, tokens=g)
+    per_pass = cm.verify_ns(1, 1) - cm.verify_call_overhead_ns()
+    assert cm.snapshot()["verify_fixed_ns"] > 0.5 * per_pass  # the intercept carries most of the pass
+    for k in (1, 2, 8, 64):
+        assert cm.target_only_token_ns(1, k) >= per_pass
+    # Before any call's overhead is known, nothing is amortised beyond the round trip and the wait.
+    fresh = CostModel()
+    fresh.observe_verify(batch_size=1, positions=1, ns=pass_ns)
+    fresh.observe_rtt(ns=1_000_000)
+    assert fresh.target_only_token_ns(1, 8) == pytest.approx(
+        fresh.rtt_ns(0) / 8 + fresh.verify_ns(1, 1)
+    )
 
 
 def test_the_batcher_wait_is_learnt_per_kind_and_batch_size_class() -> None:

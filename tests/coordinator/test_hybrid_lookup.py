@@ -182,10 +182,12 @@ def test_the_same_session_without_the_lookup_gets_no_copy_speedup():
 def test_a_lookup_that_keeps_guessing_wrong_is_left_alone():
     """The prompt repeats a motif, so the lookup always has a match; the completion never follows it. The
     lookup learns that from the rounds it does not draft (its guess against the committed tokens, for free)
-    and stops drafting: the session runs at the target's pace, 4 steps per Verify call."""
+    and never drafts: the session runs at the target's pace, 4 steps per Verify call. (The script opens
+    with a token the lookup does not guess: after the prompt's last 10 it guesses 7, and one right guess
+    would be a match seen, after which a gamma-0 round priced at its 4 passes loses to a lookup round.)"""
     motif = [7, 8, 9, 10]
     prompt = motif * 8
-    script = [t for i in range(24) for t in (7, 200 + i)]  # after every 7 the lookup guesses 8: wrong
+    script = [t for i in range(24) for t in (200 + i, 7)]  # after every 7 the lookup guesses 8: wrong
     stats, pool = asyncio.run(run_session(prompt, script))
     assert pool.lookup_rounds == 0, f"the lookup, never seen to match, drafted {pool.lookup_rounds} rounds"
     assert stats.rounds <= 20, f"{stats.rounds} rounds for 48 tokens: the lookup kept the target from 4 steps"
