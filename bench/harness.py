@@ -84,18 +84,20 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET = "smollm2-135m-instruct"  # registered names (specserve.model_registry), or directories
 DEFAULT_DRAFT = "specserve-smollm2-draft"
 
-#: specserve modes: name -> (gamma or None for adaptive, proposer, hybrid lookup: None for the server's
-#: default, on). "specserve adaptive" is what a request that sets nothing gets.
-SPEC_MODES: dict[str, tuple[int | None, str, bool | None]] = {
-    "specserve gamma=0": (0, "model", None),
-    "specserve gamma=1": (1, "model", None),
-    "specserve gamma=2": (2, "model", None),
-    "specserve gamma=4": (4, "model", None),
-    "specserve gamma=8": (8, "model", None),
-    "specserve n-gram gamma=4": (4, "ngram", None),
-    "specserve n-gram adaptive": (None, "ngram", None),
-    "specserve adaptive, model only": (None, "model", False),
-    "specserve adaptive": (None, "model", None),
+#: specserve modes: name -> (gamma or None for adaptive, proposer, hybrid lookup, min_confidence; None
+#: for the server's defaults: the lookup on, dynamic draft length at 0.4 under the adaptive policy and off at
+#: a fixed gamma). "specserve adaptive" is what a request that sets nothing gets.
+SPEC_MODES: dict[str, tuple[int | None, str, bool | None, float | None]] = {
+    "specserve gamma=0": (0, "model", None, None),
+    "specserve gamma=1": (1, "model", None, None),
+    "specserve gamma=2": (2, "model", None, None),
+    "specserve gamma=4": (4, "model", None, None),
+    "specserve gamma=8": (8, "model", None, None),
+    "specserve n-gram gamma=4": (4, "ngram", None, None),
+    "specserve n-gram adaptive": (None, "ngram", None, None),
+    "specserve adaptive, model only": (None, "model", False, None),
+    "specserve adaptive, whole gamma": (None, "model", None, 0.0),
+    "specserve adaptive": (None, "model", None, None),
 }
 FIXED_GAMMAS = (1, 2, 4, 8)
 #: HF prompt-lookup baselines: name -> ``prompt_lookup_num_tokens``. 16 is the coordinator's default
@@ -174,6 +176,7 @@ async def _spec_generate(
     gamma: int | None,
     proposer: str,
     hybrid_lookup: bool | None = None,
+    min_confidence: float | None = None,
 ) -> tuple[Run, list[tuple[float, int]]]:
     """One streamed generation; returns the run and (arrival time, size) of each chunk."""
     stream = client.stream(
@@ -185,6 +188,7 @@ async def _spec_generate(
         gamma=gamma,
         proposer=proposer,
         hybrid_lookup=hybrid_lookup,
+        min_confidence=min_confidence,
     )
     start = time.perf_counter()
     stamps: list[tuple[float, int]] = []  # (arrival time, tokens in the chunk)
@@ -253,8 +257,10 @@ async def single_stream(
             elif mode in HF_LOOKUP:
                 run = _hf_generate(target, ids, max_new, temp, seed, lookup=HF_LOOKUP[mode])
             else:
-                gamma, proposer, lookup = SPEC_MODES[mode]
-                run, _ = await _spec_generate(client, token_ids, max_new, temp, seed, gamma, proposer, lookup)
+                gamma, proposer, lookup, confidence = SPEC_MODES[mode]
+                run, _ = await _spec_generate(
+                    client, token_ids, max_new, temp, seed, gamma, proposer, lookup, confidence
+                )
             run.mode, run.prompt_set, run.prompt = mode, set_name, name
             runs.append(run)
             bar.update()

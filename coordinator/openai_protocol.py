@@ -26,7 +26,7 @@ extension ``ignore_eos``,      ``StopConditions``
 ``stop_token_ids``
 extension ``speculation``      ``SpeculationParams``: ``{"gamma": int | "auto", "proposer":
                                "model" | "ngram", "draft_top_k": int,
-                               "hybrid_lookup": bool}``
+                               "hybrid_lookup": bool, "min_confidence": float}``
 chat ``logprobs`` (bool),      ``GenerateRequest.logprobs`` (``top_logprobs`` 0..20; it needs
 ``top_logprobs``               ``logprobs: true``)
 completions ``logprobs`` (int) ``GenerateRequest.logprobs`` with that many alternatives, 0..20
@@ -88,6 +88,7 @@ class SpeculationOptions(BaseModel):
     proposer: Literal["model", "ngram"] = "model"
     draft_top_k: int = Field(0, ge=0)
     hybrid_lookup: bool | None = None
+    min_confidence: float | None = Field(None, ge=0.0, lt=1.0)
 
 
 def _text_parts(content: str | list[dict[str, Any]], param: str) -> str:
@@ -206,7 +207,10 @@ class _OpenAIRequest(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         spec = self.speculation or SpeculationOptions()
         speculation = coordinator_pb2.SpeculationParams(
-            proposer=_PROPOSERS[spec.proposer], draft_top_k=spec.draft_top_k, hybrid_lookup=spec.hybrid_lookup
+            proposer=_PROPOSERS[spec.proposer],
+            draft_top_k=spec.draft_top_k,
+            hybrid_lookup=spec.hybrid_lookup,
+            min_confidence=spec.min_confidence,
         )
         if isinstance(spec.gamma, int):
             speculation.gamma = spec.gamma

@@ -661,6 +661,7 @@ def _session_propose_request(
         gamma=gamma,
         proposer=session.speculation.proposer,
         draft_top_k=session.speculation.draft_top_k,
+        min_confidence=session.speculation.min_confidence,
         stop_token_ids=session.stop.stop_token_ids,
         ignore_eos=session.stop.ignore_eos,
     )

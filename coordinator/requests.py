@@ -50,6 +50,9 @@ class SpeculationSettings:
     #: Keep a hybrid lookup beside the draft model (coordinator/rounds.py); only where it applies:
     #: the automatic policy and the model proposer.
     hybrid_lookup: bool = False
+    #: Dynamic draft length (draft_service/proposers.py): the draft ends a proposal after a token it drafted
+    #: with probability below this; 0 for the n-gram proposer and, unless the request set it, a fixed gamma.
+    min_confidence: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,11 @@ class GenerationRequest:
         sampling = SamplingParams.from_pb(pb.sampling, default_seed=random_seed())
         stop = StopConditions.from_pb(pb.stop, default_max_new_tokens=settings.default_max_new_tokens)
         speculation = _speculation_from_pb(
-            pb.speculation, max_gamma=max_gamma, vocab_size=vocab_size, hybrid_lookup=settings.hybrid_lookup
+            pb.speculation,
+            max_gamma=max_gamma,
+            vocab_size=vocab_size,
+            hybrid_lookup=settings.hybrid_lookup,
+            min_confidence=settings.draft_min_confidence,
         )
         top_logprobs = check_top_logprobs(pb.logprobs.top_logprobs) if pb.HasField("logprobs") else None
         prompt = await _prompt(
@@ -218,9 +225,15 @@ def _check_bytes(what: str, size: int, settings: CoordinatorSettings) -> None:
 
 
 def _speculation_from_pb(
-    pb: coordinator_pb2.SpeculationParams, *, max_gamma: int, vocab_size: int, hybrid_lookup: bool = True
+    pb: coordinator_pb2.SpeculationParams,
+    *,
+    max_gamma: int,
+    vocab_size: int,
+    hybrid_lookup: bool = True,
+    min_confidence: float = 0.0,
 ):
-    """The request's speculation, checked (``hybrid_lookup``: the server's default for it)."""
+    """The request's speculation, checked (``hybrid_lookup``, ``min_confidence``: the server's defaults for
+    them under the automatic policy)."""
     proposer = resolve_proposer(pb.proposer)
     gamma: int | None = None
     if pb.HasField("gamma"):
@@ -235,9 +248,20 @@ def _speculation_from_pb(
             f"draft_top_k={pb.draft_top_k} exceeds the vocabulary size {vocab_size}; use 0 (off) or a smaller k"
         )
     lookup = pb.hybrid_lookup if pb.HasField("hybrid_lookup") else hybrid_lookup
+    model = proposer == common_pb2.PROPOSER_KIND_MODEL
+    if pb.HasField("min_confidence"):
+        if not 0.0 <= pb.min_confidence < 1.0:  # NaN fails both comparisons
+            raise InvalidArgument(
+                f"min_confidence={pb.min_confidence} must be in [0, 1): the draft stops after a token it "
+                "drafted with probability below it (0: draft the whole gamma)"
+            )
+        confidence = pb.min_confidence
+    else:
+        confidence = min_confidence if gamma is None else 0.0
     return SpeculationSettings(
         gamma=gamma,
         proposer=proposer,
         draft_top_k=pb.draft_top_k,
-        hybrid_lookup=lookup and gamma is None and proposer == common_pb2.PROPOSER_KIND_MODEL,
+        hybrid_lookup=lookup and gamma is None and model,
+        min_confidence=float(confidence) if model else 0.0,
     )

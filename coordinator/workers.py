@@ -150,6 +150,7 @@ def propose_request(
     draft_top_k: int,
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    min_confidence: float = 0.0,
 ) -> draft_pb2.ProposeRequest:
     """The wire request for one session's proposal (sent alone or as an item of a ProposeBatch)."""
     return draft_pb2.ProposeRequest(
@@ -163,6 +164,7 @@ def propose_request(
         seed=sampling.seed,
         stop_token_ids=stop_token_ids,
         ignore_eos=ignore_eos,
+        min_confidence=min_confidence,
     )
 
 

@@ -187,6 +187,7 @@ class DraftEngine:
             seed=call.seed,
             draft_top_k=call.draft_top_k,
             stop_token_ids=call.stop_token_ids | (frozenset() if call.ignore_eos else self.eos_token_ids),
+            min_confidence=call.min_confidence,
         )
         return request, proposer
 

@@ -36,6 +36,7 @@ class ProposeCall:
     seed: int
     stop_token_ids: frozenset[int] = frozenset()  # drafting ends after one of these
     ignore_eos: bool = False  # ... and after the model's end-of-sequence tokens unless this is set
+    min_confidence: float = 0.0  # the proposal ends after a token drafted with probability below this
 
     @property
     def session_id(self) -> str:
@@ -70,6 +71,11 @@ class ProposeCall:
             raise InvalidArgument(
                 f"draft_top_k={pb.draft_top_k} exceeds the vocabulary size {vocab_size}; use 0 (off) or less"
             )
+        if not 0.0 <= pb.min_confidence < 1.0:  # NaN fails both comparisons
+            raise InvalidArgument(
+                f"min_confidence={pb.min_confidence} must be in [0, 1): the probability under which the "
+                "draft stops (0: draft gamma tokens)"
+            )
         return cls(
             base=base,
             start_position=pb.start_position,
@@ -81,6 +87,7 @@ class ProposeCall:
             seed=pb.seed,
             stop_token_ids=frozenset(int(t) for t in pb.stop_token_ids),
             ignore_eos=pb.ignore_eos,
+            min_confidence=float(pb.min_confidence),
         )
 
 

@@ -55,6 +55,7 @@ from specserve.sampling import (
     greedy_tokens,
     gumbel_argmax,
     logits_to_probs,
+    processed_logprobs,
     sample_from,
 )
 from specserve.v1 import common_pb2
@@ -85,6 +86,9 @@ class DraftRequest:
     stop_token_ids: frozenset[int] = (
         frozenset()
     )  # drafting ends after one of these (nothing after it commits)
+    #: Dynamic draft length: drafting ends after a token whose probability under the draft's own
+    #: distribution is below this (0: draft ``gamma`` tokens). See :meth:`ModelProposer._draft`.
+    min_confidence: float = 0.0
 
 
 def draft_distribution(
@@ -109,14 +113,15 @@ def draft_distribution(
 
 def draw_token(
     logits: torch.Tensor, request: DraftRequest, position: int, context: Sequence[int]
-) -> tuple[int, torch.Tensor | None]:
+) -> tuple[int, torch.Tensor | None, float]:
     """One draft token from the next-token logits ``[vocab]`` at absolute ``position``.
 
-    Returns the token and the float32 vector ``[vocab]`` it was sampled from
+    Returns the token, the float32 vector ``[vocab]`` it was sampled from
     (shipped with the proposal), or ``None`` for greedy (a point mass) and the
-    coupled mode (``argmax(log q + G)``; the target needs the tokens alone). The
-    vector goes through :func:`draft_distribution` and ``check_distribution``,
-    exactly what the target rebuilds; the uniform is
+    coupled mode (``argmax(log q + G)``; the target needs the tokens alone), and
+    the token's probability under that vector (its confidence, which dynamic
+    draft length reads). The vector goes through :func:`draft_distribution` and
+    ``check_distribution``, exactly what the target rebuilds; the uniform is
     ``uniform(seed, position, Purpose.DRAFT)``. (A plain greedy row's token is
     the argmax of its logits, which :meth:`ModelProposer._draft` takes for every
     row of a step in one reduction instead.)
@@ -124,12 +129,21 @@ def draw_token(
     params = request.sampling
     q32 = draft_distribution(logits.unsqueeze(0), params, [context], request.draft_top_k)  # [1, vocab]
     if params.greedy:
-        return int(q32[0].argmax()), None
+        token = int(q32[0].argmax())
+        return token, None, token_confidence(logits, params, context, token)
     if params.coupled:  # argmax(log q + G) with the target's noise at this position; no q is shipped
         noise = gumbel_noise([request.seed], [position], q32.shape[-1], device=q32.device)  # [1, vocab]
-        return int(gumbel_argmax(q32, noise)[0]), None
+        token = int(gumbel_argmax(q32, noise)[0])
+        return token, None, float(q32[0, token])
     q = check_distribution(q32[0])  # [vocab] float64, what the target rebuilds
-    return sample_from(q, uniform(request.seed, position, Purpose.DRAFT)), q32[0]
+    token = sample_from(q, uniform(request.seed, position, Purpose.DRAFT))
+    return token, q32[0], float(q[token])
+
+
+def token_confidence(logits: torch.Tensor, params: SamplingParams, context: Sequence[int], token: int) -> float:
+    """A greedy row's confidence in ``token``: its probability under the processed distribution at
+    temperature 1 (``processed_logprobs``: a greedy draft's one-hot would always say 1)."""
+    return float(processed_logprobs(logits.unsqueeze(0), params, [context])[0, token].exp())
 
 
 #: What a proposer gives each request of a batch: its proposal, or why it has none.
@@ -176,9 +190,14 @@ class _Row:
     tokens: list[int] = field(default_factory=list)  # drafted so far
     shipped: list[torch.Tensor] = field(default_factory=list)  # each [vocab] float32, sampled sessions only
     context: list[int] = field(default_factory=list)  # C + drafted so far (the repetition penalty reads it)
+    confidence: float = 1.0  # the last drafted token's probability under the draft's distribution
 
     def done(self) -> bool:
-        return len(self.tokens) >= self.gamma or self.tokens[-1] in self.request.stop_token_ids
+        return (
+            len(self.tokens) >= self.gamma
+            or self.tokens[-1] in self.request.stop_token_ids
+            or self.confidence < self.request.min_confidence
+        )
 
 
 class ModelProposer(Proposer):
@@ -195,8 +214,15 @@ class ModelProposer(Proposer):
        later step feeds every remaining session its last drafted token;
     3. a session drops out of later steps once it has its ``gamma`` tokens
        (fewer near the model's context limit, so that ``C + x1..x_gamma`` still
-       fits in ``max_position_embeddings``) or drafted a stop token (EOS unless
-       the request ignores it, or a stop token: nothing after it can commit).
+       fits in ``max_position_embeddings``), drafted a stop token (EOS unless
+       the request ignores it, or a stop token: nothing after it can commit),
+       or drafted a token with probability below ``min_confidence`` under its
+       own distribution (dynamic draft length: the draft stops where it is
+       unsure, the token included, as HF's ``assistant_confidence_threshold``).
+       That decision reads only the tokens already drafted, never the target,
+       so the proposal's length is a stopping time of the draft's own sequence
+       and every proposed token is still a draw from the ``q`` it ships:
+       exactness is kept (docs/design.md, "Dynamic draft length").
 
     Every pass is row-invariant (:mod:`specserve.row_invariant`): a session's
     logits, hence its tokens and the ``q`` bytes it ships, are bit for bit
@@ -332,9 +358,13 @@ class ModelProposer(Proposer):
             for b, row in enumerate(active):
                 if row.request.sampling.plain_greedy:
                     token, q32 = argmax[b], None
+                    if row.request.min_confidence > 0.0:
+                        row.confidence = token_confidence(last[b], row.request.sampling, row.context, token)
                 else:
                     base = len(row.request.committed)
-                    token, q32 = draw_token(last[b], row.request, base + len(row.tokens), row.context)
+                    token, q32, row.confidence = draw_token(
+                        last[b], row.request, base + len(row.tokens), row.context
+                    )
                 row.tokens.append(token)
                 row.context.append(token)
                 if q32 is not None:

@@ -273,6 +273,7 @@ def _request_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
         gamma=_parse_gamma(args.gamma), proposer=args.proposer, draft_top_k=args.draft_top_k,
         sampling_mode=args.sampling_mode, hybrid_lookup=args.hybrid_lookup,
+        min_confidence=args.min_confidence,
     )  # fmt: skip
 
 
@@ -456,6 +457,14 @@ def _request_flags() -> argparse.ArgumentParser:
         default=None,
         help="with --gamma auto and the model proposer, also draft copied text from a prompt lookup "
         "(default: the server's setting, on)",
+    )
+    p.add_argument(
+        "--min-confidence",
+        type=float,
+        default=None,
+        help="dynamic draft length: the draft ends a proposal after a token it drafted with probability "
+        "below this, in [0, 1) (default: the server's setting with --gamma auto, 0.4; 0 drafts the whole "
+        "gamma)",
     )
     _add_sampling_mode_flag(p)
     p.add_argument(

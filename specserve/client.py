@@ -295,6 +295,7 @@ def build_request(
     top_logprobs: int = 0,
     prediction: str | Sequence[int] | None = None,
     hybrid_lookup: bool | None = None,
+    min_confidence: float | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """The ``GenerateRequest`` for :meth:`Client.generate`'s arguments (see there).
 
@@ -342,6 +343,7 @@ def build_request(
             proposer=PROPOSER_KINDS[proposer] if proposer is not None else common_pb2.PROPOSER_KIND_UNSPECIFIED,
             draft_top_k=draft_top_k,
             hybrid_lookup=hybrid_lookup,
+            min_confidence=min_confidence,
         ),
     )
     if logprobs:
@@ -648,6 +650,7 @@ class Client:
         top_logprobs: int = 0,
         prediction: str | Sequence[int] | None = None,
         hybrid_lookup: bool | None = None,
+        min_confidence: float | None = None,
     ) -> GenerateResult:
         """Generate a completion of ``prompt`` (text) or ``prompt_token_ids``.
 
@@ -691,6 +694,12 @@ class Client:
         measured acceptance makes that pay, with no draft call; ``False`` drafts from the
         model alone. ``stats.lookup_proposed_tokens`` and ``stats.lookup_accepted_tokens``
         count the lookup's share.
+
+        ``min_confidence`` (dynamic draft length; None: the server's setting under the
+        automatic policy, 0.4 by default, and 0 with a fixed ``gamma``): the draft model
+        ends a round's proposal after a token it drafted with probability below this, in
+        [0, 1), so ``gamma`` becomes a cap; 0 drafts the whole ``gamma``. The output is
+        the same at any value; only the speed changes.
 
         Example::
 

@@ -293,6 +293,16 @@ class CoordinatorSettings(CommonSettings):
         "acceptance (learnt from every round's committed tokens) makes that pay more than the draft model "
         "or the target alone: copied text is drafted from the lookup, the rest by the model.",
     )
+    draft_min_confidence: float = Field(
+        0.4,
+        ge=0.0,
+        lt=1.0,
+        description="Dynamic draft length under the adaptive policy: the draft model ends a round's "
+        "proposal after the first token it drafted with probability below this under its own distribution "
+        "(the policy's gamma is then a cap), so rounds draft far where the draft is sure and stop where it "
+        "is not (HF's assistant_confidence_threshold, 0.4 there too). 0 drafts the whole gamma. A request "
+        "may set its own (SpeculationParams.min_confidence). Exactness is kept at any value.",
+    )
     overlap: bool = Field(
         False,
         description="Proactive drafting: while the target verifies a round, the draft already drafts the "

@@ -276,6 +276,7 @@ def request(
     draft_top_k: int = 0,
     sampling_mode: int = common_pb2.SAMPLING_MODE_UNSPECIFIED,
     repetition_penalty: float | None = None,
+    min_confidence: float | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """A GenerateRequest built field by field (no SDK)."""
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, sampling_mode=sampling_mode)
@@ -288,6 +289,8 @@ def request(
     speculation = coordinator_pb2.SpeculationParams(proposer=proposer, draft_top_k=draft_top_k)
     if gamma is not None:
         speculation.gamma = gamma
+    if min_confidence is not None:
+        speculation.min_confidence = min_confidence
     req = coordinator_pb2.GenerateRequest(
         sampling=sampling,
         stop=common_pb2.StopConditions(

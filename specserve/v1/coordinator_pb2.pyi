@@ -28,16 +28,18 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("gamma", "proposer", "draft_top_k", "hybrid_lookup")
+    __slots__ = ("gamma", "proposer", "draft_top_k", "hybrid_lookup", "min_confidence")
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOP_K_FIELD_NUMBER: _ClassVar[int]
     HYBRID_LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     gamma: int
     proposer: _common_pb2.ProposerKind
     draft_top_k: int
     hybrid_lookup: bool
-    def __init__(self, gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ..., hybrid_lookup: _Optional[bool] = ...) -> None: ...
+    min_confidence: float
+    def __init__(self, gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ..., hybrid_lookup: _Optional[bool] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "tokens", "chat", "sampling", "stop", "speculation", "logprobs", "prediction")

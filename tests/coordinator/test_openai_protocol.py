@@ -39,7 +39,7 @@ def test_every_chat_field_reaches_the_generate_request():
         repetition_penalty=1.2,
         ignore_eos=True,
         stop_token_ids=[3, 4],
-        speculation={"gamma": 4, "proposer": "ngram", "draft_top_k": 8},
+        speculation={"gamma": 4, "proposer": "ngram", "draft_top_k": 8, "min_confidence": 0.25},
         user="someone",
         frequency_penalty=0,
         presence_penalty=0.0,
@@ -60,6 +60,7 @@ def test_every_chat_field_reaches_the_generate_request():
     assert pb.stop.ignore_eos
     assert pb.speculation.gamma == 4 and pb.speculation.draft_top_k == 8
     assert pb.speculation.proposer == common_pb2.PROPOSER_KIND_NGRAM
+    assert pb.speculation.min_confidence == pytest.approx(0.25)
     assert body.stop_strings == ("\n\n", "END") and not body.include_usage
 
 
@@ -70,6 +71,7 @@ def test_defaults_follow_openai_and_leave_server_choices_absent():
     assert not pb.sampling.HasField("repetition_penalty")
     assert pb.stop.max_new_tokens == 0, "chat: the server's default length"
     assert not pb.speculation.HasField("gamma") and pb.speculation.proposer == common_pb2.PROPOSER_KIND_MODEL
+    assert not pb.speculation.HasField("min_confidence")
     assert completion().to_pb().stop.max_new_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS == 16
     assert completion(max_tokens=5).to_pb().stop.max_new_tokens == 5
     assert chat(max_tokens=5).to_pb().stop.max_new_tokens == 5
@@ -169,6 +171,11 @@ INVALID = {
     "temperature text": ({"messages": MESSAGES, "temperature": "hot"}, "temperature", "invalid value"),
     "bad gamma": ({"messages": MESSAGES, "speculation": {"gamma": -2}}, "speculation.gamma", "invalid value"),
     "bad proposer": ({"messages": MESSAGES, "speculation": {"proposer": "oracle"}}, "speculation.proposer", ""),
+    "min_confidence of one": (
+        {"messages": MESSAGES, "speculation": {"min_confidence": 1.0}},
+        "speculation.min_confidence",
+        "",
+    ),
     "top_logprobs above 20": ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs", ""),
     "prediction type": (
         {"messages": MESSAGES, "prediction": {"type": "file", "content": "x"}},

@@ -24,7 +24,10 @@ runs once in the optimal mode at temperature 1. The coupled mode also runs once
 with a deliberately biased verifier in the
 target (it accepts the *number* of positions where draft and target agree
 instead of the agreeing prefix, the classic bug of a vectorised accept step):
-the same test rejects it.
+the same test rejects it. Dynamic draft length (``min_confidence``: the draft ends
+a proposal after a token it drafted with probability below 0.3, gamma 3) passes
+in both modes, and the wrong rule (leaving that token out, so whether a token is
+proposed depends on the token) is rejected by the same test.
 """
 
 from __future__ import annotations
@@ -90,10 +93,16 @@ MODES = {"optimal": common_pb2.SAMPLING_MODE_OPTIMAL, "coupled": common_pb2.SAMP
 
 
 async def _sample(
-    stack, mode: str = "optimal", prediction: tuple[int, ...] = (), gamma: int = 2, extra: int = 0, **sampling
+    stack,
+    mode: str = "optimal",
+    prediction: tuple[int, ...] = (),
+    gamma: int = 2,
+    extra: int = 0,
+    stats: list | None = None,
+    **sampling,
 ) -> Counter:
     """The first LENGTH tokens of N seeded generations of LENGTH + ``extra`` tokens (their marginal is
-    the same joint: a longer generation lets later rounds run)."""
+    the same joint: a longer generation lets later rounds run); each generation's stats into ``stats``."""
     sem = asyncio.Semaphore(CONCURRENCY)
 
     async def one(seed: int) -> tuple[int, ...]:
@@ -111,6 +120,8 @@ async def _sample(
                 req.prediction.tokens.token_ids.extend(prediction)
             out = await sf.generate(stack.address, req)
             assert out.stats.seed == seed
+            if stats is not None:
+                stats.append(out.stats)
             return tuple(out.token_ids[:LENGTH])
 
     return Counter(await asyncio.gather(*(one(seed) for seed in range(N))))
@@ -210,3 +221,69 @@ async def test_with_overlap_the_joint_is_still_the_targets(overlap_stack, pair, 
     stat, p, cells = merged_chi_square(observed, exact)
     assert p > ALPHA, f"chi-square {stat:.1f} on {cells} cells, p = {p:.2e}"
     assert _ahead("used") > used, f"no round used a proposal drafted ahead (wasted: {_ahead('wasted')})"
+
+
+#: In a 4-token vocabulary a draft token's probability is often above 0.3 and often below. (At 0.55 and 0.7
+#: the draft is rarely sure at all, and the wrong rule below was not told apart: measured p 0.58 and 0.98.)
+CONFIDENCE = 0.3
+
+
+def _cut_proposals(stats: list) -> tuple[int, int]:
+    """(rounds whose proposal stopped short of gamma 3, draft rounds): a proposal is cut when the round had
+    room for 3 tokens; the sums bound it from below (rounds with less room also propose fewer)."""
+    rounds = sum(s.draft_rounds for s in stats)
+    return rounds * 3 - sum(s.proposed_tokens for s in stats), rounds
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+async def test_a_confidence_stopped_draft_keeps_the_joint(stack, pair, mode):
+    """Dynamic draft length (``min_confidence`` 0.3, fixed gamma 3, 3 tokens more than the joint's so that
+    later rounds run; N and alpha as above): the draft ends a proposal after a token it drafted with
+    probability below the threshold, a decision that reads only what it drafted, so the joint still
+    passes; and many proposals were cut (the test exercises the path)."""
+    exact = sf.exact_joint(pair.target_dir, PROMPT, SamplingParams(temperature=1.0), LENGTH)
+    stats: list = []
+    observed = await _sample(
+        stack, mode, gamma=3, extra=3, stats=stats, temperature=1.0, min_confidence=CONFIDENCE
+    )
+    assert sum(observed.values()) == N and all(seq in exact for seq in observed)
+    stat, p, cells = merged_chi_square(observed, exact)
+    print(f"min_confidence {CONFIDENCE}: chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
+    assert p > ALPHA, f"chi-square {stat:.1f} on {cells} cells, p = {p:.2e}"
+    missing, rounds = _cut_proposals(stats)
+    assert missing > 0.2 * rounds, f"{missing} tokens short over {rounds} draft rounds: few proposals were cut"
+
+
+async def test_the_same_test_rejects_a_draft_that_drops_its_unsure_token(stack, pair, monkeypatch):
+    """The wrong rule, for power: a draft that leaves out the token under the threshold instead of ending
+    after it. Whether a token is proposed then depends on the token itself, so a proposed token is no
+    longer a draw from the q it ships; the same seeds and test at alpha = 0.001 reject it (measured:
+    p ~ 1.6e-16, where the right rule gives p ~ 0.26)."""
+    from draft_service import proposers
+
+    real = proposers.ModelProposer.propose_batch
+
+    def drop_unsure(self, requests):
+        out = real(self, requests)
+        for i, (request, drafted) in enumerate(zip(requests, out, strict=True)):
+            n = len(drafted.token_ids) if isinstance(drafted, proposers.Drafted) else 0
+            if request.min_confidence > 0 and 0 < n < request.gamma:  # cut: its last token is the unsure one
+                probs = drafted.probs_f32
+                drop_unsure.count += 1
+                out[i] = proposers.Drafted(
+                    token_ids=drafted.token_ids[:-1],
+                    probs_f32=None if probs is None or n == 1 else probs[:-1],
+                    sparse=drafted.sparse,
+                    prefill_tokens=drafted.prefill_tokens,
+                )
+        return out
+
+    drop_unsure.count = 0
+    monkeypatch.setattr(proposers.ModelProposer, "propose_batch", drop_unsure)
+    exact = sf.exact_joint(pair.target_dir, PROMPT, SamplingParams(temperature=1.0), LENGTH)
+    observed = await _sample(stack, "optimal", gamma=3, extra=3, temperature=1.0, min_confidence=CONFIDENCE)
+    outside = [seq for seq in observed if seq not in exact]
+    stat, p, cells = merged_chi_square(observed, exact) if not outside else (float("inf"), 0.0, 0)
+    print(f"draft dropping its unsure token: chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
+    assert drop_unsure.count > 0.2 * N, f"only {drop_unsure.count} proposals lost a token"
+    assert p < ALPHA

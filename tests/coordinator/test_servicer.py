@@ -51,6 +51,9 @@ BAD = {
     "unknown sampling mode": (lambda: sf.request([1, 2], sampling_mode=9), "unknown sampling_mode 9"),
     "gamma above max": (lambda: sf.request([1, 2], gamma=17), "maximum of 16"),
     "draft_top_k above vocabulary": (lambda: sf.request([1, 2], draft_top_k=999), "draft_top_k=999"),
+    "min_confidence of one": (lambda: sf.request([1, 2], min_confidence=1.0), "must be in [0, 1)"),
+    "negative min_confidence": (lambda: sf.request([1, 2], min_confidence=-0.1), "must be in [0, 1)"),
+    "NaN min_confidence": (lambda: sf.request([1, 2], min_confidence=float("nan")), "must be in [0, 1)"),
 }
 
 

@@ -54,6 +54,11 @@ def request(
     )
 
 
+def _with_min_confidence(req: draft_pb2.ProposeRequest, value: float) -> draft_pb2.ProposeRequest:
+    req.min_confidence = value
+    return req
+
+
 @torch.inference_mode()
 def direct_probs(model, seq, params) -> torch.Tensor:
     """The draft's processed distribution after ``seq`` by a fresh, uncached model call; [vocab] float32."""
@@ -206,6 +211,10 @@ async def test_bad_input_is_refused_precisely_and_the_session_stays_usable(llama
         (request("bad", [*PROMPT, 2**31]), grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
         (request("bad", PROMPT, draft_top_k=vocab + 1), grpc.StatusCode.INVALID_ARGUMENT, "draft_top_k"),
         (request("bad", [], gamma=2), grpc.StatusCode.INVALID_ARGUMENT, "committed_len"),
+        *(
+            (_with_min_confidence(request("bad", PROMPT), c), grpc.StatusCode.INVALID_ARGUMENT, "[0, 1)")
+            for c in (1.0, -0.25, float("nan"), float("inf"))
+        ),
     ]
     for req, code, match in cases:
         await expect_code(llama_stub.Propose(req), code, match)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from specserve.kvcache import SessionCacheStore
 from specserve.params import SamplingParams
 from specserve.proposal import draft_probs_to_pb
 from specserve.rng import Purpose, gumbel_noise, uniform
-from specserve.sampling import check_distribution, logits_to_probs, sample_from
+from specserve.sampling import check_distribution, logits_to_probs, processed_logprobs, sample_from
 
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 11, 64, 120)
 
@@ -283,3 +285,85 @@ def test_requests_a_batch_cannot_serve_get_their_own_errors(draft_model):
     assert len(out[0].token_ids) == 2
     assert isinstance(out[1], InvalidArgument) and "512 positions" in out[1].message
     assert out[2].token_ids == () and "zero" not in proposer.caches  # nothing to draft: the model is not run
+
+
+def _confidences(model, request: DraftRequest, drafted: Drafted) -> list[float]:
+    """Each drafted token's probability under the distribution it was drawn from, recomputed from a fresh
+    prefill: the shipped vector where there is one, else the processed distribution of fresh logits."""
+    seq, out = list(request.committed), []
+    for i, token in enumerate(drafted.token_ids):
+        if drafted.probs_f32 is not None:
+            q = check_distribution(drafted.probs_f32[i])
+        elif request.sampling.greedy:  # a one-hot says nothing: the processed softmax at temperature 1
+            q = processed_logprobs(fresh_logits(model, seq).unsqueeze(0), request.sampling, [seq])[0].exp()
+        else:
+            logits = fresh_logits(model, seq).unsqueeze(0)
+            q = draft_distribution(logits, request.sampling, [seq], request.draft_top_k)[0].double()
+        out.append(float(q[token]))
+        seq.append(token)
+    return out
+
+
+def _with_confidence(request: DraftRequest, min_confidence: float) -> DraftRequest:
+    return dataclasses.replace(request, min_confidence=min_confidence)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.9, top_p=0.95, seed=3),
+        SamplingParams(temperature=0.9, seed=3, sampling_mode="coupled"),
+    ],
+    ids=["greedy", "greedy-penalty", "sampled", "coupled"],
+)
+def test_a_confidence_cut_proposal_is_the_whole_ones_prefix_up_to_the_first_unsure_token(draft_model, sampling):
+    """Dynamic draft length: with ``min_confidence`` the proposal ends after the first token whose probability
+    (recomputed here from a fresh prefill) is below it, that token included; the tokens and the q bytes
+    shipped are the whole proposal's up to there, and the cache holds C and the tokens before the last."""
+    model = draft_model.model
+    whole_request = DraftRequest("c", PROMPT, gamma=8, sampling=sampling, seed=3)
+    whole = ModelProposer(_store(model)).propose(whole_request)
+    assert len(whole.token_ids) == 8
+    conf = _confidences(model, whole_request, whole)
+    # A threshold that cuts inside the proposal: between the confidences of the draft's own tokens.
+    threshold = sorted(conf)[len(conf) // 2]
+    cut = next(i for i, c in enumerate(conf) if c < threshold) + 1
+    assert cut < 8, conf
+    proposer = ModelProposer(_store(model))
+    request = _with_confidence(whole_request, threshold)
+    got = proposer.propose(request)
+    assert got.token_ids == whole.token_ids[:cut], (conf, threshold)
+    if whole.probs_f32 is not None:
+        assert _wire(got) == [d.SerializeToString() for d in draft_probs_to_pb(whole.probs_f32[:cut], False)]
+    else:
+        assert got.probs_f32 is None
+    assert proposer.caches.get("c").tokens == PROMPT + got.token_ids[:-1]
+    # Below every confidence nothing is cut; 0 is the whole gamma.
+    assert ModelProposer(_store(model)).propose(_with_confidence(whole_request, min(conf) / 2)).token_ids == (
+        whole.token_ids
+    )
+
+
+def test_confidence_cut_sessions_in_one_batch_equal_each_drafted_alone(draft_model):
+    """Mixed thresholds (none, low, high) over the eight mixed sessions: alone == batched, token for token and
+    byte for byte, in two rounds; the high threshold cuts every session to its first token."""
+    alone = ModelProposer(_store(draft_model.model))
+    batched = ModelProposer(_store(draft_model.model))
+    requests = [
+        _with_confidence(r, (0.0, 0.5 / draft_model.vocab_size, 0.99)[i % 3])
+        for i, r in enumerate(_eight_sessions(draft_model.vocab_size))
+    ]
+    for round_ in range(2):
+        by_alone = [alone.propose(r) for r in requests]
+        by_batch = batched.propose_batch(requests)
+        for r, a, b in zip(requests, by_alone, by_batch, strict=True):
+            assert b.token_ids == a.token_ids and _wire(b) == _wire(a), f"round {round_}, {r.session_id}"
+            assert batched.caches.get(r.session_id).tokens == alone.caches.get(r.session_id).tokens
+            if r.min_confidence == 0.99:  # a tiny random draft is never that sure
+                assert len(a.token_ids) == 1
+        requests = [
+            dataclasses.replace(r, committed=(*r.committed, *a.token_ids[:1], 7))
+            for r, a in zip(requests, by_alone, strict=True)
+        ]

@@ -536,3 +536,14 @@ def test_the_demo_summary_keeps_the_prompt_lookups_copy_out_of_the_draft_models_
     assert re.search(r"output that repeats its input +model \+ lookup +75% ", text), text
     assert re.search(r"a chat answer +model +0% ", text), text
     assert "of which from the prompt lookup: proposed 40, accepted 30" in copied.stats.summary()
+
+
+def test_request_flags_reach_the_sdk_including_the_draft_length_threshold():
+    """``--min-confidence`` (dynamic draft length) and the other speculation flags become SDK arguments; unset,
+    the threshold is left to the server."""
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "hi", "--gamma", "3", "--min-confidence", "0.3", "--no-hybrid-lookup"])
+    kwargs = cli._request_kwargs(args)
+    assert kwargs["gamma"] == 3 and kwargs["min_confidence"] == pytest.approx(0.3)
+    assert kwargs["hybrid_lookup"] is False
+    assert cli._request_kwargs(parser.parse_args(["generate", "hi"]))["min_confidence"] is None

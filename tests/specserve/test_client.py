@@ -200,6 +200,7 @@ def test_build_request_maps_every_argument():
         proposer="ngram",
         draft_top_k=8,
         sampling_mode="coupled",
+        min_confidence=0.25,
     )
     assert req.WhichOneof("prompt") == "text" and req.text == "hello"
     s = req.sampling
@@ -209,6 +210,7 @@ def test_build_request_maps_every_argument():
     assert list(req.stop.stop_strings) == ["\n\n"] and list(req.stop.stop_token_ids) == [3, 4]
     assert req.stop.max_new_tokens == 12 and req.stop.ignore_eos
     assert req.speculation.gamma == 4 and req.speculation.draft_top_k == 8
+    assert req.speculation.min_confidence == pytest.approx(0.25)
     assert req.speculation.proposer == common_pb2.PROPOSER_KIND_NGRAM
     assert s.sampling_mode == common_pb2.SAMPLING_MODE_COUPLED
     assert (
@@ -220,7 +222,7 @@ def test_build_request_defaults_leave_server_choices_absent():
     req = build_request(prompt_token_ids=[5, 6, 7])
     assert list(req.tokens.token_ids) == [5, 6, 7]
     assert not req.sampling.HasField("seed")
-    assert not req.speculation.HasField("gamma")
+    assert not req.speculation.HasField("gamma") and not req.speculation.HasField("min_confidence")
     assert req.stop.max_new_tokens == 0
     assert req.speculation.proposer == common_pb2.PROPOSER_KIND_MODEL
     assert req.sampling.sampling_mode == common_pb2.SAMPLING_MODE_UNSPECIFIED  # the server's default
