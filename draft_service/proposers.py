@@ -120,7 +120,8 @@ def draw_token(
     (shipped with the proposal), or ``None`` for greedy (a point mass) and the
     coupled mode (``argmax(log q + G)``; the target needs the tokens alone), and
     the token's probability under that vector (its confidence, which dynamic
-    draft length reads). The vector goes through :func:`draft_distribution` and
+    draft length reads; for greedy, see :func:`token_confidence`, computed only
+    when the request has a threshold). The vector goes through :func:`draft_distribution` and
     ``check_distribution``, exactly what the target rebuilds; the uniform is
     ``uniform(seed, position, Purpose.DRAFT)``. (A plain greedy row's token is
     the argmax of its logits, which :meth:`ModelProposer._draft` takes for every
@@ -130,7 +131,8 @@ def draw_token(
     q32 = draft_distribution(logits.unsqueeze(0), params, [context], request.draft_top_k)  # [1, vocab]
     if params.greedy:
         token = int(q32[0].argmax())
-        return token, None, token_confidence(logits, params, context, token)
+        confident = token_confidence(logits, params, context, token) if request.min_confidence > 0 else 1.0
+        return token, None, confident
     if params.coupled:  # argmax(log q + G) with the target's noise at this position; no q is shipped
         noise = gumbel_noise([request.seed], [position], q32.shape[-1], device=q32.device)  # [1, vocab]
         token = int(gumbel_argmax(q32, noise)[0])
