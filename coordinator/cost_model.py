@@ -410,17 +410,17 @@ class CostModel:
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         key = (drafted, _size_class(batch_size))
-        old = self._queue.get(key)
-        ns_f = float(max(ns, 0))
-        self._queue[key] = ns_f if old is None else self._decay * old + (1.0 - self._decay) * ns_f
+        self._queue[key] = self._decayed(self._queue.get(key), float(max(ns, 0)))
 
     def observe_call_overhead(self, *, ns: int, forward_ns: int) -> None:
         """One Verify call that took ``ns`` server time, ``forward_ns`` of it in the target's passes."""
         if ns < 0 or forward_ns < 0:
             raise ValueError("ns and forward_ns must be >= 0")
-        outside = float(max(ns - forward_ns, 0))
-        old = self._call_overhead
-        self._call_overhead = outside if old is None else self._decay * old + (1.0 - self._decay) * outside
+        self._call_overhead = self._decayed(self._call_overhead, float(max(ns - forward_ns, 0)))
+
+    def _decayed(self, old: float | None, new: float) -> float:
+        """A decaying mean after one more observation ``new`` (``old`` None: the first)."""
+        return new if old is None else self._decay * old + (1.0 - self._decay) * new
 
     # -- estimates ----------------------------------------------------------------------------
 

@@ -26,7 +26,13 @@ from dataclasses import dataclass, replace
 from coordinator.chat import ChatMessage, messages_from_pb
 from specserve.config import CoordinatorSettings
 from specserve.errors import InvalidArgument
-from specserve.params import SamplingParams, StopConditions, check_top_logprobs, resolve_proposer
+from specserve.params import (
+    SamplingParams,
+    StopConditions,
+    check_min_confidence,
+    check_top_logprobs,
+    resolve_proposer,
+)
 from specserve.v1 import common_pb2, coordinator_pb2
 
 #: Tokenizes a text prompt (off the event loop) into token ids.
@@ -250,12 +256,7 @@ def _speculation_from_pb(
     lookup = pb.hybrid_lookup if pb.HasField("hybrid_lookup") else hybrid_lookup
     model = proposer == common_pb2.PROPOSER_KIND_MODEL
     if pb.HasField("min_confidence"):
-        if not 0.0 <= pb.min_confidence < 1.0:  # NaN fails both comparisons
-            raise InvalidArgument(
-                f"min_confidence={pb.min_confidence} must be in [0, 1): the draft stops after a token it "
-                "drafted with probability below it (0: draft the whole gamma)"
-            )
-        confidence = pb.min_confidence
+        confidence = check_min_confidence(pb.min_confidence)
     else:
         confidence = min_confidence if gamma is None else 0.0
     return SpeculationSettings(
@@ -263,5 +264,5 @@ def _speculation_from_pb(
         proposer=proposer,
         draft_top_k=pb.draft_top_k,
         hybrid_lookup=lookup and gamma is None and model,
-        min_confidence=float(confidence) if model else 0.0,
+        min_confidence=confidence if model else 0.0,
     )

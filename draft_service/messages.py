@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from draft_service.proposers import Drafted
 from specserve.errors import InvalidArgument, ResourceExhausted, SpecServeError
-from specserve.params import SamplingParams, SessionBase, resolve_proposer
+from specserve.params import SamplingParams, SessionBase, check_min_confidence, resolve_proposer
 from specserve.proposal import draft_probs_to_pb
 from specserve.status import item_code
 from specserve.v1 import common_pb2, draft_pb2
@@ -71,11 +71,6 @@ class ProposeCall:
             raise InvalidArgument(
                 f"draft_top_k={pb.draft_top_k} exceeds the vocabulary size {vocab_size}; use 0 (off) or less"
             )
-        if not 0.0 <= pb.min_confidence < 1.0:  # NaN fails both comparisons
-            raise InvalidArgument(
-                f"min_confidence={pb.min_confidence} must be in [0, 1): the probability under which the "
-                "draft stops (0: draft gamma tokens)"
-            )
         return cls(
             base=base,
             start_position=pb.start_position,
@@ -87,7 +82,7 @@ class ProposeCall:
             seed=pb.seed,
             stop_token_ids=frozenset(int(t) for t in pb.stop_token_ids),
             ignore_eos=pb.ignore_eos,
-            min_confidence=float(pb.min_confidence),
+            min_confidence=check_min_confidence(pb.min_confidence),
         )
 
 

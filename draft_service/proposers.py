@@ -120,8 +120,7 @@ def draw_token(
     (shipped with the proposal), or ``None`` for greedy (a point mass) and the
     coupled mode (``argmax(log q + G)``; the target needs the tokens alone), and
     the token's probability under that vector (its confidence, which dynamic
-    draft length reads; for greedy, see :func:`token_confidence`, computed only
-    when the request has a threshold). The vector goes through :func:`draft_distribution` and
+    draft length reads; for greedy, :func:`greedy_confidence`). The vector goes through :func:`draft_distribution` and
     ``check_distribution``, exactly what the target rebuilds; the uniform is
     ``uniform(seed, position, Purpose.DRAFT)``. (A plain greedy row's token is
     the argmax of its logits, which :meth:`ModelProposer._draft` takes for every
@@ -131,8 +130,7 @@ def draw_token(
     q32 = draft_distribution(logits.unsqueeze(0), params, [context], request.draft_top_k)  # [1, vocab]
     if params.greedy:
         token = int(q32[0].argmax())
-        confident = token_confidence(logits, params, context, token) if request.min_confidence > 0 else 1.0
-        return token, None, confident
+        return token, None, greedy_confidence(logits, request, context, token)
     if params.coupled:  # argmax(log q + G) with the target's noise at this position; no q is shipped
         noise = gumbel_noise([request.seed], [position], q32.shape[-1], device=q32.device)  # [1, vocab]
         token = int(gumbel_argmax(q32, noise)[0])
@@ -142,10 +140,13 @@ def draw_token(
     return token, q32[0], float(q[token])
 
 
-def token_confidence(logits: torch.Tensor, params: SamplingParams, context: Sequence[int], token: int) -> float:
+def greedy_confidence(logits: torch.Tensor, request: DraftRequest, context: Sequence[int], token: int) -> float:
     """A greedy row's confidence in ``token``: its probability under the processed distribution at
-    temperature 1 (``processed_logprobs``: a greedy draft's one-hot would always say 1)."""
-    return float(processed_logprobs(logits.unsqueeze(0), params, [context])[0, token].exp())
+    temperature 1 (``processed_logprobs``: a greedy draft's one-hot would always say 1); 1 without a
+    threshold to compare it with (a softmax over the vocabulary saved)."""
+    if request.min_confidence <= 0.0:
+        return 1.0
+    return float(processed_logprobs(logits.unsqueeze(0), request.sampling, [context])[0, token].exp())
 
 
 #: What a proposer gives each request of a batch: its proposal, or why it has none.
@@ -360,8 +361,7 @@ class ModelProposer(Proposer):
             for b, row in enumerate(active):
                 if row.request.sampling.plain_greedy:
                     token, q32 = argmax[b], None
-                    if row.request.min_confidence > 0.0:
-                        row.confidence = token_confidence(last[b], row.request.sampling, row.context, token)
+                    row.confidence = greedy_confidence(last[b], row.request, row.context, token)
                 else:
                     base = len(row.request.committed)
                     token, q32, row.confidence = draw_token(

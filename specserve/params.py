@@ -231,6 +231,16 @@ def check_top_logprobs(top_logprobs: int) -> int:
     return top_logprobs
 
 
+def check_min_confidence(min_confidence: float) -> float:
+    """``min_confidence`` (dynamic draft length) if it is in ``[0, 1)``; InvalidArgument otherwise (NaN too)."""
+    if not 0.0 <= min_confidence < 1.0:  # NaN fails both comparisons
+        raise InvalidArgument(
+            f"min_confidence={min_confidence} must be in [0, 1): the draft stops after a token it drafted "
+            "with probability below it (0: draft the whole gamma)"
+        )
+    return float(min_confidence)
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A token and the natural log of its probability (see ``TokenLogprob`` in common.proto)."""
