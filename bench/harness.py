@@ -132,6 +132,8 @@ class Run:
     #: Of ``proposed`` and ``accepted``, the tokens an n-gram lookup in the coordinator drafted.
     lookup_proposed: int = 0
     lookup_accepted: int = 0
+    #: Which pass over the prompts this run belongs to (``--single-repeats``), from 0.
+    repeat: int = 0
 
     @property
     def ms_per_token(self) -> float:
@@ -234,36 +236,43 @@ async def single_stream(
     max_new: int,
     seed: int,
     stock_target=None,
+    repeats: int = 1,
 ) -> list[Run]:
-    """Every (prompt set, prompt, temperature) through every mode, one after another.
+    """Every (prompt set, prompt, temperature) through every mode, one after another, ``repeats`` times.
 
+    Each repeat goes over every prompt again, every other repeat with the modes in the reverse order,
+    so that over an even number of repeats every mode sits as often early as late in a prompt's turn
+    and the machine's drift within a turn falls on the HF baselines and on specserve alike.
     ``stock_target``: the target with PyTorch's stock kernels where ``target`` has packed ones
     (:mod:`specserve.cpu_kernels`), run as one more baseline (:data:`HF_STOCK`).
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     runs: list[Run] = []
     jobs = [(s, p, t) for s, ps in prompts.items() for p in ps for t in temperatures]
     modes = ["hf target-only", *([HF_STOCK] if stock_target is not None else []), "hf assisted"]
     modes += [*HF_LOOKUP, *SPEC_MODES]
-    bar = tqdm(total=len(jobs) * len(modes), desc="single stream", unit="gen")
-    for set_name, (name, token_ids), temp in jobs:
-        ids = torch.tensor([token_ids])
-        for mode in modes:
-            if mode == "hf target-only":
-                run = _hf_generate(target, ids, max_new, temp, seed)
-            elif mode == HF_STOCK:
-                run = _hf_generate(stock_target, ids, max_new, temp, seed)
-            elif mode == "hf assisted":
-                run = _hf_generate(target, ids, max_new, temp, seed, assistant=draft)
-            elif mode in HF_LOOKUP:
-                run = _hf_generate(target, ids, max_new, temp, seed, lookup=HF_LOOKUP[mode])
-            else:
-                gamma, proposer, lookup, confidence = SPEC_MODES[mode]
-                run, _ = await _spec_generate(
-                    client, token_ids, max_new, temp, seed, gamma, proposer, lookup, confidence
-                )
-            run.mode, run.prompt_set, run.prompt = mode, set_name, name
-            runs.append(run)
-            bar.update()
+    bar = tqdm(total=repeats * len(jobs) * len(modes), desc="single stream", unit="gen")
+    for repeat in range(repeats):
+        for set_name, (name, token_ids), temp in jobs:
+            ids = torch.tensor([token_ids])
+            for mode in modes if repeat % 2 == 0 else modes[::-1]:
+                if mode == "hf target-only":
+                    run = _hf_generate(target, ids, max_new, temp, seed)
+                elif mode == HF_STOCK:
+                    run = _hf_generate(stock_target, ids, max_new, temp, seed)
+                elif mode == "hf assisted":
+                    run = _hf_generate(target, ids, max_new, temp, seed, assistant=draft)
+                elif mode in HF_LOOKUP:
+                    run = _hf_generate(target, ids, max_new, temp, seed, lookup=HF_LOOKUP[mode])
+                else:
+                    gamma, proposer, lookup, confidence = SPEC_MODES[mode]
+                    run, _ = await _spec_generate(
+                        client, token_ids, max_new, temp, seed, gamma, proposer, lookup, confidence
+                    )
+                run.mode, run.prompt_set, run.prompt, run.repeat = mode, set_name, name, repeat
+                runs.append(run)
+                bar.update()
     bar.close()
     return runs
 
@@ -542,6 +551,7 @@ async def run_all(args) -> dict:
                 args.max_new_tokens,
                 args.seed,
                 stock_target=stock_target,
+                repeats=args.single_repeats,
             )
             summary = summarize_single(runs)
             first = next(
@@ -677,7 +687,7 @@ async def run_latency(args) -> dict:
         sets[:1], tokenizer, args.target, args.latency_prompts, args.prompt_chars
     )
     prompts_list = next(iter(prompts.values()))
-    total = len(args.rtts_ms) * 2 * 5 * len(prompts_list) * args.latency_repeats
+    total = len(args.latency_sides) * len(args.rtts_ms) * 5 * len(prompts_list) * args.latency_repeats
     bar = tqdm(total=total, desc="latency", unit="gen")
     cpus = tier_cpus(args.latency_cores == "separate")
     runs = await measure(
@@ -686,6 +696,7 @@ async def run_latency(args) -> dict:
         redis_url=args.redis_url,
         prompts=prompts_list,
         rtts_ms=tuple(args.rtts_ms),
+        sides=tuple(args.latency_sides),
         fixed_gamma=args.latency_gamma,
         max_new_tokens=args.latency_max_new_tokens,
         repeats=args.latency_repeats,
@@ -698,6 +709,7 @@ async def run_latency(args) -> dict:
         "prompt_set": next(iter(prompts)),
         "prompts": len(prompts_list),
         "rtts_ms": list(args.rtts_ms),
+        "sides": list(args.latency_sides),
         "max_new_tokens": args.latency_max_new_tokens,
         "fixed_gamma": args.latency_gamma,
         "repeats": args.latency_repeats,
@@ -754,6 +766,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument(
+        "--single-repeats",
+        type=int,
+        default=1,
+        help="passes over the single-stream prompts, every other one with the modes in the reverse order "
+        "(medians are over prompts and passes)",
+    )
+    parser.add_argument(
         "--prompt-chars", type=int, default=600, help="characters of each prompt (code, prose)"
     )
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
@@ -808,6 +827,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     lat.add_argument(
         "--latency-repeats", type=int, default=2, help="times each setting runs each prompt, interleaved"
+    )
+    lat.add_argument(
+        "--latency-sides",
+        nargs="+",
+        choices=("draft", "target"),
+        default=["draft", "target"],
+        help="the tiers put behind the delay, one after the other",
     )
     lat.add_argument(
         "--latency-cores",

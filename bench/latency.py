@@ -141,10 +141,17 @@ class LatencyRun:
     ahead_used: int = 0  # overlap: drafts made ahead that the next round used
     ahead_wasted: int = 0  # overlap: drafts made ahead and thrown away
     token_ids: list[int] = field(default_factory=list, repr=False)
+    #: The generation's time waiting on the draft tier (``GenerationStats.draft_s``: its Propose calls,
+    #: and with overlap the rounds that waited for a draft made ahead), where the draft's RTT lands.
+    draft_wait_s: float = 0.0
 
     @property
     def ms_per_token(self) -> float:
         return 1000.0 * self.total_s / max(self.tokens, 1)
+
+    @property
+    def draft_wait_ms_per_token(self) -> float:
+        return 1000.0 * self.draft_wait_s / max(self.tokens, 1)
 
 
 def tier_cpus(separate: bool = True) -> dict[str, set[int]] | None:
@@ -262,6 +269,7 @@ async def _one(client, metrics: str, side: str, rtt: float, mode: str, gamma, na
         ahead("used") - used,
         ahead("wasted") - wasted,
         token_ids=list(result.token_ids),
+        draft_wait_s=s.draft_s,
     )
 
 
@@ -273,6 +281,7 @@ def summarize(runs: list[LatencyRun]) -> list[dict]:
     for side, rtt, mode in keys:
         sel = [r for r in runs if (r.side, r.rtt_ms, r.mode) == (side, rtt, mode)]
         ms = statistics.median(r.ms_per_token for r in sel)
+        wait = statistics.median(r.draft_wait_ms_per_token for r in sel)
         if rtt == 0:
             base[(side, mode)] = ms
         rounds = sum(r.rounds for r in sel)
@@ -282,6 +291,7 @@ def summarize(runs: list[LatencyRun]) -> list[dict]:
                 "rtt_ms": rtt,
                 "mode": mode,
                 "ms_per_token": ms,
+                "draft_wait_ms_per_token": wait,
                 "tokens_per_round": sum(r.tokens for r in sel) / rounds if rounds else None,
                 "acceptance": sum(r.accepted for r in sel) / max(1, sum(r.proposed for r in sel)),
                 "added_ms_per_token": ms - base[(side, mode)] if (side, mode) in base else None,
@@ -299,7 +309,8 @@ def to_json(runs: list[LatencyRun], settings: dict) -> dict:
         "settings": settings,
         "summary": summarize(runs),
         "runs": [
-            {k: v for k, v in asdict(r).items() if k != "token_ids"} | {"ms_per_token": r.ms_per_token}
+            {k: v for k, v in asdict(r).items() if k != "token_ids"}
+            | {"ms_per_token": r.ms_per_token, "draft_wait_ms_per_token": r.draft_wait_ms_per_token}
             for r in runs
         ],
     }
@@ -335,15 +346,17 @@ def section(data: dict) -> list[str]:
         "used': with overlap, the drafts made while the target verified that the next round could use (the "
         "verdict accepted every proposed token and its bonus token was the draft's guess), of all drafted ahead.",
         "",
-        "| tier behind the delay | RTT ms | mode | ms/token | added ms/token | tokens/round | acceptance "
-        "| drafted ahead, used | greedy output unchanged |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| tier behind the delay | RTT ms | mode | ms/token | added ms/token | waiting on the draft ms/token "
+        "| tokens/round | acceptance | drafted ahead, used | greedy output unchanged |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in data["summary"]:
         added = f"{r['added_ms_per_token']:+.2f}" if r["added_ms_per_token"] is not None else "-"
         tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
         lines.append(
-            f"| {r['side']} | {r['rtt_ms']:g} | {r['mode']} | {r['ms_per_token']:.2f} | {added} | {tpr} | "
+            f"| {r['side']} | {r['rtt_ms']:g} | {r['mode']} | {r['ms_per_token']:.2f} | {added} | "
+            + (f"{r['draft_wait_ms_per_token']:.2f}" if "draft_wait_ms_per_token" in r else "-")
+            + f" | {tpr} | "
             f"{r['acceptance']:.2f} | {_hit_rate(r)} | {'yes' if r['identical'] else '**no**'} |"
         )
     lines.append("")
@@ -351,14 +364,21 @@ def section(data: dict) -> list[str]:
     if won:
         lines += [
             "What overlap wins back of what the round trip costs: (ms/token without overlap at that RTT - "
-            "with overlap) / (without overlap at that RTT - without overlap at RTT 0).",
+            "with overlap) / (without overlap at that RTT - without overlap at RTT 0). End to end, and, for "
+            "a delayed draft tier, on the rounds' wait on the draft alone (the Propose calls, and with "
+            "overlap the waits for a draft made ahead; the clients' `GenerationStats.draft_s` per token): "
+            "the part of a round the draft's RTT lands on and overlap acts on, without the target's pass "
+            "and the noise of its ~40-70 ms.",
             "",
-            "| tier | RTT ms | mode | latency cost ms/token | won back by overlap |",
-            "| --- | --- | --- | --- | --- |",
+            "| tier | RTT ms | mode | latency cost ms/token | won back by overlap | draft wait: cost ms/token "
+            "| won back of it |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for w in won:
+            wait = w.get("draft_wait")
             lines.append(
-                f"| {w['side']} | {w['rtt_ms']:g} | {w['mode']} | {w['cost_ms']:+.2f} | {w['won_back']:.0%} |"
+                f"| {w['side']} | {w['rtt_ms']:g} | {w['mode']} | {w['cost_ms']:+.2f} | {w['won_back']:.0%} | "
+                + (f"{wait['cost_ms']:+.2f} | {wait['won_back']:.0%} |" if wait else "- | - |")
             )
         lines.append("")
     return lines
@@ -371,21 +391,35 @@ def _hit_rate(row: dict) -> str:
 
 
 def won_back(summary: list[dict]) -> list[dict]:
-    """Per (side, RTT > 0, mode with an overlap twin): the latency's cost and the share overlap recovers."""
-    ms = {(r["side"], r["rtt_ms"], r["mode"]): r["ms_per_token"] for r in summary}
+    """Per (side, RTT > 0, mode with an overlap twin): the latency's cost and the share overlap recovers.
+
+    Twice: on ms per token end to end, and, behind a delayed draft tier, on the rounds' wait on the draft
+    alone (``draft_wait_ms_per_token``), where that RTT lands and overlap acts, free of the target's pass
+    and its noise (None where the wait did not grow, or the runs predate the field)."""
+    rows = {(r["side"], r["rtt_ms"], r["mode"]): r for r in summary}
     out = []
-    for (side, rtt, mode), plain in ms.items():
-        twin = ms.get((side, rtt, f"{mode} +overlap"))
-        base = ms.get((side, 0.0, mode))
-        if rtt <= 0 or twin is None or base is None or plain - base <= 0:
+    for (side, rtt, mode), row in rows.items():
+        twin = rows.get((side, rtt, f"{mode} +overlap"))
+        base = rows.get((side, 0.0, mode))
+        plain = row["ms_per_token"]
+        if rtt <= 0 or twin is None or base is None or plain - base["ms_per_token"] <= 0:
             continue
+        wait = None
+        if side == "draft" and all("draft_wait_ms_per_token" in r for r in (row, twin, base)):
+            cost = row["draft_wait_ms_per_token"] - base["draft_wait_ms_per_token"]
+            if cost > 0:
+                wait = {
+                    "cost_ms": cost,
+                    "won_back": (row["draft_wait_ms_per_token"] - twin["draft_wait_ms_per_token"]) / cost,
+                }
         out.append(
             {
                 "side": side,
                 "rtt_ms": rtt,
                 "mode": mode,
-                "cost_ms": plain - base,
-                "won_back": (plain - twin) / (plain - base),
+                "cost_ms": plain - base["ms_per_token"],
+                "won_back": (plain - twin["ms_per_token"]) / (plain - base["ms_per_token"]),
+                "draft_wait": wait,
             }
         )
     return out

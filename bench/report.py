@@ -470,7 +470,12 @@ def write_report(data: dict, out: Path) -> Path:
         + "."
         + _draft_as_run_line(c),
         "",
-        "## Single stream (ms per committed token: median [q1, q3] over prompts)",
+        "## Single stream (ms per committed token: median [q1, q3] over prompts"
+        + (
+            f" and {passes} passes over them, every other pass with the modes in the reverse order)"
+            if (passes := int(data.get("settings", {}).get("single_repeats", 1) or 1)) > 1
+            else ")"
+        ),
         "",
     ]
     for key, group in data["single_stream"].items():

@@ -35,6 +35,7 @@ async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(p
         "--prompt-sets", "chat", "copy",
         "--prompts", "1",
         "--max-new-tokens", "12",
+        "--single-repeats", "2",
         "--temperatures", "0", "0.7",
         "--rates", "4",
         "--load-duration-s", "0.5",
@@ -53,8 +54,14 @@ async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(p
     for group in data["single_stream"].values():
         assert list(group) == modes
     assert all(r["tokens"] == 12 for r in data["runs"])
+    # Two passes over the prompts, the second with the modes in the reverse order; the medians take both.
+    for repeat, order in ((0, modes), (1, modes[::-1])):
+        turn = [r for r in data["runs"] if r["repeat"] == repeat][: len(modes)]
+        assert [r["mode"] for r in turn] == order
+        assert {(r["prompt_set"], r["temperature"]) for r in turn} == {("chat", 0.0)}
+    assert len(data["runs"]) == 2 * 4 * len(modes)
     identity = data["greedy_identity"]
-    assert identity["total"] == 2 * len(SPEC_MODES) and identity["identical"] == identity["total"]
+    assert identity["total"] == 2 * 2 * len(SPEC_MODES) and identity["identical"] == identity["total"]
     if stock:
         assert identity["identical_to_stock_kernels"] == identity["total"]
     assert {p["mode"] for p in data["load"]} >= {"specserve gamma=0", "specserve adaptive"}
@@ -69,6 +76,7 @@ async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(p
             )
     report = (tmp_path / "README.md").read_text()
     assert "## Targets" in report and "copy T=0" in report
+    assert "over prompts and 2 passes over them" in report
 
 
 async def test_a_load_only_run_writes_load_json_and_the_report_takes_its_sweep(pair, redis_server, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import system_fixtures as sf
 
 from bench.harness import main
-from bench.latency import LatencyProxy
+from bench.latency import LatencyProxy, section, won_back
 
 
 @pytest.fixture(scope="module")
@@ -83,5 +83,48 @@ async def test_the_mode_runs_through_the_harness_and_greedy_output_never_changes
     for r in rows:
         ahead = r["ahead_used"] + r["ahead_wasted"]
         assert (ahead > 0) if r["mode"] == "gamma=1 +overlap" else (ahead == 0 or "+overlap" in r["mode"]), r
+    # The rounds' wait on the draft tier: none at gamma 0 (no Propose call), some wherever a round drafts.
+    for r in rows:
+        if r["mode"] == "gamma=0":
+            assert r["draft_wait_ms_per_token"] == 0.0, r
+        elif r["mode"].startswith("gamma=1"):
+            assert r["draft_wait_ms_per_token"] > 0.0, r
     assert "drafted ahead, used" in (tmp_path / "latency.md").read_text()
     assert "Network latency" in (tmp_path / "latency.md").read_text()
+
+
+def test_won_back_is_measured_end_to_end_and_on_the_draft_wait_behind_a_delayed_draft():
+    def row(side, rtt, mode, ms, wait):
+        return {
+            "side": side,
+            "rtt_ms": rtt,
+            "mode": mode,
+            "ms_per_token": ms,
+            "draft_wait_ms_per_token": wait,
+            "added_ms_per_token": None,
+            "tokens_per_round": None,
+            "acceptance": 0.0,
+            "identical": True,
+        }
+
+    summary = [
+        row("draft", 0.0, "gamma=1", 50.0, 6.0),
+        row("draft", 0.0, "gamma=1 +overlap", 51.0, 4.0),
+        row("draft", 10.0, "gamma=1", 58.0, 12.0),
+        row("draft", 10.0, "gamma=1 +overlap", 57.0, 8.0),
+        row("target", 0.0, "gamma=1", 50.0, 6.0),
+        row("target", 0.0, "gamma=1 +overlap", 50.0, 4.0),
+        row("target", 10.0, "gamma=1", 55.0, 6.0),
+        row("target", 10.0, "gamma=1 +overlap", 54.0, 4.0),
+    ]
+    won = {(w["side"], w["rtt_ms"]): w for w in won_back(summary)}
+    assert set(won) == {("draft", 10.0), ("target", 10.0)}
+    draft = won[("draft", 10.0)]
+    assert draft["cost_ms"] == pytest.approx(8.0) and draft["won_back"] == pytest.approx(1 / 8)
+    assert draft["draft_wait"]["cost_ms"] == pytest.approx(6.0)
+    assert draft["draft_wait"]["won_back"] == pytest.approx(4 / 6)
+    # Behind a delayed target the draft's wait is not where the RTT lands: no figure for it.
+    assert won[("target", 10.0)]["draft_wait"] is None
+    lines = "\n".join(section({"settings": {"max_new_tokens": 8, "prompts": 1, "command": "x"}, "summary": summary}))
+    assert "| draft | 10 | gamma=1 | +8.00 | 12% | +6.00 | 67% |" in lines
+    assert "| target | 10 | gamma=1 | +5.00 | 20% | - | - |" in lines
