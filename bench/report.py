@@ -5,7 +5,8 @@ When the folder holds ``draft_scaling.json`` (``bench.harness --draft-scaling``)
 the report gains its section and plot; :func:`write_draft_scaling` writes that
 section alone as ``draft_scaling.md``. Likewise ``prediction.json``
 (``bench.harness --predicted-outputs``) and :func:`write_prediction`,
-``latency.json`` (``bench.harness --latency``) and :func:`write_latency`, and
+``latency.json`` (``bench.harness --latency``; further runs kept as ``latency_<name>.json``) and
+:func:`write_latency`, and
 ``sampling_modes.json`` (``--only-sampling-modes``), and ``load.json``
 (``bench.harness --only-load``), whose load sweep then replaces the full run's
 in the report, and :func:`write_load`.
@@ -549,8 +550,7 @@ def write_report(data: dict, out: Path) -> Path:
     overhead_file = out / "overhead.json"
     if overhead_file.exists():
         lines += overhead_section(json.loads(overhead_file.read_text()))
-    latency_file = out / "latency.json"
-    if latency_file.exists():
+    for latency_file in latency_files(out):
         lines += latency_section(json.loads(latency_file.read_text()))
     lines += ["## Plots", ""] + [f"![{n}]({n})" for n in plots] + [""]
     path = out / "README.md"
@@ -760,9 +760,16 @@ def write_prediction(data: dict, out: Path) -> Path:
     return _write_section(out, "prediction", prediction_section(data))
 
 
-def write_latency(data: dict, out: Path) -> Path:
-    """``latency.json``'s section alone, as ``<out>/latency.md``."""
-    return _write_section(out, "latency", latency_section(data))
+def latency_files(out: Path) -> list[Path]:
+    """``latency.json`` and any further latency runs kept beside it (``latency_<name>.json``, say one tier
+    behind the delay with more repeats), in that order."""
+    first = [out / "latency.json"] if (out / "latency.json").exists() else []
+    return first + sorted(out.glob("latency_*.json"))
+
+
+def write_latency(data: dict, out: Path, name: str = "latency") -> Path:
+    """A latency run's section alone, as ``<out>/<name>.md`` (``latency.json``: ``latency.md``)."""
+    return _write_section(out, name, latency_section(data))
 
 
 if __name__ == "__main__":
@@ -773,7 +780,7 @@ if __name__ == "__main__":
         write_draft_scaling(json.loads((folder / "draft_scaling.json").read_text()), folder)
     if (folder / "prediction.json").exists():
         write_prediction(json.loads((folder / "prediction.json").read_text()), folder)
-    if (folder / "latency.json").exists():
-        write_latency(json.loads((folder / "latency.json").read_text()), folder)
+    for latency_file in latency_files(folder):
+        write_latency(json.loads(latency_file.read_text()), folder, latency_file.stem)
     if (folder / "load.json").exists():
         write_load(json.loads((folder / "load.json").read_text()), folder)

@@ -128,3 +128,31 @@ def test_won_back_is_measured_end_to_end_and_on_the_draft_wait_behind_a_delayed_
     lines = "\n".join(section({"settings": {"max_new_tokens": 8, "prompts": 1, "command": "x"}, "summary": summary}))
     assert "| draft | 10 | gamma=1 | +8.00 | 12% | +6.00 | 67% |" in lines
     assert "| target | 10 | gamma=1 | +5.00 | 20% | - | - |" in lines
+
+
+def test_the_report_renders_every_latency_run_kept_beside_latency_json(tmp_path):
+    from bench.report import latency_files, write_latency
+
+    for name, tier in (("latency_draft", "draft"), ("latency", "target")):
+        data = {
+            "settings": {"max_new_tokens": 8, "prompts": 1, "command": f"run {name}"},
+            "summary": [
+                {
+                    "side": tier,
+                    "rtt_ms": 0.0,
+                    "mode": "gamma=1",
+                    "ms_per_token": 50.0,
+                    "added_ms_per_token": 0.0,
+                    "tokens_per_round": 1.5,
+                    "acceptance": 0.5,
+                    "identical": True,
+                }
+            ],
+        }
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    files = latency_files(tmp_path)
+    assert [f.name for f in files] == ["latency.json", "latency_draft.json"]
+    for f in files:
+        write_latency(json.loads(f.read_text()), tmp_path, f.stem)
+    assert "run latency_draft" in (tmp_path / "latency_draft.md").read_text()
+    assert "| target | 0 | gamma=1 | 50.00 | +0.00 | - |" in (tmp_path / "latency.md").read_text()
