@@ -397,29 +397,31 @@ def won_back(summary: list[dict]) -> list[dict]:
     alone (``draft_wait_ms_per_token``), where that RTT lands and overlap acts, free of the target's pass
     and its noise (None where the wait did not grow, or the runs predate the field)."""
     rows = {(r["side"], r["rtt_ms"], r["mode"]): r for r in summary}
+
+    def recovered(key: str, row: dict, twin: dict, base: dict) -> dict | None:
+        """What the RTT added to ``key`` (against RTT 0) and the share of it overlap took off; None when
+        it added nothing."""
+        cost = row[key] - base[key]
+        return {"cost_ms": cost, "won_back": (row[key] - twin[key]) / cost} if cost > 0 else None
+
     out = []
     for (side, rtt, mode), row in rows.items():
         twin = rows.get((side, rtt, f"{mode} +overlap"))
         base = rows.get((side, 0.0, mode))
-        plain = row["ms_per_token"]
-        if rtt <= 0 or twin is None or base is None or plain - base["ms_per_token"] <= 0:
+        if rtt <= 0 or twin is None or base is None:
             continue
-        wait = None
-        if side == "draft" and all("draft_wait_ms_per_token" in r for r in (row, twin, base)):
-            cost = row["draft_wait_ms_per_token"] - base["draft_wait_ms_per_token"]
-            if cost > 0:
-                wait = {
-                    "cost_ms": cost,
-                    "won_back": (row["draft_wait_ms_per_token"] - twin["draft_wait_ms_per_token"]) / cost,
-                }
+        end_to_end = recovered("ms_per_token", row, twin, base)
+        if end_to_end is None:
+            continue
+        key = "draft_wait_ms_per_token"
+        waits = side == "draft" and all(key in r for r in (row, twin, base))
         out.append(
             {
                 "side": side,
                 "rtt_ms": rtt,
                 "mode": mode,
-                "cost_ms": plain - base["ms_per_token"],
-                "won_back": (plain - twin["ms_per_token"]) / (plain - base["ms_per_token"]),
-                "draft_wait": wait,
+                **end_to_end,
+                "draft_wait": recovered(key, row, twin, base) if waits else None,
             }
         )
     return out

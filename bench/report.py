@@ -426,6 +426,7 @@ def write_report(data: dict, out: Path) -> Path:
         data = {**data, "load": load_run["load"], "load_run": load_run}
     plots = _plots(data, out)
     c = data["costs"]
+    passes = data.get("settings", {}).get("single_repeats", 1)  # --single-repeats (absent in older runs)
     lines = [
         "# specserve benchmark report",
         "",
@@ -474,7 +475,7 @@ def write_report(data: dict, out: Path) -> Path:
         "## Single stream (ms per committed token: median [q1, q3] over prompts"
         + (
             f" and {passes} passes over them, every other pass with the modes in the reverse order)"
-            if (passes := int(data.get("settings", {}).get("single_repeats", 1) or 1)) > 1
+            if passes > 1
             else ")"
         ),
         "",
