@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import specserve.draft_model  # noqa: F401  (registers the default draft's model type)
-from specserve import cpu_kernels
+from specserve import attention, cpu_kernels
 from specserve.cpu_kernels import Kernels
 from specserve.models import pass_timer
 
@@ -23,7 +23,8 @@ def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype=torch.float32
     """``(tokenizer, target, draft)`` from local directories, in eval mode; the vocabularies must agree.
 
     The linear layers of both take the ``kernels`` path (:mod:`specserve.cpu_kernels`), as the workers'
-    do (the draft service's drafting passes run their row-blocked linears on packed weights).
+    do (the draft service's drafting passes run their row-blocked linears on packed weights), and their
+    attention is the workers' (:func:`specserve.attention.use_grouped_sdpa`).
     """
     tok = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     dtok = AutoTokenizer.from_pretrained(draft_dir, local_files_only=True)
@@ -37,6 +38,8 @@ def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype=torch.float32
         else:
             cpu_kernels.use_packed_linears(target)
         cpu_kernels.use_packed_linears(draft)  # the draft service's default (auto)
+    for model in (target, draft):  # the workers' attention (specserve.models.load_model)
+        attention.use_grouped_sdpa(model)
     return tok, target, draft
 
 

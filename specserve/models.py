@@ -35,7 +35,7 @@ from typing import Any, Literal
 import structlog
 import torch
 
-from specserve import cpu_kernels
+from specserve import attention, cpu_kernels
 from specserve.cpu_kernels import Kernels
 from specserve.errors import FailedPrecondition, InvalidArgument, VocabularyMismatch
 from specserve.v1 import common_pb2
@@ -327,6 +327,7 @@ def load_model(
         kernel_path, _ = cpu_kernels.use_faster_linears(model, pass_timer(model, torch_device))
     elif kernel_path == "onednn":
         cpu_kernels.use_packed_linears(model)
+    attention.use_grouped_sdpa(model)  # on a CPU: the same bits, without copying the KV per query head
     if len(tokenizer) > vocab_size:
         raise FailedPrecondition(
             f"the tokenizer in {str(path)!r} has {len(tokenizer)} tokens but the model only {vocab_size} "
@@ -362,6 +363,7 @@ def load_model(
         vocab_fingerprint=loaded.vocab_fingerprint[:12],
         load_s=round(time.perf_counter() - start, 3),
         kernels=kernel_path,
+        attention=model.config._attn_implementation,
         threads=torch.get_num_threads(),  # the loading thread's: the model thread's, in a worker
         warmed_up=warmup,
     )

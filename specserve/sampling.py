@@ -246,12 +246,14 @@ def check_distribution(probs: torch.Tensor, *, atol: float = 1e-3) -> torch.Tens
     p = probs.detach().to(torch.float64)  # [..., vocab]
     if p.numel() == 0:
         return p.clone()
-    if not bool(torch.isfinite(p).all()):
-        raise InvalidDistribution("probabilities contain NaN or inf")
-    if bool((p < 0).any()):
-        raise InvalidDistribution(f"probabilities contain negative entries (min {float(p.min())})")
     host = np.ascontiguousarray(p.cpu().numpy())  # [..., vocab]
     total = np.add.reduce(host, axis=-1, keepdims=True)  # [..., 1]
+    # A NaN or an infinity makes its row's total NaN or infinite, a negative entry (-inf included) the
+    # minimum negative: two reductions clear a valid vector, and only a bad one pays for the diagnosis.
+    if not (np.isfinite(total).all() and host.min() >= 0):
+        if not np.isfinite(host).all():
+            raise InvalidDistribution("probabilities contain NaN or inf")
+        raise InvalidDistribution(f"probabilities contain negative entries (min {float(host.min())})")
     worst = float(np.abs(total - 1.0).max())
     if worst > atol:
         raise InvalidDistribution(f"probabilities sum off 1 by {worst:.3g} (tolerance {atol})")

@@ -342,8 +342,9 @@ def _require_distributions(probs: torch.Tensor, used: torch.Tensor | None, what:
     tolerance of :func:`~specserve.sampling.check_distribution`). ``used``
     (``[...]`` bool) masks out padding rows.
     """
-    ok = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1)  # [...]
-    ok &= (probs.sum(dim=-1) - 1.0).abs() <= _SUM_ATOL
+    # Two reductions decide all three: a NaN or an infinity makes the row's sum NaN or infinite (never
+    # within the tolerance of 1), and a negative entry (-inf included) makes its minimum negative.
+    ok = ((probs.sum(dim=-1) - 1.0).abs() <= _SUM_ATOL) & (probs.amin(dim=-1) >= 0)  # [...]
     bad = ~ok if used is None else used & ~ok
     if bool(bad.any()):
         where = tuple(int(i) for i in torch.nonzero(bad)[0])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -303,11 +304,28 @@ def test_check_distribution_renormalises_within_tolerance():
         [0.5, 0.3, 0.1],  # sums to 0.9
         [0.5, 0.3, 0.2011],  # off by 1.1e-3 > 1e-3
         [0.0, 0.0, 0.0],
+        [1.2, 0.0, -0.2],  # sums to 1, one entry negative
+        [0.5, float("-inf"), 0.5],
+        [float("inf"), float("-inf"), 1.0],  # the infinities' sum is NaN
     ],
 )
 def test_check_distribution_raises_on_invalid(bad):
     with pytest.raises(InvalidDistribution):
         check_distribution(torch.tensor([[0.2, 0.3, 0.5], bad], dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ([0.5, float("nan"), 0.5], "NaN or inf"),
+        ([float("inf"), float("-inf"), 1.0], "NaN or inf"),
+        ([1.2, 0.0, -0.2], "negative entries (min -0.2)"),
+        ([0.5, float("-inf"), 1.5], "NaN or inf"),
+    ],
+)
+def test_check_distribution_says_what_is_wrong(bad, says):
+    with pytest.raises(InvalidDistribution, match=re.escape(says)):
+        check_distribution(torch.tensor([bad], dtype=torch.float64))
 
 
 def test_check_distribution_is_independent_of_the_batch_shape():

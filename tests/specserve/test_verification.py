@@ -642,6 +642,9 @@ def test_zero_draft_probability_outside_a_sparse_support():
         ([0.3, 0.3, 0.4], [0.2, 0.9, -0.1]),  # negative draft entry
         ([0.3, 0.3, 0.4], [0.2, 0.3, float("inf")]),
         ([0.3, 0.3, 0.4], [0.2, 0.3, 0.4]),  # draft sums to 0.9
+        ([0.3, 0.3, 0.4], [1.2, 0.0, -0.2]),  # sums to 1, one entry negative
+        ([0.3, float("-inf"), 0.7], [0.2, 0.3, 0.5]),
+        ([float("inf"), float("-inf"), 1.0], [0.2, 0.3, 0.5]),  # the infinities' sum is NaN
     ],
 )
 def test_invalid_distribution(p0, q0):

@@ -1,0 +1,176 @@
+"""The target's attention over several new positions: transformers' SDPA against grouped heads read in
+place (:mod:`specserve.attention`), what a pass over k positions costs, and whether anything changes.
+
+Run (one run, one machine; docs/benchmarks/attention.md comes from it)::
+
+    python -m bench.attention --out docs/benchmarks
+
+Two copies of the target in this process, on the same linear kernels
+(``--kernels``, the target service's path), one on transformers' SDPA attention
+and one on :func:`specserve.attention.grouped_sdpa`:
+
+* **pass cost**: one pass over k = 1..9 new positions after a context of each
+  ``--contexts`` length with a warm KV cache (:func:`bench.costs.time_pass`), the
+  two copies alternating round by round so drift on a shared machine hits both;
+* **the same bits**: each pass's logits compared with ``torch.equal``;
+* **greedy output**: HF ``generate()`` of held-out chat and code prompts with
+  each copy, token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench.costs import random_context, time_pass
+from bench.harness import DEFAULT_TARGET, _machine
+from bench.pair import forward, ignore_eos, prefilled
+
+COPIES = ("sdpa", "grouped")
+
+
+def _copies(target: str, kernels: str) -> dict[str, object]:
+    from specserve import attention
+    from specserve.models import load_model, resolve_model_path
+
+    path = resolve_model_path(target, "target")
+    models = {name: load_model(path, device="cpu", dtype="float32", kernels=kernels) for name in COPIES}
+    models["sdpa"].model.set_attn_implementation("sdpa")
+    if models["grouped"].model.config._attn_implementation != attention.ATTENTION:  # load_model's choice
+        raise SystemExit(f"{path} has no grouped-query attention on the CPU: nothing to compare")
+    return models
+
+
+def _same_bits(models: dict, context: list[int], k: int) -> bool:
+    """Whether a pass over ``k`` random positions after ``context`` gives both copies the same logits."""
+    ids = torch.randint(0, models["sdpa"].model.config.vocab_size, (k,)).tolist()
+    with torch.inference_mode():
+        logits = [forward(m.model, ids, prefilled(m.model, context)) for m in models.values()]
+    return torch.equal(logits[0], logits[1])
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from bench.chat_prompts import heldout_prompts
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    loaded = _copies(args.target, args.kernels)
+    ks = range(1, args.max_k + 1)
+    passes: dict[str, dict[str, dict[str, float]]] = {}
+    same: dict[str, dict[str, bool]] = {}
+    for length in args.contexts:
+        caches = {name: random_context(m.model, length) for name, m in loaded.items()}
+        times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in ks} for name in COPIES}
+        for r in tqdm(range(args.rounds), desc=f"pass cost, context {length}", unit="round"):
+            for k in ks:
+                for name in COPIES if r % 2 == 0 else COPIES[::-1]:
+                    times[name][k].append(time_pass(loaded[name].model, caches[name], k, args.repeats))
+        passes[str(length)] = {
+            name: {str(k): statistics.median(v) for k, v in per_k.items()} for name, per_k in times.items()
+        }
+        context = torch.randint(0, loaded["sdpa"].model.config.vocab_size, (length,)).tolist()
+        same[str(length)] = {str(k): _same_bits(loaded, context, k) for k in ks}
+
+    tokenizer = loaded["sdpa"].tokenizer
+    prompts = [p for kind in ("chat", "code") for p in heldout_prompts(kind, args.prompts)]
+    greedy = []
+    for p in tqdm(prompts, desc="greedy output", unit="prompt"):
+        text = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False)
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        outs = {}
+        for name, m in loaded.items():
+            with torch.inference_mode():
+                out = m.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=args.max_new_tokens,
+                    do_sample=False,
+                    **ignore_eos(m.model),
+                )
+            outs[name] = out[0, ids.shape[1] :].tolist()
+        greedy.append({"prompt": p.name, "identical": outs["sdpa"] == outs["grouped"]})
+    return {
+        "command": args.command,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "machine": _machine(),
+        "target": str(args.target),
+        "kernels": args.kernels,
+        "settings": {"rounds": args.rounds, "repeats": args.repeats, "threads": args.threads},
+        "pass_ms": passes,
+        "same_bits": same,
+        "greedy": greedy,
+        "max_new_tokens": args.max_new_tokens,
+    }
+
+
+def render(data: dict) -> str:
+    s = data["settings"]
+    lines = [
+        "# Attention over several new positions: transformers' SDPA against grouped heads read in place",
+        "",
+        f"Measured {data['date_utc']} UTC ({data['machine']['platform']}, {s['threads']} torch threads, torch "
+        f"{data['machine']['torch']}), target `{Path(data['target']).name}` in float32, linear kernels "
+        f"`{data['kernels']}`; one run of:",
+        "",
+        f"```\n{data['command']}\n```",
+        "",
+        "One target pass over k new positions after the context, warm KV cache, batch 1 (median of "
+        f"{s['rounds']} rounds x {s['repeats']} timings, the two copies alternating). A verify pass at gamma "
+        "feeds k = gamma + 1 positions; k = 1 is a decode step, where transformers already reads the grouped "
+        "heads in place (both copies run the same code there, so its ratio is the noise floor). 'same bits': "
+        "the pass's logits are `torch.equal` across the copies.",
+        "",
+    ]
+    for length, per in data["pass_ms"].items():
+        sdpa, grouped = per["sdpa"], per["grouped"]
+        lines += [
+            f"## Context {length} tokens",
+            "",
+            "| k | transformers' SDPA ms | grouped in place ms | grouped / SDPA | same bits |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for k in sdpa:
+            bits = "yes" if data["same_bits"][length][k] else "**no**"
+            lines.append(f"| {k} | {sdpa[k]:.1f} | {grouped[k]:.1f} | {grouped[k] / sdpa[k]:.2f} | {bits} |")
+        lines.append("")
+    same = sum(g["identical"] for g in data["greedy"])
+    lines += [
+        f"Greedy output, HF `generate()` of {len(data['greedy'])} held-out chat and code prompts, "
+        f"{data['max_new_tokens']} tokens each (EOS ignored): **{same} of {len(data['greedy'])} token-identical** "
+        "between the two copies.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--kernels", default="onednn", choices=["stock", "onednn"])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-k", type=int, default=9)
+    parser.add_argument("--prompts", type=int, default=3, help="held-out prompts per kind (chat, code)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    args = parser.parse_args(argv)
+    args.command = "python -m bench.attention " + " ".join(argv if argv is not None else sys.argv[1:])
+    data = measure(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "attention.json").write_text(json.dumps(data, indent=1) + "\n")
+    (args.out / "attention.md").write_text(render(data))
+    print(render(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
