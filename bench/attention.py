@@ -65,15 +65,23 @@ def measure(args: argparse.Namespace) -> dict:
     ks = range(1, args.max_k + 1)
     passes: dict[str, dict[str, dict[str, float]]] = {}
     same: dict[str, dict[str, bool]] = {}
+    ratios: dict[str, dict[str, float]] = {}
     for length in args.contexts:
         caches = {name: random_context(m.model, length) for name, m in loaded.items()}
         times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in ks} for name in COPIES}
-        for r in tqdm(range(args.rounds), desc=f"pass cost, context {length}", unit="round"):
-            for k in ks:
+        for k in tqdm(ks, desc=f"pass cost, context {length}", unit="k"):
+            for name in COPIES:  # warm-up
+                time_pass(loaded[name].model, caches[name], k, 1)
+            for r in range(args.pairs):  # one timing of each copy, back to back, in alternating order
                 for name in COPIES if r % 2 == 0 else COPIES[::-1]:
-                    times[name][k].append(time_pass(loaded[name].model, caches[name], k, args.repeats))
+                    times[name][k].append(time_pass(loaded[name].model, caches[name], k, 1, warmup=0))
         passes[str(length)] = {
             name: {str(k): statistics.median(v) for k, v in per_k.items()} for name, per_k in times.items()
+        }
+        # Each pair's ratio, taken within a fraction of a second: slow drift cancels out of it.
+        ratios[str(length)] = {
+            str(k): statistics.median(g / s for g, s in zip(times["grouped"][k], times["sdpa"][k], strict=True))
+            for k in ks
         }
         context = torch.randint(0, loaded["sdpa"].model.config.vocab_size, (length,)).tolist()
         same[str(length)] = {str(k): _same_bits(loaded, context, k) for k in ks}
@@ -102,8 +110,9 @@ def measure(args: argparse.Namespace) -> dict:
         "machine": _machine(),
         "target": str(args.target),
         "kernels": args.kernels,
-        "settings": {"rounds": args.rounds, "repeats": args.repeats, "threads": args.threads},
+        "settings": {"pairs": args.pairs, "threads": args.threads},
         "pass_ms": passes,
+        "pair_ratio": ratios,
         "same_bits": same,
         "greedy": greedy,
         "max_new_tokens": args.max_new_tokens,
@@ -121,11 +130,12 @@ def render(data: dict) -> str:
         "",
         f"```\n{data['command']}\n```",
         "",
-        "One target pass over k new positions after the context, warm KV cache, batch 1 (median of "
-        f"{s['rounds']} rounds x {s['repeats']} timings, the two copies alternating). A verify pass at gamma "
-        "feeds k = gamma + 1 positions; k = 1 is a decode step, where transformers already reads the grouped "
-        "heads in place (both copies run the same code there, so its ratio is the noise floor). 'same bits': "
-        "the pass's logits are `torch.equal` across the copies.",
+        "One target pass over k new positions after the context, warm KV cache, batch 1: "
+        f"{s['pairs']} pairs of timings per k, one pass of each copy back to back, the order alternating; ms "
+        "are medians, 'grouped / SDPA' the median of the pairs' ratios (slow drift cancels out of a pair). A "
+        "verify pass at gamma feeds k = gamma + 1 positions; k = 1 is a decode step, where transformers "
+        "already reads the grouped heads in place (both copies run the same code there: its ratio is the "
+        "noise floor). 'same bits': the pass's logits are `torch.equal` across the copies.",
         "",
     ]
     for length, per in data["pass_ms"].items():
@@ -138,7 +148,8 @@ def render(data: dict) -> str:
         ]
         for k in sdpa:
             bits = "yes" if data["same_bits"][length][k] else "**no**"
-            lines.append(f"| {k} | {sdpa[k]:.1f} | {grouped[k]:.1f} | {grouped[k] / sdpa[k]:.2f} | {bits} |")
+            ratio = data["pair_ratio"][length][k]
+            lines.append(f"| {k} | {sdpa[k]:.1f} | {grouped[k]:.1f} | {ratio:.3f} | {bits} |")
         lines.append("")
     same = sum(g["identical"] for g in data["greedy"])
     lines += [
@@ -155,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--kernels", default="onednn", choices=["stock", "onednn"])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=30, help="pairs of timings (one pass of each copy) per k")
     parser.add_argument("--max-k", type=int, default=9)
     parser.add_argument("--prompts", type=int, default=3, help="held-out prompts per kind (chat, code)")
     parser.add_argument("--max-new-tokens", type=int, default=48)

@@ -47,16 +47,18 @@ def random_context(model, length: int):
     return prefilled(model, torch.randint(0, model.config.vocab_size, (length,)).tolist())
 
 
-def time_pass(model, cache, k: int, repeats: int) -> float:
+def time_pass(model, cache, k: int, repeats: int, *, warmup: int = 3) -> float:
+    """ms of one pass over ``k`` new positions after ``cache`` (left as it was): the median of ``repeats``
+    timings after ``warmup`` untimed ones."""
     times = []
     ids = torch.randint(0, model.config.vocab_size, (k,)).tolist()
     with torch.inference_mode():
-        for _ in range(repeats + 3):
+        for _ in range(repeats + warmup):
             start = time.perf_counter()
             forward(model, ids, cache)
             times.append(time.perf_counter() - start)
             cache.crop(-k)
-    return 1000.0 * statistics.median(times[3:])
+    return 1000.0 * statistics.median(times[warmup:])
 
 
 def time_draft_after_target(target, t_cache, draft, d_cache, repeats: int, draft_threads: int) -> float:
