@@ -20,7 +20,6 @@ and one on :func:`specserve.attention.grouped_sdpa`:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,7 +30,8 @@ from tqdm import tqdm
 
 from bench.costs import random_context, time_pass
 from bench.harness import DEFAULT_TARGET, _machine
-from bench.pair import forward, ignore_eos, prefilled
+from bench.kernels import greedy_outputs, write_report
+from bench.pair import forward, prefilled
 
 COPIES = ("sdpa", "grouped")
 
@@ -57,8 +57,6 @@ def _same_bits(models: dict, context: list[int], k: int) -> bool:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from bench.chat_prompts import heldout_prompts
-
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     loaded = _copies(args.target, args.kernels)
@@ -86,24 +84,8 @@ def measure(args: argparse.Namespace) -> dict:
         context = torch.randint(0, loaded["sdpa"].model.config.vocab_size, (length,)).tolist()
         same[str(length)] = {str(k): _same_bits(loaded, context, k) for k in ks}
 
-    tokenizer = loaded["sdpa"].tokenizer
-    prompts = [p for kind in ("chat", "code") for p in heldout_prompts(kind, args.prompts)]
-    greedy = []
-    for p in tqdm(prompts, desc="greedy output", unit="prompt"):
-        text = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False)
-        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-        outs = {}
-        for name, m in loaded.items():
-            with torch.inference_mode():
-                out = m.model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=args.max_new_tokens,
-                    do_sample=False,
-                    **ignore_eos(m.model),
-                )
-            outs[name] = out[0, ids.shape[1] :].tolist()
-        greedy.append({"prompt": p.name, "identical": outs["sdpa"] == outs["grouped"]})
+    models = {name: m.model for name, m in loaded.items()}
+    greedy = greedy_outputs(models, loaded["sdpa"].tokenizer, args.prompts, args.max_new_tokens)
     return {
         "command": args.command,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
@@ -174,11 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args(argv)
     args.command = "python -m bench.attention " + " ".join(argv if argv is not None else sys.argv[1:])
-    data = measure(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "attention.json").write_text(json.dumps(data, indent=1) + "\n")
-    (args.out / "attention.md").write_text(render(data))
-    print(render(data))
+    write_report(args.out, "attention", render=render, data=measure(args))
     return 0
 
 

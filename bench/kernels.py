@@ -86,8 +86,47 @@ def draft_steps(args: argparse.Namespace) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-def measure(args: argparse.Namespace) -> dict:
+def greedy_outputs(models: dict, tokenizer, prompts_per_kind: int, max_new_tokens: int) -> list[dict]:
+    """HF ``generate()`` of ``prompts_per_kind`` held-out chat and code prompts with each of two ``models``
+    (name -> model), greedy, ``max_new_tokens`` each (EOS ignored): per prompt, whether the two agree token
+    for token, the first token where they differ (None: nowhere) and each model's seconds."""
     from bench.chat_prompts import heldout_prompts
+
+    first_name, second_name = models
+    prompts = [p for kind in ("chat", "code") for p in heldout_prompts(kind, prompts_per_kind)]
+    greedy = []
+    for p in tqdm(prompts, desc="greedy output", unit="prompt"):
+        text = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False)
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        outs, secs = {}, {}
+        for name, model in models.items():
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    **ignore_eos(model),
+                )
+            secs[name] = time.perf_counter() - start
+            outs[name] = out[0, ids.shape[1] :].tolist()
+        same = outs[first_name] == outs[second_name]
+        pairs = enumerate(zip(outs[first_name], outs[second_name], strict=True))  # both ran max_new_tokens
+        first = None if same else next(i for i, (a, b) in pairs if a != b)
+        greedy.append({"prompt": p.name, "identical": same, "first_difference": first, "seconds": secs})
+    return greedy
+
+
+def write_report(out: Path, name: str, data: dict, render) -> None:
+    """``<out>/<name>.json`` (the data) and ``<out>/<name>.md`` (``render(data)``), also printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / f"{name}.md").write_text(render(data))
+    print(render(data))
+
+
+def measure(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     loaded = {name: _load(args.target, name) for name in ("stock", "onednn")}
@@ -101,29 +140,7 @@ def measure(args: argparse.Namespace) -> dict:
                 times[name][k].append(time_pass(model, caches[name], k, args.repeats))
     passes = {name: {k: statistics.median(v) for k, v in per_k.items()} for name, per_k in times.items()}
 
-    tokenizer = loaded["stock"].tokenizer
-    prompts = [p for kind in ("chat", "code") for p in heldout_prompts(kind, args.prompts)]
-    greedy = []
-    for p in tqdm(prompts, desc="greedy output", unit="prompt"):
-        text = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False)
-        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-        outs, secs = {}, {}
-        for name, model in models.items():
-            start = time.perf_counter()
-            with torch.inference_mode():
-                out = model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=args.max_new_tokens,
-                    do_sample=False,
-                    **ignore_eos(model),
-                )
-            secs[name] = time.perf_counter() - start
-            outs[name] = out[0, ids.shape[1] :].tolist()
-        same = outs["stock"] == outs["onednn"]
-        pairs = enumerate(zip(outs["stock"], outs["onednn"], strict=True))  # both ran max_new_tokens
-        first = None if same else next(i for i, (a, b) in pairs if a != b)
-        greedy.append({"prompt": p.name, "identical": same, "first_difference": first, "seconds": secs})
+    greedy = greedy_outputs(models, loaded["stock"].tokenizer, args.prompts, args.max_new_tokens)
     return {
         "command": args.command,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
@@ -222,10 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     old = args.out / "kernels.md"
     if old.exists() and NOTES in old.read_text():  # the hand-written part after the marker stays
         data["notes"] = NOTES + old.read_text().split(NOTES, 1)[1]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kernels.json").write_text(json.dumps(data, indent=1) + "\n")
-    (args.out / "kernels.md").write_text(render(data))
-    print(render(data))
+    write_report(args.out, "kernels", data, render)
     return 0
 
 
