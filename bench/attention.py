@@ -22,15 +22,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from bench.costs import random_context, time_pass
-from bench.harness import DEFAULT_TARGET, _machine
-from bench.kernels import greedy_outputs, write_report
+from bench.harness import DEFAULT_TARGET, _run_header
+from bench.kernels import add_pass_arguments, greedy_outputs, write_report
 from bench.pair import forward, prefilled
 
 COPIES = ("sdpa", "grouped")
@@ -87,10 +86,7 @@ def measure(args: argparse.Namespace) -> dict:
     models = {name: m.model for name, m in loaded.items()}
     greedy = greedy_outputs(models, loaded["sdpa"].tokenizer, args.prompts, args.max_new_tokens)
     return {
-        "command": args.command,
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "machine": _machine(),
-        "target": str(args.target),
+        **_run_header(args),
         "kernels": args.kernels,
         "settings": {"pairs": args.pairs, "threads": args.threads},
         "pass_ms": passes,
@@ -149,11 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="onednn", choices=["stock", "onednn"])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--pairs", type=int, default=30, help="pairs of timings (one pass of each copy) per k")
-    parser.add_argument("--max-k", type=int, default=9)
-    parser.add_argument("--prompts", type=int, default=3, help="held-out prompts per kind (chat, code)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    add_pass_arguments(parser, prompts=3, max_new_tokens=48)
     args = parser.parse_args(argv)
     args.command = "python -m bench.attention " + " ".join(argv if argv is not None else sys.argv[1:])
     write_report(args.out, "attention", render=render, data=measure(args))

@@ -593,14 +593,17 @@ async def run_all(args) -> dict:
 
 
 def _run_header(args) -> dict:
-    """What every mode's JSON starts with: the command, when, the machine, the pair."""
-    return {
+    """What every benchmark's JSON starts with: the command, when, the machine, the pair (the target
+    alone for a benchmark without a draft)."""
+    header = {
         "command": args.command,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "machine": _machine(),
         "target": str(args.target),
-        "draft": str(args.draft),
     }
+    if getattr(args, "draft", None) is not None:
+        header["draft"] = str(args.draft)
+    return header
 
 
 def _machine() -> dict:

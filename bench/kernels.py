@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from bench.costs import random_context, time_pass
-from bench.harness import DEFAULT_DRAFT, DEFAULT_TARGET, _machine
+from bench.harness import DEFAULT_DRAFT, DEFAULT_TARGET, _run_header
 from bench.pair import ignore_eos
 
 #: kernels.md: what follows this line is written by hand and kept when the measurements are rerun.
@@ -118,6 +118,16 @@ def greedy_outputs(models: dict, tokenizer, prompts_per_kind: int, max_new_token
     return greedy
 
 
+def add_pass_arguments(parser: argparse.ArgumentParser, *, prompts: int, max_new_tokens: int) -> None:
+    """The options of a benchmark of two copies of the target: passes over 1..--max-k positions, then
+    greedy output on held-out prompts; --threads, --out."""
+    parser.add_argument("--max-k", type=int, default=9)
+    parser.add_argument("--prompts", type=int, default=prompts, help="held-out prompts per kind (chat, code)")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+
+
 def write_report(out: Path, name: str, data: dict, render) -> None:
     """``<out>/<name>.json`` (the data) and ``<out>/<name>.md`` (``render(data)``), also printed."""
     out.mkdir(parents=True, exist_ok=True)
@@ -142,10 +152,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     greedy = greedy_outputs(models, loaded["stock"].tokenizer, args.prompts, args.max_new_tokens)
     return {
-        "command": args.command,
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "machine": _machine(),
-        "target": str(args.target),
+        **_run_header(args),
         "settings": {"rounds": args.rounds, "repeats": args.repeats, "context": 128, "threads": args.threads},
         "pass_ms": {name: {str(k): v for k, v in per_k.items()} for name, per_k in passes.items()},
         "draft": str(args.draft),
@@ -228,11 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-gamma", type=int, default=4, help="tokens per proposal in the draft's timing")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--max-k", type=int, default=9)
-    parser.add_argument("--prompts", type=int, default=6, help="held-out prompts per kind (chat, code)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    add_pass_arguments(parser, prompts=6, max_new_tokens=64)
     args = parser.parse_args(argv)
     args.command = "python -m bench.kernels " + " ".join(argv if argv is not None else sys.argv[1:])
     data = measure(args)
