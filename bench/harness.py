@@ -579,6 +579,7 @@ async def run_all(args) -> dict:
         "machine": _machine(),
         "models": {"target": str(args.target), "draft": str(args.draft)},
         "kernels": kernels,
+        "attention": target.config._attn_implementation,  # the workers' (specserve.attention), here and there
         "decode_steps": CoordinatorSettings.model_fields["decode_steps"].default,
         "heldout_prompts": heldout_ok,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -393,6 +393,19 @@ def _plots(data: dict, out: Path) -> list[str]:
     return names
 
 
+def _attention_sentence(data: dict) -> str:
+    """Which attention the target's passes ran (runs before 2026-12-04 03:00 UTC say nothing: SDPA)."""
+    from specserve import attention
+
+    if data.get("attention") != attention.ATTENTION:
+        return ""
+    return (
+        " Attention: a pass over several positions reads the grouped key/value heads in place "
+        "(`specserve/attention.py`, the same bits as transformers' SDPA without its copy of the cache), in "
+        "the service and the HF baselines alike."
+    )
+
+
 def _kernels_line(data: dict) -> str:
     """Which linear kernels the target ran on (specserve/cpu_kernels.py), in the service and the baselines."""
     if data.get("kernels") != "onednn":
@@ -443,7 +456,7 @@ def write_report(data: dict, out: Path) -> Path:
         "specserve runs as one process per role (`specserve up`'s stack); the HF baselines run in the "
         "benchmark's own process while the stack idles.",
         "",
-        _kernels_line(data),
+        _kernels_line(data) + _attention_sentence(data),
         "",
         *_decode_steps_line(data),
         "## Targets",

@@ -247,7 +247,8 @@ def check_distribution(probs: torch.Tensor, *, atol: float = 1e-3) -> torch.Tens
     if p.numel() == 0:
         return p.clone()
     host = np.ascontiguousarray(p.cpu().numpy())  # [..., vocab]
-    total = np.add.reduce(host, axis=-1, keepdims=True)  # [..., 1]
+    with np.errstate(invalid="ignore"):  # inf - inf in a bad row: NaN, which the check below reports
+        total = np.add.reduce(host, axis=-1, keepdims=True)  # [..., 1]
     # A NaN or an infinity makes its row's total NaN or infinite, a negative entry (-inf included) the
     # minimum negative: two reductions clear a valid vector, and only a bad one pays for the diagnosis.
     if not (np.isfinite(total).all() and host.min() >= 0):

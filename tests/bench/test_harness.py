@@ -12,6 +12,7 @@ import system_fixtures as sf
 
 from bench.chat_prompts import copy_prompts
 from bench.harness import HF_LOOKUP, HF_STOCK, SPEC_MODES, main
+from specserve import attention
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,10 @@ async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(p
     report = (tmp_path / "README.md").read_text()
     assert "## Targets" in report and "copy T=0" in report
     assert "over prompts and 2 passes over them" in report
+    # The tiny target has grouped-query attention: its passes, the service's and the HF baselines', read the
+    # grouped heads in place (specserve.attention), and the report says so.
+    assert data["attention"] == attention.ATTENTION
+    assert "reads the grouped key/value heads in place" in report
 
 
 async def test_a_load_only_run_writes_load_json_and_the_report_takes_its_sweep(pair, redis_server, tmp_path):
