@@ -93,7 +93,8 @@ def draft_probs_from_pb(
                 raise VocabularyMismatch(
                     f"dense distribution {i} has {len(raw)} bytes, expected 4 * vocab_size = {4 * vocab_size}"
                 )
-            rows.append(torch.from_numpy(np.frombuffer(raw, dtype="<f4").astype(np.float64)))
+            with np.errstate(invalid="ignore"):  # a NaN's bytes: check_distribution below rejects the row
+                rows.append(torch.from_numpy(np.frombuffer(raw, dtype="<f4").astype(np.float64)))
         elif kind == "sparse":
             rows.append(dense_from_sparse(list(dist.sparse.token_ids), list(dist.sparse.probs), vocab_size))
         else:
