@@ -10,8 +10,10 @@ Two copies of the target in this process, on the same linear kernels
 and one on :func:`specserve.attention.grouped_sdpa`:
 
 * **pass cost**: one pass over k = 1..9 new positions after a context of each
-  ``--contexts`` length with a warm KV cache (:func:`bench.costs.time_pass`), the
-  two copies alternating round by round so drift on a shared machine hits both;
+  ``--contexts`` length with a warm KV cache (:func:`bench.costs.time_pass`), in
+  ``--pairs`` pairs of timings per k, one pass of each copy back to back in
+  alternating order; the ratio is the median of the pairs' ratios, so drift on a
+  shared machine cancels out of it;
 * **the same bits**: each pass's logits compared with ``torch.equal``;
 * **greedy output**: HF ``generate()`` of held-out chat and code prompts with
   each copy, token for token.

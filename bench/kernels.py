@@ -137,7 +137,6 @@ def write_report(out: Path, name: str, data: dict, render) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict:
-
     torch.set_num_threads(args.threads)
     loaded = {name: _load(args.target, name) for name in ("stock", "onednn")}
     models = {name: m.model for name, m in loaded.items()}
@@ -155,7 +154,6 @@ def measure(args: argparse.Namespace) -> dict:
         **_run_header(args),
         "settings": {"rounds": args.rounds, "repeats": args.repeats, "context": 128, "threads": args.threads},
         "pass_ms": {name: {str(k): v for k, v in per_k.items()} for name, per_k in passes.items()},
-        "draft": str(args.draft),
         "draft_gamma": args.draft_gamma,
         "draft_step_ms": draft_steps(args),
         "greedy": greedy,

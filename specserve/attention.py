@@ -71,16 +71,18 @@ def grouped_sdpa(
     return out.transpose(1, 2).contiguous(), None
 
 
-def register() -> None:
-    """Register :func:`grouped_sdpa` (and SDPA's mask) with transformers, once."""
+def register(name: str, function) -> None:
+    """Register an attention ``function`` with transformers under ``name`` (once), with SDPA's mask: how
+    this package's attention functions (:func:`grouped_sdpa`, ``row_invariant.rowwise_attention``) are
+    made selectable with ``set_attn_implementation(name)``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if ATTENTION not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(ATTENTION, grouped_sdpa)
-    if ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
-        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, function)
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
 
 
 def use_grouped_sdpa(model) -> bool:
@@ -92,6 +94,6 @@ def use_grouped_sdpa(model) -> bool:
     on_cpu = next(model.parameters()).device.type == "cpu"
     if model.config._attn_implementation != "sdpa" or not on_cpu or not heads or kv_heads >= heads:
         return False
-    register()
+    register(ATTENTION, grouped_sdpa)
     model.set_attn_implementation(ATTENTION)
     return True

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from specserve import batching, cpu_kernels
+from specserve import attention, batching, cpu_kernels
 from specserve.cpu_kernels import Kernels
 
 #: Rows per matmul call: every linear layer of a row-invariant pass runs on blocks of this many rows.
@@ -181,14 +181,7 @@ def prepare(model, *, kernels: Kernels = "stock") -> None:
     """Register :func:`rowwise_attention` with transformers (once) and switch ``model`` to it; with
     ``kernels`` resolving to "onednn" (:func:`specserve.cpu_kernels.resolve`), its row-blocked linears
     run on packed weights."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if ATTENTION not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(ATTENTION, rowwise_attention)
-    if ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
-        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+    attention.register(ATTENTION, rowwise_attention)
     if model.config._attn_implementation != ATTENTION:
         model.set_attn_implementation(ATTENTION)
     weight = next(model.parameters())
