@@ -4,8 +4,9 @@ Run (one run, one machine; the figures in docs/benchmarks come from it)::
 
     python -m bench.overhead --json docs/benchmarks/overhead.json
 
-The same held-out chat prompts go, greedy and with ``ignore_eos`` (so every run
-commits exactly ``--max-new-tokens`` tokens), through:
+The same held-out chat prompts go, greedy (or all sampled at ``--temperature``)
+and with ``ignore_eos`` (so every run commits exactly ``--max-new-tokens``
+tokens), through:
 
 * **HF target-only**: ``model.generate()`` in this process (float32,
   ``--threads`` threads);
@@ -64,16 +65,21 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def _hf_run(model, ids: list[int], max_new: int) -> float:
-    """Seconds for one greedy ``generate()`` of exactly ``max_new`` tokens."""
+def _hf_run(model, ids: list[int], max_new: int, temperature: float = 0.0) -> float:
+    """Seconds for one ``generate()`` of exactly ``max_new`` tokens: greedy at ``temperature`` 0, else
+    sampled at that temperature with nothing else (no top-k, no top-p), as the specserve requests are."""
     x = torch.tensor([ids])
+    sampling = {"do_sample": False}
+    if temperature > 0:
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        torch.manual_seed(0)
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(
             x,
             attention_mask=torch.ones_like(x),
             max_new_tokens=max_new,
-            do_sample=False,
+            **sampling,
             **ignore_eos(model),
         )
     return time.perf_counter() - start
@@ -104,7 +110,7 @@ async def _interleaved_runs(args, target, kernels, redis_url, model, prompts, hf
     from specserve.client import AsyncClient
     from specserve.local import start_process_stack
 
-    kw = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": True, "gamma": 0}
+    kw = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "ignore_eos": True, "gamma": 0}
     stacks, clients = {}, {}
     runs: dict[int, list[dict]] = {steps: [] for steps in args.decode_steps}
     try:
@@ -118,12 +124,12 @@ async def _interleaved_runs(args, target, kernels, redis_url, model, prompts, hf
             await clients[steps].generate(
                 prompt_token_ids=prompts[0], **{**kw, "max_new_tokens": 4}
             )  # warm-up
-        _hf_run(model, prompts[0], 4)
+        _hf_run(model, prompts[0], 4, args.temperature)
         order: list[int | None] = [None, *args.decode_steps]  # None: HF
         for i, ids in enumerate(prompts * args.repeats):
             for which in order[i % len(order) :] + order[: i % len(order)]:
                 if which is None:
-                    hf.append(_hf_run(model, ids, args.max_new_tokens) / args.max_new_tokens)
+                    hf.append(_hf_run(model, ids, args.max_new_tokens, args.temperature) / args.max_new_tokens)
                     continue
                 start = time.perf_counter()
                 result = await clients[which].generate(prompt_token_ids=ids, **kw)
@@ -198,11 +204,17 @@ def summarize(
         "prompts": args.prompts,
         "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
         "hf_ms_per_token": hf_ms,
         "default_decode_steps": default,
         "decode_steps": settings,
         "hf_ms_per_token_all": [x * ms for x in hf],
     }
+
+
+def _sampling(data: dict) -> str:
+    temperature = data.get("temperature", 0.0)
+    return "greedy" if temperature == 0 else f"sampled at T={temperature:g}"
 
 
 def section(data: dict) -> list[str]:
@@ -217,7 +229,7 @@ def section(data: dict) -> list[str]:
         return f"| {label} | " + " | ".join(value(settings[k]) for k in shown) + " |"
 
     lines = [
-        f"## The service's own overhead (gamma = 0, greedy, {data['max_new_tokens']} tokens, "
+        f"## The service's own overhead (gamma = 0, {_sampling(data)}, {data['max_new_tokens']} tokens, "
         f"{data['prompts']} held-out chat prompts, one process per role)",
         "",
         f"Command: `{data['command']}` ({data['when']}). HF `generate()` of the target alone: "
@@ -284,6 +296,12 @@ def main(argv: list[str] | None = None) -> dict:
         nargs="+",
         default=[1, 4],
         help="the coordinator's decode_steps for each stack measured (1: a round trip per token)",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy (the default); above 0: HF and specserve both sample at this temperature",
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
