@@ -1,0 +1,299 @@
+"""The feature-conditioned draft head: one decoder layer that reads the target's own hidden states.
+
+An EAGLE-style draft (Li et al. 2024, arXiv 2401.15077; training-time test
+from EAGLE-3, arXiv 2503.01840). Terms:
+
+* **feature** ``f_t``: the target's last decoder layer output at position ``t``
+  (the input of its final norm), divided by its RMS: :func:`target_features`.
+  ``f_t`` is what the target's head turns into the distribution of token
+  ``t + 1``. The target ships it, float16, for every position it commits.
+* **slot** ``j`` (``j >= 1``): one position of the head's own sequence. Its input
+  is ``fc([embed(x_j) ; f_{j-1}])``; its output ``h_j`` (before the final norm)
+  is the head's estimate of ``f_j``, and ``head(norm(h_j))`` its distribution
+  of token ``j + 1``. A slot is *true* when its input feature came from the
+  target, *drafted* when it is the head's own ``h_{j-1}``.
+
+Drafting after committed tokens ``x_0 .. x_{n-1}`` (the target holds features
+``f_0 .. f_{n-2}``: the last token is pending): slots ``1 .. n-1`` are true;
+slot ``n-1``'s output gives the first draft token ``y_n``; slot ``n`` takes
+``(embed(y_n), h_{n-1})``, and so on. Only true slots stay in the head's cache
+between rounds: a round's drafted slots are replaced by true ones once the
+target has verified (and returned the features of) the accepted tokens.
+
+The head owns its decoder layer, input projection ``fc`` and a copy of the
+target's final norm. Its token embedding and output rows are the target's
+(``attach_target``): they are not stored with the head. The output head covers
+only ``head_size`` tokens (the target's most frequent), scattered into a
+full-vocabulary row of ``-inf`` as in :mod:`specserve.draft_model`: tokens
+outside it have ``q = 0``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+#: The one feature kind today: the last layer's hidden state over its RMS.
+FEATURE_LAST_HIDDEN_RMS = "last_hidden_rms"
+
+
+class FeatureHeadConfig(LlamaConfig):
+    """A Llama config for the head's one layer, plus what ties it to its target."""
+
+    model_type = "specserve_feature_head"
+
+    def __init__(
+        self,
+        head_size: int = 8192,
+        feature: str = FEATURE_LAST_HIDDEN_RMS,
+        target_model: str | None = None,
+        **kwargs,
+    ) -> None:
+        self.head_size = head_size
+        self.feature = feature
+        self.target_model = target_model  # a registered name or a path: where the embedding comes from
+        kwargs["num_hidden_layers"] = 1
+        kwargs["tie_word_embeddings"] = False
+        super().__init__(**kwargs)
+
+
+def target_features(hidden: torch.Tensor, eps: float) -> torch.Tensor:
+    """``[..., hidden]`` last-layer states (before the final norm) -> features ``[..., hidden]`` float32."""
+    h = hidden.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class FinalNormInput:
+    """Records the input of a model's final norm (its last layer's output) on every forward pass.
+
+    ``with FinalNormInput(model) as tap: model(...); tap.hidden`` -> ``[batch, T, hidden]``.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.norm = model.get_decoder().norm
+        self.hidden: torch.Tensor | None = None
+        self._handle = None
+
+    def __enter__(self) -> FinalNormInput:
+        def hook(_module, args):
+            self.hidden = args[0]
+
+        self._handle = self.norm.register_forward_pre_hook(hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+
+@dataclass
+class HeadStep:
+    """One pass of the head: its outputs (the next features) and logits over its own tokens."""
+
+    hidden: torch.Tensor  # [batch, T, hidden]: h_j, the estimate of f_j (input of the next drafted slot)
+    logits: torch.Tensor  # [batch, T, head_size] float32
+
+
+class FeatureHead(nn.Module):
+    """The head (see the module docstring). ``attach_target`` must run before use."""
+
+    def __init__(self, config: FeatureHeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.rotary = LlamaRotaryEmbedding(config=config)
+        self.register_buffer("head_token_ids", torch.zeros(config.head_size, dtype=torch.long))
+        # The target's tables, attached (not saved with the head).
+        self.register_buffer("embedding", torch.empty(0), persistent=False)  # [vocab, hidden]
+        self.register_buffer("head_rows", torch.empty(0), persistent=False)  # [head_size, hidden]
+
+    def attach_target(self, embedding: torch.Tensor) -> None:
+        """Take the target's token table ``[vocab, hidden]`` (its output rows too: the targets here tie them)."""
+        if embedding.shape != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(
+                f"the target's embedding is {tuple(embedding.shape)}, the head expects "
+                f"{(self.config.vocab_size, self.config.hidden_size)}"
+            )
+        dtype = self.fc.weight.dtype
+        self.embedding = embedding.detach().to(device=self.fc.weight.device, dtype=dtype)
+        self.head_rows = self.embedding[self.head_token_ids]
+
+    def set_head_tokens(self, token_ids: torch.Tensor) -> None:
+        """Name the head's tokens (sorted, distinct ids)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        if ids.shape != (self.config.head_size,) or not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError(f"head token ids must be {self.config.head_size} sorted distinct ids")
+        self.head_token_ids.copy_(ids)
+        if self.embedding.numel():
+            self.head_rows = self.embedding[self.head_token_ids]
+
+    # ---- pieces shared by serving and training -------------------------------------------
+
+    def slot_inputs(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` tokens and ``[B, T, hidden]`` previous features -> the layer's inputs ``[B, T, hidden]``."""
+        e = self.embedding[input_ids]  # [B, T, hidden]
+        return self.fc(torch.cat([e, features.to(e.dtype)], dim=-1))
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` -> ``[..., head_size]`` float32 logits over the head's tokens."""
+        return nn.functional.linear(self.norm(hidden), self.head_rows).float()
+
+    def scatter(self, small: torch.Tensor) -> torch.Tensor:
+        """``[..., head_size]`` -> ``[..., vocab]`` with ``-inf`` outside the head."""
+        full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.scatter_(-1, self.head_token_ids.expand(*small.shape[:-1], -1), small)
+
+    # ---- serving: one pass through the HF layer, with a cache --------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        *,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+    ) -> HeadStep:
+        """One pass over slots ``input_ids`` [B, T] at ``position_ids`` [B, T] (``attention_mask``: a 4-D
+        additive or boolean mask over cached + new slots, or None for plain causal attention)."""
+        x = self.slot_inputs(input_ids, features)
+        position_embeddings = self.rotary(x, position_ids=position_ids)
+        h = self.layer(
+            x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=position_embeddings,
+        )
+        if isinstance(h, tuple):  # older transformers return (hidden,)
+            h = h[0]
+        return HeadStep(hidden=h, logits=self.head_logits(h))
+
+    # ---- training and evaluation: every slot, unrolled on its own outputs --------------------
+
+    def unrolled(self, input_ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[HeadStep]:
+        """The head run ``steps`` deep from every slot at once (the training-time test).
+
+        ``input_ids [B, S]``: tokens ``x_1 .. x_S`` of the slots; ``features [B, S, hidden]``: the true
+        features ``f_0 .. f_{S-1}`` (slot ``j``'s input feature). Step 1 is the head on true features.
+        Step ``k`` gives, at slot ``j``, what drafting gives at its ``k``-th token when the last true
+        slot is ``j - k + 1`` and the drafted tokens are ``x_{j-k+2} .. x_j``: it attends to true slots
+        up to ``j - k + 1`` and to its own chain's drafted slots, and its input feature is step
+        ``k - 1``'s output at slot ``j - 1``. Slots with ``j - k + 1 < 1`` have no such chain (their
+        outputs at step ``k`` mean nothing: mask them out of losses).
+        """
+        layer = self.layer
+        attn = layer.self_attn
+        B, S = input_ids.shape
+        n_heads, n_kv = self.config.num_attention_heads, self.config.num_key_value_heads
+        head_dim = attn.head_dim
+        positions = torch.arange(1, S + 1, device=input_ids.device).expand(B, S)
+        e = self.embedding[input_ids]  # [B, S, hidden]
+        cos, sin = self.rotary(e, position_ids=positions)
+        keys: list[torch.Tensor] = []  # per step: [B, n_kv, S, head_dim]
+        values: list[torch.Tensor] = []
+        out: list[HeadStep] = []
+        feats = features
+        for _k in range(1, steps + 1):
+            x = self.fc(torch.cat([e, feats.to(e.dtype)], dim=-1))  # [B, S, hidden]
+            normed = layer.input_layernorm(x)
+            q = attn.q_proj(normed).view(B, S, n_heads, head_dim).transpose(1, 2)
+            kk = attn.k_proj(normed).view(B, S, n_kv, head_dim).transpose(1, 2)
+            v = attn.v_proj(normed).view(B, S, n_kv, head_dim).transpose(1, 2)
+            q, kk = apply_rotary_pos_emb(q, kk, cos, sin)
+            keys.append(kk)
+            values.append(v)
+            ctx = _unrolled_attention(q, keys, values, attn.scaling)  # [B, n_heads, S, head_dim]
+            ctx = ctx.transpose(1, 2).reshape(B, S, n_heads * head_dim)
+            h = x + attn.o_proj(ctx)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            out.append(HeadStep(hidden=h, logits=self.head_logits(h)))
+            # Step k + 1's input at slot j is this step's output at slot j - 1.
+            feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+        return out
+
+
+def _unrolled_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scaling: float
+) -> torch.Tensor:
+    """Step ``k = len(keys)`` of :meth:`FeatureHead.unrolled`'s attention.
+
+    ``q [B, H, S, D]``; ``keys[s], values[s] [B, Hkv, S, D]`` for steps ``1 .. k``. Query slot ``j``
+    attends to step 1's slots ``<= j - k + 1`` and to step ``s``'s slot ``j - k + s`` for ``s >= 2``.
+    """
+    k = len(keys)
+    _B, H, S, _D = q.shape
+    group = H // keys[0].shape[1]
+    k1 = keys[0].repeat_interleave(group, dim=1)  # [B, H, S, D]
+    v1 = values[0].repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k1.transpose(-1, -2)).float() * scaling  # [B, H, S, S]
+    query = torch.arange(S, device=q.device)
+    allowed = query.unsqueeze(0) <= (query.unsqueeze(1) - (k - 1))  # [S(query), S(key)]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    diag_scores, diag_values = [], []
+    for s in range(2, k + 1):
+        shift = k - s  # slot j reads step s at j - shift
+        ks = _shift_right(keys[s - 1], shift).repeat_interleave(group, dim=1)  # [B, H, S, D]
+        vs = _shift_right(values[s - 1], shift).repeat_interleave(group, dim=1)
+        d = (q * ks).sum(-1).float() * scaling  # [B, H, S]
+        if shift:
+            d[..., :shift] = float("-inf")
+        diag_scores.append(d.unsqueeze(-1))
+        diag_values.append(vs)
+    allscores = torch.cat([scores, *diag_scores], dim=-1)  # [B, H, S, S + k - 1]
+    # Rows with no key at all (only possible at k = 1, slot 0 never: slot j always sees itself) stay finite.
+    probs = torch.softmax(allscores, dim=-1).to(q.dtype)
+    ctx = torch.matmul(probs[..., :S], v1)  # [B, H, S, D]
+    for i, vs in enumerate(diag_values):
+        ctx = ctx + probs[..., S + i].unsqueeze(-1) * vs
+    return ctx
+
+
+def _shift_right(x: torch.Tensor, by: int) -> torch.Tensor:
+    """``[B, H, S, D]`` with slot ``j`` holding ``x[..., j - by, :]`` (zeros before the start)."""
+    if by == 0:
+        return x
+    return torch.cat([torch.zeros_like(x[:, :, :by]), x[:, :, :-by]], dim=2)
+
+
+def head_from_target(target: nn.Module, head_token_ids: torch.Tensor, *, target_model: str | None = None):
+    """A fresh head shaped like ``target``'s layers, its final norm copied, its tables attached."""
+    settings = target.config.to_dict()
+    for key in ("quantization_config", "model_type", "architectures", "auto_map", "tie_word_embeddings"):
+        settings.pop(key, None)
+    settings["num_hidden_layers"] = 1
+    ids = torch.as_tensor(head_token_ids, dtype=torch.long)
+    config = FeatureHeadConfig(head_size=len(ids), target_model=target_model, **settings)
+    head = FeatureHead(config)
+    _init(head, config.initializer_range)
+    with torch.no_grad():
+        head.norm.weight.copy_(target.get_decoder().norm.weight.float())
+    head.head_token_ids.copy_(ids)
+    head.attach_target(target.get_input_embeddings().weight.float())
+    return head
+
+
+def _init(head: FeatureHead, std: float) -> None:
+    """Small random layer whose outputs start near zero, and ``fc`` near "pass the feature through": the
+    head starts by estimating ``f_j`` as ``f_{j-1}``, and training moves it from there."""
+    d = head.config.hidden_size
+    with torch.no_grad():
+        for name, p in head.layer.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, std * (0.1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0))
+        head.fc.weight.normal_(0.0, std / math.sqrt(2))
+        head.fc.weight[:, d:] += torch.eye(d)

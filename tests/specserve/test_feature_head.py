@@ -1,0 +1,103 @@
+"""The feature head: its unrolled training pass equals drafting with it, slot by slot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from specserve.feature_head import FeatureHead, head_from_target, target_features
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[LlamaForCausalLM, FeatureHead]:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    target = LlamaForCausalLM(config).eval()
+    head_ids = torch.arange(0, 96, 2)  # half the vocabulary
+    head = head_from_target(target, head_ids).eval()
+    with torch.no_grad():  # move away from the initialisation, so that every part of the head matters
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return target, head
+
+
+def _causal(n_past: int, n_new: int) -> torch.Tensor:
+    """A 4-D additive mask: ``n_new`` queries after ``n_past`` cached slots."""
+    mask = torch.full((n_new, n_past + n_new), float("-inf"))
+    for i in range(n_new):
+        mask[i, : n_past + i + 1] = 0.0
+    return mask[None, None]
+
+
+def _draft_chain(head: FeatureHead, x: torch.Tensor, f: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """Drafting as the draft tier does it: true slots ``1 .. m`` in one cached pass, then ``k - 1`` drafted
+    slots one at a time (tokens from ``x``: teacher forcing), each fed the previous output. Returns the
+    step-``k`` logits at slot ``m + k - 1``. ``x``, ``f``: slot tokens / input features, slot ``j`` at index
+    ``j - 1``."""
+    cache = DynamicCache()
+    positions = torch.arange(1, m + 1)[None]
+    step = head(x[:, :m], f[:, :m], position_ids=positions, attention_mask=_causal(0, m), cache=cache)
+    hidden = step.hidden[:, -1:]
+    logits = step.logits[:, -1]
+    for i in range(1, k):
+        j = m + i
+        step = head(
+            x[:, j - 1 : j], hidden, position_ids=torch.tensor([[j]]), attention_mask=_causal(j - 1, 1), cache=cache
+        )
+        hidden, logits = step.hidden, step.logits[:, -1]
+    return logits
+
+
+def test_unrolled_step_k_is_the_drafting_chain(pair) -> None:
+    target, head = pair
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (1, 14))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        feats = target_features(out.hidden_states[-1], target.config.rms_norm_eps)
+        # transformers returns the final norm's output last; recompute the norm's input instead.
+        from specserve.feature_head import FinalNormInput
+
+        with FinalNormInput(target) as tap:
+            target(ids)
+        feats = target_features(tap.hidden, target.config.rms_norm_eps)
+        x, f = ids[:, 1:], feats[:, :-1]
+        outs = head.unrolled(x, f, 4)
+        for k in range(1, 5):
+            for m in range(1, 9):
+                j = m + k - 1  # slot
+                expected = _draft_chain(head, x, f, m, k)
+                got = outs[k - 1].logits[:, j - 1]
+                torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_step_one_matches_a_plain_causal_pass(pair) -> None:
+    _, head = pair
+    torch.manual_seed(2)
+    x = torch.randint(0, 96, (2, 10))
+    f = torch.randn(2, 10, 48)
+    with torch.no_grad():
+        plain = head(x, f, position_ids=torch.arange(1, 11).expand(2, 10), attention_mask=_causal(0, 10))
+        unrolled = head.unrolled(x, f, 1)[0]
+    torch.testing.assert_close(unrolled.logits, plain.logits, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(unrolled.hidden, plain.hidden, atol=2e-5, rtol=1e-5)
+
+
+def test_head_logits_cover_only_its_tokens(pair) -> None:
+    _, head = pair
+    with torch.no_grad():
+        step = head(torch.tensor([[3]]), torch.randn(1, 1, 48), position_ids=torch.tensor([[1]]))
+        full = head.scatter(step.logits)
+    assert torch.isinf(full[..., 1::2]).all()
+    assert torch.isfinite(full[..., ::2]).all()
