@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import itertools
 import json
 import lzma
 import math
@@ -90,6 +91,8 @@ class Record:
     prompt_len: int
     kind: int
     mode: int
+    shard: str = ""  # the shard's name ("turn1-00003"): its features file is <features>/<shard>.npy
+    start: int = 0  # this record's first row in that file
 
 
 def save_shard(path: Path, records: list[Record]) -> None:
@@ -111,6 +114,7 @@ def save_shard(path: Path, records: list[Record]) -> None:
 
 
 def load_shard(path: Path) -> list[Record]:
+    shard = path.name.removesuffix(".npz.xz")
     with np.load(io.BytesIO(lzma.decompress(path.read_bytes()))) as z:
         tokens, lengths = z["tokens"], z["lengths"]
         keys = str(z["keys"]).split("\n")
@@ -118,7 +122,7 @@ def load_shard(path: Path) -> list[Record]:
         for i, n in enumerate(lengths):
             out.append(
                 Record(keys[i], tokens[start : start + n], int(z["prompt_lens"][i]), int(z["kinds"][i]),
-                       int(z["modes"][i]))
+                       int(z["modes"][i]), shard, start)
             )
             start += int(n)
     return out
@@ -129,6 +133,33 @@ def load_records(folder: Path, prefix: str) -> list[Record]:
     for path in sorted(folder.glob(f"{prefix}-*.npz.xz")):
         out += load_shard(path)
     return out
+
+
+def save_features(path: Path, per_record: list[np.ndarray], hidden: int) -> None:
+    """A shard's features: every record's rows (one per token; its last token's row is zeros), float16."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blocks = []
+    for f in per_record:
+        blocks += [f.astype(np.float16), np.zeros((1, hidden), dtype=np.float16)]
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, np.concatenate(blocks))
+    tmp.rename(path)
+
+
+class FeatureFiles:
+    """The cached features of the shards, memory-mapped; a record's rows are ``[len, hidden]``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._open: dict[str, np.ndarray] = {}
+
+    def missing(self, records: list[Record]) -> list[str]:
+        return sorted({r.shard for r in records if not (self.folder / f"{r.shard}.npy").exists()})
+
+    def of(self, r: Record) -> np.ndarray:
+        if r.shard not in self._open:
+            self._open[r.shard] = np.load(self.folder / f"{r.shard}.npy", mmap_mode="r")
+        return self._open[r.shard][r.start : r.start + len(r.tokens)]
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -156,11 +187,11 @@ def templated_requests() -> list[Request]:
     return out
 
 
-def heldout_requests() -> list[Request]:
+def heldout_requests(per_kind: int) -> list[Request]:
     return [
         Request(f"{p.name}#heldout", p.kind, p.messages, "greedy")
         for kind in ("chat", "code")
-        for p in cp.heldout_prompts(kind)
+        for p in cp.heldout_prompts(kind, per_kind)
     ]
 
 
@@ -239,8 +270,23 @@ def _load_target(path: str, device: torch.device, dtype: torch.dtype):
     return model, tok
 
 
-def _answer(model, tok, requests: list[Request], max_new: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids) per request, all of one mode, in one ``generate`` call."""
+class _AllFinalNormInputs(FinalNormInput):
+    """Every input of the final norm during ``generate``: the prefill's, then one position per step."""
+
+    def __enter__(self) -> _AllFinalNormInputs:
+        self.calls: list[torch.Tensor] = []
+
+        def hook(_module, args):
+            self.calls.append(args[0].detach())
+
+        self._handle = self.norm.register_forward_pre_hook(hook)
+        return self
+
+
+def _answer(model, tok, requests: list[Request], max_new: int, seed: int):
+    """(prompt ids, completion ids, features [len - 1, hidden] float16) per request, all of one mode, in one
+    ``generate`` call. The features are the target's (:func:`target_features`) at every position but the
+    last, captured from the passes ``generate`` makes anyway."""
     texts = [tok.apply_chat_template(list(r.messages), add_generation_prompt=True, tokenize=False) for r in requests]
     tok.padding_side = "left"
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
@@ -249,30 +295,39 @@ def _answer(model, tok, requests: list[Request], max_new: int, seed: int) -> lis
     if mode != "greedy":
         sampling = {"do_sample": True, "temperature": float(mode[1:]), "top_k": 0, "top_p": 1.0}
     torch.manual_seed(seed)
-    with torch.inference_mode():
+    eps = model.config.rms_norm_eps
+    with torch.inference_mode(), _AllFinalNormInputs(model) as tap:
         out = model.generate(
             **enc, max_new_tokens=max_new, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **sampling
         )
     width = enc["input_ids"].shape[1]
+    steps = torch.cat([c[:, -1:] for c in tap.calls[1:]], dim=1) if len(tap.calls) > 1 else None  # [B, S-1, d]
     rows = []
     for b in range(len(requests)):
-        prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()].tolist()
+        real = enc["attention_mask"][b].bool()
+        prompt = enc["input_ids"][b][real].tolist()
         completion = out[b, width:].tolist()
         if tok.eos_token_id in completion:
             completion = completion[: completion.index(tok.eos_token_id) + 1]
         else:
             while completion and completion[-1] == tok.pad_token_id:
                 completion.pop()
-        rows.append((prompt, completion))
+        hidden = tap.calls[0][b, width - len(prompt) :]  # [P, d]
+        if steps is not None:
+            hidden = torch.cat([hidden, steps[b]], dim=0)
+        hidden = hidden[: len(prompt) + len(completion) - 1]
+        rows.append((prompt, completion, target_features(hidden, eps).to(torch.float16).cpu().numpy()))
     return rows
 
 
 def _run_phase(args, model, tok, phase: str, requests: list[Request], max_new: int, deadline: float) -> int:
     """Answer ``requests`` in batches of one mode, a shard per batch; returns the answer tokens written."""
-    batches: list[list[Request]] = []
+    per_mode = []
     for mode in MODES:
         chosen = sorted((r for r in requests if r.mode == mode), key=lambda r: (len(json.dumps(r.messages)), r.key))
-        batches += [chosen[i : i + args.batch_size] for i in range(0, len(chosen), args.batch_size)]
+        per_mode.append([chosen[i : i + args.batch_size] for i in range(0, len(chosen), args.batch_size)])
+    # The modes take turns, so that a run stopped early has some of each.
+    batches = [b for turn in itertools.zip_longest(*per_mode) for b in turn if b is not None]
     mine = [(i, b) for i, b in enumerate(batches) if i % args.workers == args.worker]
     written = 0
     bar = _tqdm()(mine, desc=f"{phase} (worker {args.worker})", unit="batch", disable=args.worker != 0)
@@ -285,23 +340,24 @@ def _run_phase(args, model, tok, phase: str, requests: list[Request], max_new: i
         rows = _answer(model, tok, batch, max_new, seed=_hash(f"{phase}/{index}") % 2**31)
         records = [
             Record(r.key, np.array(p + c, dtype=np.uint16), len(p), KINDS[r.kind], MODES[r.mode])
-            for r, (p, c) in zip(batch, rows, strict=True)
+            for r, (p, c, _) in zip(batch, rows, strict=True)
         ]
+        save_features(args.features / f"{phase}-{index:05d}.npy", [f for _, _, f in rows], model.config.hidden_size)
         save_shard(path, records)
-        written += sum(len(c) for _, c in rows)
+        written += sum(len(c) for _, c, _ in rows)
         bar.set_postfix(tokens=written)
     return written
 
 
 def generate(args: argparse.Namespace) -> None:
     device = _device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.gen_dtype)
     args.data.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + (args.time_budget or float("inf"))
     model, tok = _load_target(args.target, device, dtype)
     limit = (lambda xs: xs[: args.limit]) if args.limit else (lambda xs: xs)
 
-    _run_phase(args, model, tok, "heldout", limit(heldout_requests()), args.heldout_tokens, deadline)
+    _run_phase(args, model, tok, "heldout", limit(heldout_requests(args.heldout_prompts)), args.heldout_tokens, deadline)
     templated = limit(templated_requests())
     _run_phase(args, model, tok, "turn1", templated, args.max_new_tokens, deadline)
     _barrier(args, "turn1", templated, deadline)
@@ -402,8 +458,9 @@ def subset(records: list[Record], fraction: float) -> list[Record]:
 class Batches:
     """Random batches of conversations (their last ``max_len`` tokens), about ``tokens`` tokens each."""
 
-    def __init__(self, records: list[Record], max_len: int, tokens: int, seed: int) -> None:
+    def __init__(self, records: list[Record], features: FeatureFiles, max_len: int, tokens: int, seed: int) -> None:
         self.records = records
+        self.features = features
         self.max_len = max_len
         self.tokens = tokens
         self.rng = random.Random(seed)
@@ -419,43 +476,40 @@ class Batches:
             longest = max(longest, n)
 
     def tensors(self, records: list[Record], device: torch.device):
-        """ids [B, T], attention mask [B, T], loss mask [B, T-1] (slot j predicts an answer token j+1)."""
+        """ids ``[B, T]``, features ``[B, T, d]`` float32, and the slots' loss mask ``[B, T - 1]``: slot ``j``
+        (ids index ``j >= 1``) counts when the token it predicts, ``j + 1``, is an answer token."""
         width = max(min(len(r.tokens), self.max_len) for r in records)
+        hidden = self.features.of(records[0]).shape[1]
         ids = torch.zeros((len(records), width), dtype=torch.long)
-        mask = torch.zeros((len(records), width), dtype=torch.long)
-        loss = torch.zeros((len(records), width), dtype=torch.bool)
+        feats = torch.zeros((len(records), width, hidden), dtype=torch.float32)
+        answer = torch.zeros((len(records), width), dtype=torch.bool)
         for b, r in enumerate(records):
             start = max(0, len(r.tokens) - self.max_len)
             seq = torch.as_tensor(r.tokens[start:].astype(np.int64))
             ids[b, : len(seq)] = seq
-            mask[b, : len(seq)] = 1
-            first = max(r.prompt_len - start, 1)  # the first answer token's index in the window
-            loss[b, first : len(seq)] = True  # token t is an answer token
-        # Slot j (ids index j, j >= 1) predicts token j + 1: its loss flag is loss[:, j + 1].
-        slot_loss = torch.zeros_like(loss)
-        slot_loss[:, :-1] = loss[:, 1:]
-        return ids.to(device), mask.to(device), slot_loss[:, 1:].to(device)
+            feats[b, : len(seq)] = torch.from_numpy(np.asarray(self.features.of(r)[start:], dtype=np.float32))
+            answer[b, max(r.prompt_len - start, 1) : len(seq)] = True
+        slot_loss = torch.zeros_like(answer)
+        slot_loss[:, :-1] = answer[:, 1:]
+        return ids.to(device), feats.to(device), slot_loss[:, 1:].to(device)
 
 
-@torch.no_grad()
-def target_pass(target, ids, mask, head_ids, eps):
-    """Features ``[B, T, d]`` float32 and head-token logits ``[B, T, H]`` float32 at every position."""
-    with FinalNormInput(target) as tap:
-        normed = target.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, d]
-    feats = target_features(tap.hidden, eps)
-    rows = target.get_output_embeddings().weight[head_ids]  # [H, d]
-    return feats, torch.nn.functional.linear(normed, rows).float()
+def target_logits(head: FeatureHead, feats: torch.Tensor) -> torch.Tensor:
+    """The target's logits over the head's tokens from its features: ``norm(h) = f * w`` (``f = h / rms(h)``),
+    so ``[..., d] -> [..., head_size]`` float32, exactly the target's own rows of its head."""
+    return torch.nn.functional.linear(feats * head.norm.weight.float(), head.head_rows.float())
 
 
-def head_losses(head: FeatureHead, ids, feats, tlogits, slot_loss, steps: int, args):
+def head_losses(head: FeatureHead, ids, feats, slot_loss, steps: int, args):
     """Loss and per-step statistics of the unrolled head on one batch (see the module docstring)."""
     x = ids[:, 1:]  # slot tokens x_1 .. x_{T-1}
     f_in = feats[:, :-1]  # f_0 .. f_{T-2}
     f_out = feats[:, 1:]  # what slot j estimates: f_j
-    p_logits = tlogits[:, 1:]  # slot j's target: the target's distribution of token j + 1
-    p = torch.softmax(p_logits, dim=-1)
-    logp = torch.log_softmax(p_logits, dim=-1)
-    top = p_logits.argmax(-1)
+    with torch.no_grad():
+        p_logits = target_logits(head, f_out)  # slot j's target: the target's distribution of token j + 1
+        p = torch.softmax(p_logits, dim=-1)
+        logp = torch.log_softmax(p_logits, dim=-1)
+        top = p_logits.argmax(-1)
     outs = head.unrolled(x, f_in, steps)
     total = torch.zeros((), device=ids.device)
     stats = []
@@ -466,21 +520,23 @@ def head_losses(head: FeatureHead, ids, feats, tlogits, slot_loss, steps: int, a
         logq = torch.log_softmax(out.logits, dim=-1)
         kl = ((p * (logp - logq)).sum(-1) * valid).sum() / n
         ce = (-(logq.gather(-1, top[..., None])[..., 0]) * valid).sum() / n
-        reg = (torch.nn.functional.smooth_l1_loss(out.hidden.float(), f_out, reduction="none").mean(-1) * valid).sum() / n
-        weight = args.step_decay ** (k - 1)
-        total = total + weight * (kl + args.ce_weight * ce + args.reg_weight * reg)
+        err = torch.nn.functional.smooth_l1_loss(out.hidden.float(), f_out, reduction="none").mean(-1)
+        reg = (err * valid).sum() / n
+        total = total + args.step_decay ** (k - 1) * (kl + args.ce_weight * ce + args.reg_weight * reg)
         agree = (out.logits.argmax(-1) == top) & valid
-        stats.append({"kl": float(kl.detach()), "ce": float(ce.detach()), "reg": float(reg.detach()),
-                      "top1": float(agree.sum() / n)})
+        stats.append(
+            {"kl": float(kl.detach()), "ce": float(ce.detach()), "reg": float(reg.detach()),
+             "top1": float(agree.sum() / n)}
+        )
     return total, stats
 
 
 @torch.no_grad()
-def evaluate(head: FeatureHead, target, records: list[Record], args, device) -> dict:
-    """Held-out greedy replay, per kind: for rounds starting at every answer slot ``m`` (its token
-    ``m + 1`` is an answer token), the share whose step-``k`` draft is the target's greedy token, and
-    the mean accepted draft tokens per round at gamma ``1 .. unroll`` (drafts accepted while each
-    equals the target's greedy answer, which is the greedy answer's own next token)."""
+def evaluate(head: FeatureHead, records: list[Record], features: FeatureFiles, args, device) -> dict:
+    """Held-out greedy replay, per kind: for rounds starting at every slot ``m`` whose next token is an
+    answer token, the share whose step-``k`` draft is the target's greedy token, and the mean accepted
+    draft tokens per round at gamma ``1 .. unroll`` (drafts are accepted while each equals the greedy
+    answer's own next token, which is the target's greedy choice)."""
     head.eval()
     result = {}
     for kind, code in KINDS.items():
@@ -491,13 +547,12 @@ def evaluate(head: FeatureHead, target, records: list[Record], args, device) -> 
         tried = torch.zeros(args.unroll, dtype=torch.float64)
         accepted = torch.zeros(args.unroll, dtype=torch.float64)
         rounds = 0
-        shaper = Batches(rs, args.max_len, args.batch_tokens, 0)
+        shaper = Batches(rs, features, args.max_len, args.batch_tokens, 0)
         for i in range(0, len(rs), 8):
-            ids, mask, slot_loss = shaper.tensors(rs[i : i + 8], device)
+            ids, feats, slot_loss = shaper.tensors(rs[i : i + 8], device)
             with _autocast(device):
-                feats, _ = target_pass(target, ids, mask, head.head_token_ids, target.config.rms_norm_eps)
                 outs = head.unrolled(ids[:, 1:], feats[:, :-1], args.unroll)
-            starts = slot_loss[:, :-1]  # [B, S-1]: slot m predicts answer token m + 2 (ids index), labelled
+            starts = slot_loss[:, :-1]  # [B, S-1]: slot m predicts answer token (ids index) m + 2
             label = _slot_of(head, ids[:, 2:])  # [B, S-1]
             n = starts.shape[1]
             chain = None
@@ -530,11 +585,35 @@ def _slot_of(head: FeatureHead, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    import contextlib
+    """bfloat16 autocast (CUDA, and CPUs: the head's matrices run about twice as fast)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
-    return contextlib.nullcontext()
+
+def features(args: argparse.Namespace) -> None:
+    """Compute the features of every shard that has none cached: one target pass per conversation."""
+    device = _device(args.device)
+    records = [r for prefix in ("heldout", *TRAIN_PHASES) for r in load_records(args.data, prefix)]
+    files = FeatureFiles(args.features)
+    missing = files.missing(records)
+    if not missing:
+        return
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
+    by_shard: dict[str, list[Record]] = {}
+    for r in records:
+        by_shard.setdefault(r.shard, []).append(r)
+    for shard in _tqdm()(missing, desc="features", unit="shard"):
+        rows = []
+        for r in by_shard[shard]:
+            ids = torch.as_tensor(r.tokens.astype(np.int64), device=device)[None]
+            with torch.inference_mode(), FinalNormInput(target) as tap:
+                target.get_decoder()(input_ids=ids[:, :-1])
+            rows.append(target_features(tap.hidden[0], target.config.rms_norm_eps).half().cpu().numpy())
+        save_features(args.features / f"{shard}.npy", rows, target.config.hidden_size)
+
+
+TRAIN_PHASES = ("turn1", "turn2", "selfinstruct", "turn2si")
 
 
 def train(args: argparse.Namespace) -> None:
@@ -542,24 +621,23 @@ def train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     out_dir = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
-    records = [r for prefix in ("turn1", "turn2", "selfinstruct", "turn2si") for r in load_records(args.data, prefix)]
-    heldout = load_records(args.data, "heldout")
+    records = [r for prefix in TRAIN_PHASES for r in load_records(args.data, prefix)]
+    heldout = load_records(args.data, "heldout")[: args.heldout_records]
     if not records:
         raise SystemExit(f"no training data in {args.data}: run the generate stage first")
-    eos = target.config.eos_token_id
-    ids = head_tokens(records, args.head_size, eos)
+    files = FeatureFiles(args.features)
+    if files.missing(records + heldout):
+        raise SystemExit(f"shards without features in {args.features}: run the features stage first")
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    ids = head_tokens(records, args.head_size, target.config.eos_token_id)
     chosen = subset(records, args.fraction)
     n_tokens = sum(len(r.tokens) - r.prompt_len for r in chosen)
     head = head_from_target(target, ids, target_model=args.target_name).to(device)
-    head.attach_target(target.get_input_embeddings().weight.float())
-    params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith("norm.")]
+    del target
     head.norm.weight.requires_grad_(False)
+    params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = out_dir / "checkpoint.pt"
     state = {"step": 0, "history": [], "elapsed_s": 0.0}
@@ -568,14 +646,13 @@ def train(args: argparse.Namespace) -> None:
         head.load_state_dict(saved["head"], strict=False)
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
-        print(f"resumed at step {state['step']}")
-    batches = Batches(chosen, args.max_len, args.batch_tokens, args.seed + state["step"])
+        print(f"resumed at step {state['step']}", flush=True)
+    batches = Batches(chosen, files, args.max_len, args.batch_tokens, args.seed + state["step"])
     deadline = time.monotonic() + (args.time_budget or float("inf"))
-    total_steps = args.train_steps
     started = time.monotonic() - state["elapsed_s"]
-    bar = _tqdm()(initial=state["step"], total=total_steps, desc=f"train {args.fraction:g}", unit="step")
+    bar = _tqdm()(initial=state["step"], total=args.train_steps, desc=f"train {args.fraction:g}", unit="step")
 
-    def save(final: bool = False) -> None:
+    def save() -> None:
         state["elapsed_s"] = time.monotonic() - started
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt.with_suffix(".tmp"))
         ckpt.with_suffix(".tmp").rename(ckpt)
@@ -587,40 +664,43 @@ def train(args: argparse.Namespace) -> None:
             **state,
         }
         (out_dir / "train_meta.json").write_text(json.dumps(meta, indent=1))
+        export_weights(head, out_dir / "head.safetensors")
 
-    while state["step"] < total_steps and time.monotonic() < deadline - args.eval_reserve:
+    def log(entry: dict) -> None:
+        state["history"].append(entry)
+        print(json.dumps(entry), flush=True)
+
+    while state["step"] < args.train_steps and time.monotonic() < deadline - args.eval_reserve:
         step = state["step"]
-        progress = step / total_steps
+        progress = step / args.train_steps
         if args.time_budget:
             progress = max(progress, (time.monotonic() - started) / args.time_budget)
-        lr = _lr(step, progress, args)
         for g in opt.param_groups:
-            g["lr"] = lr
-        ids_b, mask_b, slot_loss = batches.tensors(batches.sample(), device)
+            g["lr"] = _lr(step, progress, args)
+        ids_b, feats_b, slot_loss = batches.tensors(batches.sample(), device)
         with _autocast(device):
-            feats, tlogits = target_pass(target, ids_b, mask_b, head.head_token_ids, target.config.rms_norm_eps)
-            loss, stats = head_losses(head, ids_b, feats, tlogits, slot_loss, args.unroll, args)
+            loss, stats = head_losses(head, ids_b, feats_b, slot_loss, args.unroll, args)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         state["step"] = step + 1
         bar.update(1)
-        bar.set_postfix(loss=f"{float(loss):.3f}", top1=f"{stats[0]['top1']:.3f}", top1_4=f"{stats[-1]['top1']:.3f}")
-        if state["step"] % args.log_every == 0 or state["step"] == total_steps:
-            entry = {"step": state["step"], "time_s": round(time.monotonic() - started, 1), "loss": float(loss),
-                     "train": stats}
-            if state["step"] % args.eval_every == 0 or state["step"] == total_steps:
-                entry["heldout"] = evaluate(head, target, heldout, args, device)
-            state["history"].append(entry)
-            print(json.dumps(entry), flush=True)
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{stats[0]['top1']:.3f}",
+                        top1_last=f"{stats[-1]['top1']:.3f}")
+        done = state["step"] == args.train_steps
+        if state["step"] % args.log_every == 0 or done:
+            entry = {"step": state["step"], "time_s": round(time.monotonic() - started, 1),
+                     "loss": float(loss.detach()), "train": stats}
+            if heldout and (state["step"] % args.eval_every == 0 or done):
+                entry["heldout"] = evaluate(head, heldout, files, args, device)
+            log(entry)
         if state["step"] % args.checkpoint_every == 0:
             save()
-    if not state["history"] or "heldout" not in state["history"][-1]:
-        state["history"].append({"step": state["step"], "time_s": round(time.monotonic() - started, 1),
-                                 "heldout": evaluate(head, target, heldout, args, device)})
-    save(final=True)
-    export_weights(head, out_dir / "head.safetensors")
+    if heldout and (not state["history"] or "heldout" not in state["history"][-1]):
+        log({"step": state["step"], "time_s": round(time.monotonic() - started, 1),
+             "heldout": evaluate(head, heldout, files, args, device)})
+    save()
 
 
 def _lr(step: int, progress: float, args) -> float:
@@ -645,23 +725,28 @@ def export_weights(head: FeatureHead, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("stage", choices=("generate", "train"))
+    ap.add_argument("stage", choices=("generate", "features", "train"))
     ap.add_argument("--target", default=str(Path.home() / ".cache/specserve/models/smollm2-135m-instruct"))
     ap.add_argument("--target-name", default="smollm2-135m-instruct")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--features", type=Path, default=DEFAULT_WORK / "features", help="the features' cache")
     ap.add_argument("--out", type=Path, default=DEFAULT_WORK / "full")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--time-budget", type=float, default=None, help="seconds; stop starting work after this")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     # generate
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--gen-dtype", default="bfloat16", help="the target's dtype while it answers")
     ap.add_argument("--max-new-tokens", type=int, default=288)
     ap.add_argument("--heldout-tokens", type=int, default=128)
+    ap.add_argument("--heldout-prompts", type=int, default=40, help="held-out prompts per kind (the evaluation set)")
     ap.add_argument("--questions", type=int, default=8, help="self-instruct samples per subject and meta-prompt")
     ap.add_argument("--limit", type=int, default=None, help="at most this many requests per phase (smoke runs)")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--worker", type=int, default=0)
     # train
     ap.add_argument("--fraction", type=float, default=1.0)
+    ap.add_argument("--heldout-records", type=int, default=None, help="evaluate on the first N held-out answers")
     ap.add_argument("--head-size", type=int, default=8192)
     ap.add_argument("--unroll", type=int, default=4)
     ap.add_argument("--train-steps", type=int, default=2000)
@@ -678,10 +763,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-reserve", type=float, default=0.0, help="seconds of --time-budget kept for the last evaluation")
     args = ap.parse_args(argv)
-    if args.stage == "generate":
-        generate(args)
-    else:
-        train(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    {"generate": generate, "features": features, "train": train}[args.stage](args)
 
 
 if __name__ == "__main__":
