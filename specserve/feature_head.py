@@ -35,13 +35,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (
-    LlamaDecoderLayer,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
+from transformers import LlamaConfig, LlamaModel
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 #: The one feature kind today: the last layer's hidden state over its RMS.
 FEATURE_LAST_HIDDEN_RMS = "last_hidden_rms"
@@ -105,16 +100,22 @@ class HeadStep:
 
 
 class FeatureHead(nn.Module):
-    """The head (see the module docstring). ``attach_target`` must run before use."""
+    """The head (see the module docstring). ``attach_target`` must run before use.
+
+    ``model`` is a one-layer ``LlamaModel`` fed ``inputs_embeds`` (the slots' ``fc`` outputs), with no
+    token table and no final norm (its output is ``h``, before the norm): the draft tier runs it with
+    the same KV caches, packing and row-invariant passes as a token draft.
+    """
 
     def __init__(self, config: FeatureHeadConfig) -> None:
         super().__init__()
         self.config = config
         d = config.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=False)
-        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.model = LlamaModel(config)
+        self.model.embed_tokens = None  # the target's table is attached instead
+        self.model.norm = nn.Identity()
         self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
-        self.rotary = LlamaRotaryEmbedding(config=config)
         self.register_buffer("head_token_ids", torch.zeros(config.head_size, dtype=torch.long))
         # The target's tables, attached (not saved with the head).
         self.register_buffer("embedding", torch.empty(0), persistent=False)  # [vocab, hidden]
@@ -156,7 +157,7 @@ class FeatureHead(nn.Module):
         full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
         return full.scatter_(-1, self.head_token_ids.expand(*small.shape[:-1], -1), small)
 
-    # ---- serving: one pass through the HF layer, with a cache --------------------------------
+    # ---- serving: one pass of the layer, with a cache ------------------------------------------
 
     def forward(
         self,
@@ -166,21 +167,20 @@ class FeatureHead(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache=None,
+        **kwargs,
     ) -> HeadStep:
-        """One pass over slots ``input_ids`` [B, T] at ``position_ids`` [B, T] (``attention_mask``: a 4-D
-        additive or boolean mask over cached + new slots, or None for plain causal attention)."""
-        x = self.slot_inputs(input_ids, features)
-        position_embeddings = self.rotary(x, position_ids=position_ids)
-        h = self.layer(
-            x,
+        """One pass over slots ``input_ids`` ``[B, T]`` with their input features ``[B, T, hidden]`` at
+        ``position_ids`` ``[B, T]``; ``attention_mask`` ``[B, cached + T]`` (1 = real slot) as for a
+        ``LlamaModel``; ``kwargs`` go on to the attention function."""
+        out = self.model(
+            inputs_embeds=self.slot_inputs(input_ids, features),
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
             use_cache=cache is not None,
-            position_embeddings=position_embeddings,
+            **kwargs,
         )
-        if isinstance(h, tuple):  # older transformers return (hidden,)
-            h = h[0]
+        h = out.last_hidden_state  # [B, T, hidden]: no final norm in self.model
         return HeadStep(hidden=h, logits=self.head_logits(h))
 
     # ---- training and evaluation: every slot, unrolled on its own outputs --------------------
@@ -196,14 +196,14 @@ class FeatureHead(nn.Module):
         ``k - 1``'s output at slot ``j - 1``. Slots with ``j - k + 1 < 1`` have no such chain (their
         outputs at step ``k`` mean nothing: mask them out of losses).
         """
-        layer = self.layer
+        layer = self.model.layers[0]
         attn = layer.self_attn
         B, S = input_ids.shape
         n_heads, n_kv = self.config.num_attention_heads, self.config.num_key_value_heads
         head_dim = attn.head_dim
         positions = torch.arange(1, S + 1, device=input_ids.device).expand(B, S)
         e = self.embedding[input_ids]  # [B, S, hidden]
-        cos, sin = self.rotary(e, position_ids=positions)
+        cos, sin = self.model.rotary_emb(e, position_ids=positions)
         keys: list[torch.Tensor] = []  # per step: [B, n_kv, S, head_dim]
         values: list[torch.Tensor] = []
         out: list[HeadStep] = []
@@ -292,7 +292,7 @@ def _init(head: FeatureHead, std: float) -> None:
     head starts by estimating ``f_j`` as ``f_{j-1}``, and training moves it from there."""
     d = head.config.hidden_size
     with torch.no_grad():
-        for name, p in head.layer.named_parameters():
+        for name, p in head.model.layers[0].named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, std * (0.1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0))
         head.fc.weight.normal_(0.0, std / math.sqrt(2))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specserve.feature_head import FeatureHead, head_from_target, target_features
+from specserve.feature_head import FeatureHead, FinalNormInput, head_from_target, target_features
 
 
 @pytest.fixture(scope="module")
@@ -32,29 +32,18 @@ def pair() -> tuple[LlamaForCausalLM, FeatureHead]:
     return target, head
 
 
-def _causal(n_past: int, n_new: int) -> torch.Tensor:
-    """A 4-D additive mask: ``n_new`` queries after ``n_past`` cached slots."""
-    mask = torch.full((n_new, n_past + n_new), float("-inf"))
-    for i in range(n_new):
-        mask[i, : n_past + i + 1] = 0.0
-    return mask[None, None]
-
-
 def _draft_chain(head: FeatureHead, x: torch.Tensor, f: torch.Tensor, m: int, k: int) -> torch.Tensor:
     """Drafting as the draft tier does it: true slots ``1 .. m`` in one cached pass, then ``k - 1`` drafted
     slots one at a time (tokens from ``x``: teacher forcing), each fed the previous output. Returns the
     step-``k`` logits at slot ``m + k - 1``. ``x``, ``f``: slot tokens / input features, slot ``j`` at index
-    ``j - 1``."""
-    cache = DynamicCache()
-    positions = torch.arange(1, m + 1)[None]
-    step = head(x[:, :m], f[:, :m], position_ids=positions, attention_mask=_causal(0, m), cache=cache)
+    ``j - 1``. Positions count from the first slot (RoPE is relative: training's start at 1)."""
+    cache = DynamicCache(config=head.config)
+    step = head(x[:, :m], f[:, :m], position_ids=torch.arange(m)[None], cache=cache)
     hidden = step.hidden[:, -1:]
     logits = step.logits[:, -1]
     for i in range(1, k):
         j = m + i
-        step = head(
-            x[:, j - 1 : j], hidden, position_ids=torch.tensor([[j]]), attention_mask=_causal(j - 1, 1), cache=cache
-        )
+        step = head(x[:, j - 1 : j], hidden, position_ids=torch.tensor([[j - 1]]), cache=cache)
         hidden, logits = step.hidden, step.logits[:, -1]
     return logits
 
@@ -64,11 +53,6 @@ def test_unrolled_step_k_is_the_drafting_chain(pair) -> None:
     torch.manual_seed(1)
     ids = torch.randint(0, 96, (1, 14))
     with torch.no_grad():
-        out = target(ids, output_hidden_states=True)
-        feats = target_features(out.hidden_states[-1], target.config.rms_norm_eps)
-        # transformers returns the final norm's output last; recompute the norm's input instead.
-        from specserve.feature_head import FinalNormInput
-
         with FinalNormInput(target) as tap:
             target(ids)
         feats = target_features(tap.hidden, target.config.rms_norm_eps)
@@ -88,7 +72,7 @@ def test_step_one_matches_a_plain_causal_pass(pair) -> None:
     x = torch.randint(0, 96, (2, 10))
     f = torch.randn(2, 10, 48)
     with torch.no_grad():
-        plain = head(x, f, position_ids=torch.arange(1, 11).expand(2, 10), attention_mask=_causal(0, 10))
+        plain = head(x, f, position_ids=torch.arange(10).expand(2, 10))
         unrolled = head.unrolled(x, f, 1)[0]
     torch.testing.assert_close(unrolled.logits, plain.logits, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(unrolled.hidden, plain.hidden, atol=2e-5, rtol=1e-5)
