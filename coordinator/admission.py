@@ -3,7 +3,7 @@
 ``async with admission.slot(client):`` holds one session's place for the body
 of the block. A session over ``max_sessions`` in total, or over
 ``max_sessions_per_client`` for its client (an identity from
-:func:`specserve.interceptors.client_identity`; None is not limited per
+:func:`specserve.runtime.interceptors.client_identity`; None is not limited per
 client), is refused with RESOURCE_EXHAUSTED and a retry hint before anything
 starts. :meth:`Admission.idle` returns once no slot is held (a drain).
 """
@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from specserve import errors, metrics
+from specserve.api import errors
+from specserve.runtime import metrics
 
 #: The retry hint sent with RESOURCE_EXHAUSTED when a session limit is reached.
 SESSION_LIMIT_RETRY_AFTER_S = 1.0

@@ -38,7 +38,7 @@ from typing import Any, Generic, TypeVar
 
 import structlog
 
-from coordinator.workers import (
+from coordinator.worker_clients import (
     DraftClient,
     ItemReply,
     ProposeBatchReply,
@@ -46,8 +46,8 @@ from coordinator.workers import (
     TargetClient,
     VerifyReply,
 )
-from specserve import metrics
-from specserve.interceptors import current_request_id
+from specserve.runtime import metrics
+from specserve.runtime.interceptors import current_request_id
 from specserve.v1 import draft_pb2, target_pb2
 
 log = structlog.get_logger(__name__)

@@ -8,9 +8,9 @@ template writes the ones it wants). The result equals
 ``tokenizer.apply_chat_template(..., tokenize=True)``.
 
 A tokenizer without a chat template cannot do this: :func:`chat_prompt_ids`
-raises :class:`~specserve.errors.FailedPrecondition` saying so. A template
+raises :class:`~specserve.api.errors.FailedPrecondition` saying so. A template
 that refuses the conversation (many raise on roles that do not alternate) is
-:class:`~specserve.errors.InvalidArgument` with the template's own message.
+:class:`~specserve.api.errors.InvalidArgument` with the template's own message.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.errors import FailedPrecondition, InvalidArgument
+from specserve.api.errors import FailedPrecondition, InvalidArgument
 from specserve.v1 import coordinator_pb2
 
 

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
-from coordinator.generation import Chunk, Coordinator, Finished
+from coordinator.coordinator import Chunk, Coordinator, Finished
 from coordinator.requests import GenerationRequest
 
 Event = Chunk | Finished

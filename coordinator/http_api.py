@@ -45,7 +45,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from coordinator.choices import Choices
-from coordinator.generation import Coordinator
+from coordinator.coordinator import Coordinator
 from coordinator.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,8 +54,8 @@ from coordinator.openai_protocol import (
 )
 from coordinator.openai_replies import ReplyBuilder, TokenStrings
 from coordinator.requests import GenerationRequest
-from specserve import errors
-from specserve.interceptors import REQUEST_ID_KEY, BearerTokens, bearer_token, identity
+from specserve.api import errors
+from specserve.runtime.interceptors import REQUEST_ID_KEY, BearerTokens, bearer_token, identity
 
 log = structlog.get_logger(__name__)
 

@@ -23,9 +23,9 @@ from typing import Any
 import structlog
 import uvicorn
 
-from coordinator.generation import Coordinator
+from coordinator.coordinator import Coordinator
 from coordinator.http_api import OpenAIServer, create_app
-from specserve.config import CoordinatorSettings
+from specserve.runtime.config import CoordinatorSettings
 
 log = structlog.get_logger(__name__)
 

@@ -4,7 +4,7 @@
 (``GetDraftInfo`` / ``GetTargetInfo``; a replica that does not answer within
 :data:`INFO_TIMEOUT_S` is left out and used once it is up), refuses a worker
 whose vocabulary differs from the target's
-(:class:`~specserve.errors.VocabularyMismatch`), and returns :class:`Limits`.
+(:class:`~specserve.api.errors.VocabularyMismatch`), and returns :class:`Limits`.
 The worker pool, the cost model and the policy are built once from them
 (``coordinator/server.py``); nothing is patched afterwards.
 """
@@ -19,10 +19,10 @@ from typing import Any
 
 import structlog
 
-from coordinator.workers import WorkerClients, WorkerInfo
-from specserve import errors
-from specserve.config import CoordinatorSettings
-from specserve.models import check_same_vocabulary
+from coordinator.worker_clients import WorkerClients, WorkerInfo
+from specserve.api import errors
+from specserve.engine.models import check_same_vocabulary
+from specserve.runtime.config import CoordinatorSettings
 
 log = structlog.get_logger(__name__)
 

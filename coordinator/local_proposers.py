@@ -10,7 +10,7 @@ asks a session's local proposers first, in order, and the draft model only
 when none has anything to offer (and the session drafts with the model).
 
 * :class:`NgramProposer`: prompt lookup over the session's own tokens (prompt
-  and completion), :class:`specserve.lookup.NgramIndex` kept per session, so a
+  and completion), :class:`specserve.core.ngram.NgramIndex` kept per session, so a
   lookup costs a few dictionary reads.
 * :class:`PredictionProposer`: Predicted Outputs. The prediction is tokenized
   once per session (``coordinator/requests.py``) and indexed once. The
@@ -24,7 +24,7 @@ when none has anything to offer (and the session drafts with the model).
   half-wrong prediction) that occurs in the prediction, its first occurrence
   at or after the point where the alignment was lost (edits move forward
   through a file), else its latest one before. The prediction is indexed
-  once (:class:`~specserve.lookup.NgramIndex`), so following the alignment
+  once (:class:`~specserve.core.ngram.NgramIndex`), so following the alignment
   costs one comparison per committed token and re-aligning a few dictionary
   reads. Until it is re-found (or once the
   prediction is used up) the proposer offers nothing and the session's own
@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
-from specserve.lookup import NgramIndex
+from specserve.core.ngram import NgramIndex
 
 
 class LocalProposer(abc.ABC):
@@ -76,7 +76,7 @@ class LocalProposer(abc.ABC):
 
 
 class NgramProposer(LocalProposer):
-    """Prompt lookup over the session's prompt and completion (:meth:`specserve.lookup.NgramIndex.lookup`)."""
+    """Prompt lookup over the session's prompt and completion (:meth:`specserve.core.ngram.NgramIndex.lookup`)."""
 
     name = "ngram"
 

@@ -51,8 +51,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specserve.errors import InvalidArgument
-from specserve.params import MAX_TOP_LOGPROBS
+from specserve.api.errors import InvalidArgument
+from specserve.api.params import MAX_TOP_LOGPROBS
 from specserve.v1 import common_pb2, coordinator_pb2
 
 #: ``max_tokens`` of a completion request that sets none (OpenAI's default).

@@ -1,7 +1,7 @@
 """The OpenAI API's reply bodies, built from the events of a request's sessions.
 
-:class:`ReplyBuilder` takes each choice's :class:`~coordinator.generation.Chunk`
-and :class:`~coordinator.generation.Finished` events in arrival order and
+:class:`ReplyBuilder` takes each choice's :class:`~coordinator.coordinator.Chunk`
+and :class:`~coordinator.coordinator.Finished` events in arrival order and
 returns the streaming chunks (``chat.completion.chunk`` / ``text_completion``)
 they become; at the end it builds the usage chunk or the whole non-streamed
 reply. Pure data: no HTTP, no sessions.
@@ -27,8 +27,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from coordinator.generation import Chunk, Finished
-from specserve.params import PositionLogprobs
+from coordinator.coordinator import Chunk, Finished
+from specserve.api.params import PositionLogprobs
 from specserve.v1 import common_pb2, coordinator_pb2
 
 _STOPPED = (

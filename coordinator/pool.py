@@ -45,10 +45,10 @@ for a proposal and for a verdict and never touches a replica itself:
 
 Around those, the pool owns:
 
-* **replicas**: per draft endpoint a :class:`~coordinator.workers.DraftClient`
+* **replicas**: per draft endpoint a :class:`~coordinator.worker_clients.DraftClient`
   and a :class:`~coordinator.batcher.ProposeBatcher` (every Propose leaves
   through :meth:`WorkerPool._send_propose`), per target endpoint a
-  :class:`~coordinator.workers.TargetClient` and a
+  :class:`~coordinator.worker_clients.TargetClient` and a
   :class:`~coordinator.batcher.VerifyBatcher`; the
   :class:`~coordinator.routing.ReplicaSet` of each tier (consistent hashing
   and circuit breakers, back-offs from the settings);
@@ -84,9 +84,10 @@ from coordinator.local_proposers import LocalProposer
 from coordinator.policy import LoadSnapshot
 from coordinator.routing import ReplicaSet
 from coordinator.session import Session
-from coordinator.workers import ProposeReply, WorkerClients, propose_request
-from specserve import errors, metrics
-from specserve.config import CoordinatorSettings
+from coordinator.worker_clients import ProposeReply, WorkerClients, propose_request
+from specserve.api import errors
+from specserve.runtime import metrics
+from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import common_pb2, draft_pb2, target_pb2
 
 log = structlog.get_logger(__name__)

@@ -1,8 +1,8 @@
 """A client's generation request as a checked domain object (``GenerationRequest.from_pb``).
 
-Every check raises :class:`~specserve.errors.InvalidArgument` with a message
+Every check raises :class:`~specserve.api.errors.InvalidArgument` with a message
 that says what to fix; the server interceptor turns it into INVALID_ARGUMENT.
-Limits come from :class:`~specserve.config.CoordinatorSettings` and the probed
+Limits come from :class:`~specserve.runtime.config.CoordinatorSettings` and the probed
 worker limits (passed in, never read from the environment here).
 
 Every limit holds before work is done, cheapest first: the sampling settings,
@@ -24,15 +24,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from coordinator.chat import ChatMessage, messages_from_pb
-from specserve.config import CoordinatorSettings
-from specserve.errors import InvalidArgument
-from specserve.params import (
+from specserve.api.errors import InvalidArgument
+from specserve.api.params import (
     SamplingParams,
     StopConditions,
     check_min_confidence,
     check_top_logprobs,
     resolve_proposer,
 )
+from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import common_pb2, coordinator_pb2
 
 #: Tokenizes a text prompt (off the event loop) into token ids.

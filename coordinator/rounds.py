@@ -46,11 +46,12 @@ from coordinator.local_proposers import NgramProposer
 from coordinator.policy import SpeculationPolicy
 from coordinator.pool import Verified, WorkerPool
 from coordinator.session import Session
-from coordinator.workers import ItemReply
-from specserve import errors, metrics
-from specserve.kvcache import common_prefix_len
-from specserve.params import PositionLogprobs, Verdict
-from specserve.store import SessionStore
+from coordinator.worker_clients import ItemReply
+from specserve.api import errors
+from specserve.api.params import PositionLogprobs, Verdict
+from specserve.engine.kvcache import common_prefix_len
+from specserve.runtime import metrics
+from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2, target_pb2
 
 log = structlog.get_logger(__name__)

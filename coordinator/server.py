@@ -4,7 +4,7 @@
 (:func:`~coordinator.limits.probe_limits`: a draft whose vocabulary differs
 from the target's is refused), then wires the Redis store, the worker pool
 (clients, batchers, replica health), the cost model and policy, the tokenizer
-and the servicer once, from one :class:`~specserve.config.CoordinatorSettings`
+and the servicer once, from one :class:`~specserve.runtime.config.CoordinatorSettings`
 and the probed limits, and starts the gRPC server and, when ``http_port`` is set, the
 OpenAI-compatible HTTP API on the same ``Coordinator`` (:mod:`coordinator.http_api`);
 :func:`serve` runs it until SIGTERM / SIGINT (the CLI's entry point): health
@@ -19,23 +19,23 @@ from typing import Any
 
 import structlog
 
+from coordinator.coordinator import Coordinator
 from coordinator.cost_model import CostModel, CostPrior
-from coordinator.generation import Coordinator
 from coordinator.limits import probe_limits
 from coordinator.policy import AdaptiveGamma
 from coordinator.pool import WorkerPool
 from coordinator.servicer import CoordinatorServicer
-from coordinator.workers import WorkerClients
-from specserve.config import CoordinatorSettings
-from specserve.interceptors import BearerTokenInterceptor
-from specserve.models import resolve_model_path
-from specserve.server import (
+from coordinator.worker_clients import WorkerClients
+from specserve.engine.models import resolve_model_path
+from specserve.runtime.config import CoordinatorSettings
+from specserve.runtime.interceptors import BearerTokenInterceptor
+from specserve.runtime.server import (
     Registration,
     RunningServer,
     create_server,
     run_role,
 )
-from specserve.store import SessionStore
+from specserve.runtime.store import SessionStore
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = structlog.get_logger(__name__)

@@ -1,6 +1,6 @@
 """The CoordinatorService gRPC servicer: thin (request -> domain -> replies).
 
-Errors are raised as :mod:`specserve.errors` classes; the server's
+Errors are raised as :mod:`specserve.api.errors` classes; the server's
 ``ErrorInterceptor`` maps them to status codes (INVALID_ARGUMENT for a bad
 request, with a message that says what to fix).
 """
@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from coordinator.generation import Coordinator
-from specserve.interceptors import client_identity
+from coordinator.coordinator import Coordinator
+from specserve.runtime.interceptors import client_identity
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from coordinator.local_proposers import LocalProposer, NgramProposer, PredictionProposer
 from coordinator.requests import SpeculationSettings
-from specserve.errors import FailedPrecondition
-from specserve.params import SamplingParams, SessionBase, StopConditions, Verdict
+from specserve.api.errors import FailedPrecondition
+from specserve.api.params import SamplingParams, SessionBase, StopConditions, Verdict
 from specserve.v1 import common_pb2, coordinator_pb2
 
 

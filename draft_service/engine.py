@@ -3,7 +3,7 @@
 :class:`DraftEngine` holds the :class:`~draft_service.history.CommittedHistory`
 (what this replica knows of each session's committed tokens), one
 :class:`~draft_service.proposers.Proposer` per ``ProposerKind``, and the
-replica's :class:`~specserve.model_thread.ModelThread`.
+replica's :class:`~specserve.engine.model_thread.ModelThread`.
 
 A call (:meth:`DraftEngine.propose_batch`; :meth:`DraftEngine.propose` is a call
 of one) is handled in three parts:
@@ -41,10 +41,10 @@ import structlog
 from draft_service.history import CommittedHistory
 from draft_service.messages import ProposeCall, ProposeResult
 from draft_service.proposers import Drafted, DraftRequest, Proposer
-from specserve import metrics
-from specserve.errors import FailedPrecondition, NotFound, SpecServeError, Unavailable
-from specserve.kvcache import SessionCacheStore
-from specserve.model_thread import ModelThread
+from specserve.api.errors import FailedPrecondition, NotFound, SpecServeError, Unavailable
+from specserve.engine.kvcache import SessionCacheStore
+from specserve.engine.model_thread import ModelThread
+from specserve.runtime import metrics
 from specserve.v1 import common_pb2
 
 log = structlog.get_logger(__name__)

@@ -5,7 +5,7 @@ The coordinator ships only the committed tokens a draft has not seen
 session, the committed prefix ``C`` as of the last Propose, so the next request
 can be appended to it; a session it does not hold (never seen, released,
 evicted, expired) can only be rebuilt from position 0, and a request starting
-later gets :class:`~specserve.errors.FailedPrecondition` so the caller resends
+later gets :class:`~specserve.api.errors.FailedPrecondition` so the caller resends
 from 0. Sessions are kept LRU with a count limit and an idle TTL, like the KV
 caches; the history is the source of truth the caches are reconciled against.
 """
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from specserve.errors import FailedPrecondition, NotFound
+from specserve.api.errors import FailedPrecondition, NotFound
 
 log = structlog.get_logger(__name__)
 

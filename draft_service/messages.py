@@ -1,7 +1,7 @@
 """The draft's domain requests and results, and their wire forms (``from_pb`` / ``to_pb``).
 
 :meth:`ProposeCall.from_pb` checks everything that can be checked without the
-session's state and raises :class:`~specserve.errors.InvalidArgument` saying
+session's state and raises :class:`~specserve.api.errors.InvalidArgument` saying
 what to fix, before any work (a history longer than ``max_tokens``, the
 draft's context, is refused before its tokens are even looked at); the engine
 then checks the state (does it know the committed tokens before
@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from draft_service.proposers import Drafted
-from specserve.errors import InvalidArgument, ResourceExhausted, SpecServeError
-from specserve.params import SamplingParams, SessionBase, check_min_confidence, resolve_proposer
-from specserve.proposal import draft_probs_to_pb
-from specserve.status import item_code
+from specserve.api.errors import InvalidArgument, ResourceExhausted, SpecServeError
+from specserve.api.params import SamplingParams, SessionBase, check_min_confidence, resolve_proposer
+from specserve.api.status import item_code
+from specserve.core.proposal import draft_probs_to_pb
 from specserve.v1 import common_pb2, draft_pb2
 
 

@@ -4,7 +4,7 @@ A proposer gets a session's committed tokens ``C`` and drafts up to ``gamma``
 tokens after them, returning a :class:`Drafted` (the tokens and the exact float32
 vectors they were sampled from, or ``None`` for point masses). It never sees the
 verifier: the target rebuilds ``q`` from the wire form with
-``specserve.proposal.draft_probs_from_pb`` (docs/design.md, "Conventions":
+``specserve.core.proposal.draft_probs_from_pb`` (docs/design.md, "Conventions":
 the proposer and the verifier never import each other).
 
 * :class:`ModelProposer`: the draft model. It samples ``x_i`` from its own logits
@@ -17,7 +17,7 @@ the proposer and the verifier never import each other).
 * :class:`NgramProposer`: prompt lookup (no model). It finds the first
   occurrence of the last ``n`` tokens of ``C`` (``n`` from ``max_n`` down to
   ``min_n``) and proposes what followed it, as point masses
-  (:func:`specserve.lookup.ngram_lookup`, the one implementation, which the
+  (:func:`specserve.core.ngram.ngram_lookup`, the one implementation, which the
   coordinator runs itself today without a draft call; this proposer answers
   coordinators older than that).
 
@@ -26,7 +26,7 @@ handed batches; one without (n-gram) is called at once, never waiting for a
 batch or for the model (``draft_service/engine.py``).
 
 Randomness: the token at absolute position ``j`` is drawn with
-``uniform(seed, j, Purpose.DRAFT)`` (``specserve.rng``). In the coupled
+``uniform(seed, j, Purpose.DRAFT)`` (``specserve.core.rng``). In the coupled
 sampling mode the model proposer instead takes ``argmax(log q + G)`` with
 ``G = gumbel_noise(seed, j)``, the noise the target uses for its own token at
 ``j``, and ships the tokens alone (no distributions); a draft with other noise
@@ -43,14 +43,11 @@ from typing import ClassVar
 import structlog
 import torch
 
-from specserve import batching, row_invariant
-from specserve.cpu_kernels import Kernels
-from specserve.errors import InvalidArgument, SpecServeError
-from specserve.kvcache import SessionCache, SessionCacheStore, common_prefix_len
-from specserve.lookup import ngram_lookup
-from specserve.params import SamplingParams
-from specserve.rng import Purpose, gumbel_noise, uniform
-from specserve.sampling import (
+from specserve.api.errors import InvalidArgument, SpecServeError
+from specserve.api.params import SamplingParams
+from specserve.core.ngram import ngram_lookup
+from specserve.core.rng import Purpose, gumbel_noise, uniform
+from specserve.core.sampling import (
     check_distribution,
     greedy_tokens,
     gumbel_argmax,
@@ -58,6 +55,9 @@ from specserve.sampling import (
     processed_logprobs,
     sample_from,
 )
+from specserve.engine import batching, row_invariant
+from specserve.engine.cpu_kernels import Kernels
+from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len
 from specserve.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
@@ -204,10 +204,10 @@ class _Row:
 
 
 class ModelProposer(Proposer):
-    """The small draft model, with a KV cache per session (:class:`~specserve.kvcache.SessionCacheStore`).
+    """The small draft model, with a KV cache per session (:class:`~specserve.engine.kvcache.SessionCacheStore`).
 
     :meth:`propose_batch` drafts many sessions with one forward pass per draft
-    step (:mod:`specserve.batching`, the packing the target verifies with):
+    step (:mod:`specserve.engine.batching`, the packing the target verifies with):
 
     1. each session's cache keeps the longest common prefix of what it holds
        and ``C`` (at least the last token of ``C`` is re-fed, for its logits);
@@ -227,7 +227,7 @@ class ModelProposer(Proposer):
        and every proposed token is still a draw from the ``q`` it ships:
        exactness is kept (docs/design.md, "Dynamic draft length").
 
-    Every pass is row-invariant (:mod:`specserve.row_invariant`): a session's
+    Every pass is row-invariant (:mod:`specserve.engine.row_invariant`): a session's
     logits, hence its tokens and the ``q`` bytes it ships, are bit for bit
     those it gets when drafted alone, whatever else shares its batch. A plain
     greedy session's token is its row's argmax (one reduction for the step's

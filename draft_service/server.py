@@ -2,8 +2,8 @@
 
 :func:`build_draft` wires the model, the KV-cache store, the committed-token
 history, the proposers (model and n-gram), the :class:`DraftEngine` and the
-servicer from one :class:`~specserve.config.DraftSettings`. The shell
-(:class:`~specserve.worker.WorkerApp`) serves it: :func:`start_draft` binds the
+servicer from one :class:`~specserve.runtime.config.DraftSettings`. The shell
+(:class:`~specserve.runtime.worker_shell.WorkerApp`) serves it: :func:`start_draft` binds the
 port (tests bind 0 and read :attr:`DraftApp.port`), :func:`serve` runs until
 SIGTERM / SIGINT (the CLI's entry point).
 """
@@ -16,12 +16,12 @@ from draft_service.engine import DraftEngine
 from draft_service.history import CommittedHistory
 from draft_service.proposers import ModelProposer, NgramProposer
 from draft_service.servicer import DraftServicer
-from specserve.config import DraftSettings
-from specserve.model_thread import ModelThread
-from specserve.models import LoadedModel
-from specserve.server import Registration, run_role
+from specserve.engine.model_thread import ModelThread
+from specserve.engine.models import LoadedModel
+from specserve.runtime.config import DraftSettings
+from specserve.runtime.server import Registration, run_role
+from specserve.runtime.worker_shell import WorkerApp, load_worker_model, session_caches
 from specserve.v1 import draft_pb2, draft_pb2_grpc
-from specserve.worker import WorkerApp, load_worker_model, session_caches
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 

@@ -5,7 +5,7 @@ No tensor maths here (docs/design.md, "Conventions": thin servicers):
 check and convert a request, :class:`~draft_service.engine.DraftEngine` does
 the work (model work batched on its model thread),
 :class:`~draft_service.messages.ProposeResult` / :class:`~draft_service.messages.ProposeBatchResult`
-convert back. Domain errors propagate to :class:`specserve.server.ErrorInterceptor`.
+convert back. Domain errors propagate to :class:`specserve.runtime.server.ErrorInterceptor`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import grpc
 
 from draft_service.engine import DraftEngine
 from draft_service.messages import ProposeBatchCall, ProposeBatchResult, ProposeCall
-from specserve import metrics
-from specserve.models import ModelInfo
+from specserve.engine.models import ModelInfo
+from specserve.runtime import metrics
 from specserve.v1 import draft_pb2, draft_pb2_grpc
 
 

@@ -8,14 +8,14 @@ Stages (each resumable; run them in order, or ``all``)::
     python scripts/distill_draft.py all
 
 ``generate`` runs the target (bfloat16 for speed) over the training prompts of
-:mod:`bench.chat_prompts` (held-out subjects never appear), greedy for some
+:mod:`specserve.bench.chat_prompts` (held-out subjects never appear), greedy for some
 prompts and sampled at temperature 0.7 for the rest, then a second turn for
 prompts with a follow-up question. It keeps, for every generated position, the
 target's top-``K`` log-probabilities (raw logits, before any warper): the
 distillation target. Each batch is one shard file in the work directory; a
 restarted run skips the shards it already has.
 
-``train`` builds the draft from the target (:mod:`specserve.draft_model`): the
+``train`` builds the draft from the target (:mod:`specserve.engine.draft_model`): the
 target's first ``--layers`` decoder layers and final norm, a low-rank input
 embedding from the SVD of the target's embedding, and an output head over the
 ``--head-size`` tokens the target emits most. It minimises KL(p_target || q_draft)
@@ -45,7 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.chat_prompts import ChatPrompt, heldout_prompts, training_prompts  # noqa: E402
+from specserve.bench.chat_prompts import ChatPrompt, heldout_prompts, training_prompts  # noqa: E402
 
 TOP_K = 20
 DEFAULT_WORK = Path(os.environ.get("SPECSERVE_DISTILL_DIR", Path.home() / ".cache" / "specserve" / "distill"))
@@ -299,7 +299,7 @@ def evaluate(model, data: _Batches, head_index, batch_size: int, ce_weight: floa
 def train(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
-    from specserve.draft_model import draft_from_target
+    from specserve.engine.draft_model import draft_from_target
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -404,7 +404,7 @@ def train(args: argparse.Namespace) -> None:
 def export(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specserve.draft_model import draft_from_target
+    from specserve.engine.draft_model import draft_from_target
 
     ckpt_path = args.work / f"draft-L{args.layers}-H{args.head_size}-R{args.embed_rank}.pt"
     state = torch.load(ckpt_path)
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     if args.target is None:
-        from specserve.model_registry import ensure_model
+        from specserve.engine.model_registry import ensure_model
 
         args.target = ensure_model("smollm2-135m-instruct")
     if args.stage in ("generate", "all"):

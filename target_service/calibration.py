@@ -25,7 +25,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from specserve.models import LoadedModel, pass_timer
+from specserve.engine.models import LoadedModel, pass_timer
 
 __all__ = ["CURVE_MAX_POSITIONS", "measure_verify_curve"]
 

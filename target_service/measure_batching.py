@@ -39,8 +39,8 @@ def _model(hidden: int, layers: int, vocab: int, device: str):
 
 
 def main() -> None:
-    from specserve import batching
-    from specserve.kvcache import SessionCache
+    from specserve.engine import batching
+    from specserve.engine.kvcache import SessionCache
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8])

@@ -4,7 +4,7 @@ A :class:`VerifyBatch` is checked on construction from the wire
 (:meth:`VerifyBatch.from_pb`), before any work. Each item has its own fate: a
 malformed item (a bad id, a broken draft distribution, a second item of the
 same session) is refused alone with an :class:`ItemResult` carrying an
-:class:`~specserve.errors.InvalidArgument` that says what to fix, and the other
+:class:`~specserve.api.errors.InvalidArgument` that says what to fix, and the other
 items are verified as if it were absent. Only a request that is wrong as a
 whole fails whole: no items (INVALID_ARGUMENT), more than ``max_batch_size``
 (RESOURCE_EXHAUSTED). Problems with a session's *state* (unknown, stale
@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.errors import InvalidArgument, ResourceExhausted, SpecServeError, ZeroDraftProbability
-from specserve.params import SessionBase, Verdict, check_top_logprobs
-from specserve.proposal import DraftProposal, draft_probs_from_pb
-from specserve.status import item_code
+from specserve.api.errors import InvalidArgument, ResourceExhausted, SpecServeError, ZeroDraftProbability
+from specserve.api.params import SessionBase, Verdict, check_top_logprobs
+from specserve.api.status import item_code
+from specserve.core.proposal import DraftProposal, draft_probs_from_pb
 from specserve.v1 import target_pb2
 
 #: Most target steps one gamma = 0 item may ask for in a call (``VerifyItem.decode_steps``): a call holds

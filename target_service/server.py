@@ -2,8 +2,8 @@
 
 :func:`build_target` wires the model, the session cache store, the Redis store
 (its own, unless one is passed in), the :class:`Verifier` and the servicer from
-one :class:`~specserve.config.TargetSettings`. The shell
-(:class:`~specserve.worker.WorkerApp`) serves it: :func:`start_target` binds the
+one :class:`~specserve.runtime.config.TargetSettings`. The shell
+(:class:`~specserve.runtime.worker_shell.WorkerApp`) serves it: :func:`start_target` binds the
 port, :func:`serve` runs until SIGTERM / SIGINT (the CLI's entry point); a
 stop also closes the Redis store the app owns.
 """
@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.config import TargetSettings
-from specserve.model_thread import ModelThread
-from specserve.models import LoadedModel
-from specserve.server import Registration, run_role
-from specserve.store import SessionStore
+from specserve.engine.model_thread import ModelThread
+from specserve.engine.models import LoadedModel
+from specserve.runtime.config import TargetSettings
+from specserve.runtime.server import Registration, run_role
+from specserve.runtime.store import SessionStore
+from specserve.runtime.worker_shell import WorkerApp, load_worker_model, session_caches
 from specserve.v1 import target_pb2, target_pb2_grpc
-from specserve.worker import WorkerApp, load_worker_model, session_caches
 from target_service.calibration import CURVE_MAX_POSITIONS
 from target_service.servicer import TargetServicer
 from target_service.verifier import Verifier

@@ -3,7 +3,7 @@
 No tensor maths here (docs/design.md, "Conventions": thin servicers):
 :class:`~target_service.messages.VerifyBatch` checks and converts a request, :class:`~target_service.verifier.Verifier` does
 the work, :class:`~target_service.messages.BatchResult` converts back. Domain
-errors propagate to :class:`specserve.server.ErrorInterceptor`, which maps them
+errors propagate to :class:`specserve.runtime.server.ErrorInterceptor`, which maps them
 to status codes.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import grpc
 
-from specserve import metrics
-from specserve.models import LoadedModel
+from specserve.engine.models import LoadedModel
+from specserve.runtime import metrics
 from specserve.v1 import target_pb2, target_pb2_grpc
 from target_service.messages import VerifyBatch
 from target_service.verifier import Verifier

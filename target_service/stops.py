@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.params import StopConditions
+from specserve.api.params import StopConditions
 from specserve.v1 import common_pb2
 
 #: Old completion tokens decoded before the new ones, beyond 4 per stop-string character.

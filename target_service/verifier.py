@@ -25,7 +25,7 @@ correction / bonus
 
 One call (:meth:`Verifier.verify`) for a :class:`~target_service.messages.VerifyBatch`:
 
-1. Load every session from Redis (:class:`~specserve.store.SessionStore`),
+1. Load every session from Redis (:class:`~specserve.runtime.store.SessionStore`),
    the source of truth: a session this replica never saw, evicted or lost is
    rebuilt from it alone (docs/design.md, invariant 5). Sessions that are unknown,
    finished, or not at the request's base version get a per-item error; a
@@ -34,7 +34,7 @@ One call (:meth:`Verifier.verify`) for a :class:`~target_service.messages.Verify
 2. Bring each session's cache to ``C[:-1]`` (keep the longest common prefix,
    crop the rest; ``C[-1]`` is the *pending token*), then feed every
    session's missing committed tokens, pending token and proposal in **one**
-   padded forward pass (:mod:`specserve.batching`). A session missing
+   padded forward pass (:mod:`specserve.engine.batching`). A session missing
    more than ``inline_catchup_max`` committed tokens (a cold start, a long
    prompt) beside other sessions is prefilled first by its own pass
    (``SessionCache.reconcile``), so one long prompt does not pad every row. A
@@ -42,19 +42,19 @@ One call (:meth:`Verifier.verify`) for a :class:`~target_service.messages.Verify
    it misses (a prompt and its first proposal together, as target-only
    decoding's prefill; the output head on the proposal's positions only).
 3. Process the logits at every position exactly as target-only decoding would
-   (:func:`specserve.sampling.logits_to_probs`) and decide with
-   :func:`specserve.verification.verify_batch` (sampled sessions, randomness
-   keyed by session seed and position), :func:`~specserve.verification.verify_coupled`
+   (:func:`specserve.core.sampling.logits_to_probs`) and decide with
+   :func:`specserve.core.verification.verify_batch` (sampled sessions, randomness
+   keyed by session seed and position), :func:`~specserve.core.verification.verify_coupled`
    (sampled sessions in the coupled mode: Gumbel-max with noise keyed by seed
    and position, drawn on the model's device) or
-   :func:`~specserve.verification.verify_greedy`.
+   :func:`~specserve.core.verification.verify_greedy`.
 4. Cut the new tokens at the first stop condition (:mod:`target_service.stops`)
    and commit through one compare-and-set on ``v`` per session. The verdict's
    ``accepted_count`` counts the draft tokens actually committed (a stop may
    cut accepted ones) and ``bonus`` holds only when the bonus token itself was
    committed. An item that asks for log probabilities gets, per committed
    token, its log probability under ``p_i`` and the most likely alternatives
-   (:func:`specserve.sampling.processed_logprobs`: the same processing; for
+   (:func:`specserve.core.sampling.processed_logprobs`: the same processing; for
    a greedy session the repetition penalty and a softmax at temperature 1;
    in the coupled mode, ``log p_i`` as in the optimal one, since the token is
    an exact sample of ``p_i``). They are part of the committed verdict, so a
@@ -69,7 +69,7 @@ brought to ``C``, whose processed logits are not finite (NaN / inf: no
 distribution), or whose proposal contradicts its own ``q`` gets an error for
 itself alone, nothing is committed for it, and the other items are verified
 as if it were absent: a row's outcome depends only on its own logits, seed and
-position, so when :func:`~specserve.verification.verify_batch` refuses a batch
+position, so when :func:`~specserve.core.verification.verify_batch` refuses a batch
 each row is verified alone and only the bad rows fail.
 
 The context: a session's log never holds more than the model's
@@ -102,7 +102,7 @@ steps; the ones before it are committed.
 
 Every model call and every cache mutation (reconcile, the verify pass, settling
 or rolling back each cache after the commit, eviction, release) runs on the
-verifier's :class:`~specserve.model_thread.ModelThread`, one batch at a time
+verifier's :class:`~specserve.engine.model_thread.ModelThread`, one batch at a time
 (an ``asyncio.Lock`` spans the batch, its Redis reads and commits included). A
 batch once started runs to the end even if the caller cancels (a retry then
 replays it), so caches never see a half-done round.
@@ -120,8 +120,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from specserve import batching, metrics
-from specserve.errors import (
+from specserve.api.errors import (
     Aborted,
     FailedPrecondition,
     InvalidArgument,
@@ -130,15 +129,17 @@ from specserve.errors import (
     SpecServeError,
     VersionConflict,
 )
-from specserve.kvcache import SessionCache, SessionCacheStore, common_prefix_len
-from specserve.model_thread import ModelThread
-from specserve.models import LoadedModel
-from specserve.params import PositionLogprobs, Verdict
-from specserve.proposal import DraftProposal
-from specserve.sampling import greedy_tokens, logits_to_probs, pick_logprobs, processed_logprobs
-from specserve.store import SessionRecord, SessionSettings, SessionStore
+from specserve.api.params import PositionLogprobs, Verdict
+from specserve.core.proposal import DraftProposal
+from specserve.core.sampling import greedy_tokens, logits_to_probs, pick_logprobs, processed_logprobs
+from specserve.core.verification import VerifyOutcome, verify_batch, verify_coupled, verify_greedy
+from specserve.engine import batching
+from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len
+from specserve.engine.model_thread import ModelThread
+from specserve.engine.models import LoadedModel
+from specserve.runtime import metrics
+from specserve.runtime.store import SessionRecord, SessionSettings, SessionStore
 from specserve.v1 import common_pb2
-from specserve.verification import VerifyOutcome, verify_batch, verify_coupled, verify_greedy
 from target_service.calibration import measure_verify_curve
 from target_service.messages import BatchResult, ItemResult, VerifyBatch, VerifyItem
 from target_service.stops import cut_at_stop

@@ -1,6 +1,6 @@
 """Shared fixtures. ``tests/`` is put on ``sys.path`` so test modules can
 ``import tiny_models`` and ``import system_fixtures``; the private Redis is
-:class:`specserve.redis_server.RedisServer`."""
+:class:`specserve.launch.redis_server.RedisServer`."""
 
 import os
 import sys
@@ -21,7 +21,7 @@ except ImportError:  # the SDK-only environment
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from specserve.redis_server import RedisServer
+from specserve.launch.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +40,7 @@ def redis_url(redis_server) -> str:
 @pytest.fixture
 async def store(redis_url):
     """A SessionStore on the shared test Redis (session ids in tests must be unique)."""
-    from specserve.store import SessionStore
+    from specserve.runtime.store import SessionStore
 
     s = SessionStore.from_url(redis_url, ttl_s=600)
     yield s

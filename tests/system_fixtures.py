@@ -132,7 +132,7 @@ def reference_coupled(
     A plain decoding loop over the model with a ``DynamicCache``: the next-token logits
     processed by HF's own processors (repetition penalty, temperature, top-k, top-p, in
     ``generate()``'s order), turned into ``log p`` in float64, plus
-    ``specserve.rng.gumbel_noise(seed, j)`` of the position ``j`` being decided; the argmax is
+    ``specserve.core.rng.gumbel_noise(seed, j)`` of the position ``j`` being decided; the argmax is
     the token. EOS is an ordinary token (``ignore_eos``).
     """
     import torch
@@ -145,7 +145,7 @@ def reference_coupled(
         TopPLogitsWarper,
     )
 
-    from specserve.rng import gumbel_noise
+    from specserve.core.rng import gumbel_noise
 
     processors = LogitsProcessorList()
     if repetition_penalty != 1.0:
@@ -236,8 +236,8 @@ def check_logprobs(entries: Sequence[Any], completion: Sequence[int], reference:
 
 @contextlib.asynccontextmanager
 async def local_stack(pair: TinyPair, redis_url: str, **kwargs: Any) -> AsyncIterator[Any]:
-    """A :class:`specserve.local.LocalStack` on loopback, float32 on CPU, stopped on exit."""
-    from specserve.local import start_local_stack
+    """A :class:`specserve.launch.local.LocalStack` on loopback, float32 on CPU, stopped on exit."""
+    from specserve.launch.local import start_local_stack
 
     kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("device", "cpu")
@@ -245,7 +245,7 @@ async def local_stack(pair: TinyPair, redis_url: str, **kwargs: Any) -> AsyncIte
     # The target on PyTorch's stock kernels, as the references here (load_reference) are: its default,
     # "fastest", times both paths as it loads, and for a tiny model that choice is the machine's noise,
     # which would change the stacks' costs (and so the adaptive policy's choices) from run to run.
-    # tests/specserve/test_cpu_kernels.py covers "fastest".
+    # tests/specserve/engine/test_cpu_kernels.py covers "fastest".
     target = {**overrides, "kernels": "stock", **kwargs.pop("target_overrides", {})}
     stack = await start_local_stack(
         target_model=pair.target_dir,
@@ -375,10 +375,10 @@ def exact_joint(
     model_dir: Path, prompt: Sequence[int], params: Any, length: int
 ) -> dict[tuple[int, ...], float]:
     """P(first ``length`` generated tokens) under target-only sampling with ``params``
-    (``specserve.sampling.logits_to_probs``: the same processing), by enumeration; EOS is an ordinary token."""
+    (``specserve.core.sampling.logits_to_probs``: the same processing), by enumeration; EOS is an ordinary token."""
     import torch
 
-    from specserve.sampling import logits_to_probs
+    from specserve.core.sampling import logits_to_probs
 
     model = load_reference(model_dir)
     joint: dict[tuple[int, ...], float] = {(): 1.0}

@@ -2,8 +2,8 @@
 
 * The import graph of the packages has no cycle (imports inside functions count;
   ``if TYPE_CHECKING:`` blocks do not, they never run).
-* No module under ``specserve/`` imports a role package or ``bench``, except the
-  launcher (``specserve/cli.py``, ``specserve/local.py``); no role imports another.
+* No module under ``specserve/`` imports a role package, except the launcher
+  (``specserve/launch/``) and the benchmark (``specserve/bench/``); no role imports another.
 * ``coordinator/rounds.py`` uses no attribute of the pool but its public methods.
 * ``Coordinator.generate`` and ``verify_batch`` stay under 50 lines.
 * ``docs/internals.md`` names only files that exist, and walks one round through them.
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("specserve", "coordinator", "draft_service", "target_service", "bench")
+PACKAGES = ("specserve", "coordinator", "draft_service", "target_service")
 ROLES = ("coordinator", "draft_service", "target_service")
-LAUNCHER = frozenset({"specserve.cli", "specserve.local"})
+ABOVE_ROLES = ("specserve.launch", "specserve.bench")
 
 
 def _modules() -> dict[str, Path]:
@@ -92,11 +92,11 @@ def _package(module: str) -> str:
 def test_the_graph_is_read_from_real_imports():
     """Guards the tests below: known edges are found (so an empty graph cannot pass them)."""
     assert "coordinator.pool" in GRAPH["coordinator.rounds"]
-    assert "specserve.status" in GRAPH["specserve.client"]
-    assert "bench.harness" in GRAPH["specserve.cli"]  # a lazy import inside a function
-    assert "specserve" not in GRAPH["specserve.client"]  # "from specserve import errors" is specserve.errors
+    assert "specserve.api.status" in GRAPH["specserve.client._client"]
+    assert "specserve.bench.harness" in GRAPH["specserve.launch.cli"]  # a lazy import inside a function
+    assert "specserve.api" not in GRAPH["specserve.client._client"]  # "from specserve.api import errors" is specserve.api.errors
     hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import coordinator.pool\n")
-    assert "coordinator.pool" not in _imported_names(hidden, "specserve.cli")
+    assert "coordinator.pool" not in _imported_names(hidden, "specserve.launch.cli")
     assert len(GRAPH) > 60
 
 
@@ -124,12 +124,11 @@ def test_the_import_graph_has_no_cycle():
             assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_only_the_launcher_in_specserve_imports_a_role_or_bench():
-    above = {*ROLES, "bench"}
+def test_only_the_launcher_and_the_benchmark_import_a_role():
     offenders = {
-        module: sorted(m for m in GRAPH[module] if _package(m) in above)
+        module: sorted(m for m in GRAPH[module] if _package(m) in ROLES)
         for module in GRAPH
-        if _package(module) == "specserve" and module not in LAUNCHER
+        if _package(module) == "specserve" and not module.startswith(ABOVE_ROLES)
     }
     assert {m: found for m, found in offenders.items() if found} == {}
 
@@ -171,7 +170,7 @@ def test_the_round_loop_uses_only_the_pools_public_methods():
 
 @pytest.mark.parametrize(
     ("path", "qualname"),
-    [("coordinator/generation.py", "Coordinator.generate"), ("specserve/verification.py", "verify_batch")],
+    [("coordinator/coordinator.py", "Coordinator.generate"), ("specserve/core/verification.py", "verify_batch")],
 )
 def test_key_functions_stay_under_50_lines(path, qualname):
     tree = ast.parse((ROOT / path).read_text())
@@ -206,19 +205,19 @@ def test_internals_walks_one_round_through_the_files_in_order():
     section = INTERNALS.split("## One round, file by file", 1)[1].split("\n## ", 1)[0]
     walked = [n for n in FILE_NAME.findall(section) if "/" in n]
     order = [
-        "specserve/client.py",
+        "specserve/client/_client.py",
         "coordinator/servicer.py",
-        "coordinator/generation.py",
+        "coordinator/coordinator.py",
         "coordinator/rounds.py",
         "coordinator/pool.py",
         "draft_service/servicer.py",
         "draft_service/engine.py",
         "draft_service/proposers.py",
-        "specserve/proposal.py",
+        "specserve/core/proposal.py",
         "coordinator/batcher.py",
         "target_service/servicer.py",
         "target_service/verifier.py",
-        "specserve/verification.py",
+        "specserve/core/verification.py",
         "coordinator/detokenize.py",
     ]
     firsts = [walked.index(n) for n in order]  # each is named (ValueError otherwise) ...

@@ -7,7 +7,7 @@ from the cache, ``$SPECSERVE_MODEL_CACHE``), the distilled draft from
 the ``[serve]`` extra's wheel. Greedy chat answers to two short prompts must
 equal Hugging Face ``generate()`` of the converted target, token for token:
 the workers run their default kernel path (PyTorch's stock kernels; the
-packed oneDNN path of ``specserve/cpu_kernels.py`` is opt-in), as HF ``generate()`` does.
+packed oneDNN path of ``specserve/engine/cpu_kernels.py`` is opt-in), as HF ``generate()`` does.
 """
 
 from __future__ import annotations
@@ -44,20 +44,20 @@ def _hf_greedy(target_dir: str, messages: list[dict[str, str]]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def target_dir() -> str:
-    from specserve.model_registry import DEFAULT_TARGET, ensure_model
+    from specserve.engine.model_registry import DEFAULT_TARGET, ensure_model
 
     return str(ensure_model(DEFAULT_TARGET, progress=False))  # fetched and converted on first use
 
 
 async def test_default_pair_greedy_chat_equals_hf_generate_with_no_redis_on_path(target_dir, tmp_path):
     from specserve import AsyncClient
-    from specserve.redis_server import free_port
+    from specserve.launch.redis_server import free_port
 
     bare = tmp_path / "bin"  # PATH holds nothing: no redis-server, no valkey-server
     bare.mkdir()
     env = {**os.environ, "PATH": str(bare)}
     port = free_port()
-    code = "import sys\nfrom specserve.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    code = "import sys\nfrom specserve.launch.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", code, "up", "--port", str(port), "--http-port", "off",
         cwd=tmp_path, env=env, stdout=PIPE, stderr=PIPE,

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.demo_pair import speculative_greedy
+from specserve.bench.demo_pair import speculative_greedy
 
 MODELS = Path(os.environ.get("SPECSERVE_DEMO_MODELS_DIR", Path(__file__).resolve().parents[1] / "models"))
 TARGET = MODELS / "specserve-demo-target"

@@ -10,7 +10,7 @@ import pytest
 import system_fixtures as sf
 from transformers import AutoTokenizer
 
-from bench.prompts import code_prompts, heldout_files
+from specserve.bench.prompts import code_prompts, heldout_files
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = sf.TinyPair(ROOT / "models" / "specserve-demo-target", ROOT / "models" / "specserve-demo-draft")

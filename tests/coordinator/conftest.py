@@ -4,7 +4,7 @@ import pytest
 import pytest_asyncio
 import system_fixtures as sf
 
-from specserve.store import SessionStore
+from specserve.runtime.store import SessionStore
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

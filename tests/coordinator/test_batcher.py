@@ -11,10 +11,10 @@ import pytest_asyncio
 import system_fixtures as sf
 
 from coordinator.batcher import VerifyBatcher
-from coordinator.workers import TargetClient
-from specserve import errors
-from specserve.config import CoordinatorSettings
-from specserve.params import SamplingParams, SessionBase, StopConditions
+from coordinator.worker_clients import TargetClient
+from specserve.api import errors
+from specserve.api.params import SamplingParams, SessionBase, StopConditions
+from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import common_pb2, target_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -100,7 +100,7 @@ PROMPT = (5, 6, 7, 8, 9, 10)
 
 
 def _propose_item(sid: str, *, start: int = 0, gamma: int = 3):
-    from coordinator.workers import propose_request
+    from coordinator.worker_clients import propose_request
 
     return propose_request(
         SessionBase(sid, len(PROMPT), 0),
@@ -121,7 +121,7 @@ async def draft_stack(pair, redis_server):
 
 async def test_propose_items_of_many_sessions_share_calls_and_get_their_own_results(draft_stack):
     from coordinator.batcher import ProposeBatcher
-    from coordinator.workers import DraftClient
+    from coordinator.worker_clients import DraftClient
 
     client = DraftClient(f"127.0.0.1:{draft_stack.draft_port}", SETTINGS)
     batcher = ProposeBatcher(client, max_batch_size=4, max_wait_s=0.05, expected=lambda: 10)
@@ -146,7 +146,7 @@ async def test_propose_items_of_many_sessions_share_calls_and_get_their_own_resu
 
 async def test_a_failed_propose_call_fails_every_item_of_its_batch():
     from coordinator.batcher import ProposeBatcher
-    from coordinator.workers import DraftClient
+    from coordinator.worker_clients import DraftClient
 
     client = DraftClient("127.0.0.1:1", SETTINGS)  # nothing listens there
     batcher = ProposeBatcher(client, max_batch_size=8, max_wait_s=0.01, expected=lambda: 3)

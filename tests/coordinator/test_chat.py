@@ -7,8 +7,8 @@ import tiny_models
 
 from coordinator.chat import ChatMessage, chat_prompt_ids
 from coordinator.requests import GenerationRequest
-from specserve.config import CoordinatorSettings
-from specserve.errors import FailedPrecondition, InvalidArgument
+from specserve.api.errors import FailedPrecondition, InvalidArgument
+from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import coordinator_pb2
 
 CONVERSATION = (

@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY
 
 from coordinator.server import start_coordinator
 from specserve import AsyncClient
-from specserve.config import CoordinatorSettings
+from specserve.runtime.config import CoordinatorSettings
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -537,7 +537,7 @@ async def test_stopping_drains_open_streams_and_refuses_new_requests(stack, pair
 
 
 async def test_no_reachable_target_is_503(stack, pair):
-    from specserve.redis_server import free_port
+    from specserve.launch.redis_server import free_port
 
     dead = f"127.0.0.1:{free_port()}"
     async with extra_coordinator(stack, pair.tokenizer, target_endpoints=[dead], draft_endpoints=[]) as app:
@@ -576,7 +576,7 @@ async def test_the_http_api_serves_the_coordinators_tls(stack, pair, tmp_path):
 @pytest.mark.asyncio(loop_scope="module")
 async def test_every_domain_error_has_an_http_status_and_an_openai_type():
     from coordinator.http_api import ERROR_TYPES, HTTP_STATUS, http_status
-    from specserve import errors
+    from specserve.api import errors
 
     for cls in errors.all_error_classes():
         assert cls.grpc_code_name in HTTP_STATUS, cls

@@ -32,9 +32,9 @@ from coordinator.pool import Proposed, Verified
 from coordinator.requests import SpeculationSettings
 from coordinator.rounds import RoundLoop
 from coordinator.session import Session
-from coordinator.workers import ItemReply
+from coordinator.worker_clients import ItemReply
 from specserve import AsyncClient
-from specserve.params import SamplingParams, StopConditions, Verdict
+from specserve.api.params import SamplingParams, StopConditions, Verdict
 from specserve.v1 import common_pb2
 
 STEP_NS = 20_000_000  # a target step

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from coordinator.local_proposers import NgramProposer, PredictionProposer
-from specserve.lookup import ngram_lookup
+from specserve.core.ngram import ngram_lookup
 
 PREDICTION = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 

@@ -16,7 +16,7 @@ import pytest
 import system_fixtures as sf
 
 from coordinator.requests import _speculation_from_pb
-from specserve.errors import InvalidArgument
+from specserve.api.errors import InvalidArgument
 from specserve.v1 import common_pb2, coordinator_pb2
 
 MODEL, NGRAM = common_pb2.PROPOSER_KIND_MODEL, common_pb2.PROPOSER_KIND_NGRAM

@@ -10,7 +10,7 @@ from coordinator.openai_protocol import (
     CompletionRequest,
     parse_body,
 )
-from specserve.errors import InvalidArgument
+from specserve.api.errors import InvalidArgument
 from specserve.v1 import common_pb2
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]

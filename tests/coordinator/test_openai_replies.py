@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.generation import Chunk, Finished
+from coordinator.coordinator import Chunk, Finished
 from coordinator.openai_replies import (
     ReplyBuilder,
     StopTrimmer,
@@ -14,7 +14,7 @@ from coordinator.openai_replies import (
     speculation_report,
     usage,
 )
-from specserve.params import PositionLogprobs, TokenLogprob
+from specserve.api.params import PositionLogprobs, TokenLogprob
 from specserve.v1 import common_pb2, coordinator_pb2
 
 STOP_STRING = common_pb2.FINISH_REASON_STOP_STRING

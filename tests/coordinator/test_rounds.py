@@ -13,7 +13,7 @@ import asyncio
 import pytest
 import system_fixtures as sf
 
-from specserve.store import SessionStore
+from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

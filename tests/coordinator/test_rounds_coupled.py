@@ -30,7 +30,7 @@ import pytest_asyncio
 import system_fixtures as sf
 from prometheus_client import REGISTRY
 
-from specserve.store import SessionStore
+from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2, coordinator_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -8,7 +8,7 @@ first or second position, and take bonus tokens), each generating 3 tokens
 through the real coordinator, draft and target servers and Redis. The
 empirical joint distribution of the 3 tokens is compared with the target's
 exact joint, computed by enumerating all 4^3 continuations with the target
-model and ``specserve.sampling.logits_to_probs`` (the same processing).
+model and ``specserve.core.sampling.logits_to_probs`` (the same processing).
 
 Test: Pearson chi-square goodness of fit, cells with expected count < 5 merged
 (smallest first) into one cell, significance level 0.001. A sample outside the
@@ -42,11 +42,11 @@ from prometheus_client import REGISTRY
 from scipy.stats import chisquare
 
 import target_service.verifier
-from specserve.params import SamplingParams
-from specserve.rng import gumbel_noise
-from specserve.sampling import gumbel_argmax
+from specserve.api.params import SamplingParams
+from specserve.core.rng import gumbel_noise
+from specserve.core.sampling import gumbel_argmax
+from specserve.core.verification import VerifyOutcome
 from specserve.v1 import common_pb2
-from specserve.verification import VerifyOutcome
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

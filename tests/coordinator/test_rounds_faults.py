@@ -19,7 +19,7 @@ import grpc
 import pytest
 import system_fixtures as sf
 
-from specserve.config import CoordinatorSettings
+from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import coordinator_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -163,7 +163,7 @@ async def test_slow_draft_hits_its_deadline_and_the_round_runs_at_gamma_zero(
     from tcp_proxy import DelayProxy
 
     from coordinator.server import start_coordinator
-    from specserve.config import CoordinatorSettings
+    from specserve.runtime.config import CoordinatorSettings
 
     async with sf.local_stack(pair, redis_server.url) as stack:
         proxy = await DelayProxy("127.0.0.1", stack.draft_port, delay_s=0.0).start()

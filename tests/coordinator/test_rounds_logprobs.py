@@ -11,7 +11,7 @@ import pytest_asyncio
 import system_fixtures as sf
 
 from specserve import AsyncClient
-from specserve.errors import InvalidArgument
+from specserve.api.errors import InvalidArgument
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -10,7 +10,7 @@ import pytest
 import system_fixtures as sf
 
 from specserve import AsyncClient
-from specserve.errors import InvalidArgument
+from specserve.api.errors import InvalidArgument
 from specserve.v1 import common_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -6,8 +6,8 @@ import pytest
 
 from coordinator.requests import SpeculationSettings
 from coordinator.session import Session, SessionStats, SessionStatus
-from specserve.errors import FailedPrecondition
-from specserve.params import SamplingParams, StopConditions, Verdict
+from specserve.api.errors import FailedPrecondition
+from specserve.api.params import SamplingParams, StopConditions, Verdict
 from specserve.v1 import common_pb2
 
 PROMPT = (1, 2, 3)

@@ -298,7 +298,7 @@ def test_runtime_image_builds_and_runs_as_non_root():
             "sh",
             tag,
             "-c",
-            "id -u && python -c 'import specserve.config, torch; print(torch.__version__)' && test ! -e /models && ! command -v gcc",
+            "id -u && python -c 'import specserve.runtime.config, torch; print(torch.__version__)' && test ! -e /models && ! command -v gcc",
         ],
         capture_output=True,
         text=True,

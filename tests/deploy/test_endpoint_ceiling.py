@@ -21,7 +21,7 @@ import pytest_asyncio
 import system_fixtures as sf
 from pydantic import SecretStr
 
-from specserve.config import CoordinatorSettings, DraftSettings, TargetSettings
+from specserve.runtime.config import CoordinatorSettings, DraftSettings, TargetSettings
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -198,7 +198,7 @@ def test_keda_check_can_fail(rendered):
 def test_queries_name_gauges_that_specserve_exports():
     from prometheus_client import REGISTRY
 
-    import specserve.metrics  # noqa: F401  (registers every metric)
+    import specserve.runtime.metrics  # noqa: F401  (registers every metric)
 
     gauges = {m.name for m in REGISTRY.collect() if m.type == "gauge"}
     text = (DEPLOY / "components" / "keda" / "scaledobjects" / "scaledobjects.yaml").read_text()

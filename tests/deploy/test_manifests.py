@@ -52,7 +52,7 @@ from deploy_helpers import (
     workloads,
 )
 
-from specserve.config import CoordinatorSettings, DraftSettings, TargetSettings
+from specserve.runtime.config import CoordinatorSettings, DraftSettings, TargetSettings
 
 SETTINGS = {"coordinator": CoordinatorSettings, "draft": DraftSettings, "target": TargetSettings}
 CPU_HPA_VARIANTS = {"cpu-demo", "gpu+cpu-hpa"}
@@ -312,7 +312,7 @@ def test_redis_has_probes_and_the_tiers_have_pdbs(rendered, variant):
 
 
 def grace_problems(docs: list[dict]) -> list[str]:
-    """terminationGracePeriodSeconds covers preStop + drain + stop (specserve.server: 2 x shutdown grace)."""
+    """terminationGracePeriodSeconds covers preStop + drain + stop (specserve.runtime.server: 2 x shutdown grace)."""
     problems = []
     for c in (c for c in containers(docs) if is_specserve_server(c)):
         sleep = c.spec.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds")
@@ -587,7 +587,7 @@ def env_problems(docs: list[dict]) -> list[str]:
 
 @ALL
 def test_environment_variables_are_settings_fields_of_the_role(rendered, variant):
-    """Every variable set on a server is a field of that role's settings class (specserve/config.py)."""
+    """Every variable set on a server is a field of that role's settings class (specserve/runtime/config.py)."""
     assert env_problems(rendered[variant]) == []
 
 
@@ -637,7 +637,7 @@ def test_thread_check_can_fail(rendered):
 
 def test_container_arguments_parse_with_the_cli(rendered):
     """The image's entry point is `specserve`; each server's args are a valid `specserve serve ROLE`."""
-    from specserve.cli import ROLES, build_parser, cmd_serve
+    from specserve.launch.cli import ROLES, build_parser, cmd_serve
 
     for docs in rendered.values():
         for c in (c for c in containers(docs) if is_specserve_server(c)):

@@ -7,7 +7,7 @@ import tiny_models
 from draft_helpers import draft_settings
 
 from draft_service.server import start_draft
-from specserve.models import load_model
+from specserve.engine.models import load_model
 
 
 @pytest.fixture(scope="session", params=["llama", "gpt2"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specserve.config import DraftSettings
+from specserve.runtime.config import DraftSettings
 
 #: The max_gamma of every test draft server.
 MAX_GAMMA = 8

@@ -16,8 +16,8 @@ from prometheus_client import REGISTRY
 
 from draft_service.messages import ProposeCall
 from draft_service.server import build_draft
-from specserve.errors import FailedPrecondition, Unavailable
-from specserve.params import SamplingParams, SessionBase
+from specserve.api.errors import FailedPrecondition, Unavailable
+from specserve.api.params import SamplingParams, SessionBase
 from specserve.v1 import common_pb2
 
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 11, 64, 120)

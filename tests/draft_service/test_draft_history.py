@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from draft_service.history import CommittedHistory
-from specserve.errors import FailedPrecondition, NotFound
+from specserve.api.errors import FailedPrecondition, NotFound
 
 
 class FakeClock:

@@ -10,10 +10,10 @@ from draft_helpers import MAX_GAMMA, draft_settings
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.server import start_draft
-from specserve.params import SamplingParams, SessionBase
-from specserve.proposal import draft_probs_from_pb
-from specserve.rng import Purpose, uniform
-from specserve.sampling import logits_to_probs, sample_from
+from specserve.api.params import SamplingParams, SessionBase
+from specserve.core.proposal import draft_probs_from_pb
+from specserve.core.rng import Purpose, uniform
+from specserve.core.sampling import logits_to_probs, sample_from
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 11, 64, 120]

@@ -15,13 +15,13 @@ from draft_service.proposers import (
     NgramProposer,
     draft_distribution,
 )
-from specserve import cpu_kernels, row_invariant
-from specserve.errors import InvalidArgument
-from specserve.kvcache import SessionCacheStore
-from specserve.params import SamplingParams
-from specserve.proposal import draft_probs_to_pb
-from specserve.rng import Purpose, gumbel_noise, uniform
-from specserve.sampling import check_distribution, logits_to_probs, processed_logprobs, sample_from
+from specserve.api.errors import InvalidArgument
+from specserve.api.params import SamplingParams
+from specserve.core.proposal import draft_probs_to_pb
+from specserve.core.rng import Purpose, gumbel_noise, uniform
+from specserve.core.sampling import check_distribution, logits_to_probs, processed_logprobs, sample_from
+from specserve.engine import cpu_kernels, row_invariant
+from specserve.engine.kvcache import SessionCacheStore
 
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 11, 64, 120)
 

@@ -2,7 +2,7 @@
 
 A local stack (coordinator, draft, target in this process, as ``specserve up``
 runs them) and one ``/metrics`` endpoint for the process
-(:func:`specserve.server.start_metrics_server`). Each test scrapes before and
+(:func:`specserve.runtime.server.start_metrics_server`). Each test scrapes before and
 after, and compares the increments with the request's own statistics or the
 workers' own replies, so other tests sharing the process registry do not matter
 (tests in one process run one at a time).
@@ -19,9 +19,9 @@ import pytest_asyncio
 import system_fixtures as sf
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.workers import propose_request
-from specserve.params import SamplingParams, SessionBase, StopConditions
-from specserve.server import start_metrics_server
+from coordinator.worker_clients import propose_request
+from specserve.api.params import SamplingParams, SessionBase, StopConditions
+from specserve.runtime.server import start_metrics_server
 from specserve.v1 import common_pb2, target_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

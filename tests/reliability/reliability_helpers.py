@@ -1,8 +1,8 @@
 """Helpers for the reliability tests: roles as real subprocesses, an event loop in a thread,
 streaming a Generate call while watching its progress, and the nothing-lost checks.
 
-* :func:`start_role` runs ``python -m specserve.cli serve ROLE --FLAG VALUE ...`` on a free
-  127.0.0.1 port; :class:`RoleLauncher` runs the same ``specserve.cli.main(["serve", ...])``
+* :func:`start_role` runs ``python -m specserve.launch.cli serve ROLE --FLAG VALUE ...`` on a free
+  127.0.0.1 port; :class:`RoleLauncher` runs the same ``specserve.launch.cli.main(["serve", ...])``
   in processes forked from one pre-imported launcher (start-up in seconds instead of a
   torch import per role); :meth:`RoleProcess.kill` is ``kill -9``;
   :func:`wait_serving` polls the standard gRPC health service until every role answers
@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specserve.redis_server import free_port
+from specserve.launch.redis_server import free_port
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 T = TypeVar("T")
@@ -132,10 +132,10 @@ def _child_env() -> dict[str, str]:
 
 
 def start_role(role: str, flags: Mapping[str, Any], *, log_dir: Path) -> RoleProcess:
-    """Start ``python -m specserve.cli serve ROLE`` on a free loopback port with ``flags``
+    """Start ``python -m specserve.launch.cli serve ROLE`` on a free loopback port with ``flags``
     (``{"redis_url": ..., "model": ...}``)."""
     port = free_port()
-    args = [sys.executable, "-m", "specserve.cli", *serve_argv(role, port, flags)]
+    args = [sys.executable, "-m", "specserve.launch.cli", *serve_argv(role, port, flags)]
     log_path = log_dir / f"{role}-{port}.log"
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
@@ -146,13 +146,13 @@ def start_role(role: str, flags: Mapping[str, Any], *, log_dir: Path) -> RolePro
 
 def fork_roles() -> bool:
     """Whether role processes are forked from a :class:`RoleLauncher` (default) or each started
-    as ``python -m specserve.cli serve`` (``SPECSERVE_TEST_FORK_ROLES=0``)."""
+    as ``python -m specserve.launch.cli serve`` (``SPECSERVE_TEST_FORK_ROLES=0``)."""
     return os.environ.get("SPECSERVE_TEST_FORK_ROLES", "1") != "0"
 
 
 class RoleLauncher:
     """Starts roles as forks of one pre-imported process (``role_zygote.py``), each running
-    ``specserve.cli.main(["serve", ROLE, ...])``: the same CLI path as :func:`start_role`,
+    ``specserve.launch.cli.main(["serve", ROLE, ...])``: the same CLI path as :func:`start_role`,
     without paying the torch/transformers import once per role. Close it to end the launcher."""
 
     def __init__(self, log_dir: Path) -> None:

@@ -4,7 +4,7 @@ On a small, busy machine most of a role's start-up is importing torch and
 transformers (tens of seconds each). This script pays that once: it imports
 everything a role needs, prints ``ready``, then for each JSON line on stdin
 (``{"argv": ["serve", "target", "--port", ...], "log": "/path/to/log"}``)
-forks a child that runs :func:`specserve.cli.main` with ``argv`` exactly as the
+forks a child that runs :func:`specserve.launch.cli.main` with ``argv`` exactly as the
 ``specserve`` command would, with stdout and stderr going to ``log``, and prints
 the child's pid. Each child is a real, separate process (its own gRPC server,
 model and Redis connections) that a test can ``kill -9``. Children are reaped
@@ -28,7 +28,7 @@ def main() -> None:
 
     import coordinator.server  # noqa: F401
     import draft_service.server  # noqa: F401
-    import specserve.cli
+    import specserve.launch.cli
     import target_service.server  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
@@ -44,7 +44,7 @@ def main() -> None:
                 os.dup2(log, 1)
                 os.dup2(log, 2)
                 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-                code = specserve.cli.main(request["argv"])
+                code = specserve.launch.cli.main(request["argv"])
             except BaseException:
                 traceback.print_exc()
             finally:

@@ -38,10 +38,10 @@ from pydantic import SecretStr
 from reliability_helpers import Stream, assert_stream_is_log, wait_until
 from tcp_proxy import DelayProxy
 
-from specserve import metrics
-from specserve.config import CoordinatorSettings, DraftSettings, TargetSettings
-from specserve.redis_server import RedisServer
-from specserve.store import SessionStore, unpack_tokens
+from specserve.launch.redis_server import RedisServer
+from specserve.runtime import metrics
+from specserve.runtime.config import CoordinatorSettings, DraftSettings, TargetSettings
+from specserve.runtime.store import SessionStore, unpack_tokens
 from specserve.v1 import target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from reliability_helpers import CLEAN_CODES, LoopThread, Stream
 
-from specserve.params import SamplingParams, StopConditions
+from specserve.api.params import SamplingParams, StopConditions
 from specserve.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -307,8 +307,8 @@ def pair(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fuzz_stack(pair, redis_server):
     """(loop thread, LocalStack, SessionStore) for the whole module."""
-    from specserve.local import start_local_stack
-    from specserve.store import SessionStore
+    from specserve.launch.local import start_local_stack
+    from specserve.runtime.store import SessionStore
 
     loop = LoopThread()
     no_warmup = {"warmup": False}

@@ -83,7 +83,7 @@ async def clean_stack(clean, redis_server):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def store(redis_server):
-    from specserve.store import SessionStore
+    from specserve.runtime.store import SessionStore
 
     s = SessionStore.from_url(redis_server.url)
     yield s

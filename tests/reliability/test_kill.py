@@ -1,7 +1,7 @@
 """``kill -9`` of worker processes mid-generation (each worker is its own ``specserve serve`` process).
 
 Two target processes and one draft process run ``specserve serve ROLE``
-(``specserve.cli.main``) on free loopback ports, forked from one launcher that
+(``specserve.launch.cli.main``) on free loopback ports, forked from one launcher that
 imported the stack once (``role_zygote.py``: start-up in seconds, not a torch
 import per process) (tiny float32
 Llama pair, the session's real Redis); the coordinator runs in the test process
@@ -46,8 +46,8 @@ from reliability_helpers import (
     worker_flags,
 )
 
-from specserve.config import CoordinatorSettings
-from specserve.store import SessionStore
+from specserve.runtime.config import CoordinatorSettings
+from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -71,7 +71,7 @@ def prompts(pair):
 def workers(request, pair, redis_server, tmp_path_factory):
     """{"targets": [RoleProcess, RoleProcess], "draft": RoleProcess}: ``specserve serve`` processes,
     forked from the pre-imported launcher (``role_launcher``), or with
-    ``SPECSERVE_TEST_FORK_ROLES=0`` started as ``python -m specserve.cli serve ...`` each."""
+    ``SPECSERVE_TEST_FORK_ROLES=0`` started as ``python -m specserve.launch.cli serve ...`` each."""
     if fork_roles():
         launcher = request.getfixturevalue("role_launcher")
         start = launcher.start
@@ -226,7 +226,7 @@ async def test_kill_9_of_the_coordinator_ends_its_streams_with_unavailable_and_l
     Unavailable for a stream that had tokens (it never resends one, see test_client.py)."""
     import redis.asyncio as aioredis
 
-    from specserve import errors
+    from specserve.api import errors
     from specserve.client import AsyncClient
 
     start = request.getfixturevalue("role_launcher").start if fork_roles() else None

@@ -30,7 +30,7 @@ import pytest
 import system_fixtures as sf
 from reliability_helpers import Stream, assert_stream_is_log, rss_mib, wait_until
 
-from specserve.store import SessionStore
+from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2
 
 SESSIONS = 64

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import system_fixtures as sf
 
-from specserve.models import load_model
+from specserve.engine.models import load_model
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Start the three roles one by one (as ``specserve serve ROLE`` would) with any settings.
 
-``specserve.local`` wires a stack for the common case; the security tests need
+``specserve.launch.local`` wires a stack for the common case; the security tests need
 settings it does not pass (TLS on every hop, tokens, limits) and a delay proxy
 in front of the target, so they start each role here through its own
 ``start_*`` function. Models are loaded once per test session and handed in.
@@ -17,8 +17,8 @@ from pydantic import SecretStr
 from system_fixtures import TinyPair
 from tcp_proxy import DelayProxy
 
-from specserve.config import CoordinatorSettings, DraftSettings, TargetSettings
-from specserve.models import LoadedModel
+from specserve.engine.models import LoadedModel
+from specserve.runtime.config import CoordinatorSettings, DraftSettings, TargetSettings
 
 
 @dataclass

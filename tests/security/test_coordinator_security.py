@@ -23,12 +23,12 @@ import system_fixtures as sf
 from pydantic import SecretStr
 from security_helpers import running_roles
 
-from specserve import errors
+from specserve.api import errors
+from specserve.api.status import RETRY_AFTER_KEY
 from specserve.client import AsyncClient
-from specserve.config import CoordinatorSettings
-from specserve.logs import configure_logging, settings_secrets
-from specserve.redis_server import RedisServer
-from specserve.status import RETRY_AFTER_KEY
+from specserve.launch.redis_server import RedisServer
+from specserve.runtime.config import CoordinatorSettings
+from specserve.runtime.logs import configure_logging, settings_secrets
 from specserve.v1 import coordinator_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

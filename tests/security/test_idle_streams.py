@@ -24,7 +24,7 @@ import system_fixtures as sf
 from security_helpers import running_roles
 from tcp_proxy import DelayProxy
 
-from specserve.store import SessionStore
+from specserve.runtime.store import SessionStore
 from specserve.v1 import coordinator_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

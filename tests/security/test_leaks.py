@@ -28,10 +28,10 @@ import system_fixtures as sf
 from pydantic import ValidationError
 from security_helpers import running_roles
 
-from specserve.config import CoordinatorSettings, describe_errors
-from specserve.logs import configure_logging
-from specserve.redis_server import RedisServer
-from specserve.status import RETRY_AFTER_KEY
+from specserve.api.status import RETRY_AFTER_KEY
+from specserve.launch.redis_server import RedisServer
+from specserve.runtime.config import CoordinatorSettings, describe_errors
+from specserve.runtime.logs import configure_logging
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -74,7 +74,7 @@ async def test_settings_that_fail_validation_print_no_secret(role, bad, field):
     if role == "coordinator":
         env["SPECSERVE_AUTH_TOKENS"] = f"{TOKEN},{TOKEN}-2"
     out = subprocess.run(
-        [sys.executable, "-m", "specserve.cli", "serve", role, *bad],
+        [sys.executable, "-m", "specserve.launch.cli", "serve", role, *bad],
         capture_output=True,
         text=True,
         env=env,

@@ -17,10 +17,10 @@ import pytest
 import system_fixtures as sf
 from security_helpers import running_roles
 
-from specserve import errors
-from specserve.params import SamplingParams, StopConditions
-from specserve.redis_server import free_port
-from specserve.store import SessionStore
+from specserve.api import errors
+from specserve.api.params import SamplingParams, StopConditions
+from specserve.launch.redis_server import free_port
+from specserve.runtime.store import SessionStore
 
 PASSWORD = f"pw-{uuid.uuid4().hex}"
 

@@ -16,10 +16,10 @@ import pytest_asyncio
 import system_fixtures as sf
 from security_helpers import running_roles
 
-from coordinator.workers import DraftClient, TargetClient
-from specserve import errors
+from coordinator.worker_clients import DraftClient, TargetClient
+from specserve.api import errors
 from specserve.client import AsyncClient
-from specserve.config import CoordinatorSettings
+from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

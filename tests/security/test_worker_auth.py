@@ -27,11 +27,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import SecretStr, ValidationError
 from security_helpers import running_roles
 
-from coordinator.workers import DraftClient, TargetClient
-from specserve import errors
-from specserve.config import CoordinatorSettings, TargetSettings
-from specserve.params import SamplingParams, StopConditions
-from specserve.store import SessionStore
+from coordinator.worker_clients import DraftClient, TargetClient
+from specserve.api import errors
+from specserve.api.params import SamplingParams, StopConditions
+from specserve.runtime.config import CoordinatorSettings, TargetSettings
+from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -155,7 +155,7 @@ async def test_specserve_serve_refuses_a_public_worker_without_auth_unless_insec
     """The command line exits with status 2 and says what to do; with --insecure it gets past the check
     (and then fails on the port given, proving it tried to start)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    base = [sys.executable, "-m", "specserve.cli", "serve", "target", "--host", "0.0.0.0", "--no-warmup"]
+    base = [sys.executable, "-m", "specserve.launch.cli", "serve", "target", "--host", "0.0.0.0", "--no-warmup"]
     refused = subprocess.run(
         [*base, "--model", str(sec_pair.target_dir)], capture_output=True, text=True, env=env, timeout=120
     )

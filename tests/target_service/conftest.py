@@ -9,7 +9,7 @@ import pytest
 import tiny_models
 from target_helpers import NAN_AT
 
-from specserve.models import load_model
+from specserve.engine.models import load_model
 
 
 @pytest.fixture(scope="session", params=["llama", "gpt2"])
@@ -46,7 +46,7 @@ def poisoned_target(tmp_path_factory):
     row of a sequence that reaches that position, and normal ones to shorter sequences."""
     import system_fixtures as sf
 
-    from specserve.models import load_model
+    from specserve.engine.models import load_model
 
     pair = sf.tiny_pair(tmp_path_factory, arch="gpt2")
     out = sf.poisoned_copy(pair.target_dir, tmp_path_factory.mktemp("poisoned-verifier") / "target", position=NAN_AT)

@@ -8,12 +8,12 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from specserve.kvcache import SessionCacheStore
-from specserve.models import LoadedModel
-from specserve.params import SamplingParams, SessionBase, StopConditions
-from specserve.proposal import DraftProposal
-from specserve.sampling import logits_to_probs
-from specserve.store import SessionRecord, SessionStore
+from specserve.api.params import SamplingParams, SessionBase, StopConditions
+from specserve.core.proposal import DraftProposal
+from specserve.core.sampling import logits_to_probs
+from specserve.engine.kvcache import SessionCacheStore
+from specserve.engine.models import LoadedModel
+from specserve.runtime.store import SessionRecord, SessionStore
 from target_service.messages import ItemResult, VerifyBatch, VerifyItem
 from target_service.verifier import Verifier
 

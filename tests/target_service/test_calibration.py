@@ -7,7 +7,7 @@ import itertools
 import pytest
 import tiny_models
 
-from specserve.models import load_model
+from specserve.engine.models import load_model
 from target_service.calibration import measure_verify_curve
 
 

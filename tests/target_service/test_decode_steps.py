@@ -23,8 +23,8 @@ from target_helpers import (
 )
 from test_verifier import PROMPT, RacingStore
 
-from specserve.errors import VersionConflict
-from specserve.params import SamplingParams, StopConditions
+from specserve.api.errors import VersionConflict
+from specserve.api.params import SamplingParams, StopConditions
 from specserve.v1 import common_pb2
 from target_service.messages import VerifyBatch
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import tiny_models
 
-from specserve.params import StopConditions
+from specserve.api.params import StopConditions
 from specserve.v1 import common_pb2
 from target_service.stops import cut_at_stop
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from target_helpers import greedy_continuation, new_session, next_probs
 
-from specserve.config import TargetSettings
-from specserve.params import SamplingParams
-from specserve.proposal import draft_probs_to_pb
+from specserve.api.params import SamplingParams
+from specserve.core.proposal import draft_probs_to_pb
+from specserve.runtime.config import TargetSettings
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.server import start_target
 

@@ -26,13 +26,13 @@ from target_helpers import (
     verify_one,
 )
 
-from specserve.errors import NotFound, SessionFinished, VersionConflict
-from specserve.params import SamplingParams, StopConditions, Verdict
-from specserve.proposal import DraftProposal
-from specserve.rng import gumbel_noise
-from specserve.sampling import logits_to_probs
+from specserve.api.errors import NotFound, SessionFinished, VersionConflict
+from specserve.api.params import SamplingParams, StopConditions, Verdict
+from specserve.core.proposal import DraftProposal
+from specserve.core.rng import gumbel_noise
+from specserve.core.sampling import logits_to_probs
+from specserve.core.verification import verify_batch
 from specserve.v1 import common_pb2
-from specserve.verification import verify_batch
 from target_service.messages import VerifyBatch
 
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 11)

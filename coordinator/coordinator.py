@@ -1,0 +1,330 @@
+"""The coordinator's domain service: one :meth:`Coordinator.generate` per client request.
+
+``generate`` takes an admission slot (:mod:`coordinator.admission`), creates
+the session in Redis (the prompt at version 0, the seed recorded with the
+sampling settings), takes the session's owner lease, runs the round loop
+(:mod:`coordinator.rounds`) until a stop condition is committed, and yields a
+:class:`Chunk` per round that committed tokens (ids + a text delta that never
+splits a character) and a final :class:`Finished` carrying the statistics.
+With ``logprobs`` requested, each chunk carries one
+:class:`~specserve.api.params.PositionLogprobs` per token. When the caller stops
+iterating (client cancellation) or anything fails, the
+session's caches on every worker it used are released and its lease dropped,
+in a tracked background task so that the caller's cancellation cannot cut the
+clean-up short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from coordinator.admission import Admission
+from coordinator.chat import ChatMessage, chat_prompt_ids
+from coordinator.detokenize import IncrementalDetokenizer
+from coordinator.limits import Limits
+from coordinator.policy import FixedGamma, SpeculationPolicy
+from coordinator.pool import WorkerPool
+from coordinator.requests import GenerationRequest
+from coordinator.rounds import Committed, RoundLoop
+from coordinator.session import Session, SessionStatus
+from specserve.api import errors
+from specserve.api.params import PositionLogprobs
+from specserve.runtime import metrics
+from specserve.runtime.config import CoordinatorSettings
+from specserve.runtime.store import SessionStore
+from specserve.v1 import coordinator_pb2
+
+log = structlog.get_logger(__name__)
+
+#: Threads that tokenize text prompts (each prompt is at most ``max_prompt_bytes``).
+TOKENIZER_THREADS = 2
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Newly committed tokens and their text (and their logprobs, one per token, when asked for)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[PositionLogprobs, ...] = ()
+
+    def to_pb(self) -> coordinator_pb2.GenerateResponse:
+        return coordinator_pb2.GenerateResponse(
+            chunk=coordinator_pb2.TokenChunk(
+                token_ids=self.token_ids, text=self.text, logprobs=[p.to_pb() for p in self.logprobs]
+            )
+        )
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The closing statistics (always the last event)."""
+
+    stats: coordinator_pb2.GenerationStats
+
+    def to_pb(self) -> coordinator_pb2.GenerateResponse:
+        return coordinator_pb2.GenerateResponse(stats=self.stats)
+
+
+class Coordinator:
+    """Sessions, the round loop and its workers, for one coordinator process.
+
+    Built once (``coordinator/server.py``) from the probed :class:`~coordinator.limits.Limits`:
+    ``pool`` and ``adaptive`` (the shared policy of requests without a fixed gamma) share one cost model.
+    """
+
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        *,
+        store: SessionStore,
+        pool: WorkerPool,
+        adaptive: SpeculationPolicy,
+        tokenizer: Any,
+        limits: Limits,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.pool = pool
+        self.adaptive = adaptive
+        self.tokenizer = tokenizer
+        self.vocab_size = limits.vocab_size
+        self.max_gamma = limits.max_gamma
+        self.overlap = settings.overlap  # proactive drafting (RoundLoop)
+        self.context_tokens = limits.context_tokens
+        #: Tokenizing runs here, off the event loop (a long prompt must not stall other sessions).
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize"
+        )
+        self.owner = f"coordinator-{uuid.uuid4().hex[:12]}"
+        self.admission = Admission(
+            max_sessions=settings.max_sessions, max_sessions_per_client=settings.max_sessions_per_client
+        )
+        self._cleanups: set[asyncio.Task] = set()
+
+    async def parse(self, pb: coordinator_pb2.GenerateRequest) -> GenerationRequest:
+        """Check a wire request against this server's limits, before any work (InvalidArgument says
+        what to fix); a text prompt is tokenized off the event loop once its size is known to fit."""
+        return await GenerationRequest.from_pb(
+            pb,
+            settings=self.settings,
+            tokenize=self.tokenize,
+            render_chat=self.render_chat,
+            vocab_size=self.vocab_size,
+            max_gamma=self.max_gamma,
+            context_tokens=self.context_tokens,
+        )
+
+    async def tokenize(self, text: str) -> tuple[int, ...]:
+        """The prompt's token ids, computed on the tokenizer threads."""
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(
+            self._tokenizer_pool, functools.partial(self.tokenizer.encode, text, add_special_tokens=False)
+        )
+        return tuple(ids)
+
+    async def render_chat(self, messages: list[ChatMessage]) -> tuple[int, ...]:
+        """A conversation's prompt ids (the chat template), computed on the tokenizer threads."""
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(
+            self._tokenizer_pool, functools.partial(chat_prompt_ids, self.tokenizer, messages)
+        )
+        return tuple(ids)
+
+    def _policy(self, request: GenerationRequest) -> SpeculationPolicy:
+        gamma = request.speculation.gamma
+        return self.adaptive if gamma is None else FixedGamma(gamma)
+
+    def check_admission(self, client: str | None, sessions: int = 1) -> None:
+        """Refuse unless ``sessions`` more sessions fit the limits now (the HTTP API's ``n``)."""
+        self.admission.check(client, sessions)
+
+    async def generate(
+        self, request: GenerationRequest, *, client: str | None = None
+    ) -> AsyncIterator[Chunk | Finished]:
+        """Run one session to its end, yielding chunks then the statistics.
+
+        ``client`` identifies the caller for ``max_sessions_per_client`` (None: not limited per client).
+        """
+        async with self.admission.slot(client):
+            session, loop = self._new_session(request)
+            detok = IncrementalDetokenizer(self.tokenizer, stop_strings=request.stop.stop_strings)
+            lease = _Lease(self.store, session.session_id, self.owner, self.settings.lease_ttl_s)
+            status = "error"
+            try:
+                await self._open(session, request, lease)
+                last_emit: float | None = None
+                while not session.finished:
+                    new = await loop.step()
+                    if new.token_ids:
+                        last_emit = _observe_inter_token(last_emit, len(new.token_ids))
+                    chunk = _chunk(new, session.finished, detok)
+                    if chunk is not None:
+                        yield chunk
+                    await lease.keep()
+                finished = self._finish(session)
+                status = "ok"
+                yield finished
+            except (asyncio.CancelledError, GeneratorExit):
+                status = "cancelled"
+                _cancelled(session)
+                raise
+            except Exception:
+                session.end(SessionStatus.FAILED)
+                raise
+            finally:
+                loop.detach()
+                metrics.REQUESTS.labels(status=status).inc()
+                self._clean_up_later(loop, session.session_id)
+
+    def _new_session(self, request: GenerationRequest) -> tuple[Session, RoundLoop]:
+        """A session for ``request`` and its round loop (which counts it in the pool's load)."""
+        r = request
+        session = Session(
+            uuid.uuid4().hex,
+            r.prompt_token_ids,
+            r.sampling,
+            r.stop,
+            r.speculation,
+            top_logprobs=r.top_logprobs,
+            prediction=r.prediction_token_ids,
+            lookup=r.speculation.hybrid_lookup,
+        )
+        loop = RoundLoop(
+            session,
+            pool=self.pool,
+            store=self.store,
+            policy=self._policy(request),
+            max_gamma=self.max_gamma,
+            overlap=self.overlap,
+            decode_steps=self.settings.decode_steps,
+        )
+        return session, loop
+
+    async def _open(self, session: Session, request: GenerationRequest, lease: _Lease) -> None:
+        """Create the session in Redis and take its lease."""
+        await self.store.create(session.session_id, request.prompt_token_ids, request.sampling, request.stop)
+        await lease.take()
+        log.info(
+            "session_started",
+            session_id=session.session_id,
+            prompt_tokens=session.prompt_len,
+            gamma=request.speculation.gamma,
+            proposer=request.speculation.proposer,
+            seed=request.sampling.seed,
+            temperature=request.sampling.temperature,
+            prediction_tokens=len(request.prediction_token_ids or ()),
+        )
+
+    def _finish(self, session: Session) -> Finished:
+        """The session committed its stop: its closing statistics."""
+        session.end(SessionStatus.FINISHED)
+        stats = session.stats_pb()
+        metrics.TIME_TO_FIRST_TOKEN.observe(stats.first_token_ns / 1e9)
+        if session.prediction is not None:
+            metrics.PREDICTION_TOKENS.labels(outcome="accepted").inc(stats.accepted_prediction_tokens)
+            metrics.PREDICTION_TOKENS.labels(outcome="rejected").inc(stats.rejected_prediction_tokens)
+        log.info(
+            "session_finished",
+            session_id=session.session_id,
+            completion_tokens=stats.completion_tokens,
+            rounds=stats.rounds,
+            proposed=stats.proposed_tokens,
+            accepted=stats.accepted_tokens,
+            finish_reason=stats.finish_reason,
+            accepted_prediction=stats.accepted_prediction_tokens,
+            rejected_prediction=stats.rejected_prediction_tokens,
+        )
+        return Finished(stats)
+
+    def _clean_up_later(self, loop: RoundLoop, session_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._clean_up(loop, session_id))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def _clean_up(self, loop: RoundLoop, session_id: str) -> None:
+        try:
+            await loop.release(wait_s=self.settings.rpc_timeout_s)
+        except Exception:
+            log.exception("release_failed", session_id=session_id)
+        with contextlib.suppress(errors.SpecServeError):
+            await self.store.release_lease(session_id, self.owner)
+
+    @property
+    def active_sessions(self) -> int:
+        return self.admission.active
+
+    async def drain(self) -> None:
+        """Wait for the sessions in progress to end, then for their clean-up (health is NOT_SERVING)."""
+        await self.admission.idle()
+        if self._cleanups:
+            await asyncio.gather(*list(self._cleanups), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.drain()
+        await self.pool.close()
+        await self.store.close()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Lease:
+    """A session's owner lease in Redis: taken at the start, renewed every third of its TTL."""
+
+    def __init__(self, store: SessionStore, session_id: str, owner: str, ttl_s: float) -> None:
+        self.store, self.session_id, self.owner, self.ttl_s = store, session_id, owner, ttl_s
+        self._taken = 0.0
+
+    async def take(self) -> None:
+        await self.store.acquire_lease(self.session_id, self.owner, self.ttl_s)
+        self._taken = time.monotonic()
+
+    async def keep(self) -> None:
+        """Renew the lease when a third of its TTL has passed since it was last taken."""
+        if time.monotonic() - self._taken > self.ttl_s / 3:
+            await self.take()
+
+
+def _cancelled(session: Session) -> None:
+    session.end(SessionStatus.CANCELLED)
+    log.info(
+        "session_cancelled",
+        session_id=session.session_id,
+        committed=session.committed_len - session.prompt_len,
+    )
+
+
+def _chunk(new: Committed, finished: bool, detok: IncrementalDetokenizer) -> Chunk | None:
+    """The chunk for a round's new tokens (the detokenizer's tail once finished); None: nothing to send."""
+    if new.token_ids:
+        text = detok.push(new.token_ids)
+        if finished:
+            text += detok.finish()
+        return Chunk(new.token_ids, text, new.logprobs)
+    if finished:
+        tail = detok.finish()
+        if tail:
+            return Chunk((), tail)
+    return None
+
+
+def _observe_inter_token(last_emit: float | None, n: int) -> float:
+    """Observe the time since the last emitted tokens spread over the ``n`` new ones; returns now.
+
+    The first tokens of a session are time to first token, not an inter-token gap.
+    """
+    now = time.monotonic()
+    if last_emit is not None:
+        gap = (now - last_emit) / n
+        for _ in range(n):
+            metrics.INTER_TOKEN_LATENCY.observe(gap)
+    return now

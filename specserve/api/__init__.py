@@ -1,0 +1,1 @@
+"""What the SDK and the servers share, without torch: the exception hierarchy, status codes, request parameters."""

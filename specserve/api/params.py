@@ -1,0 +1,336 @@
+"""Domain objects for what a request asks: sampling settings and mode, stop conditions, the proposer,
+log probabilities.
+
+Pure Python (no torch): the coordinator, both workers and the SDK share them.
+Each checks itself on construction and raises :class:`~specserve.api.errors.InvalidArgument`
+saying what to fix; ``from_pb`` / ``to_pb`` convert at the wire boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specserve.api.errors import InvalidArgument
+from specserve.v1 import common_pb2
+
+#: The one proposer table: the SDK's name of each ``ProposerKind`` a draft can run.
+PROPOSER_KINDS: dict[str, int] = {
+    "model": common_pb2.PROPOSER_KIND_MODEL,
+    "ngram": common_pb2.PROPOSER_KIND_NGRAM,
+}
+#: What an unspecified proposer means: the draft model.
+DEFAULT_PROPOSER = common_pb2.PROPOSER_KIND_MODEL
+
+#: The smallest non-zero temperature. Below it ``logits / temperature`` overflows
+#: float32 for ordinary logits and the probabilities become NaN (vLLM's floor is the same).
+MIN_TEMPERATURE = 0.01
+#: The range of ``repetition_penalty``: outside it a penalised logit can overflow (or
+#: underflow every logit to -inf), which leaves no distribution to sample from.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+#: The longest session id (characters) any service accepts.
+MAX_SESSION_ID_CHARS = 128
+
+
+def resolve_proposer(kind: int) -> int:
+    """The ``ProposerKind`` a wire value asks for (UNSPECIFIED: :data:`DEFAULT_PROPOSER`).
+
+    Raises :class:`InvalidArgument` for a value no proposer has.
+    """
+    if kind == common_pb2.PROPOSER_KIND_UNSPECIFIED:
+        return DEFAULT_PROPOSER
+    if kind not in PROPOSER_KINDS.values():
+        known = ", ".join(common_pb2.ProposerKind.Name(k) for k in PROPOSER_KINDS.values())
+        raise InvalidArgument(f"unknown proposer {kind}; use one of {known} (or leave it unspecified)")
+    return kind
+
+
+#: The one sampling-mode table: the SDK's name of each ``SamplingMode`` (docs/design.md, "Two sampling modes").
+SAMPLING_MODES: dict[str, int] = {
+    "optimal": common_pb2.SAMPLING_MODE_OPTIMAL,
+    "coupled": common_pb2.SAMPLING_MODE_COUPLED,
+}
+#: What an unspecified sampling mode means: the optimal rule (the most accepted tokens per round).
+DEFAULT_SAMPLING_MODE = "optimal"
+
+
+def resolve_sampling_mode(mode: int) -> str:
+    """The sampling mode's name for a wire ``SamplingMode`` (UNSPECIFIED: :data:`DEFAULT_SAMPLING_MODE`).
+
+    Raises :class:`InvalidArgument` for a value no mode has.
+    """
+    if mode == common_pb2.SAMPLING_MODE_UNSPECIFIED:
+        return DEFAULT_SAMPLING_MODE
+    for name, value in SAMPLING_MODES.items():
+        if value == mode:
+            return name
+    known = ", ".join(common_pb2.SamplingMode.Name(v) for v in SAMPLING_MODES.values())
+    raise InvalidArgument(f"unknown sampling_mode {mode}; use one of {known} (or leave it unspecified)")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Logits processing and sampling settings, with Hugging Face ``generate()`` semantics.
+
+    ``temperature == 0`` is greedy decoding: only the repetition penalty applies,
+    then argmax (as ``do_sample=False``); top-k, top-p and min-p are ignored.
+    ``sampling_mode`` (a key of :data:`SAMPLING_MODES`) is how a sampled token is
+    decided when a draft proposed it: ``"optimal"`` (rejection sampling) or
+    ``"coupled"`` (Gumbel-max with shared noise: the output does not depend on
+    the draft); greedy decoding is the same in both.
+
+    The bounds (:data:`MIN_TEMPERATURE`, :data:`REPETITION_PENALTY_RANGE`) keep
+    the processed logits finite, so no setting can turn a distribution into NaN.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    sampling_mode: str = DEFAULT_SAMPLING_MODE
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidArgument(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        if self.temperature < 0:
+            raise InvalidArgument(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise InvalidArgument(
+                f"temperature={self.temperature:g} is too small: use 0 (greedy) or at least "
+                f"{MIN_TEMPERATURE:g} (smaller values overflow the logits)"
+            )
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgument(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgument(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise InvalidArgument(
+                f"repetition_penalty must be in [{low:g}, {high:g}] (1 disables it), "
+                f"got {self.repetition_penalty:g}"
+            )
+        if not 0 <= self.seed < 2**64:
+            raise InvalidArgument(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.sampling_mode not in SAMPLING_MODES:
+            raise InvalidArgument(
+                f"sampling_mode must be one of {sorted(SAMPLING_MODES)}, got {self.sampling_mode!r}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing processing the logits: the token is their argmax."""
+        return self.greedy and self.repetition_penalty == 1.0
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled with the coupled rule (False for greedy decoding, which needs no noise)."""
+        return self.sampling_mode == "coupled" and not self.greedy
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.SamplingParams, *, default_seed: int = 0) -> SamplingParams:
+        return cls(
+            temperature=pb.temperature,
+            top_k=pb.top_k,
+            top_p=pb.top_p if pb.HasField("top_p") else 1.0,
+            min_p=pb.min_p,
+            repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
+            seed=pb.seed if pb.HasField("seed") else default_seed,
+            sampling_mode=resolve_sampling_mode(pb.sampling_mode),
+        )
+
+    def to_pb(self) -> common_pb2.SamplingParams:
+        return common_pb2.SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            sampling_mode=SAMPLING_MODES[self.sampling_mode],
+        )
+
+
+@dataclass(frozen=True)
+class StopConditions:
+    """When a generation ends. Nothing after a stop is ever committed."""
+
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InvalidArgument(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidArgument("stop_token_ids must be non-negative token ids")
+        if any(s == "" for s in self.stop_strings):
+            raise InvalidArgument("stop_strings must not contain the empty string")
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.StopConditions, *, default_max_new_tokens: int) -> StopConditions:
+        return cls(
+            max_new_tokens=pb.max_new_tokens or default_max_new_tokens,
+            stop_token_ids=tuple(pb.stop_token_ids),
+            stop_strings=tuple(pb.stop_strings),
+            ignore_eos=pb.ignore_eos,
+        )
+
+    def to_pb(self) -> common_pb2.StopConditions:
+        return common_pb2.StopConditions(
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            stop_strings=list(self.stop_strings),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+@dataclass(frozen=True)
+class SessionBase:
+    """A session's committed prefix as the sender knows it."""
+
+    session_id: str
+    committed_len: int
+    version: int
+
+    def __post_init__(self) -> None:
+        if not self.session_id:
+            raise InvalidArgument("session_id must not be empty")
+        if len(self.session_id) > MAX_SESSION_ID_CHARS:
+            raise InvalidArgument(
+                f"session_id has {len(self.session_id)} characters; at most {MAX_SESSION_ID_CHARS} are accepted"
+            )
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.SessionBase) -> SessionBase:
+        return cls(session_id=pb.session_id, committed_len=pb.committed_len, version=pb.version)
+
+    def to_pb(self) -> common_pb2.SessionBase:
+        return common_pb2.SessionBase(
+            session_id=self.session_id, committed_len=self.committed_len, version=self.version
+        )
+
+
+#: The most alternatives a request may ask for at each position (``top_logprobs``), as OpenAI's API.
+MAX_TOP_LOGPROBS = 20
+
+
+def check_top_logprobs(top_logprobs: int) -> int:
+    """``top_logprobs`` if it is in ``[0, MAX_TOP_LOGPROBS]``; InvalidArgument otherwise."""
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+    return top_logprobs
+
+
+def check_min_confidence(min_confidence: float) -> float:
+    """``min_confidence`` (dynamic draft length) if it is in ``[0, 1)``; InvalidArgument otherwise (NaN too)."""
+    if not 0.0 <= min_confidence < 1.0:  # NaN fails both comparisons
+        raise InvalidArgument(
+            f"min_confidence={min_confidence} must be in [0, 1): the draft stops after a token it drafted "
+            "with probability below it (0: draft the whole gamma)"
+        )
+    return float(min_confidence)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token and the natural log of its probability (see ``TokenLogprob`` in common.proto)."""
+
+    token_id: int
+    logprob: float
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(token_id=pb.token_id, logprob=pb.logprob)
+
+    def to_pb(self) -> common_pb2.TokenLogprob:
+        return common_pb2.TokenLogprob(token_id=self.token_id, logprob=self.logprob)
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """Log probabilities at one emitted position, from the target's processed distribution there.
+
+    ``token_id`` is the emitted token and ``logprob`` its log probability;
+    ``top_logprobs`` the most likely tokens, most likely first (see
+    ``PositionLogprobs`` in common.proto for what "processed" means for greedy
+    requests).
+    """
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[TokenLogprob, ...] = ()
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.PositionLogprobs) -> PositionLogprobs:
+        return cls(
+            token_id=pb.token_id,
+            logprob=pb.logprob,
+            top_logprobs=tuple(TokenLogprob.from_pb(t) for t in pb.top_logprobs),
+        )
+
+    def to_pb(self) -> common_pb2.PositionLogprobs:
+        return common_pb2.PositionLogprobs(
+            token_id=self.token_id, logprob=self.logprob, top_logprobs=[t.to_pb() for t in self.top_logprobs]
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PositionLogprobs:
+        """From ``dataclasses.asdict`` of one (the JSON form the store records)."""
+        return cls(
+            token_id=int(data["token_id"]),
+            logprob=float(data["logprob"]),
+            top_logprobs=tuple(TokenLogprob(int(t["token_id"]), float(t["logprob"])) for t in data["top_logprobs"]),
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The committed outcome of one verify round (see ``Verdict`` in common.proto).
+
+    ``logprobs``: one entry per committed token when the round asked for them, else empty.
+    """
+
+    accepted_count: int
+    committed_token_ids: tuple[int, ...]
+    bonus: bool
+    new_version: int
+    committed_len: int
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    logprobs: tuple[PositionLogprobs, ...] = ()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.Verdict) -> Verdict:
+        return cls(
+            accepted_count=pb.accepted_count,
+            committed_token_ids=tuple(pb.committed_token_ids),
+            bonus=pb.bonus,
+            new_version=pb.new_version,
+            committed_len=pb.committed_len,
+            finish_reason=pb.finish_reason,
+            logprobs=tuple(PositionLogprobs.from_pb(p) for p in pb.logprobs),
+        )
+
+    def to_pb(self) -> common_pb2.Verdict:
+        return common_pb2.Verdict(
+            accepted_count=self.accepted_count,
+            committed_token_ids=list(self.committed_token_ids),
+            bonus=self.bonus,
+            new_version=self.new_version,
+            committed_len=self.committed_len,
+            finish_reason=self.finish_reason,
+            logprobs=[p.to_pb() for p in self.logprobs],
+        )

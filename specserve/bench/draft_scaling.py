@@ -1,0 +1,204 @@
+"""How the draft tier scales with concurrent sessions, with draft batching on and off.
+
+``python -m specserve.bench.harness --draft-scaling`` (or ``specserve bench --draft-scaling``)
+starts a stack like ``specserve up`` (one process per role, as in a deployment,
+so the draft, the target and the coordinator share no GIL) once per setting:
+
+* **batching on**: the draft drafts up to ``--draft-batch`` sessions in one
+  forward pass per step (``DraftSettings.max_batch_size``) and the coordinator
+  gathers their proposals into ``ProposeBatch`` calls
+  (``CoordinatorSettings.draft_max_batch_size``);
+* **batching off**: both set to 1, every session drafted alone, one after
+  another on the draft's model thread (the tier before batching).
+
+For each count of concurrent sessions (1, 2, 4, 8, 16, 32 by default) it runs
+that many generations at once (greedy, a fixed gamma, ``--scaling-max-new-tokens``
+tokens each, EOS ignored, held-out code prompts) and reads from the
+``GenerationStats`` every client gets: draft ms per round (``draft_ns /
+rounds``: the Propose call as the round saw it, batching wait included),
+verify ms per round (``verify_ns / rounds``) and queue ms per round; and
+the throughput, committed tokens over the wall-clock time of the whole group.
+The draft's batches and the proposals they held come from its ``/metrics``
+(``specserve_draft_batch_size``'s count and sum). Each point is measured
+``--scaling-repeats`` times after one warm-up group;
+the JSON keeps every repeat, the table their medians.
+
+Writes ``<out>/draft_scaling.json``, and ``specserve.bench.report`` renders it as
+``draft_scaling.md`` with a plot (``draft_scaling.png``), and as a section of
+the full report whenever that is rendered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SESSIONS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class ScalingRun:
+    """One group of concurrent generations."""
+
+    batching: bool
+    sessions: int
+    repeat: int
+    wall_s: float
+    tokens: int
+    rounds: int
+    proposed: int
+    accepted: int
+    draft_ms_per_round: float
+    verify_ms_per_round: float
+    queue_ms_per_round: float
+    throughput_tok_s: float
+    draft_batches: int  # batches the draft drafted (each one forward pass per draft step)
+    draft_items: int  # proposals those batches held
+    errors: int
+
+
+async def _group(client, prompts: list[list[int]], n: int, gamma: int, max_new: int, seed: int):
+    async def one(i: int):
+        stream = client.stream(
+            prompt_token_ids=prompts[i % len(prompts)],
+            max_new_tokens=max_new,
+            temperature=0.0,
+            seed=seed + i,
+            ignore_eos=True,
+            gamma=gamma,
+        )
+        async for _ in stream:
+            pass
+        return stream.stats
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+    return time.perf_counter() - start, results
+
+
+def _draft_batches(metrics_url: str) -> tuple[int, int]:
+    """The draft's batches so far and the proposals they held (its batch-size histogram's count and sum)."""
+    from specserve.bench.prom import scrape
+
+    return (
+        int(scrape(metrics_url, "specserve_draft_batch_size_count")),
+        int(scrape(metrics_url, "specserve_draft_batch_size_sum")),
+    )
+
+
+def _run(
+    batching: bool, n: int, repeat: int, wall_s: float, results, before: tuple[int, int], after: tuple[int, int]
+) -> ScalingRun:
+    stats = [r for r in results if not isinstance(r, BaseException)]
+    rounds = sum(s.rounds for s in stats) or 1
+    tokens = sum(s.completion_tokens for s in stats)
+    return ScalingRun(
+        batching=batching,
+        sessions=n,
+        repeat=repeat,
+        wall_s=wall_s,
+        tokens=tokens,
+        rounds=sum(s.rounds for s in stats),
+        proposed=sum(s.proposed_tokens for s in stats),
+        accepted=sum(s.accepted_tokens for s in stats),
+        draft_ms_per_round=sum(s.draft_ns for s in stats) / rounds / 1e6,
+        verify_ms_per_round=sum(s.verify_ns for s in stats) / rounds / 1e6,
+        queue_ms_per_round=sum(s.queue_ns for s in stats) / rounds / 1e6,
+        throughput_tok_s=tokens / wall_s if wall_s > 0 else 0.0,
+        draft_batches=after[0] - before[0],
+        draft_items=after[1] - before[1],
+        errors=len(results) - len(stats),
+    )
+
+
+async def measure(
+    *,
+    target: Path,
+    draft: Path,
+    redis_url: str,
+    prompts: list[list[int]],
+    sessions: tuple[int, ...] = SESSIONS,
+    gamma: int = 4,
+    max_new_tokens: int = 48,
+    repeats: int = 1,
+    draft_batch: int = 32,
+    device: str = "auto",
+    dtype: str = "auto",
+    progress=None,
+) -> list[ScalingRun]:
+    """Every (batching, sessions, repeat) point; see the module docstring."""
+    from specserve.client import AsyncClient
+    from specserve.launch.local import start_process_stack
+    from specserve.launch.redis_server import free_port
+
+    runs: list[ScalingRun] = []
+    most = max(sessions)
+    for batching in (True, False):
+        size = draft_batch if batching else 1
+        metrics_port = free_port()
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        stack = await start_process_stack(
+            target_model=target,
+            draft_model=draft,
+            redis_url=redis_url,
+            device=device,
+            dtype=dtype,
+            draft_overrides={"max_batch_size": size, "metrics_port": metrics_port},
+            coordinator_overrides={
+                "draft_max_batch_size": size,
+                "max_batch_size": max(16, most),  # Verify batches up to every session (the target takes 32)
+                "max_sessions_per_client": max(64, most),
+            },
+            target_overrides={"max_batch_size": max(32, most)},
+        )
+        try:
+            async with AsyncClient(stack.address, timeout=600) as client:
+                await _group(client, prompts, min(most, 4), gamma, 8, seed=0)  # warm-up
+                for n in sessions:
+                    for repeat in range(repeats):
+                        before = await asyncio.to_thread(_draft_batches, metrics_url)
+                        wall_s, results = await _group(
+                            client, prompts, n, gamma, max_new_tokens, seed=1000 * n
+                        )
+                        after = await asyncio.to_thread(_draft_batches, metrics_url)
+                        runs.append(_run(batching, n, repeat, wall_s, results, before, after))
+                        if progress is not None:
+                            progress()
+        finally:
+            await stack.stop()
+    return runs
+
+
+def summarize(runs: list[ScalingRun]) -> list[dict]:
+    """Medians over the repeats, one row per (batching, sessions)."""
+    keys = sorted({(r.batching, r.sessions) for r in runs}, key=lambda k: (not k[0], k[1]))
+    rows = []
+    for batching, n in keys:
+        sel = [r for r in runs if (r.batching, r.sessions) == (batching, n)]
+
+        def med(field: str, sel=sel) -> float:
+            return statistics.median(getattr(r, field) for r in sel)
+
+        rows.append(
+            {
+                "batching": batching,
+                "sessions": n,
+                "draft_ms_per_round": med("draft_ms_per_round"),
+                "verify_ms_per_round": med("verify_ms_per_round"),
+                "queue_ms_per_round": med("queue_ms_per_round"),
+                "throughput_tok_s": med("throughput_tok_s"),
+                "sessions_per_draft_batch": (
+                    sum(r.draft_items for r in sel) / max(1, sum(r.draft_batches for r in sel))
+                ),
+                "errors": sum(r.errors for r in sel),
+                "repeats": len(sel),
+            }
+        )
+    return rows
+
+
+def to_json(runs: list[ScalingRun], settings: dict) -> dict:
+    return {"settings": settings, "runs": [asdict(r) for r in runs], "summary": summarize(runs)}

@@ -1,0 +1,427 @@
+"""Network latency between the tiers: what a round trip to the draft or the target costs.
+
+``python -m specserve.bench.harness --latency`` (or ``specserve bench --latency``) starts
+stacks of one process per role (``specserve up``'s, as the harness's single-stream
+runs), one per setting, and puts a :class:`LatencyProxy` between the
+coordinator and one tier: every byte the coordinator sends to that tier, and
+every byte it gets back, arrives ``rtt / 2`` later (an order-preserving delay,
+not a bandwidth limit: bytes in flight overlap as on a real link). For each
+side (draft, target) and each round-trip time (``--rtts-ms``, 0, 2 and 10 by
+default) it runs the held-out prompts of the first set greedily, EOS ignored,
+with gamma = 0, a fixed gamma (``--latency-gamma``, 1) and the adaptive policy,
+then the last two again with overlap on (``CoordinatorSettings.overlap``: the
+draft drafts the next round while the target verifies), and records ms per
+committed token and the tokens per round. Greedy output must be the same in
+every setting. With overlap on, the coordinator's
+``specserve_coordinator_overlap_drafts_total`` counts the drafts made ahead
+that the next round used (the verdict bore the hypothesis out: every proposed
+token accepted and the bonus token the draft's guess) and those thrown away;
+the report gives that hit rate beside what overlap won back.
+
+Two things keep the comparison fair on one small machine:
+
+- **Tiers on cores of their own** (``--latency-cores separate``, the default
+  where there are two CPUs): the draft tier and the coordinator run on the
+  first CPU, the target on the others with one thread per CPU
+  (:func:`tier_cpus`; ``start_process_stack(cpus=)``). Overlap runs the draft
+  while the target verifies; on shared cores that drafting takes cores from
+  the target's pass, which machines of their own would not.
+- **Settings interleaved**: for each side, every (RTT, overlap) stack is up at
+  once and the settings take turns prompt by prompt, ``--latency-repeats``
+  times (every other repeat in the reverse order), so the machine's drift
+  falls on every setting alike.
+
+The draft side is the setting of a draft tier on cheap machines away from the
+target tier. What it shows: a round pays one round trip to each tier it calls,
+so a speculative round pays the draft's RTT once per ``E[tokens per round]``
+tokens while gamma = 0 pays no draft RTT at all; the adaptive policy sees the
+round trip in its cost model (``observe_rtt``) and weighs it; overlap hides the
+draft's round trip behind the target's pass in the rounds whose hypothesis
+holds.
+
+Writes ``<out>/latency.json``; ``specserve.bench.report`` renders ``latency.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+RTTS_MS = (0.0, 2.0, 10.0)
+SIDES = ("draft", "target")
+
+
+class LatencyProxy:
+    """Forwards ``127.0.0.1:<port>`` to ``upstream``; each chunk is delivered ``delay_s`` after it arrived.
+
+    Unlike a proxy that sleeps before each write, chunks in flight do not queue
+    behind each other's delays: a reader task stamps each chunk and a writer
+    task delivers it at its stamp plus the delay, in order.
+    """
+
+    def __init__(self, upstream: str, delay_s: float) -> None:
+        host, _, port = upstream.rpartition(":")
+        self.upstream = (host, int(port))
+        self.delay_s = delay_s
+        self.port = 0
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> LatencyProxy:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while (item := await queue.get()) is not None:
+                due, chunk = item
+                if (wait := due - loop.time()) > 0:
+                    await asyncio.sleep(wait)
+                writer.write(chunk)
+                await writer.drain()
+
+        sender = asyncio.create_task(deliver())
+        try:
+            while chunk := await reader.read(65536):
+                queue.put_nowait((loop.time() + self.delay_s, chunk))
+            queue.put_nowait(None)
+            await sender
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            sender.cancel()
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.close()
+            return
+        for task in (
+            asyncio.create_task(self._pipe(reader, up_writer)),
+            asyncio.create_task(self._pipe(up_reader, writer)),
+        ):
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+@dataclass
+class LatencyRun:
+    side: str  # the tier behind the proxy
+    rtt_ms: float
+    mode: str
+    prompt: str
+    tokens: int
+    total_s: float
+    rounds: int
+    proposed: int
+    accepted: int
+    identical: bool  # greedy output equal to the prompt's first run (every setting's must be the same)
+    ahead_used: int = 0  # overlap: drafts made ahead that the next round used
+    ahead_wasted: int = 0  # overlap: drafts made ahead and thrown away
+    token_ids: list[int] = field(default_factory=list, repr=False)
+    #: The generation's time waiting on the draft tier (``GenerationStats.draft_s``: its Propose calls,
+    #: and with overlap the rounds that waited for a draft made ahead), where the draft's RTT lands.
+    draft_wait_s: float = 0.0
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000.0 * self.total_s / max(self.tokens, 1)
+
+    @property
+    def draft_wait_ms_per_token(self) -> float:
+        return 1000.0 * self.draft_wait_s / max(self.tokens, 1)
+
+
+def tier_cpus(separate: bool = True) -> dict[str, set[int]] | None:
+    """The CPUs each role gets: the draft tier and the coordinator on the first CPU, the target on the
+    rest (tiers on cores of their own, as on machines of their own); None where ``separate`` is off or
+    this process may use fewer than two CPUs (every role shares every core)."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not separate or len(allowed) < 2:
+        return None
+    return {"draft": {allowed[0]}, "coordinator": {allowed[0]}, "target": set(allowed[1:])}
+
+
+async def measure(
+    *,
+    target,
+    draft,
+    redis_url: str,
+    prompts: list[tuple[str, list[int]]],
+    rtts_ms=RTTS_MS,
+    sides=SIDES,
+    fixed_gamma: int = 1,
+    max_new_tokens: int = 64,
+    repeats: int = 2,
+    cpus: dict[str, set[int]] | None = None,
+    progress=lambda n=1: None,
+) -> list[LatencyRun]:
+    """Every (side, RTT, mode, prompt) ``repeats`` times; see the module docstring.
+
+    For each side, one stack per (RTT, overlap) is up at once and the settings take turns, prompt by
+    prompt and repeat by repeat (every other repeat in the reverse order), so a machine that slows
+    down in the middle slows every setting alike. ``cpus``: each role's CPUs (:func:`tier_cpus`;
+    the target then runs one thread per CPU it has)."""
+    from specserve.client import AsyncClient
+    from specserve.launch.local import start_process_stack
+    from specserve.launch.redis_server import free_port
+
+    plain = {"gamma=0": 0, f"gamma={fixed_gamma}": fixed_gamma, "adaptive": None}
+    with_overlap = {f"gamma={fixed_gamma} +overlap": fixed_gamma, "adaptive +overlap": None}
+    target_overrides = {} if cpus is None else {"threads": len(cpus["target"])}
+    runs: list[LatencyRun] = []
+    reference: dict[str, list[int]] = {}
+    for side in sides:
+        async with contextlib.AsyncExitStack() as up:
+            settings = []  # (rtt, overlap, client, metrics url)
+            for rtt, overlap in ((t, o) for t in rtts_ms for o in (False, True)):
+                proxies: list[LatencyProxy] = []
+
+                async def via(role: str, endpoint: str, side=side, rtt=rtt, proxies=proxies) -> str:
+                    if role != side or rtt <= 0:
+                        return endpoint
+                    proxy = await LatencyProxy(endpoint, rtt / 2000.0).start()
+                    proxies.append(proxy)
+                    return proxy.address
+
+                async def stop_proxies(proxies=proxies) -> None:
+                    for proxy in proxies:
+                        await proxy.stop()
+
+                up.push_async_callback(stop_proxies)
+                metrics_port = free_port()
+                stack = await start_process_stack(
+                    target_model=str(target),
+                    draft_model=str(draft),
+                    redis_url=redis_url,
+                    endpoint_map=via,
+                    coordinator_overrides={"overlap": overlap, "metrics_port": metrics_port},
+                    target_overrides=target_overrides,
+                    cpus=cpus,
+                )
+                up.push_async_callback(stack.stop)
+                client = await up.enter_async_context(AsyncClient(stack.address, timeout=600))
+                for gamma in (0, fixed_gamma, None):  # warm-up: connections, caches, the cost model
+                    await client.generate(prompt_token_ids=prompts[0][1], max_new_tokens=8, gamma=gamma)
+                settings.append((rtt, overlap, client, f"http://127.0.0.1:{metrics_port}/metrics"))
+            for repeat in range(repeats):
+                for name, ids in prompts:
+                    for rtt, overlap, client, metrics in settings[:: 1 if repeat % 2 == 0 else -1]:
+                        for mode, gamma in (with_overlap if overlap else plain).items():
+                            run = await _one(
+                                client, metrics, side, rtt, mode, gamma, name, ids, max_new_tokens
+                            )
+                            # Greedy: one output for every setting, the prompt's first run's.
+                            run.identical = run.token_ids == reference.setdefault(name, run.token_ids)
+                            runs.append(run)
+                            progress()
+    return runs
+
+
+async def _one(client, metrics: str, side: str, rtt: float, mode: str, gamma, name: str, ids, max_new_tokens):
+    """One greedy generation of ``ids`` through ``client``, with the overlap counters' change around it
+    (``identical`` is left for the caller, who holds every setting's outputs)."""
+    from specserve.bench.prom import scrape
+
+    def ahead(outcome: str) -> int:
+        return int(scrape(metrics, "specserve_coordinator_overlap_drafts_total", {"outcome": outcome}))
+
+    used, wasted = ahead("used"), ahead("wasted")
+    start = time.perf_counter()
+    result = await client.generate(
+        prompt_token_ids=ids, max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, gamma=gamma
+    )
+    total = time.perf_counter() - start
+    s = result.stats
+    return LatencyRun(
+        side,
+        rtt,
+        mode,
+        name,
+        len(result.token_ids),
+        total,
+        s.rounds,
+        s.proposed_tokens,
+        s.accepted_tokens,
+        True,
+        ahead("used") - used,
+        ahead("wasted") - wasted,
+        token_ids=list(result.token_ids),
+        draft_wait_s=s.draft_s,
+    )
+
+
+def summarize(runs: list[LatencyRun]) -> list[dict]:
+    """Median ms/token and tokens per round per (side, RTT, mode); the cost of the RTT against RTT 0."""
+    rows = []
+    keys = dict.fromkeys((r.side, r.rtt_ms, r.mode) for r in runs)
+    base = {}
+    for side, rtt, mode in keys:
+        sel = [r for r in runs if (r.side, r.rtt_ms, r.mode) == (side, rtt, mode)]
+        ms = statistics.median(r.ms_per_token for r in sel)
+        wait = statistics.median(r.draft_wait_ms_per_token for r in sel)
+        if rtt == 0:
+            base[(side, mode)] = ms
+        rounds = sum(r.rounds for r in sel)
+        rows.append(
+            {
+                "side": side,
+                "rtt_ms": rtt,
+                "mode": mode,
+                "ms_per_token": ms,
+                "draft_wait_ms_per_token": wait,
+                "tokens_per_round": sum(r.tokens for r in sel) / rounds if rounds else None,
+                "acceptance": sum(r.accepted for r in sel) / max(1, sum(r.proposed for r in sel)),
+                "added_ms_per_token": ms - base[(side, mode)] if (side, mode) in base else None,
+                "identical": all(r.identical for r in sel),
+                "n": len(sel),
+                "ahead_used": sum(r.ahead_used for r in sel),
+                "ahead_wasted": sum(r.ahead_wasted for r in sel),
+            }
+        )
+    return rows
+
+
+def to_json(runs: list[LatencyRun], settings: dict) -> dict:
+    return {
+        "settings": settings,
+        "summary": summarize(runs),
+        "runs": [
+            {k: v for k, v in asdict(r).items() if k != "token_ids"}
+            | {"ms_per_token": r.ms_per_token, "draft_wait_ms_per_token": r.draft_wait_ms_per_token}
+            for r in runs
+        ],
+    }
+
+
+def section(data: dict) -> list[str]:
+    """The Markdown section of the report."""
+    st = data["settings"]
+    cpus = st.get("cpus")
+    where = (
+        f"the draft tier and the coordinator on CPU {', '.join(map(str, cpus['draft']))}, the target on CPU "
+        f"{', '.join(map(str, cpus['target']))} with {len(cpus['target'])} thread(s): tiers on cores of their "
+        "own, as on machines of their own"
+        if cpus
+        else "every role on every core"
+    )
+    repeats = st.get("repeats", 1)
+    lines = [
+        f"## Network latency between the tiers (greedy, {st['max_new_tokens']} tokens, "
+        f"{st['prompts']} held-out {st.get('prompt_set', 'chat')} prompts x {repeats}, one stack of processes "
+        "per setting)",
+        "",
+        f"Command: `{st['command']}`. A proxy delays every byte between the coordinator and one tier by "
+        f"RTT / 2 each way; {where}. "
+        + (
+            "For each tier, every setting's stack is up at once and the settings take turns prompt by prompt "
+            "(each repeat in the other order), so the machine's drift falls on all alike; ms/token is the "
+            "median over prompts and repeats. "
+            if repeats > 1
+            else ""
+        )
+        + "'added' is ms/token above the same mode at RTT 0 on the same side. 'drafted ahead, "
+        "used': with overlap, the drafts made while the target verified that the next round could use (the "
+        "verdict accepted every proposed token and its bonus token was the draft's guess), of all drafted ahead.",
+        "",
+        "| tier behind the delay | RTT ms | mode | ms/token | added ms/token | waiting on the draft ms/token "
+        "| tokens/round | acceptance | drafted ahead, used | greedy output unchanged |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in data["summary"]:
+        added = f"{r['added_ms_per_token']:+.2f}" if r["added_ms_per_token"] is not None else "-"
+        tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
+        lines.append(
+            f"| {r['side']} | {r['rtt_ms']:g} | {r['mode']} | {r['ms_per_token']:.2f} | {added} | "
+            + (f"{r['draft_wait_ms_per_token']:.2f}" if "draft_wait_ms_per_token" in r else "-")
+            + f" | {tpr} | "
+            f"{r['acceptance']:.2f} | {_hit_rate(r)} | {'yes' if r['identical'] else '**no**'} |"
+        )
+    lines.append("")
+    won = won_back(data["summary"])
+    if won:
+        lines += [
+            "What overlap wins back of what the round trip costs: (ms/token without overlap at that RTT - "
+            "with overlap) / (without overlap at that RTT - without overlap at RTT 0). End to end, and, for "
+            "a delayed draft tier, on the rounds' wait on the draft alone (the Propose calls, and with "
+            "overlap the waits for a draft made ahead; the clients' `GenerationStats.draft_s` per token): "
+            "the part of a round the draft's RTT lands on and overlap acts on, without the target's pass "
+            "and the noise of its ~40-70 ms.",
+            "",
+            "| tier | RTT ms | mode | latency cost ms/token | won back by overlap | draft wait: cost ms/token "
+            "| won back of it |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for w in won:
+            wait = w.get("draft_wait")
+            lines.append(
+                f"| {w['side']} | {w['rtt_ms']:g} | {w['mode']} | {w['cost_ms']:+.2f} | {w['won_back']:.0%} | "
+                + (f"{wait['cost_ms']:+.2f} | {wait['won_back']:.0%} |" if wait else "- | - |")
+            )
+        lines.append("")
+    return lines
+
+
+def _hit_rate(row: dict) -> str:
+    """'used of drafted ahead (share)', or '-' where nothing was drafted ahead (overlap off, or gamma 0)."""
+    used, wasted = row.get("ahead_used", 0), row.get("ahead_wasted", 0)
+    return f"{used} of {used + wasted} ({used / (used + wasted):.0%})" if used + wasted else "-"
+
+
+def won_back(summary: list[dict]) -> list[dict]:
+    """Per (side, RTT > 0, mode with an overlap twin): the latency's cost and the share overlap recovers.
+
+    Twice: on ms per token end to end, and, behind a delayed draft tier, on the rounds' wait on the draft
+    alone (``draft_wait_ms_per_token``), where that RTT lands and overlap acts, free of the target's pass
+    and its noise (None where the wait did not grow, or the runs predate the field)."""
+    rows = {(r["side"], r["rtt_ms"], r["mode"]): r for r in summary}
+
+    def recovered(key: str, row: dict, twin: dict, base: dict) -> dict | None:
+        """What the RTT added to ``key`` (against RTT 0) and the share of it overlap took off; None when
+        it added nothing."""
+        cost = row[key] - base[key]
+        return {"cost_ms": cost, "won_back": (row[key] - twin[key]) / cost} if cost > 0 else None
+
+    out = []
+    for (side, rtt, mode), row in rows.items():
+        twin = rows.get((side, rtt, f"{mode} +overlap"))
+        base = rows.get((side, 0.0, mode))
+        if rtt <= 0 or twin is None or base is None:
+            continue
+        end_to_end = recovered("ms_per_token", row, twin, base)
+        if end_to_end is None:
+            continue
+        key = "draft_wait_ms_per_token"
+        waits = side == "draft" and all(key in r for r in (row, twin, base))
+        out.append(
+            {
+                "side": side,
+                "rtt_ms": rtt,
+                "mode": mode,
+                **end_to_end,
+                "draft_wait": recovered(key, row, twin, base) if waits else None,
+            }
+        )
+    return out

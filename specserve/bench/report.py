@@ -1,0 +1,800 @@
+"""Render ``bench.json`` (from ``specserve.bench.harness``) as a Markdown report with PNG plots.
+
+``python -m specserve.bench.report docs/benchmarks`` re-renders without re-measuring.
+When the folder holds ``draft_scaling.json`` (``specserve.bench.harness --draft-scaling``),
+the report gains its section and plot; :func:`write_draft_scaling` writes that
+section alone as ``draft_scaling.md``. Likewise ``prediction.json``
+(``specserve.bench.harness --predicted-outputs``) and :func:`write_prediction`,
+``latency.json`` (``specserve.bench.harness --latency``; further runs kept as ``latency_<name>.json``) and
+:func:`write_latency`, and
+``sampling_modes.json`` (``--only-sampling-modes``), and ``load.json``
+(``specserve.bench.harness --only-load``), whose load sweep then replaces the full run's
+in the report, and :func:`write_load`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from coordinator.cost_model import expected_tokens_iid
+from specserve.bench.costs import Costs, as_run, predicted_speedup
+from specserve.bench.latency import section as latency_section
+from specserve.bench.overhead import section as overhead_section
+from specserve.bench.sampling_modes import section as sampling_modes_section
+
+FIXED = (1, 2, 4, 8)
+#: A projection, not a measurement: what a pass over k positions costs on an accelerator with spare
+#: parallelism, as multiples of a one-position step (1.05x at k = 2 rising to 1.2x at k = 9).
+GPU_LIKE_VERIFY = (1.0, 1.05, 1.07, 1.09, 1.11, 1.14, 1.16, 1.18, 1.2)
+
+
+def gpu_like(costs: Costs) -> Costs:
+    """The measured costs with the verify curve replaced by :data:`GPU_LIKE_VERIFY` (draft ratio kept)."""
+    step = costs.target_step_ms
+    curve = [step * GPU_LIKE_VERIFY[min(k, len(GPU_LIKE_VERIFY) - 1)] for k in range(len(costs.verify_ms))]
+    return Costs(target_step_ms=step, draft_step_ms=costs.draft_step_ms, verify_ms=curve)
+
+
+def _alpha_from_mean_accepted(mean_accepted: float, gamma: int) -> float:
+    """Solve sum_{i=1..gamma} a^i = mean accepted per round for the i.i.d. acceptance a (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tokens_iid(mid, gamma) - 1.0 < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def bound_rows(data: dict) -> list[dict]:
+    """Predicted vs measured speedup over HF target-only, per gamma, per (set, temperature)."""
+    costs = Costs(**data["costs"])
+    projected_costs = gpu_like(costs)
+    run_costs = as_run(costs)  # the draft step after a target pass (None: a run that did not time it)
+    rows = []
+    for key, group in data["single_stream"].items():
+        base = group.get("hf target-only", {}).get("ms_per_token_median")
+        set_name, temp = key.split(" T=")
+        for g in FIXED:
+            mode = group.get(f"specserve gamma={g}")
+            runs = [
+                r
+                for r in data["runs"]
+                if r["mode"] == f"specserve gamma={g}"
+                and r["prompt_set"] == set_name
+                and f"{r['temperature']:g}" == temp
+            ]
+            rounds = sum(r["rounds"] for r in runs)
+            if not mode or not base or not rounds:
+                continue
+            alpha = _alpha_from_mean_accepted(sum(r["accepted"] for r in runs) / rounds, g)
+            predicted = predicted_speedup(alpha, g, costs)
+            measured = base / mode["ms_per_token_median"]
+            row = {
+                "key": key,
+                "gamma": g,
+                "alpha": alpha,
+                "predicted": predicted,
+                "measured": measured,
+                "efficiency": measured / predicted,
+                "gpu_projection": predicted_speedup(alpha, g, projected_costs),
+            }
+            if run_costs is not None:
+                row["predicted_as_run"] = predicted_speedup(alpha, g, run_costs)
+                row["efficiency_as_run"] = measured / row["predicted_as_run"]
+            if all("draft_s" in r for r in runs):  # where a round's time went, against the model's parts
+                parts = ("draft", "verify", "forward", "total")
+                per_round = {part: 1e3 * sum(r[f"{part}_s"] for r in runs) / rounds for part in parts}
+                other = per_round["total"] - per_round["draft"] - per_round["verify"]
+                row["round_ms"] = per_round | {"other": other}
+                row["model_round_ms"] = {
+                    "draft": g * costs.draft_step_ms,
+                    "verify": costs.verify_ms[min(g, len(costs.verify_ms) - 1)],  # a pass over g + 1
+                }
+                if run_costs is not None:
+                    row["model_round_ms"]["draft_as_run"] = g * run_costs.draft_step_ms
+            rows.append(row)
+    return rows
+
+
+def _draft_as_run_line(costs: dict) -> str:
+    """The Model costs sentence on the draft step timed after a target pass ('' for runs without it)."""
+    after = costs.get("draft_step_after_target_ms")
+    if after is None:
+        return ""
+    return (
+        f" The draft step right after a target pass, on {costs['draft_threads']} thread(s) as the draft runs "
+        f"in the stack: {after:.2f} ms ({after / costs['draft_step_ms']:.2f}x the back-to-back step; each "
+        "verify pass streams the target's weights through the CPU's caches, so this is the step every "
+        "speculative round pays here, Hugging Face assisted generation's included)."
+    )
+
+
+def round_parts_section(rows: list[dict]) -> list[str]:
+    """Where a round's time went, measured, beside the parts the bound counts: what the efficiency misses."""
+    timed = [r for r in rows if "round_ms" in r]
+    if not timed:
+        return []
+    lines = [
+        "Where the efficiency goes: one round's time, measured through the service (the runs' own "
+        "`GenerationStats`, summed over the set's prompts and divided by its rounds), beside the two parts "
+        "the bound counts (gamma draft steps, one target pass over gamma + 1 positions, timed in-process). "
+        "Draft = the Propose call as the coordinator saw it (the draft's catch-up on the last round's "
+        "tokens, its steps and row-invariant batching, gRPC); verify = the Verify call (forward = the "
+        "target's pass inside it); other = the rest of the round (coordinator, streaming).",
+        "",
+        "| prompts | gamma | draft ms (bound) | verify ms (bound) | of which forward | other ms | round ms (bound) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    as_run = all(r["model_round_ms"].get("draft_as_run") is not None for r in timed)
+    if as_run:
+        lines[0] += (
+            " Where two bounds are given for the draft, the second is its steps timed right after a target "
+            "pass on the stack's draft thread count (Model costs): the part of the gap that is the CPU's "
+            "caches and the draft's threads, not the service."
+        )
+    for r in timed:
+        m, b = r["round_ms"], r["model_round_ms"]
+        draft_bound = f"{b['draft']:.1f}" + (f"; {b['draft_as_run']:.1f}" if as_run else "")
+        round_bound = f"{b['draft'] + b['verify']:.1f}" + (
+            f"; {b['draft_as_run'] + b['verify']:.1f}" if as_run else ""
+        )
+        lines.append(
+            f"| {r['key']} | {r['gamma']} | {m['draft']:.1f} ({draft_bound}) | {m['verify']:.1f} "
+            f"({b['verify']:.1f}) | {m['forward']:.1f} | {m['other']:.1f} | {m['total']:.1f} "
+            f"({round_bound}) |"
+        )
+    return [*lines, ""]
+
+
+def targets(data: dict) -> list[tuple[str, bool, str]]:
+    """The speed targets (docs/benchmarks), each with its verdict and the figures behind it."""
+    out = []
+    ss = data["single_stream"]
+
+    def ms(group: dict, mode: str) -> float | None:
+        return group.get(mode, {}).get("ms_per_token_median")
+
+    for key, group in ss.items():
+        hf, hfa = ms(group, "hf target-only"), ms(group, "hf assisted")
+        # the fastest of HF's prompt-lookup runs (runs before 2026-12-01 15:00 UTC had one, at 8 tokens)
+        lookups = {m: ms(group, m) for m in group if m.startswith("hf prompt lookup")}
+        lookups = {m: v for m, v in lookups.items() if v}
+        hfl_mode = min(lookups, key=lookups.get) if lookups else None
+        hfl = lookups.get(hfl_mode)
+        g0, ad, ng = (
+            ms(group, "specserve gamma=0"),
+            ms(group, "specserve adaptive"),
+            ms(group, "specserve n-gram adaptive"),
+        )
+        if hf and g0:
+            out.append(
+                (
+                    f"{key}: gamma=0 (overhead) >= 0.95x HF target-only",
+                    hf / g0 >= 0.95,
+                    f"{hf / g0:.2f}x ({hf:.2f} -> {g0:.2f} ms/token)",
+                )
+            )
+        if hf and ad:
+            out.append(
+                (
+                    f"{key}: adaptive >= 0.95x HF target-only",
+                    hf / ad >= 0.95,
+                    f"{hf / ad:.2f}x ({hf:.2f} -> {ad:.2f} ms/token)",
+                )
+            )
+        if hfa and ad:
+            out.append(
+                (
+                    f"{key}: adaptive not slower than HF assisted",
+                    ad <= hfa,
+                    f"{hfa / ad:.2f}x ({hfa:.2f} vs {ad:.2f} ms/token)",
+                )
+            )
+        if key.startswith("copy T=0") and hf and ad and "specserve adaptive, model only" in group:
+            # a run with the model-only mode is one where a request that sets nothing keeps the hybrid lookup
+            out.append(
+                (
+                    f"{key}: adaptive (a request that sets nothing) picks the copying up: >= 2x HF target-only",
+                    hf / ad >= 2.0,
+                    f"{hf / ad:.2f}x ({ad:.2f} ms/token; the draft model alone: "
+                    f"{hf / ms(group, 'specserve adaptive, model only'):.2f}x)",
+                )
+            )
+        if key.startswith("copy T=0") and hf and ng:
+            out.append(
+                (
+                    f"{key}: n-gram adaptive >= 2x HF target-only",
+                    hf / ng >= 2.0,
+                    f"{hf / ng:.2f}x ({ng:.2f} ms/token)",
+                )
+            )
+            if hfl:
+                out.append(
+                    (
+                        f"{key}: n-gram adaptive at least as fast as HF prompt lookup",
+                        ng <= hfl,
+                        f"{hfl / ng:.2f}x ({hfl:.2f} vs {ng:.2f} ms/token; the faster HF run: {hfl_mode})",
+                    )
+                )
+    for r in bound_rows(data):
+        if r["gamma"] >= 2:
+            out.append(
+                (
+                    f"{r['key']} gamma={r['gamma']}: efficiency >= 90% of the cost-model bound",
+                    r["efficiency"] >= 0.9,
+                    f"{r['efficiency']:.0%}",
+                )
+            )
+    rows = {(r["rate_rps"], r["mode"]): r for r in load_rows(data["load"])}
+    controls = load_ratios(data["load"], LOAD_CONTROL)
+    for rate, ratios in load_ratios(data["load"]).items():
+        ad, base = rows[(rate, LOAD_ADAPTIVE)], rows[(rate, LOAD_BASE)]
+        median = statistics.median(ratios)
+        spread = (
+            f", {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} repeats" if len(ratios) > 1 else ""
+        )
+        control = controls.get(rate)
+        if control:
+            spread += (
+                f"; gamma 0 against itself: {min(control):.2f}-{max(control):.2f}, "
+                f"median {statistics.median(control):.2f}"
+            )
+        out.append(
+            (
+                f"load {rate:g} req/s: adaptive throughput >= gamma=0",
+                median >= 1.0,
+                f"{ad['throughput_tok_s']:.1f} vs {base['throughput_tok_s']:.1f} tok/s "
+                f"(adaptive / gamma 0: {median:.2f}{spread})",
+            )
+        )
+    return out
+
+
+LOAD_BASE, LOAD_ADAPTIVE = "specserve gamma=0", "specserve adaptive"
+#: gamma 0 measured a second time (``specserve.bench.harness --load-control``): the A/A control.
+LOAD_CONTROL = "specserve gamma=0 (again)"
+#: Load-point fields the report gives as a median over repeats.
+_LOAD_MEDIANS = (
+    "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "queue_p50_s",
+    "target_forward_passes", "target_positions", "proposed_tokens", "accepted_tokens", "wasted_tokens",
+)  # fmt: skip
+
+
+def load_rows(points: list[dict]) -> list[dict]:
+    """One row per (rate, mode), in the order first measured: the median of each figure over the
+    repeats (``specserve.bench.harness.load_sweep``), the throughput's range, and requests summed."""
+    groups: dict[tuple[float, str], list[dict]] = {}
+    for p in points:
+        groups.setdefault((p["rate_rps"], p["mode"]), []).append(p)
+    rows = []
+    for (rate, mode), pts in sorted(groups.items(), key=lambda kv: kv[0][0]):
+        row = {k: statistics.median(p[k] for p in pts) for k in _LOAD_MEDIANS}
+        row |= {
+            "rate_rps": rate,
+            "mode": mode,
+            "repeats": len(pts),
+            "throughput_min": min(p["throughput_tok_s"] for p in pts),
+            "throughput_max": max(p["throughput_tok_s"] for p in pts),
+            "requests": sum(p["requests"] for p in pts),
+            "completed": sum(p["completed"] for p in pts),
+            "errors": sum(p["errors"] for p in pts),
+        }
+        rows.append(row)
+    return rows
+
+
+def load_ratios(points: list[dict], mode: str = "specserve adaptive") -> dict[float, list[float]]:
+    """Per rate, ``mode``'s throughput over gamma 0's within each repeat (the two were measured minutes
+    apart at most, so the machine's slower drift cancels in the ratio)."""
+    by_key = {(p["rate_rps"], p.get("repeat", 0), p["mode"]): p["throughput_tok_s"] for p in points}
+    out: dict[float, list[float]] = {}
+    for (rate, repeat, name), tok_s in sorted(by_key.items()):
+        base = by_key.get((rate, repeat, LOAD_BASE))
+        if name == mode and base:
+            out.setdefault(rate, []).append(tok_s / base)
+    return out
+
+
+def _plots(data: dict, out: Path) -> list[str]:
+    names = []
+    load = load_rows(data["load"])
+    modes = list(dict.fromkeys(p["mode"] for p in load))
+    if load:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for mode in modes:
+            pts = [p for p in load if p["mode"] == mode]
+            rates = [p["rate_rps"] for p in pts]
+            axes[0].plot(rates, [1000 * p["ttft_p50_s"] for p in pts], marker="o", label=mode)
+            axes[1].plot(rates, [1000 * p["itl_p50_s"] for p in pts], marker="o", label=mode)
+        axes[0].set(xlabel="arrival rate (req/s)", ylabel="ms", title="time to first token, p50")
+        axes[1].set(xlabel="arrival rate (req/s)", ylabel="ms", title="inter-token latency, p50")
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "latency_vs_rate.png", dpi=110)
+        plt.close(fig)
+        names.append("latency_vs_rate.png")
+
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        for mode in modes:
+            pts = [p for p in load if p["mode"] == mode]
+            mid = [p["throughput_tok_s"] for p in pts]
+            spread = [
+                [p["throughput_tok_s"] - p["throughput_min"] for p in pts],
+                [p["throughput_max"] - p["throughput_tok_s"] for p in pts],
+            ]
+            ax.errorbar([p["rate_rps"] for p in pts], mid, yerr=spread, marker="o", capsize=3, label=mode)
+        ax.set(
+            xlabel="arrival rate (req/s)",
+            ylabel="committed tokens/s (median, range)",
+            title="throughput under load",
+        )
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "throughput_vs_rate.png", dpi=110)
+        plt.close(fig)
+        names.append("throughput_vs_rate.png")
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for g in (4, 8):
+        runs = [r for r in data["runs"] if r["mode"] == f"specserve gamma={g}" and r["temperature"] == 0]
+        app = [
+            sum(r["accepted_per_position"][i] if i < len(r["accepted_per_position"]) else 0 for r in runs)
+            for i in range(g)
+        ]
+        rounds = sum(r["rounds"] for r in runs)
+        if not rounds:
+            continue
+        reach = [rounds, *app]  # rounds with at least k accepted, k = 0..g
+        hist = [(reach[k] - (reach[k + 1] if k + 1 <= g else 0)) / rounds for k in range(g + 1)]
+        ax.bar([k + (0.2 if g == 8 else -0.2) for k in range(g + 1)], hist, width=0.4, label=f"gamma={g}")
+    ax.set(
+        xlabel="draft tokens accepted in a round",
+        ylabel="fraction of rounds",
+        title="accepted length (greedy, all prompts)",
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "accepted_length_hist.png", dpi=110)
+    plt.close(fig)
+    names.append("accepted_length_hist.png")
+
+    rows = bound_rows(data)
+    if rows:
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        for key in dict.fromkeys(r["key"] for r in rows):
+            sel = [r for r in rows if r["key"] == key]
+            line = ax.plot(
+                [r["gamma"] for r in sel], [r["measured"] for r in sel], marker="o", label=f"{key} measured"
+            )
+            ax.plot(
+                [r["gamma"] for r in sel],
+                [r["predicted"] for r in sel],
+                ls="--",
+                color=line[0].get_color(),
+                label=f"{key} cost model",
+            )
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(xlabel="gamma", ylabel="speedup over HF target-only", title="speedup vs gamma")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "speedup_vs_gamma.png", dpi=110)
+        plt.close(fig)
+        names.append("speedup_vs_gamma.png")
+    return names
+
+
+def _attention_sentence(data: dict) -> str:
+    """Which attention the target's passes ran (runs before 2026-12-04 03:00 UTC say nothing: SDPA)."""
+    from specserve.engine import attention
+
+    if data.get("attention") != attention.ATTENTION:
+        return ""
+    return (
+        " Attention: a pass over several positions reads the grouped key/value heads in place "
+        "(`specserve/engine/attention.py`, the same bits as transformers' SDPA without its copy of the cache), in "
+        "the service and the HF baselines alike."
+    )
+
+
+def _kernels_line(data: dict) -> str:
+    """Which linear kernels the target ran on (specserve/engine/cpu_kernels.py), in the service and the baselines."""
+    if data.get("kernels") != "onednn":
+        return "Target kernels: PyTorch's stock linear kernels, in the service and in the HF baselines."
+    return (
+        "Target kernels: linear layers with weights prepacked for oneDNN (`specserve/engine/cpu_kernels.py`, the "
+        "target service's default on a CPU), in the service and in every HF baseline alike, so that ratios "
+        "compare like with like; the row `hf target-only (stock kernels)` is HF `generate()` with PyTorch's "
+        "stock kernels, what the packed path gains on its own."
+    )
+
+
+def _decode_steps_line(data: dict) -> list[str]:
+    """The coordinator's decode_steps in the run (a report from before it existed says nothing)."""
+    steps = data.get("decode_steps")
+    if steps is None:
+        return []
+    return [
+        f"Rounds without a proposal (gamma = 0, and the adaptive policy's refusals) ask the target for {steps} "
+        "steps per Verify call after the first token (the coordinator's `decode_steps`); each step commits "
+        "what a one-step round would.",
+        "",
+    ]
+
+
+def write_report(data: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    load_file = out / "load.json"
+    if load_file.exists():  # a later --only-load run: its points replace the full run's, with its command
+        load_run = json.loads(load_file.read_text())
+        data = {**data, "load": load_run["load"], "load_run": load_run}
+    plots = _plots(data, out)
+    c = data["costs"]
+    passes = data.get("settings", {}).get("single_repeats", 1)  # --single-repeats (absent in older runs)
+    lines = [
+        "# specserve benchmark report",
+        "",
+        f"Measured {data['date_utc']} UTC on {data['machine']['platform']} "
+        f"({data['machine']['cpus']} torch threads, torch {data['machine']['torch']}, "
+        f"Python {data['machine']['python']}); all figures from one run of:",
+        "",
+        f"```\n{data['command']}\n```",
+        "",
+        f"Models: target `{data['models']['target']}`, draft `{data['models']['draft']}`, float32. "
+        f"Held-out prompts: {'yes' if data['heldout_prompts'] else 'NO (list missing)'} "
+        f"(sets: {', '.join(sorted({k.split(' T=')[0] for k in data['single_stream']}))}). "
+        f"Every generation runs {data['settings']['max_new_tokens']} tokens (EOS ignored) so all modes do the same work. "
+        "specserve runs as one process per role (`specserve up`'s stack); the HF baselines run in the "
+        "benchmark's own process while the stack idles.",
+        "",
+        _kernels_line(data) + _attention_sentence(data),
+        "",
+        *_decode_steps_line(data),
+        "## Targets",
+        "",
+        "| target | met | figures |",
+        "| --- | --- | --- |",
+    ]
+    for name, ok, fig in targets(data):
+        lines.append(f"| {name} | {'yes' if ok else '**missed**'} | {fig} |")
+    gi = data["greedy_identity"]
+    stock_note = (
+        f", and {gi['identical_to_stock_kernels']} of {gi['total']} to HF target-only with PyTorch's stock kernels"
+        if "identical_to_stock_kernels" in gi
+        else ""
+    )
+    lines += [
+        "",
+        f"Greedy exactness check in the same run: {gi['identical']} of {gi['total']} greedy specserve generations "
+        f"were token-identical to HF target-only `generate()`{stock_note}.",
+        "",
+        "## Model costs",
+        "",
+        f"Target decode step {c['target_step_ms']:.2f} ms, draft step {c['draft_step_ms']:.2f} ms "
+        f"(ratio {c['target_step_ms'] / c['draft_step_ms']:.1f}); one target pass over k positions: "
+        + ", ".join(f"k={k + 1}: {v:.2f} ms" for k, v in enumerate(c["verify_ms"]))
+        + "."
+        + _draft_as_run_line(c),
+        "",
+        "## Single stream (ms per committed token: median [q1, q3] over prompts"
+        + (
+            f" and {passes} passes over them, every other pass with the modes in the reverse order)"
+            if passes > 1
+            else ")"
+        ),
+        "",
+    ]
+    for key, group in data["single_stream"].items():
+        hf = group.get("hf target-only", {}).get("ms_per_token_median")
+        g0 = group.get("specserve gamma=0", {}).get("ms_per_token_median")
+        lines += [
+            f"### {key}",
+            "",
+            "| mode | ms/token | vs HF target-only | vs specserve gamma=0 | acceptance | tokens/round |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for mode, m in group.items():
+            med = m["ms_per_token_median"]
+            acc = f"{m['acceptance']:.2f}" if m.get("acceptance") is not None else "-"
+            tpr = f"{m['tokens_per_round']:.2f}" if m.get("tokens_per_round") else "-"
+            lines.append(
+                f"| {mode} | {med:.2f} [{m['ms_per_token_q1']:.2f}, {m['ms_per_token_q3']:.2f}] | "
+                f"{hf / med:.2f}x | {g0 / med:.2f}x | {acc} | {tpr} |"
+            )
+        lines.append("")
+    rows = bound_rows(data)
+    if rows:
+        as_run = all("predicted_as_run" in r for r in rows)
+        lines += [
+            "## The bound: cost-model prediction vs measurement",
+            "",
+            "Predicted speedup = E[tokens per round](alpha, gamma) x target step / (gamma x draft step + "
+            "target pass over gamma + 1 positions), with alpha fitted to each gamma's measured accepted "
+            "tokens per round. Efficiency = measured / predicted (network, gRPC, Redis and Python overheads "
+            "are what it leaves out). The last column is a **projection, not a measurement**: the same "
+            "bound with the same alpha and draft/target cost ratio, but the verify cost of an accelerator "
+            "with spare parallelism (a pass over k positions at "
+            + ", ".join(f"{r:g}x" for r in GPU_LIKE_VERIFY[1:])
+            + " a step for k = 2..9) instead of this CPU's measured one."
+            + (
+                " 'Draft as run': the same bound with the draft step timed right after a target pass, on "
+                "the stack's draft thread count (Model costs), the draft's cost in any speculative round on "
+                "this machine; the efficiency against it is what the service's own overhead leaves (the "
+                "targets are judged against the first bound)."
+                if as_run
+                else ""
+            ),
+            "",
+            "| prompts | gamma | alpha | predicted | measured | efficiency | projected, GPU-like verify |"
+            + (" predicted, draft as run | efficiency vs it |" if as_run else ""),
+            "| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if as_run else ""),
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['key']} | {r['gamma']} | {r['alpha']:.2f} | {r['predicted']:.2f}x | "
+                f"{r['measured']:.2f}x | {r['efficiency']:.0%} | {r['gpu_projection']:.2f}x |"
+                + (f" {r['predicted_as_run']:.2f}x | {r['efficiency_as_run']:.0%} |" if as_run else "")
+            )
+        lines.append("")
+        lines += round_parts_section(rows)
+    if data["load"]:
+        lines += load_section(data.get("load_run") or data)
+    if "sampling_modes" in data:
+        lines += sampling_modes_section(data["sampling_modes"])
+    scaling_file = out / "draft_scaling.json"
+    if scaling_file.exists():
+        scaling = json.loads(scaling_file.read_text())
+        lines += draft_scaling_section(scaling)
+        plots.append(_draft_scaling_plot(scaling, out))
+    prediction_file = out / "prediction.json"
+    if prediction_file.exists():
+        lines += prediction_section(json.loads(prediction_file.read_text()))
+    modes_file = out / "sampling_modes.json"
+    if "sampling_modes" not in data and modes_file.exists():  # from --only-sampling-modes
+        lines += sampling_modes_section(json.loads(modes_file.read_text())["sampling_modes"])
+    overhead_file = out / "overhead.json"
+    if overhead_file.exists():
+        lines += overhead_section(json.loads(overhead_file.read_text()))
+    for latency_file in latency_files(out):
+        lines += latency_section(json.loads(latency_file.read_text()))
+    lines += ["## Plots", ""] + [f"![{n}]({n})" for n in plots] + [""]
+    path = out / "README.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def draft_scaling_section(scaling: dict) -> list[str]:
+    """The draft-scaling table (``specserve/bench/draft_scaling.py``) as Markdown lines."""
+    st = scaling["settings"]
+    rows = {(r["batching"], r["sessions"]): r for r in scaling["summary"]}
+    sessions = sorted({n for _, n in rows})
+    lines = [
+        f"## The draft tier under concurrent sessions (greedy, gamma {st['gamma']}, "
+        f"{st['max_new_tokens']} tokens, median of {st['repeats']} run(s))",
+        "",
+        f"Measured {st['date_utc']} UTC through a stack of one process per role (as `specserve up`); "
+        f"target `{st['target']}`, draft `{st['draft']}`. Batching on: the draft drafts up to "
+        f"{st['draft_batch']} sessions per forward pass; off: each session alone. Per round, from the "
+        "clients' `GenerationStats`: draft = the Propose call as the round saw it (batching wait included), "
+        "verify = the Verify call.",
+        "",
+        "| sessions | draft ms/round on | off | verify ms/round on | off | tok/s on | off | sessions per draft batch on |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def cell(batching: bool, n: int, field: str, fmt: str = "{:.1f}") -> str:
+        r = rows.get((batching, n))
+        return fmt.format(r[field]) if r else "-"
+
+    for n in sessions:
+        lines.append(
+            f"| {n} | {cell(True, n, 'draft_ms_per_round')} | {cell(False, n, 'draft_ms_per_round')} | "
+            f"{cell(True, n, 'verify_ms_per_round')} | {cell(False, n, 'verify_ms_per_round')} | "
+            f"{cell(True, n, 'throughput_tok_s', '{:.0f}')} | {cell(False, n, 'throughput_tok_s', '{:.0f}')} | "
+            f"{cell(True, n, 'sessions_per_draft_batch', '{:.1f}')} |"
+        )
+    one_on, one_off = rows.get((True, 1)), rows.get((False, 1))
+    lines.append("")
+    for n in sessions:
+        on, off = rows.get((True, n)), rows.get((False, n))
+        if n == 16 and on and one_on and off:
+            lines.append(
+                f"At 16 sessions, draft ms per round is {on['draft_ms_per_round'] / one_on['draft_ms_per_round']:.1f}x "
+                f"the single-session figure with batching (without: "
+                f"{off['draft_ms_per_round'] / one_off['draft_ms_per_round']:.1f}x), and throughput is "
+                f"{on['throughput_tok_s'] / off['throughput_tok_s']:.2f}x the unbatched draft's."
+            )
+    errors = sum(r["errors"] for r in scaling["summary"])
+    if errors:
+        lines.append(f"**{errors} generations failed** during the measurement (see `draft_scaling.json`).")
+    lines.append("")
+    return lines
+
+
+def _draft_scaling_plot(scaling: dict, out: Path) -> str:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for batching, style in ((True, "-"), (False, "--")):
+        rows = sorted(
+            (r for r in scaling["summary"] if r["batching"] == batching), key=lambda r: r["sessions"]
+        )
+        if not rows:
+            continue
+        label = "batching on" if batching else "batching off"
+        n = [r["sessions"] for r in rows]
+        axes[0].plot(n, [r["draft_ms_per_round"] for r in rows], style, marker="o", label=f"draft, {label}")
+        axes[0].plot(n, [r["verify_ms_per_round"] for r in rows], style, marker="s", label=f"verify, {label}")
+        axes[1].plot(n, [r["throughput_tok_s"] for r in rows], style, marker="o", label=label)
+    axes[0].set(
+        xscale="log", xlabel="concurrent sessions", ylabel="ms per round", title="draft and verify per round"
+    )
+    axes[1].set(xscale="log", xlabel="concurrent sessions", ylabel="committed tokens/s", title="throughput")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "draft_scaling.png", dpi=110)
+    plt.close(fig)
+    return "draft_scaling.png"
+
+
+def write_draft_scaling(scaling: dict, out: Path) -> Path:
+    """``draft_scaling.json``'s section alone, with its plot, as ``<out>/draft_scaling.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    plot = _draft_scaling_plot(scaling, out)
+    return _write_section(out, "draft_scaling", [*draft_scaling_section(scaling), f"![{plot}]({plot})", ""])
+
+
+def prediction_section(data: dict) -> list[str]:
+    """The Predicted Outputs table (``specserve/bench/prediction.py``) as Markdown lines."""
+    st, verdict = data["settings"], data["verdict"]
+    lines = [
+        f"## Predicted Outputs (greedy, {st['max_new_tokens']} tokens, {st['prompts']} held-out code prompts, "
+        f"{st['repeats']} repeat(s))",
+        "",
+        f"Measured {st['date_utc']} UTC through the benchmark's in-process stack (all three roles in one Python process); target "
+        f"`{st['target']}`, draft `{st['draft']}`. The prediction is the target's own greedy continuation "
+        "(the `gamma=0` run's tokens): as token ids, as text (tokenized by the server), and half wrong (every "
+        f"other block of {st['block']} tokens taken from another prompt's continuation). Speedup: median over "
+        "runs of the prompt's `gamma=0` ms/token over the run's.",
+        "",
+        "| mode | ms/token (median) | speedup vs gamma=0 | accepted prediction / completion "
+        "| rejected prediction / completion | tokens/round | identical to gamma=0 |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in data["summary"]:
+        lines.append(
+            f"| {r['mode']} | {r['ms_per_token']:.2f} | {r['speedup']:.2f}x | "
+            f"{100 * r['accepted_prediction_share']:.0f}% | {100 * r['rejected_prediction_share']:.0f}% | "
+            f"{r['tokens_per_round']:.2f} | {'yes' if r['identical'] else '**no**'} |"
+        )
+    met = "met" if verdict["met"] else "**missed**"
+    lines += [
+        "",
+        f"An exact prediction (adaptive gamma) runs at {verdict['prediction_speedup']:.2f}x the target alone "
+        f"through the service; the issue's target of {verdict['target_speedup']:g}x is {met} in this run.",
+    ]
+    if not verdict["all_identical"]:
+        lines.append(
+            "**Some output differed from gamma = 0** (see `prediction.json`): a bug, greedy output must not."
+        )
+    lines.append("")
+    return lines
+
+
+def load_section(run: dict) -> list[str]:
+    """The load sweep of ``run`` (``bench.json``, or ``load.json`` from ``--only-load``) as Markdown lines:
+    medians per (rate, mode), then adaptive over gamma 0 within each repeat."""
+    settings = run["settings"]
+    rows = load_rows(run["load"])
+    repeats = max((r["repeats"] for r in rows), default=1)
+    lines = [
+        "## Under load (open-loop Poisson arrivals, greedy, "
+        f"{settings['load_max_new_tokens']} tokens per request, {settings['load_duration_s']:g} s per point)",
+        "",
+    ]
+    if run.get("prompt_set"):  # a run of its own (--only-load)
+        lines += [
+            f"Measured {run['date_utc']} UTC, separately from the rest of this report, by:",
+            "",
+            f"```\n{run['command']}\n```",
+            "",
+            f"Prompts: the held-out `{run['prompt_set']}` set, the same arrival schedule for every mode.",
+            "",
+        ]
+    lines += [
+        f"Each point measured {repeats} time(s), interleaved (every repeat sweeps the rates, and at each rate "
+        "runs the modes in a rotated order); figures are medians over the repeats, tok/s with its range.",
+        "",
+        "| rate req/s | mode | done/sent | errors | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | queue p50 ms "
+        "| target passes | target positions | proposed | accepted | wasted |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in rows:
+        spread = f" ({p['throughput_min']:.1f}-{p['throughput_max']:.1f})" if p["repeats"] > 1 else ""
+        lines.append(
+            f"| {p['rate_rps']:g} | {p['mode']} | {p['completed']}/{p['requests']} | {p['errors']} | "
+            f"{p['throughput_tok_s']:.1f}{spread} | "
+            f"{1000 * p['ttft_p50_s']:.0f}/{1000 * p['ttft_p99_s']:.0f} | "
+            f"{1000 * p['itl_p50_s']:.1f}/{1000 * p['itl_p99_s']:.1f} | {1000 * p['queue_p50_s']:.1f} | "
+            f"{p['target_forward_passes']:.0f} | {p['target_positions']:.0f} | {p['proposed_tokens']:.0f} | "
+            f"{p['accepted_tokens']:.0f} | {p['wasted_tokens']:.0f} |"
+        )
+    ratios = load_ratios(run["load"])
+    controls = load_ratios(run["load"], LOAD_CONTROL)
+    if ratios:
+        lines += [
+            "",
+            "Adaptive throughput over gamma = 0's, each repeat's pair measured side by side"
+            + (
+                "; beside it gamma = 0 measured twice, the A/A control: what the machine's noise alone does "
+                "to such a ratio:"
+                if controls
+                else ":"
+            ),
+            "",
+            "| rate req/s | adaptive / gamma 0, per repeat | median |"
+            + (" gamma 0 / gamma 0, per repeat | median |" if controls else ""),
+            "| --- | --- | --- |" + (" --- | --- |" if controls else ""),
+        ]
+        for rate, rs in ratios.items():
+            row = f"| {rate:g} | {', '.join(f'{r:.2f}' for r in rs)} | {statistics.median(rs):.2f} |"
+            cs = controls.get(rate)
+            if cs:
+                row += f" {', '.join(f'{r:.2f}' for r in cs)} | {statistics.median(cs):.2f} |"
+            elif controls:
+                row += " | |"
+            lines.append(row)
+    lines.append("")
+    return lines
+
+
+def _write_section(out: Path, name: str, lines: list[str]) -> Path:
+    """One mode's section alone, as ``<out>/<name>.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def write_load(run: dict, out: Path) -> Path:
+    """``load.json``'s section alone (``--only-load``), as ``<out>/load.md``."""
+    return _write_section(out, "load", load_section(run))
+
+
+def write_prediction(data: dict, out: Path) -> Path:
+    """``prediction.json``'s section alone, as ``<out>/prediction.md``."""
+    return _write_section(out, "prediction", prediction_section(data))
+
+
+def latency_files(out: Path) -> list[Path]:
+    """``latency.json`` and any further latency runs kept beside it (``latency_<name>.json``, say one tier
+    behind the delay with more repeats), in that order."""
+    first = [out / "latency.json"] if (out / "latency.json").exists() else []
+    return first + sorted(out.glob("latency_*.json"))
+
+
+def write_latency(data: dict, out: Path, name: str = "latency") -> Path:
+    """A latency run's section alone, as ``<out>/<name>.md`` (``latency.json``: ``latency.md``)."""
+    return _write_section(out, name, latency_section(data))
+
+
+if __name__ == "__main__":
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks")
+    if (folder / "bench.json").exists():
+        write_report(json.loads((folder / "bench.json").read_text()), folder)
+    if (folder / "draft_scaling.json").exists():
+        write_draft_scaling(json.loads((folder / "draft_scaling.json").read_text()), folder)
+    if (folder / "prediction.json").exists():
+        write_prediction(json.loads((folder / "prediction.json").read_text()), folder)
+    for latency_file in latency_files(folder):
+        write_latency(json.loads(latency_file.read_text()), folder, latency_file.stem)
+    if (folder / "load.json").exists():
+        write_load(json.loads((folder / "load.json").read_text()), folder)

@@ -1,0 +1,349 @@
+"""Coupled against optimal sampling: what the drafter-invariant mode costs, measured through the service.
+
+``specserve bench --only-sampling-modes`` (or ``--sampling-modes`` with the rest
+of the harness) runs, on held-out prompt sets, every prompt at each temperature
+(default 0.7 and 1.0) and gamma setting (default adaptive and 4) in both
+sampling modes, back to back with the same seed (the order alternating from
+prompt to prompt, so drift on a shared machine hits both modes alike), through
+the whole gRPC path of one local stack. It reports per prompt set, temperature
+and gamma, for each mode: draft-token acceptance, tokens per round, ms per
+committed token (median over prompts) and tokens/s (all tokens over all time);
+and the throughput coupled mode loses against optimal.
+
+It also checks the coupled mode's promise live: for each prompt and
+temperature, the coupled outputs under every gamma setting must be identical
+(``coupled_identical``).
+
+**Choosing the default** (the rule the issue set): ``optimal`` stays the
+default unless the coupled mode loses less than :data:`THROUGHPUT_LOSS_LIMIT`
+(5%) of throughput under the adaptive policy (the service's default gamma)
+at every measured temperature, over all prompt sets together. The verdict is
+in the JSON (``verdict``) and the report; the default itself is
+``specserve.api.params.DEFAULT_SAMPLING_MODE``, changed by hand when a run on the
+production pair says so.
+
+Prompt sets: ``chat`` and ``chat-code`` are the held-out chat and code
+conversations of :mod:`specserve.bench.chat_prompts` (first turn, the tokenizer's chat
+template applied), for a chat pair such as the default SmolLM2 pair; ``code``
+and ``prose`` are the held-out standard-library cuts of :mod:`specserve.bench.prompts`
+(the embedded demo pair). The default is ``chat chat-code`` when the target's
+tokenizer has a chat template, else ``code prose``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from specserve.bench.chat_prompts import copy_prompts, heldout_prompts
+from specserve.bench.prompts import code_prompts, heldout_files, prose_prompts
+
+MODES = ("optimal", "coupled")
+PROMPT_SETS = ("chat", "chat-code", "copy", "code", "prose")
+TEMPERATURES = (0.7, 1.0)
+#: Gamma settings: "auto" is the adaptive policy (the service's default), an integer a fixed gamma.
+GAMMAS = ("auto", "4")
+#: Coupled mode may become the default only if it loses less than this share of throughput.
+THROUGHPUT_LOSS_LIMIT = 0.05
+
+
+def default_prompt_sets(tokenizer, *, copy: bool = False) -> list[str]:
+    """``chat chat-code`` (and ``copy`` if asked) for a tokenizer with a chat template, ``code prose`` otherwise."""
+    if getattr(tokenizer, "chat_template", None):
+        return ["chat", "chat-code", *(["copy"] if copy else [])]
+    return ["code", "prose"]
+
+
+def load_prompt_sets(
+    names: list[str], tokenizer, target_dir: Path, n: int, max_chars: int
+) -> dict[str, list[tuple[str, list[int]]]]:
+    """``{set: [(prompt name, token ids), ...]}``, ``n`` held-out prompts per set."""
+    out: dict[str, list[tuple[str, list[int]]]] = {}
+    files = None
+    for name in names:
+        if name in ("chat", "chat-code"):
+            prompts = heldout_prompts("chat" if name == "chat" else "code", n)
+            out[name] = [(p.name, _chat_ids(tokenizer, p.messages)) for p in prompts]
+        elif name == "copy":
+            out[name] = [(p.name, _chat_ids(tokenizer, p.messages)) for p in copy_prompts(n)]
+        else:
+            if files is None:
+                files, _ = heldout_files(target_dir)
+            cut = (
+                code_prompts(files, n, max_chars)
+                if name == "code"
+                else prose_prompts(files, n, max_chars // 2)
+            )
+            out[name] = [(p.name, tokenizer(p.text).input_ids) for p in cut]
+        if not out[name]:
+            raise ValueError(f"prompt set {name!r} is empty")
+    return out
+
+
+def _chat_ids(tokenizer, messages) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    else:  # a tokenizer without a template (a test pair): the user turns as plain text
+        text = "\n".join(m["content"] for m in messages) + "\n"
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+async def _generate(
+    client, ids: list[int], *, mode: str, temperature: float, gamma: str, seed: int, max_new: int
+):
+    stream = client.stream(
+        prompt_token_ids=ids,
+        max_new_tokens=max_new,
+        temperature=temperature,
+        seed=seed,
+        ignore_eos=True,
+        gamma=None if gamma == "auto" else int(gamma),
+        sampling_mode=mode,
+    )
+    start = time.perf_counter()
+    tokens: list[int] = []
+    async for chunk in stream:
+        tokens.extend(chunk.token_ids)
+    total = time.perf_counter() - start
+    s = stream.stats
+    return {
+        "tokens": len(tokens),
+        "total_s": total,
+        "ms_per_token": 1000.0 * total / max(len(tokens), 1),
+        "proposed": s.proposed_tokens,
+        "accepted": s.accepted_tokens,
+        "rounds": s.rounds,
+        "token_ids": tokens,
+    }
+
+
+async def measure(
+    client,
+    prompt_sets: dict[str, list[tuple[str, list[int]]]],
+    *,
+    temperatures=TEMPERATURES,
+    gammas=GAMMAS,
+    max_new: int,
+    seed: int,
+    progress=None,
+) -> list[dict[str, Any]]:
+    """Every (set, prompt, temperature, gamma) in both modes, same seed, alternating order; one dict per run."""
+    runs: list[dict[str, Any]] = []
+    jobs = [
+        (set_name, index, name, ids, t, g)
+        for set_name, prompts in prompt_sets.items()
+        for index, (name, ids) in enumerate(prompts)
+        for t in temperatures
+        for g in gammas
+    ]
+    for set_name, index, name, ids, temperature, gamma in jobs:
+        order = MODES if index % 2 == 0 else MODES[::-1]
+        for mode in order:
+            run = await _generate(
+                client,
+                ids,
+                mode=mode,
+                temperature=temperature,
+                gamma=str(gamma),
+                seed=seed + index,
+                max_new=max_new,
+            )
+            runs.append(
+                {
+                    "set": set_name,
+                    "prompt": name,
+                    "temperature": temperature,
+                    "gamma": str(gamma),
+                    "mode": mode,
+                    **run,
+                }
+            )
+            if progress is not None:
+                progress()
+    return runs
+
+
+def _group(runs: list[dict]) -> dict[str, Any]:
+    proposed = sum(r["proposed"] for r in runs)
+    rounds = sum(r["rounds"] for r in runs)
+    total_s = sum(r["total_s"] for r in runs)
+    tokens = sum(r["tokens"] for r in runs)
+    return {
+        "n": len(runs),
+        "acceptance": sum(r["accepted"] for r in runs) / proposed if proposed else None,
+        "tokens_per_round": tokens / rounds if rounds else None,
+        "ms_per_token_median": statistics.median(r["ms_per_token"] for r in runs),
+        "tokens_per_s": tokens / total_s if total_s else 0.0,
+    }
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per (set, temperature, gamma) and over all sets per (temperature, gamma): each mode's figures,
+    coupled's throughput relative to optimal; the live invariance check; the verdict on the default."""
+    by_key: dict[str, Any] = {}
+    keys = dict.fromkeys((r["set"], r["temperature"], r["gamma"]) for r in runs)
+    for set_name, t, g in [*keys, *dict.fromkeys(("all", r["temperature"], r["gamma"]) for r in runs)]:
+        sel = [
+            r
+            for r in runs
+            if (set_name == "all" or r["set"] == set_name) and (r["temperature"], r["gamma"]) == (t, g)
+        ]
+        group = {mode: _group([r for r in sel if r["mode"] == mode]) for mode in MODES}
+        opt, cpl = group["optimal"]["tokens_per_s"], group["coupled"]["tokens_per_s"]
+        group["coupled_throughput_vs_optimal"] = cpl / opt if opt else None
+        by_key[f"{set_name} T={t:g} gamma={g}"] = group
+    identical = total = 0
+    for _key, sel in itertools.groupby(
+        sorted(
+            (r for r in runs if r["mode"] == "coupled"),
+            key=lambda r: (r["set"], r["prompt"], r["temperature"]),
+        ),
+        key=lambda r: (r["set"], r["prompt"], r["temperature"]),
+    ):
+        outputs = [tuple(r["token_ids"]) for r in sel]
+        total += 1
+        identical += len(set(outputs)) == 1
+    return {
+        "groups": by_key,
+        "coupled_identical": {"identical": identical, "total": total},
+        "verdict": verdict(by_key),
+    }
+
+
+def verdict(groups: dict[str, Any]) -> dict[str, Any]:
+    """The default by the rule of the module docstring, with the losses it rests on."""
+    basis = [k for k in groups if k.startswith("all ") and k.endswith("gamma=auto")]
+    if not basis:  # adaptive not measured: judge on every gamma measured
+        basis = [k for k in groups if k.startswith("all ")]
+    losses = {
+        k: 1.0 - groups[k]["coupled_throughput_vs_optimal"]
+        for k in basis
+        if groups[k]["coupled_throughput_vs_optimal"]
+    }
+    worst = max(losses.values()) if losses else None
+    default = "coupled" if worst is not None and worst < THROUGHPUT_LOSS_LIMIT else "optimal"
+    return {"losses": losses, "worst_loss": worst, "limit": THROUGHPUT_LOSS_LIMIT, "default": default}
+
+
+def section(data: dict[str, Any]) -> list[str]:
+    """The report's Markdown section for ``data`` (what :func:`summarize` returned, plus settings)."""
+    groups, ident, v = data["groups"], data["coupled_identical"], data["verdict"]
+    lines = [
+        "## Sampling modes: coupled against optimal",
+        "",
+        "Each prompt at each temperature and gamma in both modes, same seed, back to back "
+        f"({data['max_new_tokens']} tokens per generation, EOS ignored). Acceptance = accepted / proposed "
+        "draft tokens; tokens/s = all committed tokens over all wall time; coupled/optimal = the ratio of "
+        "their tokens/s.",
+        "",
+        "| prompts | temperature | gamma | acceptance optimal / coupled | tokens/round optimal / coupled "
+        "| ms/token optimal / coupled | coupled/optimal throughput |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    for key, g in groups.items():
+        set_name, t, gamma = key.split(" ")
+        o, c = g["optimal"], g["coupled"]
+        lines.append(
+            f"| {set_name} | {t[2:]} | {gamma[6:]} | {fmt(o['acceptance'], '.2f')} / {fmt(c['acceptance'], '.2f')} "
+            f"| {fmt(o['tokens_per_round'], '.2f')} / {fmt(c['tokens_per_round'], '.2f')} "
+            f"| {o['ms_per_token_median']:.2f} / {c['ms_per_token_median']:.2f} "
+            f"| {fmt(g['coupled_throughput_vs_optimal'], '.3f')} |"
+        )
+    worst = "-" if v["worst_loss"] is None else f"{100 * v['worst_loss']:.1f}%"
+    lines += [
+        "",
+        f"Drafter invariance, checked live: {ident['identical']} of {ident['total']} (prompt, temperature) "
+        "pairs gave the same coupled output under every gamma setting.",
+        "",
+        f"**Default: `{v['default']}`.** Rule: coupled becomes the default only if it loses less than "
+        f"{100 * v['limit']:.0f}% of throughput with the adaptive policy at every temperature, all prompt "
+        f"sets together; the worst loss measured here is {worst}. The default lives in "
+        "`specserve/api/params.py` (`DEFAULT_SAMPLING_MODE`).",
+        "",
+    ]
+    return lines
+
+
+async def run_phase(client, tokenizer, args) -> dict[str, Any]:
+    """The phase through ``client`` with the harness's ``--mode-*`` settings: summary, settings and runs."""
+    names = args.mode_prompt_sets or default_prompt_sets(tokenizer)
+    sets = load_prompt_sets(names, tokenizer, args.target, args.mode_prompts, args.prompt_chars)
+    total = (
+        sum(len(p) for p in sets.values()) * len(args.mode_temperatures) * len(args.mode_gammas) * len(MODES)
+    )
+    bar = tqdm(total=total, desc="sampling modes", unit="gen")
+    runs = await measure(
+        client,
+        sets,
+        temperatures=args.mode_temperatures,
+        gammas=args.mode_gammas,
+        max_new=args.mode_max_new_tokens,
+        seed=args.seed,
+        progress=bar.update,
+    )
+    bar.close()
+    return {
+        **summarize(runs),
+        "prompt_sets": {name: [n for n, _ in prompts] for name, prompts in sets.items()},
+        "temperatures": list(args.mode_temperatures),
+        "gammas": list(args.mode_gammas),
+        "max_new_tokens": args.mode_max_new_tokens,
+        "runs": runs,
+    }
+
+
+async def run_only(args) -> dict[str, Any]:
+    """The phase alone (``--only-sampling-modes``): one local stack, no models loaded in this process."""
+    from transformers import AutoTokenizer
+
+    from specserve.client import AsyncClient
+    from specserve.launch.local import start_local_stack
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
+    stack = await start_local_stack(
+        target_model=args.target, draft_model=args.draft, redis_url=args.redis_url
+    )
+    try:
+        async with AsyncClient(stack.address, timeout=600) as client:
+            for mode in MODES:  # warm-up
+                await client.generate(
+                    prompt_token_ids=[1, 2, 3], max_new_tokens=4, seed=0, sampling_mode=mode
+                )
+            modes = await run_phase(client, tokenizer, args)
+    finally:
+        await stack.stop()
+    return {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "models": {"target": str(args.target), "draft": str(args.draft)},
+        "sampling_modes": modes,
+    }
+
+
+def write(data: dict[str, Any], out: Path) -> list[Path]:
+    """``<out>/sampling_modes.json`` and ``<out>/sampling_modes.md`` of a ``--only-sampling-modes`` run."""
+    out.mkdir(parents=True, exist_ok=True)
+    raw = out / "sampling_modes.json"
+    raw.write_text(json.dumps(data, indent=1) + "\n")
+    header = [
+        "# specserve: sampling modes",
+        "",
+        f"Measured {data['date_utc']} UTC on {data['machine']['platform']} "
+        f"({data['machine']['cpus']} torch threads, torch {data['machine']['torch']}); "
+        f"target `{data['models']['target']}`, draft `{data['models']['draft']}`; one run of:",
+        "",
+        f"```\n{data['command']}\n```",
+        "",
+    ]
+    report = out / "sampling_modes.md"
+    report.write_text("\n".join(header + section(data["sampling_modes"])))
+    return [raw, report]

@@ -1,0 +1,1 @@
+"""The launcher: the ``specserve`` command, the local stack, the demo, a private Redis."""

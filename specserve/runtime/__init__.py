@@ -1,0 +1,1 @@
+"""Plumbing every role shares: the gRPC server shell, interceptors, settings, logs, metrics, the Redis store."""

@@ -1,0 +1,280 @@
+"""specserve.engine.kvcache: a session's KV cache with an explicit branch, and the per-service store.
+
+Each check compares against a fresh prefill of the same tokens (no cache), in float32,
+within 1e-4, on real tiny Llama and GPT-2 models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny_models
+import torch
+
+from specserve.api.errors import InvalidArgument, NotFound
+from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len
+from specserve.engine.models import load_model
+
+ATOL = 1e-4
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 11]
+BRANCH = [64, 65, 66, 67, 68]  # gamma = 5 draft tokens
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def model(request, tmp_path_factory):
+    target_dir, _ = tiny_models.make_tiny_pair(tmp_path_factory.mktemp(request.param), arch=request.param)
+    return load_model(target_dir).model
+
+
+@torch.inference_mode()
+def fresh_logits(model, tokens) -> torch.Tensor:
+    """Logits [len(tokens), vocab] of a fresh prefill (no cache)."""
+    return model(input_ids=torch.tensor([tokens])).logits[0].float()
+
+
+def assert_consistent(cache: SessionCache, expected_tokens, committed_len: int) -> None:
+    assert cache.tokens == tuple(expected_tokens)
+    assert cache.committed_len == committed_len
+    assert cache._cache.get_seq_length() == len(expected_tokens)  # KV rows agree with the token list
+
+
+def test_common_prefix_len():
+    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_len([], [1]) == 0
+    assert common_prefix_len([1, 2], [1, 2, 3]) == 2
+
+
+def test_reconcile_from_cold_equals_fresh_prefill(model):
+    cache = SessionCache(model, "s")
+    r = cache.reconcile(PROMPT)
+    assert (r.kept, r.fed) == (0, len(PROMPT))
+    assert_consistent(cache, PROMPT, len(PROMPT))
+    torch.testing.assert_close(r.logits, fresh_logits(model, PROMPT)[-1], atol=ATOL, rtol=0)
+    # Same C again: the last token is cropped and re-fed to produce its logits.
+    again = cache.reconcile(PROMPT)
+    assert (again.kept, again.fed) == (len(PROMPT) - 1, 1)
+    torch.testing.assert_close(again.logits, r.logits, atol=ATOL, rtol=0)
+
+
+def test_extend_logits_equal_fresh_prefill(model):
+    cache = SessionCache(model, "s")
+    cache.reconcile(PROMPT)
+    rows = cache.extend(BRANCH)  # [gamma, vocab]
+    assert rows.shape == (len(BRANCH), cache.vocab_size)
+    assert_consistent(cache, PROMPT + BRANCH, len(PROMPT))
+    assert cache.branch_len == len(BRANCH)
+    torch.testing.assert_close(rows, fresh_logits(model, PROMPT + BRANCH)[len(PROMPT) :], atol=ATOL, rtol=0)
+
+
+def test_extend_keeps_the_logits_asked_for_and_refuses_a_count_it_cannot_give(model):
+    """``logits_to_keep``: the output head runs on the last rows only, which equal those of a full
+    extend; a count outside 1..n is refused before anything is fed."""
+    cache = SessionCache(model, "s")
+    tail = cache.extend(PROMPT + BRANCH, logits_to_keep=3)  # [3, vocab]
+    assert tail.shape == (3, cache.vocab_size)
+    torch.testing.assert_close(tail, fresh_logits(model, PROMPT + BRANCH)[-3:], atol=ATOL, rtol=0)
+    for bad in (0, 3):
+        with pytest.raises(InvalidArgument, match="logits_to_keep"):
+            cache.extend(BRANCH[:2], logits_to_keep=bad)
+    assert cache.tokens == tuple(PROMPT + BRANCH)  # the refused calls fed nothing
+
+
+@pytest.mark.parametrize("accepted", [0, 2, len(BRANCH)], ids=["first", "middle", "last"])
+def test_target_round_rejection_points(model, accepted):
+    """Target-style round: pending token + gamma proposals fed, `accepted` kept, a correction/bonus appended."""
+    cache = SessionCache(model, "s")
+    r = cache.reconcile(PROMPT, pending=True)
+    assert r.logits is None
+    assert_consistent(cache, PROMPT[:-1], len(PROMPT) - 1)
+    rows = cache.extend([PROMPT[-1], *BRANCH])  # [gamma + 1, vocab]
+    torch.testing.assert_close(
+        rows, fresh_logits(model, PROMPT + BRANCH)[len(PROMPT) - 1 :], atol=ATOL, rtol=0
+    )
+    cache.commit(1 + accepted)
+    removed = cache.rollback()
+    assert removed == len(BRANCH) - accepted
+    committed = PROMPT + BRANCH[:accepted]
+    assert_consistent(cache, committed, len(committed))
+    new_c = [*committed, 200]  # + correction (or bonus) token, now the pending one
+    r2 = cache.reconcile(new_c, pending=True)
+    assert r2.fed == 0 and r2.kept == len(committed)
+    assert_consistent(cache, committed, len(committed))
+    nxt = cache.extend([200])[-1]
+    torch.testing.assert_close(nxt, fresh_logits(model, new_c)[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("accepted", [0, 2, len(BRANCH)], ids=["first", "middle", "last"])
+def test_draft_round_rejection_points(model, accepted):
+    """Draft-style round: cache holds C + x1..x_{gamma-1}; the next reconcile keeps the accepted tokens."""
+    cache = SessionCache(model, "s")
+    cache.reconcile(PROMPT)
+    cache.extend(BRANCH[:-1])
+    new_c = [*PROMPT, *BRANCH[:accepted], 201]
+    r = cache.reconcile(new_c)
+    assert r.kept == len(PROMPT) + min(accepted, len(BRANCH) - 1)
+    assert r.fed == len(new_c) - r.kept
+    assert_consistent(cache, new_c, len(new_c))
+    torch.testing.assert_close(r.logits, fresh_logits(model, new_c)[-1], atol=ATOL, rtol=0)
+
+
+def test_reconcile_with_a_diverging_history_crops_and_refeeds(model):
+    cache = SessionCache(model, "s")
+    cache.reconcile(PROMPT)
+    other = [*PROMPT[:3], 300, 301]
+    r = cache.reconcile(other)
+    assert (r.kept, r.fed) == (3, 2)
+    assert_consistent(cache, other, len(other))
+    torch.testing.assert_close(r.logits, fresh_logits(model, other)[-1], atol=ATOL, rtol=0)
+    shorter = PROMPT[:2]
+    r = cache.reconcile(shorter, pending=True)
+    assert_consistent(cache, shorter[:1], 1)
+
+
+def test_append_kv_from_elsewhere_matches_own_feed(model):
+    """KV computed by another cache (as a batched pass would) appended as a branch gives identical logits."""
+    donor = SessionCache(model, "donor")
+    donor.reconcile(PROMPT + BRANCH)
+    start = len(PROMPT) - 1
+    new_kv = [(k[:, :, start:, :], v[:, :, start:, :]) for k, v in donor.layer_kv()]
+    cache = SessionCache(model, "s")
+    cache.reconcile(PROMPT, pending=True)
+    cache.append_kv(new_kv, [PROMPT[-1], *BRANCH])
+    assert_consistent(cache, PROMPT + BRANCH, len(PROMPT) - 1)
+    for (k1, v1), (k2, v2) in zip(cache.layer_kv(), donor.layer_kv(), strict=True):
+        assert k1.shape == k2.shape
+        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v1, v2, atol=1e-5, rtol=0)
+    cache.commit(3)
+    cache.rollback()
+    c = PROMPT + BRANCH[:2]
+    r = cache.reconcile(c)
+    torch.testing.assert_close(r.logits, fresh_logits(model, c)[-1], atol=ATOL, rtol=0)
+    with pytest.raises(InvalidArgument, match="layers"):
+        cache.append_kv(new_kv[:1], [PROMPT[-1], *BRANCH])
+    with pytest.raises(InvalidArgument, match="must be"):
+        cache.append_kv(new_kv, [1, 2])
+    assert_consistent(cache, c, len(c))  # the refused appends changed nothing
+
+
+def test_bad_operations_are_refused_and_change_nothing(model):
+    cache = SessionCache(model, "s")
+    cache.reconcile(PROMPT)
+    cache.extend(BRANCH)
+    with pytest.raises(InvalidArgument, match="out of range"):
+        cache.extend([cache.vocab_size])
+    with pytest.raises(InvalidArgument, match="out of range"):
+        cache.reconcile([*PROMPT, -1])
+    with pytest.raises(InvalidArgument, match="cannot commit"):
+        cache.commit(len(BRANCH) + 1)
+    with pytest.raises(InvalidArgument, match="empty"):
+        cache.reconcile([])
+    assert_consistent(cache, PROMPT + BRANCH, len(PROMPT))
+
+
+def test_nbytes_follows_the_cached_tokens(model):
+    cache = SessionCache(model, "s")
+    assert cache.nbytes == 0
+    cache.reconcile(PROMPT)
+    per_token = cache.nbytes / len(PROMPT)
+    assert per_token > 0
+    cache.extend(BRANCH)
+    assert cache.nbytes == per_token * (len(PROMPT) + len(BRANCH))
+    cache.rollback()
+    assert cache.nbytes == per_token * len(PROMPT)
+
+
+class FakeClock:
+    """A manual monotonic clock (the only fake here: it stands in for time passing)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_store_evicts_least_recently_used_by_count(model):
+    store = SessionCacheStore(model, max_sessions=2, budget_bytes=10**9, ttl_s=60)
+    a, created = store.get_or_create("a")
+    assert created
+    store.get_or_create("b")
+    assert store.get_or_create("a") == (a, False)  # a is now most recently used
+    store.get_or_create("c")
+    assert store.session_ids() == ["a", "c"]
+    assert "b" not in store and len(store) == 2
+
+
+def test_store_evicts_by_byte_budget(model):
+    probe = SessionCache(model, "probe")
+    probe.reconcile(PROMPT)
+    one_session = probe.nbytes
+    store = SessionCacheStore(model, max_sessions=10, budget_bytes=int(one_session * 1.5), ttl_s=60)
+    store.get_or_create("a")[0].reconcile(PROMPT)
+    store.get_or_create("b")[0].reconcile(PROMPT)
+    assert store.total_bytes == 2 * one_session
+    evicted = store.trim(protect=("b",))
+    assert evicted == ["a"]
+    assert store.session_ids() == ["b"] and store.total_bytes == one_session
+    # A protected session alone over the budget is kept.
+    store.get("b").extend(BRANCH * 2)
+    assert store.trim(protect=("b",)) == [] and "b" in store
+
+
+def test_store_releases_idle_sessions_after_ttl(model):
+    clock = FakeClock()
+    store = SessionCacheStore(model, max_sessions=10, budget_bytes=10**9, ttl_s=30, clock=clock)
+    store.get_or_create("old")
+    clock.now += 20
+    store.get_or_create("young")
+    clock.now += 15  # old idle 35 s > 30, young idle 15 s
+    assert store.release_expired() == ["old"]
+    assert store.session_ids() == ["young"]
+    clock.now += 31
+    store.get_or_create("new")  # creating also releases what expired
+    assert store.session_ids() == ["new"]
+
+
+def test_release_and_unknown_session(model):
+    store = SessionCacheStore(model, max_sessions=4, budget_bytes=10**9, ttl_s=60)
+    store.get_or_create("a")
+    store.release("a")
+    assert "a" not in store
+    with pytest.raises(NotFound, match="'a'"):
+        store.release("a")
+    assert store.get("a") is None
+
+
+def test_evicted_session_is_rebuilt_with_identical_logits(model):
+    store = SessionCacheStore(model, max_sessions=1, budget_bytes=10**9, ttl_s=60)
+    cache, _ = store.get_or_create("s")
+    cache.reconcile(PROMPT)
+    cache.extend(BRANCH[:3])
+    c = PROMPT + BRANCH[:2] + [9]
+    before = cache.reconcile(c).logits
+    store.get_or_create("other")  # evicts "s"
+    assert "s" not in store
+    rebuilt, created = store.get_or_create("s")
+    assert created and rebuilt.tokens == ()
+    r = rebuilt.reconcile(c)
+    assert r.fed == len(c)
+    torch.testing.assert_close(r.logits, before, atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        rebuilt.extend([4, 5]), fresh_logits(model, [*c, 4, 5])[-2:], atol=ATOL, rtol=0
+    )
+
+
+def test_store_checks_its_config(model):
+    with pytest.raises(ValueError, match="max_sessions"):
+        SessionCacheStore(model, max_sessions=0, budget_bytes=1, ttl_s=1)
+    with pytest.raises(ValueError, match="ttl_s"):
+        SessionCacheStore(model, max_sessions=1, budget_bytes=1, ttl_s=0)
+
+
+def test_context_limit_is_refused_without_changing_the_cache(model):
+    cache = SessionCache(model, "s")
+    cache.reconcile(PROMPT)
+    assert cache.max_positions == 512
+    with pytest.raises(InvalidArgument, match="at most 512 positions"):
+        cache.reconcile([1] * 513)
+    with pytest.raises(InvalidArgument, match="at most 512 positions"):
+        cache.extend([1] * (513 - len(PROMPT)))
+    assert_consistent(cache, PROMPT, len(PROMPT))
