@@ -6,14 +6,14 @@
 replica's :class:`~specserve.engine.model_thread.ModelThread`.
 
 A call (:meth:`DraftEngine.propose_batch`; :meth:`DraftEngine.propose` is a call
-of one) is handled in three parts:
+of one) is handled in two parts:
 
 1. **On the event loop, in arrival order**: each item's committed prefix ``C``
    is resolved against the history (the ``start_position`` protocol) and
-   recorded. A bad item gets its own error; the others go on.
-2. **Proposers without a model** (n-gram) draft at once, on the event loop:
-   they never wait for a batch or for the model thread.
-3. **Model work** joins the replica's queue. The model thread takes everything
+   recorded. A bad item gets its own error; the others go on. An item for the
+   n-gram proposer is refused with FAILED_PRECONDITION: the coordinator drafts
+   n-grams itself, with no draft call.
+2. **Model work** joins the replica's queue. The model thread takes everything
    queued, up to ``max_batch_size`` items at a time, and drafts it with one
    forward pass per draft step (:meth:`~draft_service.proposers.ModelProposer.propose_batch`):
    items of one call, of calls that arrived together, and of calls that
@@ -116,11 +116,6 @@ class DraftEngine:
                 request, proposer = self._resolve(call)
                 if call.gamma == 0:
                     outcomes[i] = self._result(call, Drafted(token_ids=(), probs_f32=None), start)
-                elif not proposer.needs_model:
-                    outcome = proposer.propose_batch([request])[0]
-                    outcomes[i] = (
-                        outcome if isinstance(outcome, SpecServeError) else self._result(call, outcome, start)
-                    )
                 else:
                     future: asyncio.Future[Drafted] = loop.create_future()
                     self._queue.append(_Job(request, proposer, future, loop))
@@ -172,6 +167,11 @@ class DraftEngine:
 
     def _resolve(self, call: ProposeCall) -> tuple[DraftRequest, Proposer]:
         proposer = self.proposers.get(call.proposer)
+        if proposer is None and call.proposer == common_pb2.PROPOSER_KIND_NGRAM:
+            raise FailedPrecondition(
+                "a draft server does not draft n-grams: the coordinator drafts the n-gram proposer itself, "
+                "with no draft call; send PROPOSER_KIND_MODEL"
+            )
         if proposer is None:
             name = common_pb2.ProposerKind.Name(call.proposer)
             raise FailedPrecondition(f"this draft server has no {name} proposer; use one of {self._kinds()}")

@@ -1,4 +1,4 @@
-"""Proposers: one small class per way of drafting tokens, behind one short interface.
+"""The draft tier's proposer: the draft model, behind the short :class:`Proposer` interface.
 
 A proposer gets a session's committed tokens ``C`` and drafts up to ``gamma``
 tokens after them, returning a :class:`Drafted` (the tokens and the exact float32
@@ -7,23 +7,15 @@ verifier: the target rebuilds ``q`` from the wire form with
 ``specserve.core.proposal.draft_probs_from_pb`` (docs/design.md, "Conventions":
 the proposer and the verifier never import each other).
 
-* :class:`ModelProposer`: the draft model. It samples ``x_i`` from its own logits
-  processed exactly as the target processes its own (``SamplingParams``),
-  optionally truncated to ``draft_top_k``; the vector it samples from is the one
-  it ships (:func:`draft_distribution`). It drafts many sessions at once
-  (:meth:`ModelProposer.propose_batch`): one forward pass per draft step for
-  all of them, and a session drafted in a batch gets exactly what it gets
-  alone (see the class).
-* :class:`NgramProposer`: prompt lookup (no model). It finds the first
-  occurrence of the last ``n`` tokens of ``C`` (``n`` from ``max_n`` down to
-  ``min_n``) and proposes what followed it, as point masses
-  (:func:`specserve.core.ngram.ngram_lookup`, the one implementation, which the
-  coordinator runs itself today without a draft call; this proposer answers
-  coordinators older than that).
-
-A proposer with ``needs_model`` set runs on the draft's model thread and is
-handed batches; one without (n-gram) is called at once, never waiting for a
-batch or for the model (``draft_service/engine.py``).
+:class:`ModelProposer` is the draft model. It samples ``x_i`` from its own
+logits processed exactly as the target processes its own (``SamplingParams``),
+optionally truncated to ``draft_top_k``; the vector it samples from is the one
+it ships (:func:`draft_distribution`). It drafts many sessions at once
+(:meth:`ModelProposer.propose_batch`): one forward pass per draft step for all
+of them, and a session drafted in a batch gets exactly what it gets alone (see
+the class). The n-gram proposer (prompt lookup) needs no model and runs in the
+coordinator (``coordinator/local_proposers.py``); a draft server refuses a
+Propose for it with FAILED_PRECONDITION (``draft_service/engine.py``).
 
 Randomness: the token at absolute position ``j`` is drawn with
 ``uniform(seed, j, Purpose.DRAFT)`` (``specserve.core.rng``). In the coupled
@@ -45,7 +37,6 @@ import torch
 
 from specserve.api.errors import InvalidArgument, SpecServeError
 from specserve.api.params import SamplingParams
-from specserve.core.ngram import ngram_lookup
 from specserve.core.rng import Purpose, gumbel_noise, uniform
 from specserve.core.sampling import (
     check_distribution,
@@ -158,8 +149,6 @@ class Proposer(abc.ABC):
 
     #: The ``ProposerKind`` this class implements.
     kind: ClassVar[int]
-    #: Whether it runs the draft model: then it runs on the model thread, a batch at a time.
-    needs_model: ClassVar[bool] = False
 
     @abc.abstractmethod
     def propose(self, request: DraftRequest) -> Drafted:
@@ -241,7 +230,6 @@ class ModelProposer(Proposer):
     """
 
     kind = common_pb2.PROPOSER_KIND_MODEL
-    needs_model = True
 
     def __init__(
         self, caches: SessionCacheStore, *, inline_catchup_max: int = 32, kernels: Kernels = "stock"
@@ -392,18 +380,3 @@ class ModelProposer(Proposer):
         self.caches.release(session_id)
         return True
 
-
-class NgramProposer(Proposer):
-    """Prompt lookup over the session's own tokens; point-mass proposals, no model."""
-
-    kind = common_pb2.PROPOSER_KIND_NGRAM
-
-    def __init__(self, *, max_n: int = 3, min_n: int = 1) -> None:
-        if not 1 <= min_n <= max_n:
-            raise InvalidArgument(f"need 1 <= min_n <= max_n, got min_n={min_n} max_n={max_n}")
-        self.max_n = max_n
-        self.min_n = min_n
-
-    def propose(self, request: DraftRequest) -> Drafted:
-        tokens = ngram_lookup(request.committed, request.gamma, max_n=self.max_n, min_n=self.min_n)
-        return Drafted(token_ids=tokens, probs_f32=None)

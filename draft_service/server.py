@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from draft_service.engine import DraftEngine
 from draft_service.history import CommittedHistory
-from draft_service.proposers import ModelProposer, NgramProposer
+from draft_service.proposers import ModelProposer
 from draft_service.servicer import DraftServicer
 from specserve.engine.model_thread import ModelThread
 from specserve.engine.models import LoadedModel
@@ -49,9 +49,9 @@ def build_draft(settings: DraftSettings, *, model: LoadedModel | None = None) ->
         model = thread.call(load_worker_model, settings, "draft")
     caches = session_caches(model, settings)
     history = CommittedHistory(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s)
-    proposers = [ModelProposer(caches, kernels=settings.kernels), NgramProposer()]
+    proposer = ModelProposer(caches, kernels=settings.kernels)
     engine = DraftEngine(
-        {p.kind: p for p in proposers},
+        {proposer.kind: proposer},
         history,
         caches=caches,
         max_batch_size=settings.max_batch_size,

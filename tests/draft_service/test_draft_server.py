@@ -187,19 +187,13 @@ async def test_unknown_prefix_is_failed_precondition_and_resend_from_zero_works(
     assert_same_proposal(again.proposal, reply.proposal, llama_app.model.vocab_size)  # rebuilt: same draft
 
 
-async def test_ngram_proposer_continues_a_repetitive_prompt(llama_stub):
+async def test_an_ngram_propose_is_refused_the_coordinator_drafts_it(llama_stub):
     pattern = [10, 20, 30, 40, 50, 60]
-    committed = pattern * 2 + [10, 20, 30]
-    reply = await llama_stub.Propose(
-        request("ngram", committed, gamma=3, proposer=common_pb2.PROPOSER_KIND_NGRAM)
+    await expect_code(
+        llama_stub.Propose(request("ngram", pattern * 2, gamma=3, proposer=common_pb2.PROPOSER_KIND_NGRAM)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "coordinator drafts",
     )
-    assert list(reply.proposal.token_ids) == [40, 50, 60]
-    assert len(reply.proposal.distributions) == 0  # point masses
-    assert reply.prefill_tokens == 0
-    nothing = await llama_stub.Propose(
-        request("ngram2", [1, 2, 3, 4], gamma=3, proposer=common_pb2.PROPOSER_KIND_NGRAM)
-    )
-    assert list(nothing.proposal.token_ids) == []
 
 
 async def test_bad_input_is_refused_precisely_and_the_session_stays_usable(llama_stub, llama_app):

@@ -12,7 +12,6 @@ from draft_service.proposers import (
     Drafted,
     DraftRequest,
     ModelProposer,
-    NgramProposer,
     draft_distribution,
 )
 from specserve.api.errors import InvalidArgument
@@ -55,17 +54,6 @@ def test_greedy_distribution_is_one_hot_at_argmax():
     logits = torch.tensor([[0.1, 0.9, 0.3]])
     q = draft_distribution(logits, SamplingParams(temperature=0.0), [[]], 0)
     assert q.tolist() == [[0.0, 1.0, 0.0]]
-
-
-def test_ngram_proposer_prefers_the_longest_match():
-    # The 1-gram "3" first occurred before 9, the 3-gram "1 2 3" before 4: the longer match wins.
-    tokens = (3, 9, 0, 1, 2, 3, 4, 0, 1, 2, 3)
-    drafted = NgramProposer().propose(DraftRequest("s", tokens, gamma=2, sampling=SamplingParams(), seed=0))
-    assert drafted.token_ids == (4, 0) and drafted.probs_f32 is None
-    only_unigrams = NgramProposer(max_n=1).propose(
-        DraftRequest("s", tokens, gamma=2, sampling=SamplingParams(), seed=0)
-    )
-    assert only_unigrams.token_ids == (9, 0)
 
 
 def test_model_proposer_samples_from_the_vectors_it_ships(draft_model):
@@ -116,14 +104,6 @@ def test_model_proposer_in_coupled_mode_takes_the_gumbel_argmax_and_ships_tokens
         seq.append(token)
     reply = ProposeResult(drafted, draft_ns=1).to_pb()
     assert list(reply.proposal.token_ids) == list(drafted.token_ids) and not reply.proposal.distributions
-
-
-def test_the_ngram_proposer_is_the_same_in_both_modes():
-    tokens = (1, 2, 3, 4, 0, 5, 3, 9, 1, 2, 3)
-    coupled = SamplingParams(temperature=1.0, sampling_mode="coupled")
-    assert NgramProposer().propose(
-        DraftRequest("s", tokens, gamma=2, sampling=coupled, seed=0)
-    ).token_ids == (4, 0)
 
 
 def test_model_proposer_stops_at_the_context_limit(draft_model):

