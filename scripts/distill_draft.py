@@ -4,7 +4,7 @@ Stages (each resumable; run them in order, or ``all``)::
 
     python scripts/distill_draft.py generate   # the target answers the training prompts
     python scripts/distill_draft.py train      # KL distillation of the early-exit draft
-    python scripts/distill_draft.py export     # fp16 model directory in models/
+    python scripts/distill_draft.py export     # fp16 model directory in specserve/models/
     python scripts/distill_draft.py all
 
 ``generate`` runs the target (bfloat16 for speed) over the training prompts of
@@ -25,7 +25,7 @@ schedule. A checkpoint is written every ``--checkpoint-every`` steps and at
 the end; a restarted run resumes from the last one. Held-out loss, KL and
 top-1 agreement are measured on answers to held-out prompts.
 
-``export`` writes the draft in float16 to ``models/specserve-smollm2-draft``
+``export`` writes the draft in float16 to ``specserve/models/specserve-smollm2-draft``
 with the target's tokenizer and chat template.
 """
 
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("stage", choices=["generate", "train", "export", "all"])
     parser.add_argument("--target", type=Path, default=None, help="target model directory (default: fetched)")
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK)
-    parser.add_argument("--out", type=Path, default=ROOT / "models" / "specserve-smollm2-draft")
+    parser.add_argument("--out", type=Path, default=ROOT / "specserve" / "models" / "specserve-smollm2-draft")
     parser.add_argument("--gen-dtype", default="bfloat16")
     parser.add_argument("--batch-size", type=int, default=48)
     parser.add_argument("--max-new-tokens", type=int, default=192)

@@ -1,8 +1,8 @@
 """The default draft's figures for its model card: acceptance per gamma and the cost ratio.
 
-Run (the figures in ``models/specserve-smollm2-draft/README.md`` come from this)::
+Run (the figures in ``specserve/models/specserve-smollm2-draft/README.md`` come from this)::
 
-    python -m specserve.bench.draft_card --json models/specserve-smollm2-draft/card.json
+    python -m specserve.bench.draft_card --json specserve/models/specserve-smollm2-draft/card.json
 
 In float32 on the CPU (``--threads``, default 2), batch 1, on the held-out
 prompts of :mod:`specserve.bench.chat_prompts` (subjects never seen in training), chat
@@ -355,7 +355,7 @@ def render_card(card: dict, meta: dict, name: str = "specserve-smollm2-draft") -
         f"python scripts/distill_draft.py train --steps {meta['step']} --lr {args['lr']}   # resumable",
         "python scripts/distill_draft.py export",
         f"{card['command']}",
-        "python -m specserve.bench.draft_card --render models/specserve-smollm2-draft   # this README",
+        "python -m specserve.bench.draft_card --render specserve/models/specserve-smollm2-draft   # this README",
         "```",
         "",
     ]

@@ -17,8 +17,11 @@ Registered models come from one of two places:
   dequantises it), and an ordinary float32 model directory (safetensors,
   tokenizer, chat template) saved into the cache. Later starts load that
   directory (about 2.6 s).
-* **the repository** (:class:`Bundled`): the distilled draft and the small
-  demo pair live in ``models/``.
+* **specserve itself** (:class:`Bundled`): the distilled default draft ships
+  as package data in ``specserve/models/`` (found through
+  :mod:`importlib.resources`, so a wheel has it); the small demo pair, which
+  only tests and benchmarks use, lives in a checkout's ``models/`` folder and
+  is present only there.
 
 The cache is ``$SPECSERVE_MODEL_CACHE`` or ``~/.cache/specserve/models``; each
 fetched model is a folder with a ``specserve-fetch.json`` manifest (source,
@@ -34,6 +37,7 @@ import abc
 import contextlib
 import fcntl
 import hashlib
+import importlib.resources
 import json
 import os
 import shutil
@@ -52,7 +56,9 @@ from specserve.api.errors import FailedPrecondition
 
 log = structlog.get_logger(__name__)
 
-#: The repository's ``models/`` folder.
+#: The models shipped in the package (``specserve/models/``, package data).
+PACKAGE_MODELS_DIR = Path(str(importlib.resources.files("specserve") / "models"))
+#: A checkout's ``models/`` folder (absent from an installed wheel).
 REPO_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 MANIFEST = "specserve-fetch.json"
 
@@ -94,17 +100,20 @@ class ModelSource(abc.ABC):
 
 @dataclass(frozen=True)
 class Bundled(ModelSource):
-    """A model directory shipped in the repository's ``models/`` folder."""
+    """A model directory shipped with specserve: in the package, or (``in_package`` False) in a checkout's ``models/``."""
 
     name: str
     folder: str
     description: str
+    in_package: bool = True
 
     def path(self) -> Path:
-        return REPO_MODELS_DIR / self.folder
+        return (PACKAGE_MODELS_DIR if self.in_package else REPO_MODELS_DIR) / self.folder
 
     def repair_hint(self) -> str:
-        return f"it ships with the repository: restore it with `git checkout -- models/{self.folder}`"
+        if self.in_package:
+            return f"it ships in the package (specserve/models/{self.folder}): reinstall specserve"
+        return f"it ships with the repository, not the wheel: in a checkout, `git checkout -- models/{self.folder}`"
 
     def present(self) -> bool:
         return (self.path() / "config.json").is_file()
@@ -189,17 +198,19 @@ REGISTRY: dict[str, ModelSource] = {
         Bundled(
             name=DEFAULT_DRAFT,
             folder="specserve-smollm2-draft",
-            description="the default draft: 2 layers of the target, distilled on its answers (models/)",
+            description="the default draft: 2 layers of the target, distilled on its answers (specserve/models/)",
         ),
         Bundled(
             name="specserve-demo-target",
             folder="specserve-demo-target",
             description="small pair for tests: a 10-layer model trained on the Python standard library",
+            in_package=False,
         ),
         Bundled(
             name="specserve-demo-draft",
             folder="specserve-demo-draft",
             description="small pair for tests: the 1-layer draft of specserve-demo-target",
+            in_package=False,
         ),
     )
 }

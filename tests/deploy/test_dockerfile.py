@@ -228,6 +228,7 @@ def test_dockerignore_sends_only_what_the_dockerfile_copies():
         "tests/deploy/test_dockerfile.py",
         "checkpoints/step100.pt",
         "specserve/__pycache__/config.cpython-311.pyc",
+        "specserve/models/specserve-smollm2-draft/model.safetensors",
         "deploy/overlays/gpu/kustomization.yaml",
         "server.pem",
         "specserve/tls/server.key",

@@ -150,3 +150,12 @@ def test_resolve_accepts_names_directories_and_hub_ids(cache, tmp_path):
     )
     with pytest.raises(FailedPrecondition, match="neither a registered name"):
         model_registry.resolve_model("./not/here")
+
+
+def test_the_default_draft_ships_inside_the_package():
+    """Package data (specserve/models/), so a wheel has it; found without the repository around it."""
+    import specserve
+
+    source = model_registry.source_of(model_registry.DEFAULT_DRAFT)
+    assert source.present()
+    assert source.path().is_relative_to(Path(specserve.__file__).parent / "models")

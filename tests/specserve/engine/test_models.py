@@ -114,10 +114,11 @@ def test_default_is_the_registered_default_pair(tmp_path, monkeypatch):
     model_registry._write_manifest(cached, source="test", sha256="0")
     monkeypatch.setenv("SPECSERVE_MODEL_CACHE", str(tmp_path))
     assert resolve_model_path(None, "target") == str(cached)
-    bundled = tmp_path / "repo_models"
+    bundled = tmp_path / "package_models"
     (bundled / model_registry.DEFAULT_DRAFT).mkdir(parents=True)
     (bundled / model_registry.DEFAULT_DRAFT / "config.json").write_text("{}")
-    monkeypatch.setattr(model_registry, "REPO_MODELS_DIR", bundled)
+    monkeypatch.setattr(model_registry, "PACKAGE_MODELS_DIR", bundled)
+    monkeypatch.setattr(model_registry, "REPO_MODELS_DIR", tmp_path / "no_checkout")
     assert resolve_model_path(None, "draft") == str(bundled / model_registry.DEFAULT_DRAFT)
     with pytest.raises(FailedPrecondition, match=r"specserve-demo-draft.*missing"):
         resolve_model_path("specserve-demo-draft", "draft")
