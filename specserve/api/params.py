@@ -15,7 +15,7 @@ from specserve.api.errors import InvalidArgument
 from specserve.v1 import common_pb2
 
 #: The one proposer table: the SDK's name of each ``ProposerKind`` a draft can run.
-PROPOSER_KINDS: dict[str, int] = {
+PROPOSER_KINDS: dict[str, common_pb2.ProposerKind] = {
     "model": common_pb2.PROPOSER_KIND_MODEL,
     "ngram": common_pb2.PROPOSER_KIND_NGRAM,
 }
@@ -46,7 +46,7 @@ def resolve_proposer(kind: int) -> int:
 
 
 #: The one sampling-mode table: the SDK's name of each ``SamplingMode`` (docs/design.md, "Two sampling modes").
-SAMPLING_MODES: dict[str, int] = {
+SAMPLING_MODES: dict[str, common_pb2.SamplingMode] = {
     "optimal": common_pb2.SAMPLING_MODE_OPTIMAL,
     "coupled": common_pb2.SAMPLING_MODE_COUPLED,
 }
@@ -305,7 +305,7 @@ class Verdict:
     bonus: bool
     new_version: int
     committed_len: int
-    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    finish_reason: common_pb2.FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED
     logprobs: tuple[PositionLogprobs, ...] = ()
 
     @property

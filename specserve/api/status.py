@@ -155,10 +155,12 @@ def retry_after(trailing: Iterable[tuple[str, Any]] | None) -> float | None:
 
 def _status(exc: BaseException) -> tuple[grpc.StatusCode, str | None, Any]:
     """``(code, details, trailing metadata)`` of a failed call (UNKNOWN where the object has no code)."""
-    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
-    details = exc.details() if callable(getattr(exc, "details", None)) else None
-    trailing = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else None
-    return code, details, trailing
+    code, details, trailing = (getattr(exc, name, None) for name in ("code", "details", "trailing_metadata"))
+    return (
+        code() if callable(code) else grpc.StatusCode.UNKNOWN,
+        details() if callable(details) else None,
+        trailing() if callable(trailing) else None,
+    )
 
 
 def error_from_rpc(exc: grpc.RpcError, address: str = "") -> errors.SpecServeError:

@@ -6,7 +6,7 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -293,7 +293,7 @@ def build_request(
     if prediction is not None:
         if isinstance(prediction, str):
             request.prediction.text = prediction
-        elif isinstance(prediction, Sequence) and not isinstance(prediction, bytes):
+        elif isinstance(prediction, Sequence) and not isinstance(prediction, (str, bytes)):
             for tok in prediction:
                 _check_uint("prediction token ids", tok, 32)
             request.prediction.tokens.token_ids.extend(prediction)
@@ -460,7 +460,7 @@ class TokenStream(_StreamBase, Iterator[StreamChunk]):
         self._call: Any = None
         self._gen = self._run(request)
 
-    def _run(self, request: coordinator_pb2.GenerateRequest) -> Iterator[StreamChunk]:
+    def _run(self, request: coordinator_pb2.GenerateRequest) -> Generator[StreamChunk, None, None]:
         cfg, attempt = self._client._cfg, 0
         while True:
             collector, received = _Collector(), False
@@ -703,7 +703,7 @@ class AsyncTokenStream(_StreamBase, AsyncIterator[StreamChunk]):
         self._call: Any = None
         self._gen = self._run(request)
 
-    async def _run(self, request: coordinator_pb2.GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def _run(self, request: coordinator_pb2.GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         cfg, attempt = self._client._cfg, 0
         stub = self._client._ensure_stub()
         while True:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -110,7 +111,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, context: Contex
     warpers = _processors(params)
     if len(warpers):
         # The warpers never read input_ids; HF passes the sequence, we pass an empty one.
-        no_ids = torch.zeros((rows, 0), dtype=torch.int64, device=scores.device)
+        no_ids = cast(torch.LongTensor, torch.zeros((rows, 0), dtype=torch.int64, device=scores.device))
         scores = warpers(no_ids, scores)
     return scores  # [N, vocab] float32
 
