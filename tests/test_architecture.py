@@ -2,8 +2,16 @@
 
 * The import graph of the packages has no cycle (imports inside functions count;
   ``if TYPE_CHECKING:`` blocks do not, they never run).
-* No module under ``specserve/`` imports a role package, except the launcher
-  (``specserve/launch/``) and the benchmark (``specserve/bench/``); no role imports another.
+* ``specserve/`` is split by audience into floors, and each module imports only
+  its own floor and the floors below it (:data:`MAY_IMPORT`): ``api`` (with the
+  stubs, ``v1``), then ``core``, ``engine``, ``runtime``. The SDK (``client``)
+  and ``api`` import only ``api``, ``v1``, grpc, protobuf and the standard
+  library: no torch, transformers or numpy, by layout. Their ``__init__.py``
+  files hold a docstring only (the SDK's re-exports its names).
+* The roles (``coordinator``, ``draft_service``, ``target_service``) import only
+  ``api``, ``v1``, ``core``, ``engine`` and ``runtime``; no role imports another;
+  only the launcher (``specserve/launch/``) and the benchmark
+  (``specserve/bench/``) import a role.
 * ``coordinator/rounds.py`` uses no attribute of the pool but its public methods.
 * ``Coordinator.generate`` and ``verify_batch`` stay under 50 lines.
 * ``docs/internals.md`` names only files that exist, and walks one round through them.
@@ -15,6 +23,7 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +31,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("specserve", "coordinator", "draft_service", "target_service")
 ROLES = ("coordinator", "draft_service", "target_service")
+#: The only parts of specserve that import roles: the composition roots.
 ABOVE_ROLES = ("specserve.launch", "specserve.bench")
+#: What the roles build on.
+FLOORS = ("specserve.api", "specserve.v1", "specserve.core", "specserve.engine", "specserve.runtime")
+#: Each part (a subpackage of specserve, or a role) and the parts it may import besides itself.
+#: Parts not listed (the launcher, the benchmark, the ``specserve`` root) sit above everything.
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    "specserve.v1": (),
+    "specserve.api": ("specserve.v1",),
+    "specserve.client": ("specserve.api", "specserve.v1"),
+    "specserve.core": ("specserve.api", "specserve.v1"),
+    "specserve.engine": ("specserve.api", "specserve.v1", "specserve.core"),
+    "specserve.runtime": ("specserve.api", "specserve.v1", "specserve.core", "specserve.engine"),
+    **{role: FLOORS for role in ROLES},
+}
+#: The SDK's parts, and the only third-party packages they may import (with the standard library).
+SDK = ("specserve.client", "specserve.api", "specserve.v1")
+SDK_THIRD_PARTY = ("grpc", "google.protobuf")
 
 
 def _modules() -> dict[str, Path]:
@@ -89,6 +115,25 @@ def _package(module: str) -> str:
     return module.partition(".")[0]
 
 
+def _within(module: str, part: str) -> bool:
+    return module == part or module.startswith(part + ".")
+
+
+def _part(module: str) -> str | None:
+    """The entry of :data:`MAY_IMPORT` that ``module`` belongs to (None: above every rule)."""
+    return next((part for part in MAY_IMPORT if _within(module, part)), None)
+
+
+def _third_party(module: str) -> set[str]:
+    """What ``module`` imports from outside the packages and the standard library."""
+    names = _imported_names(ast.parse(MODULES[module].read_text()), module)
+    return {
+        name
+        for name in names
+        if _package(name) not in PACKAGES and _package(name) not in sys.stdlib_module_names
+    }
+
+
 def test_the_graph_is_read_from_real_imports():
     """Guards the tests below: known edges are found (so an empty graph cannot pass them)."""
     assert "coordinator.pool" in GRAPH["coordinator.rounds"]
@@ -98,6 +143,10 @@ def test_the_graph_is_read_from_real_imports():
     hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import coordinator.pool\n")
     assert "coordinator.pool" not in _imported_names(hidden, "specserve.launch.cli")
     assert len(GRAPH) > 60
+    assert "torch" in _third_party("specserve.core.sampling")
+    assert "grpc" in _third_party("specserve.client._client")
+    assert _part("specserve.engine.models") == "specserve.engine" and _part("specserve.launch.cli") is None
+    assert {_part(m) for m in MODULES} >= set(MAY_IMPORT)  # every part has modules
 
 
 def test_the_import_graph_has_no_cycle():
@@ -128,9 +177,41 @@ def test_only_the_launcher_and_the_benchmark_import_a_role():
     offenders = {
         module: sorted(m for m in GRAPH[module] if _package(m) in ROLES)
         for module in GRAPH
-        if _package(module) == "specserve" and not module.startswith(ABOVE_ROLES)
+        if _package(module) == "specserve" and not any(_within(module, p) for p in ABOVE_ROLES)
     }
     assert {m: found for m, found in offenders.items() if found} == {}
+
+
+def test_each_floor_and_role_imports_only_itself_and_what_it_builds_on():
+    """specserve's floors import only the floors below; roles only the floors (never launch, bench, client)."""
+    offenders = {}
+    for module, imported in GRAPH.items():
+        part = _part(module)
+        if part is None:
+            continue
+        allowed = (part, *MAY_IMPORT[part])
+        found = sorted(m for m in imported if not any(_within(m, a) for a in allowed))
+        if found:
+            offenders[module] = found
+    assert offenders == {}
+
+
+def test_the_sdk_and_api_import_no_torch_by_layout():
+    """Every module of the SDK, api and the stubs: grpc, protobuf and the standard library only."""
+    modules = [m for m in MODULES if any(_within(m, p) for p in SDK)]
+    assert "specserve.client._client" in modules and "specserve.api.params" in modules
+    offenders = {
+        module: sorted(n for n in _third_party(module) if not any(_within(n, p) for p in SDK_THIRD_PARTY))
+        for module in modules
+    }
+    assert {m: found for m, found in offenders.items() if found} == {}
+
+
+@pytest.mark.parametrize("part", ["api", "core", "engine", "runtime", "launch", "bench"])
+def test_subpackage_inits_hold_a_docstring_only(part):
+    """Importing ``specserve.core`` (say) runs nothing, so it never pulls in torch by itself."""
+    tree = ast.parse((ROOT / "specserve" / part / "__init__.py").read_text())
+    assert all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in tree.body)
 
 
 def test_no_role_imports_another_role():
