@@ -59,21 +59,18 @@ token has arrived a request is never re-sent, so output is never duplicated.
 ``timeout`` is the deadline of each attempt.
 """
 
+from specserve.api.params import PositionLogprobs, TokenLogprob
+from specserve.api.status import ERROR_CLASS_KEY, ERRORS_BY_CODE, error_from_rpc
 from specserve.client._client import (
-    ERROR_CLASS_KEY,
-    ERRORS_BY_CODE,
     AsyncClient,
     AsyncTokenStream,
     ChatMessages,
     Client,
     GenerateResult,
     GenerationStats,
-    PositionLogprobs,
     StreamChunk,
-    TokenLogprob,
     TokenStream,
     build_request,
-    error_from_rpc,
 )
 
 __all__ = [

@@ -13,26 +13,9 @@ from typing import Any, Literal
 import grpc
 
 from specserve.api import errors
-from specserve.api.params import PROPOSER_KINDS, SAMPLING_MODES, PositionLogprobs, TokenLogprob
-from specserve.api.status import ERROR_CLASS_KEY, ERRORS_BY_CODE, error_from_rpc
+from specserve.api.params import PROPOSER_KINDS, SAMPLING_MODES, PositionLogprobs
+from specserve.api.status import error_from_rpc
 from specserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-
-__all__ = [
-    "ERRORS_BY_CODE",
-    "ERROR_CLASS_KEY",
-    "AsyncClient",
-    "AsyncTokenStream",
-    "ChatMessages",
-    "Client",
-    "GenerateResult",
-    "GenerationStats",
-    "PositionLogprobs",
-    "StreamChunk",
-    "TokenLogprob",
-    "TokenStream",
-    "build_request",
-    "error_from_rpc",
-]
 
 #: A conversation for :meth:`Client.chat`: ``{"role": ..., "content": ...}`` mappings (or
 #: ``(role, content)`` pairs), oldest first.
