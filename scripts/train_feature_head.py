@@ -1,4 +1,4 @@
-"""Train the feature-conditioned draft head (``specserve.feature_head``) on the target's own answers.
+"""Train the feature-conditioned draft head (``specserve.engine.feature_head``) on the target's own answers.
 
 Stages (each resumable; CUDA when present, else the CPU)::
 
@@ -9,7 +9,7 @@ Stages (each resumable; CUDA when present, else the CPU)::
 ``generate`` keeps token ids only (``data/smollm2-answers/*.npz.xz``, a few MB in
 the repository): the target's features and distributions are recomputed from
 them by one forward pass when training, so data accumulates across machines.
-The prompts (``bench.chat_prompts``; held-out subjects never appear):
+The prompts (``specserve.bench.chat_prompts``; held-out subjects never appear):
 
 1. every training prompt, answered greedy and sampled at T = 0.7;
 2. questions and programming tasks the target writes itself about training
@@ -55,8 +55,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import chat_prompts as cp  # noqa: E402
-from specserve.feature_head import (  # noqa: E402
+from specserve.bench import chat_prompts as cp  # noqa: E402
+from specserve.engine.feature_head import (  # noqa: E402
     FeatureHead,
     FinalNormInput,
     head_from_target,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specserve.feature_head import FeatureHead, FinalNormInput, head_from_target, target_features
+from specserve.engine.feature_head import FeatureHead, FinalNormInput, head_from_target, target_features
 
 
 @pytest.fixture(scope="module")

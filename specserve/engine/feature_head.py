@@ -24,7 +24,7 @@ The head owns its decoder layer, input projection ``fc`` and a copy of the
 target's final norm. Its token embedding and output rows are the target's
 (``attach_target``): they are not stored with the head. The output head covers
 only ``head_size`` tokens (the target's most frequent), scattered into a
-full-vocabulary row of ``-inf`` as in :mod:`specserve.draft_model`: tokens
+full-vocabulary row of ``-inf`` as in :mod:`specserve.engine.draft_model`: tokens
 outside it have ``q = 0``.
 """
 
