@@ -188,6 +188,8 @@ class DraftEngine:
             draft_top_k=call.draft_top_k,
             stop_token_ids=call.stop_token_ids | (frozenset() if call.ignore_eos else self.eos_token_ids),
             min_confidence=call.min_confidence,
+            features=call.features,
+            features_reset=call.features_reset,
         )
         return request, proposer
 

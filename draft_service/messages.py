@@ -18,6 +18,7 @@ from draft_service.proposers import Drafted
 from specserve.api.errors import InvalidArgument, ResourceExhausted, SpecServeError
 from specserve.api.params import SamplingParams, SessionBase, check_min_confidence, resolve_proposer
 from specserve.api.status import item_code
+from specserve.core.features import FeatureBlock
 from specserve.core.proposal import draft_probs_to_pb
 from specserve.v1 import common_pb2, draft_pb2
 
@@ -37,6 +38,8 @@ class ProposeCall:
     stop_token_ids: frozenset[int] = frozenset()  # drafting ends after one of these
     ignore_eos: bool = False  # ... and after the model's end-of-sequence tokens unless this is set
     min_confidence: float = 0.0  # the proposal ends after a token drafted with probability below this
+    features: FeatureBlock | None = None  # the target's features the draft has not seen (feature proposer)
+    features_reset: bool = False  # ... which start a fresh context
 
     @property
     def session_id(self) -> str:
@@ -71,6 +74,12 @@ class ProposeCall:
             raise InvalidArgument(
                 f"draft_top_k={pb.draft_top_k} exceeds the vocabulary size {vocab_size}; use 0 (off) or less"
             )
+        features = FeatureBlock.from_pb(pb.features) if pb.HasField("features") else None
+        if features is not None and features.stop > base.committed_len - 1:
+            raise InvalidArgument(
+                f"features reach position {features.stop - 1}; send only positions before the last committed "
+                f"token ({base.committed_len - 1})"
+            )
         return cls(
             base=base,
             start_position=pb.start_position,
@@ -83,6 +92,8 @@ class ProposeCall:
             stop_token_ids=frozenset(int(t) for t in pb.stop_token_ids),
             ignore_eos=pb.ignore_eos,
             min_confidence=check_min_confidence(pb.min_confidence),
+            features=features,
+            features_reset=pb.features_reset,
         )
 
 

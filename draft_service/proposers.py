@@ -37,6 +37,7 @@ import torch
 
 from specserve.api.errors import InvalidArgument, SpecServeError
 from specserve.api.params import SamplingParams
+from specserve.core.features import FeatureBlock
 from specserve.core.rng import Purpose, gumbel_noise, uniform
 from specserve.core.sampling import (
     check_distribution,
@@ -80,6 +81,10 @@ class DraftRequest:
     #: Dynamic draft length: drafting ends after a token whose probability under the draft's own
     #: distribution is below this (0: draft ``gamma`` tokens). See :meth:`ModelProposer._draft`.
     min_confidence: float = 0.0
+    #: The feature proposer's input: the target's features the draft has not seen (None: none sent), and
+    #: whether they start a fresh context (``draft_service/feature_proposer.py``).
+    features: FeatureBlock | None = None
+    features_reset: bool = False
 
 
 def draft_distribution(
@@ -191,6 +196,37 @@ class _Row:
             or self.confidence < self.request.min_confidence
         )
 
+    def drafted(self) -> Drafted:
+        """What the row drafted, as the proposer's result."""
+        shipped = None if not self.shipped else torch.stack(self.shipped)  # [gamma, vocab] float32
+        return Drafted(
+            token_ids=tuple(self.tokens),
+            probs_f32=shipped,
+            sparse=self.request.draft_top_k > 0,
+            prefill_tokens=self.prefill,
+        )
+
+
+def draw_step(rows: Sequence[_Row], last: torch.Tensor) -> list[int]:
+    """One draft step for ``rows`` from their next-token logits ``last`` ``[batch, vocab]``: each row takes
+    its token (a plain greedy row its argmax, any other :func:`draw_token`); returns the indices of the
+    rows that go on (:meth:`_Row.done`)."""
+    # Every row's argmax in one reduction (a row's max does not depend on the others'): a plain greedy
+    # row's token; a NaN or +inf row has none, and fails the batch as its sampling would.
+    argmax = greedy_tokens(last).tolist()  # [batch]
+    for b, row in enumerate(rows):
+        if row.request.sampling.plain_greedy:
+            token, q32 = argmax[b], None
+            row.confidence = greedy_confidence(last[b], row.request, row.context, token)
+        else:
+            base = len(row.request.committed)
+            token, q32, row.confidence = draw_token(last[b], row.request, base + len(row.tokens), row.context)
+        row.tokens.append(token)
+        row.context.append(token)
+        if q32 is not None:
+            row.shipped.append(q32)
+    return [b for b, row in enumerate(rows) if not row.done()]
+
 
 class ModelProposer(Proposer):
     """The small draft model, with a KV cache per session (:class:`~specserve.engine.kvcache.SessionCacheStore`).
@@ -271,13 +307,7 @@ class ModelProposer(Proposer):
                     self.release(row.request.session_id)
                 raise
             for row in rows:
-                shipped = None if not row.shipped else torch.stack(row.shipped)  # [gamma, vocab] float32
-                outcomes[row.index] = Drafted(
-                    token_ids=tuple(row.tokens),
-                    probs_f32=shipped,
-                    sparse=row.request.draft_top_k > 0,
-                    prefill_tokens=row.prefill,
-                )
+                outcomes[row.index] = row.drafted()
             self.caches.trim(protect=[row.request.session_id for row in rows])
         assert all(o is not None for o in outcomes)
         return outcomes  # type: ignore[return-value]
@@ -342,24 +372,7 @@ class ModelProposer(Proposer):
         logits, grown = row_invariant.forward(self.model, packed)
         first = True
         while True:
-            last = batching.last_logits(logits, packed)  # [batch, vocab]
-            # Every row's argmax in one reduction (a row's max does not depend on the others'): a plain
-            # greedy row's token; a NaN or +inf row has none, and fails the batch as its sampling would.
-            argmax = greedy_tokens(last).tolist()  # [batch]
-            for b, row in enumerate(active):
-                if row.request.sampling.plain_greedy:
-                    token, q32 = argmax[b], None
-                    row.confidence = greedy_confidence(last[b], row.request, row.context, token)
-                else:
-                    base = len(row.request.committed)
-                    token, q32, row.confidence = draw_token(
-                        last[b], row.request, base + len(row.tokens), row.context
-                    )
-                row.tokens.append(token)
-                row.context.append(token)
-                if q32 is not None:
-                    row.shipped.append(q32)
-            going = [b for b, row in enumerate(active) if not row.done()]
+            going = draw_step(active, batching.last_logits(logits, packed))
             for b, row in enumerate(active):
                 if b not in going:  # finished: its cache takes what it was fed (C's tail, x1..x_{k-1})
                     fed = row.feed + tuple(row.tokens[:-1])

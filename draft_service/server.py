@@ -13,14 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draft_service.engine import DraftEngine
+from draft_service.feature_proposer import FeatureProposer
 from draft_service.history import CommittedHistory
-from draft_service.proposers import ModelProposer
+from draft_service.proposers import ModelProposer, Proposer
 from draft_service.servicer import DraftServicer
+from specserve.engine.kvcache import SessionCacheStore
 from specserve.engine.model_thread import ModelThread
 from specserve.engine.models import LoadedModel
 from specserve.runtime.config import DraftSettings
 from specserve.runtime.server import Registration, run_role
-from specserve.runtime.worker_shell import WorkerApp, load_worker_model, session_caches
+from specserve.runtime.worker_shell import WorkerApp, load_worker_head, load_worker_model, session_caches
 from specserve.v1 import draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -50,8 +52,19 @@ def build_draft(settings: DraftSettings, *, model: LoadedModel | None = None) ->
     caches = session_caches(model, settings)
     history = CommittedHistory(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s)
     proposer = ModelProposer(caches, kernels=settings.kernels)
+    proposers: dict[int, Proposer] = {proposer.kind: proposer}
+    head = thread.call(load_worker_head, settings, model)
+    if head is not None:
+        head_caches = SessionCacheStore(
+            head,
+            max_sessions=settings.max_sessions,
+            budget_bytes=settings.kv_budget_bytes,
+            ttl_s=settings.session_ttl_s,
+        )
+        feature = FeatureProposer(head, head_caches, kernels=settings.kernels)
+        proposers[feature.kind] = feature
     engine = DraftEngine(
-        {proposer.kind: proposer},
+        proposers,
         history,
         caches=caches,
         max_batch_size=settings.max_batch_size,

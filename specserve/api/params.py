@@ -18,6 +18,7 @@ from specserve.v1 import common_pb2
 PROPOSER_KINDS: dict[str, common_pb2.ProposerKind] = {
     "model": common_pb2.PROPOSER_KIND_MODEL,
     "ngram": common_pb2.PROPOSER_KIND_NGRAM,
+    "feature": common_pb2.PROPOSER_KIND_FEATURE,
 }
 #: What an unspecified proposer means: the draft model.
 DEFAULT_PROPOSER = common_pb2.PROPOSER_KIND_MODEL

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -159,6 +160,23 @@ class FeatureHead(nn.Module):
 
     # ---- serving: one pass of the layer, with a cache ------------------------------------------
 
+    @property
+    def vocab_size(self) -> int:
+        """The width of a full-vocabulary row (:meth:`scatter`)."""
+        return self.config.vocab_size
+
+    def get_output_embeddings(self) -> FeatureHead:
+        """What ``vocab_size_of`` (the KV-cache store) reads the logits' width from."""
+        return self
+
+    def hidden(self, input_ids: torch.Tensor, features: torch.Tensor, **model_kwargs) -> torch.Tensor:
+        """The layer's outputs ``h`` ``[B, T, hidden]`` for slots ``input_ids`` ``[B, T]`` and their input
+        features ``[B, T, hidden]``; ``model_kwargs`` (position ids, mask, cache, attention arguments) go
+        to the ``LlamaModel``."""
+        model_kwargs.setdefault("use_cache", model_kwargs.get("cache") is not None)
+        return self.model(inputs_embeds=self.slot_inputs(input_ids, features), **model_kwargs).last_hidden_state
+
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -172,15 +190,9 @@ class FeatureHead(nn.Module):
         """One pass over slots ``input_ids`` ``[B, T]`` with their input features ``[B, T, hidden]`` at
         ``position_ids`` ``[B, T]``; ``attention_mask`` ``[B, cached + T]`` (1 = real slot) as for a
         ``LlamaModel``; ``kwargs`` go on to the attention function."""
-        out = self.model(
-            inputs_embeds=self.slot_inputs(input_ids, features),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=cache is not None,
-            **kwargs,
-        )
-        h = out.last_hidden_state  # [B, T, hidden]: no final norm in self.model
+        h = self.hidden(
+            input_ids, features, attention_mask=attention_mask, position_ids=position_ids, cache=cache, **kwargs
+        )  # [B, T, hidden]: no final norm in self.model
         return HeadStep(hidden=h, logits=self.head_logits(h))
 
     # ---- training and evaluation: every slot, unrolled on its own outputs --------------------
@@ -297,3 +309,74 @@ def _init(head: FeatureHead, std: float) -> None:
                 p.normal_(0.0, std * (0.1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0))
         head.fc.weight.normal_(0.0, std / math.sqrt(2))
         head.fc.weight[:, d:] += torch.eye(d)
+
+
+# ---- the head on disk ----------------------------------------------------------------------------
+
+#: The head's weights file in its directory (its config is ``config.json`` beside it).
+WEIGHTS = "model.safetensors"
+
+
+def save_feature_head(head: FeatureHead, directory: str | Path, *, dtype: torch.dtype = torch.float16) -> None:
+    """Write the head's own tensors (not the target's tables) and its config to ``directory``."""
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+        for k, v in head.state_dict().items()
+    }
+    save_file(tensors, str(out / WEIGHTS))
+    head.config.to_json_file(str(out / "config.json"))
+
+
+def load_feature_head(
+    directory: str | Path,
+    *,
+    target: str | Path | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> FeatureHead:
+    """A head from ``directory``, its target's token table attached.
+
+    ``target``: the target model's directory or registered name (None: the head's ``target_model``); only
+    its token table is read. Raises :class:`FailedPrecondition` when the files or the shapes do not fit.
+    """
+    from safetensors.torch import load_file
+
+    from specserve.api.errors import FailedPrecondition
+    from specserve.engine.model_registry import resolve_model
+
+    path = Path(directory)
+    if not (path / "config.json").is_file() or not (path / WEIGHTS).is_file():
+        raise FailedPrecondition(f"{path} is not a feature head directory (config.json and {WEIGHTS})")
+    config = FeatureHeadConfig.from_json_file(str(path / "config.json"))
+    spec = target if target is not None else config.target_model
+    if spec is None:
+        raise FailedPrecondition(f"the feature head at {path} names no target: pass the target model")
+    head = FeatureHead(config)
+    state = load_file(str(path / WEIGHTS))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if not k.endswith("inv_freq")]:
+        raise FailedPrecondition(f"{path}: weights do not fit the head (missing {missing}, unexpected {unexpected})")
+    head.to(device=device, dtype=dtype).eval()
+    head.attach_target(_token_table(Path(resolve_model(str(spec), progress=False))))
+    return head
+
+
+def _token_table(target: Path) -> torch.Tensor:
+    """``[vocab, hidden]``: the target's input embedding, read from its safetensors files alone."""
+    import json
+
+    from safetensors import safe_open
+
+    from specserve.api.errors import FailedPrecondition
+
+    key = "model.embed_tokens.weight"
+    index = target / "model.safetensors.index.json"
+    name = json.loads(index.read_text())["weight_map"].get(key) if index.is_file() else WEIGHTS
+    if name is None or not (target / name).is_file():
+        raise FailedPrecondition(f"the target at {target} has no {key} in safetensors files")
+    with safe_open(str(target / name), framework="pt") as f:
+        return f.get_tensor(key).float()

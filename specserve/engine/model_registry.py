@@ -65,6 +65,8 @@ MANIFEST = "specserve-fetch.json"
 #: The default pair.
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "specserve-smollm2-draft"
+#: The default pair's feature head (served by the default draft when present).
+DEFAULT_HEAD = "specserve-smollm2-head"
 
 
 def cache_root() -> Path:
@@ -199,6 +201,12 @@ REGISTRY: dict[str, ModelSource] = {
             name=DEFAULT_DRAFT,
             folder="specserve-smollm2-draft",
             description="the default draft: 2 layers of the target, distilled on its answers (specserve/models/)",
+        ),
+        Bundled(
+            name=DEFAULT_HEAD,
+            folder="specserve-smollm2-head",
+            description="the default pair's feature head: one layer reading the target's features "
+            "(specserve/models/; its token table is the target's)",
         ),
         Bundled(
             name="specserve-demo-target",

@@ -189,10 +189,16 @@ def prepare(model, *, kernels: Kernels = "stock") -> None:
     model._specserve_packed_weights = PackedWeights() if onednn else None
 
 
-def forward(model, packed: batching.PackedBatch) -> tuple[Tensor, object]:
-    """:func:`specserve.engine.batching.forward` with row-blocked matmuls and row-wise attention (``model`` prepared)."""
+def blocked_matmuls(model) -> RowBlockedMatmuls:
+    """The row-blocked matmul mode for ``model`` (prepared by :func:`prepare`): with its packed weights when
+    it has them."""
     if model.config._attn_implementation != ATTENTION:
         raise RuntimeError("call row_invariant.prepare(model) before a row-invariant forward pass")
+    return RowBlockedMatmuls(getattr(model, "_specserve_packed_weights", None))
+
+
+def forward(model, packed: batching.PackedBatch) -> tuple[Tensor, object]:
+    """:func:`specserve.engine.batching.forward` with row-blocked matmuls and row-wise attention (``model`` prepared)."""
     layout = RowLayout(spans=packed.spans, queries=packed.input_lens)
-    with RowBlockedMatmuls(getattr(model, "_specserve_packed_weights", None)):
+    with blocked_matmuls(model):
         return batching.forward(model, packed, row_layout=layout)

@@ -208,6 +208,17 @@ class DraftSettings(WorkerSettings):
         ge=1,
         description="Most sessions drafted in one forward pass (and per ProposeBatch call); 1: each alone.",
     )
+    feature_head: str | None = Field(
+        None,
+        description="The feature head (docs/design.md, 'The feature head'): a registered name or a directory; "
+        "'none' serves without one. Unset: the default pair's head when the draft is the default draft and "
+        "the head is present.",
+    )
+    feature_head_target: str | None = Field(
+        None,
+        description="Where the feature head takes its target's token table from (a registered name or a "
+        "directory; only that table is read). Unset: the target its config names.",
+    )
 
 
 class TargetSettings(WorkerSettings):

@@ -24,10 +24,12 @@ from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import structlog
 
+from specserve.api.errors import FailedPrecondition
 from specserve.engine.cpu_kernels import Kernels
+from specserve.engine.feature_head import FeatureHead
 from specserve.engine.kvcache import SessionCacheStore
 from specserve.engine.models import LoadedModel, load_model, resolve_model_path
-from specserve.runtime.config import WorkerSettings
+from specserve.runtime.config import DraftSettings, WorkerSettings
 from specserve.runtime.interceptors import BearerTokenInterceptor, ClientCertificateInterceptor
 from specserve.runtime.server import Registration, RunningServer, create_server
 
@@ -63,6 +65,37 @@ def load_worker_model(
         kernels=kernels,
         warmup=settings.warmup,
     )
+
+
+def load_worker_head(settings: DraftSettings, model: LoadedModel) -> FeatureHead | None:
+    """The draft's feature head as ``settings`` name it (None: none), in ``model``'s device and dtype.
+
+    Unset, the default draft serves the default pair's head when it is present; 'none' serves without one.
+    A head that does not fit the draft's vocabulary is refused (:class:`FailedPrecondition`)."""
+    from specserve.engine import model_registry
+    from specserve.engine.feature_head import load_feature_head
+
+    spec = settings.feature_head
+    if spec is not None and spec.lower() == "none":
+        return None
+    if spec is None:
+        if settings.model not in (None, "", model_registry.DEFAULT_DRAFT):
+            return None
+        source = model_registry.REGISTRY.get(model_registry.DEFAULT_HEAD)
+        if source is None or not source.present():
+            return None
+        spec = model_registry.DEFAULT_HEAD
+    head = load_feature_head(
+        model_registry.resolve_model(spec, progress=False),
+        target=settings.feature_head_target,
+        device=model.device,
+        dtype=model.model.dtype,
+    )
+    if head.config.vocab_size != model.vocab_size:
+        raise FailedPrecondition(
+            f"the feature head covers {head.config.vocab_size} tokens, the draft's vocabulary {model.vocab_size}"
+        )
+    return head
 
 
 def caller_checks(settings: WorkerSettings) -> list[Any]:

@@ -26,6 +26,7 @@ class ProposerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROPOSER_KIND_UNSPECIFIED: _ClassVar[ProposerKind]
     PROPOSER_KIND_MODEL: _ClassVar[ProposerKind]
     PROPOSER_KIND_NGRAM: _ClassVar[ProposerKind]
+    PROPOSER_KIND_FEATURE: _ClassVar[ProposerKind]
 SAMPLING_MODE_UNSPECIFIED: SamplingMode
 SAMPLING_MODE_OPTIMAL: SamplingMode
 SAMPLING_MODE_COUPLED: SamplingMode
@@ -37,6 +38,7 @@ FINISH_REASON_LENGTH: FinishReason
 PROPOSER_KIND_UNSPECIFIED: ProposerKind
 PROPOSER_KIND_MODEL: ProposerKind
 PROPOSER_KIND_NGRAM: ProposerKind
+PROPOSER_KIND_FEATURE: ProposerKind
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "sampling_mode")
@@ -67,6 +69,16 @@ class StopConditions(_message.Message):
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("start_position", "hidden_size", "float16_le")
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT16_LE_FIELD_NUMBER: _ClassVar[int]
+    start_position: int
+    hidden_size: int
+    float16_le: bytes
+    def __init__(self, start_position: _Optional[int] = ..., hidden_size: _Optional[int] = ..., float16_le: _Optional[bytes] = ...) -> None: ...
 
 class SessionBase(_message.Message):
     __slots__ = ("session_id", "committed_len", "version")

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyItem(_message.Message):
-    __slots__ = ("base", "proposal", "logprobs", "decode_steps")
+    __slots__ = ("base", "proposal", "logprobs", "decode_steps", "features_from")
     BASE_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
     base: _common_pb2.SessionBase
     proposal: _common_pb2.Proposal
     logprobs: _common_pb2.LogprobsParams
     decode_steps: int
-    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsParams, _Mapping]] = ..., decode_steps: _Optional[int] = ...) -> None: ...
+    features_from: int
+    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsParams, _Mapping]] = ..., decode_steps: _Optional[int] = ..., features_from: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)
@@ -34,16 +36,18 @@ class ItemError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("session_id", "verdict", "error", "replayed")
+    __slots__ = ("session_id", "verdict", "error", "replayed", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     verdict: _common_pb2.Verdict
     error: ItemError
     replayed: bool
-    def __init__(self, session_id: _Optional[str] = ..., verdict: _Optional[_Union[_common_pb2.Verdict, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    features: _common_pb2.Features
+    def __init__(self, session_id: _Optional[str] = ..., verdict: _Optional[_Union[_common_pb2.Verdict, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., replayed: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "verify_ns", "forward_ns", "positions_processed")

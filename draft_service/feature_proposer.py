@@ -1,0 +1,258 @@
+"""The feature proposer: the feature head drafting from the target's own features.
+
+The head (:mod:`specserve.engine.feature_head`, docs/design.md "The feature
+head") reads, for every committed position but the pending last one, the
+target's feature there; the coordinator relays them from the target's verdicts
+with each Propose (``ProposeRequest.features``). Per session the proposer keeps:
+
+* the head's KV cache over its **true slots** ``[s0, T)``: slot ``j`` took the
+  committed token ``C[j]`` and the target's feature ``f_{j-1}``. Drafted slots
+  (the head's own outputs as features) live only during a call: their KV is
+  dropped when the proposal is made, so the next round feeds the accepted
+  tokens' slots again, with the target's features this time;
+* ``s0``, the first slot's position (1 for a session whose features came from
+  position 0; later for one rebuilt from the coordinator's window after a
+  failover, which then attends over fewer slots);
+* the input feature of its last true slot, to feed that slot again when a
+  round brings no new committed tokens (a retried Propose).
+
+A Propose brings the features of positions ``[start, stop)``. The proposer
+needs those of ``[T - 1, n - 1)`` (``n = len(C)``): it feeds slots ``T .. n - 1``
+(at least slot ``n - 1``, whose output gives the first draft token). Features
+that ``reset`` (or a session it holds nothing for) start a fresh context at slot
+``start + 1``. Features it lacks are a FAILED_PRECONDITION naming the first
+position it needs; the coordinator then resends with ``reset`` from what it kept.
+
+Batching and sampling are the token draft's: one row-invariant pass per draft
+step for all the sessions of a call (a session gets the same tokens and ``q``
+bytes alone or batched), and the same per-row drawing
+(:func:`draft_service.proposers.draw_step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+from transformers import DynamicCache
+
+from draft_service.proposers import Drafted, DraftRequest, Outcome, Proposer, _Row, draw_step
+from specserve.api.errors import FailedPrecondition, InvalidArgument, SpecServeError
+from specserve.core import features as wire
+from specserve.engine import batching, row_invariant
+from specserve.engine.cpu_kernels import Kernels
+from specserve.engine.feature_head import FeatureHead
+from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len
+from specserve.v1 import common_pb2
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(eq=False)
+class _HeadRow(_Row):
+    """A session on its way through a batch of the head."""
+
+    features: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(feed), hidden] slot inputs
+
+
+class FeatureProposer(Proposer):
+    """Drafts with the feature head (see the module docstring)."""
+
+    kind = common_pb2.PROPOSER_KIND_FEATURE
+    needs_model = True
+
+    def __init__(
+        self, head: FeatureHead, caches: SessionCacheStore, *, inline_catchup_max: int = 32, kernels: Kernels = "stock"
+    ) -> None:
+        self.head = head
+        self.caches = caches
+        self.inline_catchup_max = inline_catchup_max
+        self.config = head.model.config
+        self.hidden_size = int(head.config.hidden_size)
+        self.device = head.fc.weight.device
+        self.max_positions: int | None = int(head.config.max_position_embeddings) or None
+        self._first_slot: dict[str, int] = {}  # session -> s0
+        self._last_input: dict[str, torch.Tensor] = {}  # session -> [hidden]: its last true slot's feature
+        row_invariant.prepare(head.model, kernels=kernels)
+
+    def propose(self, request: DraftRequest) -> Drafted:
+        outcome = self.propose_batch([request])[0]
+        if isinstance(outcome, SpecServeError):
+            raise outcome
+        return outcome
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Outcome]:
+        outcomes: list[Outcome | None] = [None] * len(requests)
+        rows: list[_HeadRow] = []
+        for i, request in enumerate(requests):
+            try:
+                row = self._row(i, request)
+            except SpecServeError as exc:
+                outcomes[i] = exc
+                continue
+            if row is None:
+                outcomes[i] = Drafted(token_ids=(), probs_f32=None)
+            else:
+                rows.append(row)
+        if rows:
+            try:
+                self._draft(rows)
+            except BaseException:
+                for row in rows:  # a half-written state is dropped; the coordinator resends with reset
+                    self.release(row.request.session_id)
+                raise
+            for row in rows:
+                outcomes[row.index] = row.drafted()
+            self.caches.trim(protect=[row.request.session_id for row in rows])
+            for sid in list(self._first_slot):
+                if sid not in self.caches:  # evicted: its bookkeeping goes too
+                    self._forget(sid)
+        assert all(o is not None for o in outcomes)
+        return outcomes  # type: ignore[return-value]
+
+    def release(self, session_id: str) -> bool:
+        held = session_id in self.caches
+        if held:
+            self.caches.release(session_id)
+        self._forget(session_id)
+        return held
+
+    def holds(self, session_id: str) -> bool:
+        """Whether the head holds a context for the session."""
+        return session_id in self.caches and session_id in self._first_slot
+
+    # ---- one session --------------------------------------------------------------------
+
+    def _forget(self, session_id: str) -> None:
+        self._first_slot.pop(session_id, None)
+        self._last_input.pop(session_id, None)
+
+    def _row(self, index: int, request: DraftRequest) -> _HeadRow | None:
+        """Bring the session's head context up to ``C``; None when there is nothing to draft."""
+        sid, committed = request.session_id, request.committed
+        n = len(committed)
+        gamma = request.gamma
+        if self.max_positions is not None:
+            gamma = max(0, min(gamma, self.max_positions - n))
+        if gamma == 0:
+            return None
+        block = request.features
+        if block is not None and block.hidden != self.hidden_size:
+            raise InvalidArgument(
+                f"features have {block.hidden} values per position; this head reads {self.hidden_size}"
+            )
+        if block is not None and (request.features_reset or not self.holds(sid)):
+            self.release(sid)
+            self._first_slot[sid] = block.start + 1
+        if sid not in self._first_slot:
+            raise FailedPrecondition(
+                f"the feature head holds no context for session {sid!r}: send its features with reset"
+            )
+        cache, _ = self.caches.get_or_create(sid)
+        s0 = self._first_slot[sid]
+        if n - 1 < s0:
+            raise FailedPrecondition(
+                f"session {sid!r}: features start at position {s0 - 1}, after the last committed token's "
+                f"predecessor ({n - 2}); send features that end at position {n - 2}"
+            )
+        held = s0 + cache.seq_len  # T: true slots [s0, T)
+        keep = min(common_prefix_len(cache.tokens, committed[s0:]), n - 1 - s0)
+        first = s0 + keep  # the first slot fed now; it needs the feature of position first - 1
+        decoded = wire.decode(block).to(self.device) if block is not None else None
+        rows = []
+        for p in range(first - 1, n - 1):
+            if decoded is not None and block is not None and block.start <= p < block.stop:
+                rows.append(decoded[p - block.start])
+            elif p == held - 2 and sid in self._last_input:
+                rows.append(self._last_input[sid])
+            else:
+                raise FailedPrecondition(
+                    f"session {sid!r}: the feature head needs the target's features from position {p} on; "
+                    "send them (with reset, from the features kept)"
+                )
+        feats = torch.stack(rows).to(self.device)  # [n - first, hidden]
+        cache.truncate(keep)
+        cache.commit(cache.branch_len)
+        feed = tuple(committed[first:])
+        if len(feed) - 1 > self.inline_catchup_max:
+            self._prefill(cache, feed[:-1], feats[:-1])
+            feed, feats = feed[-1:], feats[-1:]
+        self._last_input[sid] = feats[-1]
+        return _HeadRow(
+            index=index,
+            request=request,
+            cache=cache,
+            gamma=gamma,
+            feed=feed,
+            prefill=n - first,
+            context=list(committed),
+            features=feats,
+        )
+
+    # ---- passes -------------------------------------------------------------------------
+
+    def _pass(self, packed: batching.PackedBatch, feats: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
+        """The head over ``packed``'s slots with their features ``[B, T, hidden]``: outputs ``[B, T, hidden]``."""
+        cache = packed.cache if packed.cache is not None else DynamicCache(config=self.config)
+        layout = row_invariant.RowLayout(spans=packed.spans, queries=packed.input_lens)
+        with torch.no_grad(), row_invariant.blocked_matmuls(self.head.model):
+            hidden = self.head.hidden(
+                packed.input_ids,
+                feats,
+                attention_mask=packed.attention_mask,
+                position_ids=packed.position_ids,
+                cache=cache,
+                row_layout=layout,
+            )
+        return hidden, cache
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[batch, hidden]`` outputs -> ``[batch, vocab]`` float32 logits (``-inf`` outside the head)."""
+        with torch.no_grad(), row_invariant.blocked_matmuls(self.head.model):
+            return self.head.scatter(self.head.head_logits(hidden))
+
+    @staticmethod
+    def _row_input(cache: SessionCache, slots: tuple[int, ...]) -> batching.RowInput:
+        past = tuple(cache.layer_kv())
+        return batching.RowInput(past=past or None, past_len=cache.seq_len, input_ids=slots, logits_needed=1)
+
+    def _prefill(self, cache: SessionCache, slots: tuple[int, ...], feats: torch.Tensor) -> None:
+        """True slots through a pass of the session's own (a long catch-up)."""
+        packed = batching.pack([self._row_input(cache, slots)], config=self.config, device=self.device)
+        _, grown = self._pass(packed, feats.unsqueeze(0))
+        cache.append_kv(batching.new_kv(grown, packed, 0), slots)
+        cache.commit(cache.branch_len)
+
+    def _draft(self, rows: list[_HeadRow]) -> None:
+        """The draft steps of one batch; each row's cache ends holding its true slots only."""
+        packed = batching.pack(
+            [self._row_input(row.cache, row.feed) for row in rows],
+            config=self.config,
+            device=self.device,
+            room=max(row.gamma for row in rows) - 1,
+        )
+        feats = torch.zeros(len(rows), packed.input_ids.shape[1], self.hidden_size, device=self.device)
+        for b, row in enumerate(rows):
+            feats[b, : len(row.feed)] = row.features
+        hidden, grown = self._pass(packed, feats)
+        for b, row in enumerate(rows):  # the true slots stay; drafted ones never enter the session's cache
+            row.cache.append_kv(batching.new_kv(grown, packed, b), row.feed)
+            row.cache.commit(row.cache.branch_len)
+        ends = torch.tensor([t - 1 for t in packed.input_lens], device=self.device)
+        last = hidden[torch.arange(len(rows), device=self.device), ends]  # [batch, hidden]
+        active: list[_HeadRow] = list(rows)
+        first = True
+        while True:
+            going = draw_step(active, self._logits(last))
+            if not going:
+                return
+            if first:
+                packed = batching.align_ends(packed, grown)
+                first = False
+            packed = batching.next_step(packed, grown, [active[b].tokens[-1] for b in going], going)
+            index = torch.tensor(going, device=self.device)
+            active = [active[b] for b in going]
+            hidden, grown = self._pass(packed, last.index_select(0, index).unsqueeze(1))  # [batch', 1, hidden]
+            last = hidden[:, -1]
