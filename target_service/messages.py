@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from specserve.api.errors import InvalidArgument, ResourceExhausted, SpecServeError, ZeroDraftProbability
 from specserve.api.params import SessionBase, Verdict, check_top_logprobs
 from specserve.api.status import item_code
+from specserve.core.features import FeatureBlock
 from specserve.core.proposal import DraftProposal, draft_probs_from_pb
 from specserve.v1 import target_pb2
 
@@ -37,6 +38,9 @@ class VerifyItem:
     top_logprobs: int | None = None
     #: Target steps to decode in this call (gamma = 0 only): each commits what a gamma = 0 round would.
     decode_steps: int = 1
+    #: Return the target's features of committed positions from here on (None: none; docs/design.md,
+    #: "The feature head").
+    features_from: int | None = None
 
     @property
     def session_id(self) -> str:
@@ -134,11 +138,18 @@ def _item_from_pb(pb: target_pb2.VerifyItem, *, vocab_size: int, max_gamma: int)
         )
     if steps > MAX_DECODE_STEPS:
         raise InvalidArgument(f"decode_steps={steps}; this server decodes at most {MAX_DECODE_STEPS} per call")
+    features_from = pb.features_from if pb.HasField("features_from") else None
+    if features_from is not None and features_from > base.committed_len - 1:
+        raise InvalidArgument(
+            f"features_from={features_from}: features start at a committed position before the last "
+            f"committed token ({base.committed_len - 1}) at most"
+        )
     return VerifyItem(
         base=base,
         proposal=DraftProposal(token_ids=token_ids, probs=probs),
         top_logprobs=top_logprobs,
         decode_steps=steps,
+        features_from=features_from,
     )
 
 
@@ -150,6 +161,7 @@ class ItemResult:
     verdict: Verdict | None = None
     error: SpecServeError | None = None
     replayed: bool = False
+    features: FeatureBlock | None = None  # what the item asked for (VerifyItem.features_from), when held
 
     def __post_init__(self) -> None:
         if (self.verdict is None) == (self.error is None):
@@ -159,6 +171,8 @@ class ItemResult:
         pb = target_pb2.VerifyResult(session_id=self.session_id, replayed=self.replayed)
         if self.verdict is not None:
             pb.verdict.CopyFrom(self.verdict.to_pb())
+            if self.features is not None:
+                pb.features.CopyFrom(self.features.to_pb())
         else:
             assert self.error is not None
             pb.error.CopyFrom(target_pb2.ItemError(code=item_code(self.error), message=self.error.message))

@@ -130,11 +130,14 @@ from specserve.api.errors import (
     VersionConflict,
 )
 from specserve.api.params import PositionLogprobs, Verdict
+from specserve.core import features as feature_wire
+from specserve.core.features import FeatureBlock
 from specserve.core.proposal import DraftProposal
 from specserve.core.sampling import greedy_tokens, logits_to_probs, pick_logprobs, processed_logprobs
 from specserve.core.verification import VerifyOutcome, verify_batch, verify_coupled, verify_greedy
 from specserve.engine import batching
-from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len
+from specserve.engine.feature_head import FinalNormInput
+from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len, features_of
 from specserve.engine.model_thread import ModelThread
 from specserve.engine.models import LoadedModel
 from specserve.runtime import metrics
@@ -163,6 +166,7 @@ class _Work:
     verdict: Verdict | None = None
     error: SpecServeError | None = None  # this item's own failure: nothing is committed for it
     steps: int = 1  # target steps taken for the item in this call (decode_steps)
+    features: FeatureBlock | None = None  # what the item asked for (features_from), once its cache settled
 
     @property
     def n(self) -> int:
@@ -422,9 +426,23 @@ class Verifier:
             for w, nxt in zip(going, nexts, strict=True):
                 w.absorb(nxt)
             going = [w for w in going if w.goes_on()]
+        for w in work:
+            w.features = self._features(w)
         self.caches.trim(protect=[w.item.session_id for w in work])  # the caches grew: keep the budget
         self._update_cache_gauges()
         return forward_ns, positions
+
+    def _features(self, w: _Work) -> FeatureBlock | None:
+        """The features ``w`` asked for: positions ``features_from`` up to its new pending token (its cache
+        holds exactly those after settling); None when it did not ask or has no verdict."""
+        start = w.item.features_from
+        if start is None or w.verdict is None or w.cache is None:
+            return None
+        stop = w.verdict.committed_len - 1
+        if w.cache.features_len < stop:  # not reached for a settled item: kept, not guessed
+            log.warning("features_missing", session_id=w.item.session_id, held=w.cache.features_len, stop=stop)
+            return None
+        return feature_wire.encode(w.cache.feature_rows(start, stop), start)
 
     def _step(self, work: list[_Work]) -> tuple[int, int]:
         """One pass for ``work`` and its decision, each cache settled on its verdict; (forward_ns, positions)."""
@@ -449,6 +467,9 @@ class Verifier:
                 cache, _created = self.caches.get_or_create(w.item.session_id)
                 committed = w.record.token_ids
                 keep = min(common_prefix_len(cache.tokens, committed), w.n - 1)
+                if w.item.features_from is not None:  # positions without their features are fed again
+                    cache.track_features()
+                    keep = min(keep, cache.features_len)
                 if catchup_max is not None and w.n - 1 - keep > catchup_max:
                     t0 = time.perf_counter_ns()
                     reconciled = cache.reconcile(committed, pending=True)  # a separate prefill pass
@@ -485,10 +506,19 @@ class Verifier:
                     )
                 )
             packed = batching.pack(rows, config=self.model.model.config, device=self.model.device)
-            logits, grown = batching.forward(self.model.model, packed)
+            hidden = None
+            if any(w.cache is not None and w.cache.tracks_features for w in ready):
+                with FinalNormInput(self.model.model) as tap:
+                    logits, grown = batching.forward(self.model.model, packed)
+                hidden = tap.hidden  # [batch, T, d]: the pass's last-layer states, for the features
+            else:
+                logits, grown = batching.forward(self.model.model, packed)
             for b, w in enumerate(ready):
                 assert w.cache is not None
-                w.cache.append_kv(batching.new_kv(grown, packed, b), w.feed)
+                rows_b = None
+                if hidden is not None and w.cache.tracks_features:
+                    rows_b = features_of(self.model.model, hidden[b, : len(w.feed)])
+                w.cache.append_kv(batching.new_kv(grown, packed, b), w.feed, rows_b)
                 w.logits = batching.row_logits(logits, packed, b)  # [gamma + 1, vocab]
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
@@ -663,7 +693,10 @@ class Verifier:
                 verdict, replayed = outcome
                 if not replayed:
                     self._remember(w, verdict)
-                results.append(ItemResult(sid, verdict=verdict, replayed=replayed))
+                # A replayed verdict may differ from what this call settled on: no features with it.
+                results.append(
+                    ItemResult(sid, verdict=verdict, replayed=replayed, features=None if replayed else w.features)
+                )
         if unexpected is not None:
             return results, list(work), unexpected
         return results, undo, None

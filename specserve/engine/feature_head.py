@@ -76,7 +76,8 @@ class FinalNormInput:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.norm = model.get_decoder().norm
+        decoder = model.get_decoder()
+        self.norm = getattr(decoder, "norm", None) or decoder.ln_f  # Llama-like, or GPT-2
         self.hidden: torch.Tensor | None = None
         self._handle = None
 

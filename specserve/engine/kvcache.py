@@ -69,6 +69,7 @@ import structlog
 import torch
 
 from specserve.api.errors import FailedPrecondition, InvalidArgument, NotFound
+from specserve.engine.feature_head import FinalNormInput, target_features
 from specserve.engine.models import vocab_size_of
 
 log = structlog.get_logger(__name__)
@@ -109,6 +110,9 @@ class SessionCache:
         self._tokens: list[int] = []
         self._committed = 0
         self._nbytes: int | None = 0  # KV bytes held; None: recount (after a change)
+        #: The target's features of the first cached positions (``[features_len, hidden]`` float16), kept
+        #: once :meth:`track_features` was called (docs/design.md, "The feature head").
+        self._features: torch.Tensor | None = None
         self._clock = clock
         self.last_used = clock()
 
@@ -139,10 +143,41 @@ class SessionCache:
         return len(self._tokens)
 
     @property
+    def tracks_features(self) -> bool:
+        """Whether the cache keeps its positions' features (:meth:`track_features`)."""
+        return self._features is not None
+
+    @property
+    def features_len(self) -> int:
+        """How many leading cached positions have their features kept (0 when none are tracked)."""
+        return 0 if self._features is None else int(self._features.shape[0])
+
+    def feature_rows(self, start: int, stop: int) -> torch.Tensor:
+        """The kept features of positions ``[start, stop)``: ``[stop - start, hidden]`` float16."""
+        if self._features is None or not 0 <= start <= stop <= self.features_len:
+            raise InvalidArgument(f"features of positions [{start}, {stop}) are not held ({self.features_len} are)")
+        return self._features[start:stop]
+
+    def track_features(self) -> None:
+        """Keep the features of every position fed from now on. Positions fed before have none: a
+        caller that needs them treats the cache as holding only :attr:`features_len` positions."""
+        if self._features is None:
+            hidden = self.model.config.get_text_config(decoder=True).hidden_size
+            self._features = torch.empty((0, hidden), dtype=torch.float16, device=self._device)
+            self._nbytes = None
+
+    def _append_features(self, rows: torch.Tensor, start: int) -> None:
+        """Add the features ``rows`` ``[n, hidden]`` of positions ``start ..`` when they extend the kept ones."""
+        if self._features is not None and start == self.features_len:
+            self._features = torch.cat([self._features, rows.to(torch.float16)])
+            self._nbytes = None
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of keys and values held (counted once per change: the store sums it every round)."""
+        """Bytes of keys and values (and kept features) held (counted once per change: the store sums it
+        every round)."""
         if self._nbytes is None:
-            total = 0
+            total = 0 if self._features is None else self._features.numel() * self._features.element_size()
             for layer in self._cache.layers:
                 if getattr(layer, "is_initialized", False) and layer.keys is not None:
                     total += layer.keys.numel() * layer.keys.element_size()
@@ -172,7 +207,13 @@ class SessionCache:
         """Feed tokens through the model; return the last ``logits_to_keep`` rows of logits."""
         self._check_room(len(self._tokens), len(token_ids))
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)  # [1, n]
-        out = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
+        start = len(self._tokens)
+        if self._features is None:
+            out = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
+        else:
+            with FinalNormInput(self.model) as tap:
+                out = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
+            self._append_features(features_of(self.model, tap.hidden[0]), start)
         self._tokens.extend(int(t) for t in token_ids)
         self._nbytes = None
         self.touch()
@@ -215,6 +256,9 @@ class SessionCache:
             self._cache.crop(-remove)
             del self._tokens[length:]
             self._nbytes = None
+        if self._features is not None and self.features_len > length:
+            self._features = self._features[:length]
+            self._nbytes = None
         self._committed = min(self._committed, length)
         self.touch()
 
@@ -239,6 +283,8 @@ class SessionCache:
         want = len(c) - 1 if pending else len(c)
         # Keep the longest common prefix, but always leave one token to feed when we need logits.
         keep = min(common_prefix_len(self._tokens, c), want if pending else want - 1)
+        if self._features is not None:  # positions without their features are fed again
+            keep = min(keep, self.features_len)
         self.truncate(keep)
         self._committed = keep
         missing = c[keep:want]
@@ -274,14 +320,18 @@ class SessionCache:
         return [(layer.keys, layer.values) for layer in self._full_attention_layers()]
 
     def append_kv(
-        self, layer_kvs: Sequence[tuple[torch.Tensor, torch.Tensor]], token_ids: Sequence[int]
+        self,
+        layer_kvs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        token_ids: Sequence[int],
+        features: torch.Tensor | None = None,
     ) -> None:
         """Append KV computed elsewhere for ``token_ids`` (positions ``seq_len ..``) as a branch.
 
         ``layer_kvs[l]`` is ``(keys, values)`` of layer ``l``, each
         ``[1, kv_heads, len(token_ids), head_dim]``, computed with the position
         ids ``seq_len, seq_len + 1, ...`` and attending to exactly this session's
-        cached tokens.
+        cached tokens. ``features`` ``[len(token_ids), hidden]``: the same pass's features of those
+        positions, kept when the cache tracks them.
         """
         n = len(token_ids)
         if n == 0:
@@ -299,11 +349,22 @@ class SessionCache:
         if self._tokens:
             self._full_attention_layers()
         self._check_room(len(self._tokens), n)
+        start = len(self._tokens)
         for i, (k, v) in enumerate(layer_kvs):
             self._cache.update(k, v, i)
+        if features is not None:
+            self._append_features(features, start)
         self._tokens.extend(int(t) for t in token_ids)
         self._nbytes = None
         self.touch()
+
+
+def features_of(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """``model``'s features (:func:`~specserve.engine.feature_head.target_features`) of last-layer states
+    ``[..., hidden]`` captured before its final norm."""
+    config = model.config.get_text_config(decoder=True)
+    eps = getattr(config, "rms_norm_eps", None) or getattr(config, "layer_norm_epsilon", None) or 1e-6
+    return target_features(hidden, eps)
 
 
 class SessionCacheStore:

@@ -1,0 +1,81 @@
+"""The verifier's features (VerifyItem.features_from): the target's features of the positions it committed."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from target_helpers import greedy_continuation, item, make_verifier, new_session
+
+from specserve.core import features as wire
+from specserve.engine.feature_head import FinalNormInput
+from specserve.engine.kvcache import features_of
+from specserve.engine.models import LoadedModel
+from target_service.messages import VerifyBatch
+
+PROMPT = (5, 17, 42, 99, 3, 250, 7, 11, 64, 120)
+
+
+@torch.no_grad()
+def fresh_features(model: LoadedModel, tokens: Sequence[int]) -> torch.Tensor:
+    """``[len(tokens), hidden]``: the target's features of ``tokens`` from one fresh pass."""
+    with FinalNormInput(model.model) as tap:
+        model.model(input_ids=torch.tensor([list(tokens)]))
+    return features_of(model.model, tap.hidden[0])
+
+
+def asking(record, tokens=(), *, start: int):
+    return dataclasses.replace(item(record, tokens), features_from=start)
+
+
+def assert_rows(block: wire.FeatureBlock, model: LoadedModel, committed: Sequence[int], start: int) -> None:
+    """``block`` holds the features of positions [start, len(committed) - 1), to float16 rounding."""
+    assert (block.start, block.stop) == (start, len(committed) - 1)
+    expected = fresh_features(model, committed[:-1])[start:]
+    torch.testing.assert_close(wire.decode(block), expected, atol=2e-3, rtol=2e-3)
+
+
+async def test_features_of_every_committed_position_round_after_round(target, store):
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT)
+    proposal = greedy_continuation(target, PROMPT, 3)
+    result = (await verifier.verify(VerifyBatch(items=(asking(record, proposal, start=0),)))).results[0]
+    committed = PROMPT + tuple(result.verdict.committed_token_ids)
+    assert result.verdict.accepted_count == 3
+    assert_rows(result.features, target, committed, 0)
+    record = await store.load(record.session_id)
+    stop = result.features.stop
+    result = (await verifier.verify(VerifyBatch(items=(asking(record, start=stop),)))).results[0]
+    committed += tuple(result.verdict.committed_token_ids)
+    assert_rows(result.features, target, committed, stop)
+
+
+async def test_batched_items_get_the_features_they_get_alone(target, store):
+    verifier = make_verifier(target, store, inline_catchup_max=4)
+    prompts = [PROMPT, PROMPT[:3], (8, 9) * 9]
+    records = [await new_session(store, p) for p in prompts]
+    items = tuple(asking(r, greedy_continuation(target, p, 2), start=0) for r, p in zip(records, prompts, strict=True))
+    results = (await verifier.verify(VerifyBatch(items=items))).results
+    for r, p in zip(results, prompts, strict=True):
+        assert_rows(r.features, target, p + tuple(r.verdict.committed_token_ids), 0)
+
+
+async def test_items_that_do_not_ask_get_none_and_a_session_that_starts_asking_gets_all(target, store):
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT)
+    result = (await verifier.verify(VerifyBatch(items=(item(record),)))).results[0]
+    assert result.features is None
+    assert not verifier.caches.get(record.session_id).tracks_features
+    record = await store.load(record.session_id)
+    result = (await verifier.verify(VerifyBatch(items=(asking(record, start=0),)))).results[0]
+    assert_rows(result.features, target, record.token_ids + tuple(result.verdict.committed_token_ids), 0)
+
+
+async def test_a_replayed_verdict_carries_no_features(target, store):
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT)
+    first = (await verifier.verify(VerifyBatch(items=(asking(record, start=0),)))).results[0]
+    again = (await verifier.verify(VerifyBatch(items=(asking(record, start=0),)))).results[0]
+    assert again.replayed and again.verdict == first.verdict
+    assert again.features is None and first.features is not None
