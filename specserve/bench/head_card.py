@@ -1,0 +1,274 @@
+"""The feature head's model card figures: acceptance per gamma, its cost, and its bytes on the wire.
+
+Run (the figures in ``specserve/models/specserve-smollm2-head/README.md`` come from this)::
+
+    python -m specserve.bench.head_card --json specserve/models/specserve-smollm2-head/card.json
+
+In float32 on the CPU, batch 1, on the held-out prompts of
+:mod:`specserve.bench.chat_prompts` (subjects never seen in training), the head
+drafting through the draft tier's own code (:class:`draft_service.feature_proposer.FeatureProposer`)
+from the target's features, as the service relays them:
+
+* **Greedy acceptance per gamma** (temperature 0): each round is replayed on the
+  target's greedy continuation (the committed text at T = 0). The proposer gets
+  the committed tokens and the features of the positions the last round
+  committed; the accepted prefix is the part of its proposal equal to the
+  continuation. ``acceptance`` is accepted / proposed draft tokens,
+  ``accepted_per_round`` the mean accepted draft tokens per drafted round.
+* **Acceptance at temperature 0.7**: real speculative sampling with
+  specserve's sampler and verifier (``verify_batch``), the target's features of
+  each round's committed positions taken from its own verify pass.
+* **Cost**: the target's decode step over the head's draft step (both after a
+  ``--context``-token context, interleaved medians), and the bytes the features
+  add per committed token on the wire (float16 rows), measured over the greedy
+  runs: rows relayed / tokens committed, times the row's bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from draft_service.feature_proposer import FeatureProposer
+from draft_service.proposers import DraftRequest
+from specserve.api.params import SamplingParams
+from specserve.bench.chat_prompts import heldout_prompts
+from specserve.bench.draft_card import _prompt_ids, target_greedy
+from specserve.core import features as wire
+from specserve.core.proposal import DraftProposal
+from specserve.core.sampling import logits_to_probs
+from specserve.core.verification import verify_batch
+from specserve.engine.feature_head import FeatureHead, FinalNormInput, load_feature_head
+from specserve.engine.kvcache import SessionCacheStore, features_of
+
+GAMMAS = (1, 2, 3, 4, 6, 8)
+
+
+def _proposer(head: FeatureHead) -> FeatureProposer:
+    return FeatureProposer(head, SessionCacheStore(head, max_sessions=8, budget_bytes=1 << 30, ttl_s=3600))
+
+
+@torch.inference_mode()
+def sequence_features(target, tokens: list[int]) -> wire.FeatureBlock:
+    """The target's features of positions ``[0, len(tokens) - 1)`` from one pass, as the target ships them."""
+    with FinalNormInput(target) as tap:
+        target.get_decoder()(input_ids=torch.tensor([tokens[:-1]]))
+    return wire.encode(features_of(target, tap.hidden[0]), 0)
+
+
+def replay_greedy(
+    proposer: FeatureProposer, target, prompt: list[int], continuation: list[int], gamma: int, key: str
+) -> dict[str, int]:
+    """Greedy rounds of the head replayed on the target's continuation, from the session's first round
+    (the prompt's features, as the first verify pass returns them) on."""
+    block = sequence_features(target, prompt + continuation)
+    params = SamplingParams(temperature=0.0)
+    seq = list(prompt)
+    sent = 0  # features relayed so far: positions [0, sent)
+    proposed = accepted = rounds = drafted = rows = 0
+    j = 0
+    while j < len(continuation):
+        g = min(gamma, len(continuation) - j - 1)
+        k = 0
+        if g > 0:
+            new = block.slice(sent, len(seq) - 1)
+            rows += new.count
+            sent = len(seq) - 1
+            drafted_tokens = proposer.propose(DraftRequest(key, tuple(seq), g, params, 0, features=new)).token_ids
+            while k < len(drafted_tokens) and drafted_tokens[k] == continuation[j + k]:
+                k += 1
+            proposed += len(drafted_tokens)
+            accepted += k
+            drafted += 1
+        take = continuation[j : j + k + 1]
+        seq += take
+        j += len(take)
+        rounds += 1
+    proposer.release(key)
+    return {"proposed": proposed, "accepted": accepted, "rounds": rounds, "drafted_rounds": drafted, "rows": rows}
+
+
+@torch.inference_mode()
+def sampled_rounds(
+    proposer: FeatureProposer, target, prompt: list[int], max_new: int, gamma: int, params: SamplingParams,
+    eos: int, key: str,
+) -> dict[str, int]:
+    """Real speculative sampling with the head and specserve's verifier; the features of each round's
+    committed positions come from the target's own verify pass."""
+    cache = DynamicCache(config=target.config)
+    seq = list(prompt)
+    with FinalNormInput(target) as tap:
+        target(input_ids=torch.tensor([seq[:-1]]), cache=cache, use_cache=True)
+    kept = features_of(target, tap.hidden[0])  # [len(seq) - 1, hidden]: positions whose KV is cached
+    sent = 0
+    proposed = accepted = rounds = new = 0
+    while new < max_new:
+        g = min(gamma, max_new - new - 1)
+        props: tuple[int, ...] = ()
+        probs = None
+        if g > 0:
+            block = wire.encode(kept[sent:], sent)
+            sent = len(seq) - 1
+            drafted = proposer.propose(DraftRequest(key, tuple(seq), g, params, params.seed or 0, features=block))
+            props = drafted.token_ids
+            probs = drafted.probs_f32.double() if drafted.probs_f32 is not None else None
+        with FinalNormInput(target) as tap:
+            logits = target(
+                input_ids=torch.tensor([[seq[-1], *props]]), cache=cache, use_cache=True
+            ).logits[0].float()  # [g + 1, vocab]
+        p = logits_to_probs(logits, params, None)
+        outcome = verify_batch(p[None], [DraftProposal(props, probs)], [params.seed], [len(seq)])[0]
+        out = outcome.emitted(props)
+        # The pending token and the accepted drafts are committed: their features (and KV) stay.
+        kept = torch.cat([kept, features_of(target, tap.hidden[0, : outcome.accepted + 1])])
+        if len(props) > outcome.accepted:
+            cache.crop(outcome.accepted - len(props))
+        proposed += len(props)
+        accepted += outcome.accepted
+        rounds += 1
+        seq += out
+        new += len(out)
+        if eos in out:
+            break
+    proposer.release(key)
+    return {"proposed": proposed, "accepted": accepted, "rounds": rounds, "tokens": new}
+
+
+@torch.inference_mode()
+def step_costs(target, head: FeatureHead, *, context: int, steps: int, warmup: int = 5) -> dict:
+    """Medians of interleaved target decode steps and head draft steps after ``context`` tokens, in ms."""
+    g = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    ids = torch.randint(0, vocab, (context,), generator=g)
+    tc, hc = DynamicCache(config=target.config), DynamicCache(config=head.config)
+    target(input_ids=ids[None], cache=tc, use_cache=True)
+    feats = torch.randn(1, context, head.config.hidden_size, generator=g)
+    head(ids[None], feats, position_ids=torch.arange(context)[None], cache=hc)
+    t_ms, h_ms = [], []
+    for i in range(steps + warmup):
+        tok = torch.randint(0, vocab, (1, 1), generator=g)
+        t0 = time.perf_counter()
+        target(input_ids=tok, cache=tc, use_cache=True)
+        t1 = time.perf_counter()
+        step = head(tok, feats[:, :1], position_ids=torch.tensor([[context]]), cache=hc)
+        head.scatter(step.logits)
+        t2 = time.perf_counter()
+        tc.crop(-1)
+        hc.crop(-1)
+        if i >= warmup:
+            t_ms.append(1000 * (t1 - t0))
+            h_ms.append(1000 * (t2 - t1))
+    target_step, head_step = statistics.median(t_ms), statistics.median(h_ms)
+    return {
+        "target_step_ms": target_step,
+        "head_step_ms": head_step,
+        "head_over_target_step": head_step / target_step,
+        "context_tokens": context,
+        "steps": steps,
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    from specserve.engine.model_registry import DEFAULT_HEAD, resolve_model
+    from specserve.engine.models import resolve_model_path
+
+    torch.set_num_threads(args.threads)
+    target_dir = resolve_model_path(args.target, "target")
+    head_dir = resolve_model(args.head or DEFAULT_HEAD, progress=False)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    head = load_feature_head(head_dir, target=target_dir)
+    proposer = _proposer(head)
+    eos = tok.eos_token_id
+    row_bytes = head.config.hidden_size * wire.VALUE_BYTES
+    result: dict = {
+        "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
+        "target": str(target_dir),
+        "head": str(head_dir),
+        "dtype": "float32",
+        "command": "python -m specserve.bench.head_card " + " ".join(args.argv),
+        "feature_row_bytes": row_bytes,
+    }
+    result["costs"] = step_costs(target, head, context=args.context, steps=args.cost_steps)
+    print(json.dumps(result["costs"], indent=1), flush=True)
+    for kind in ("chat", "code"):
+        prompts = heldout_prompts(kind, args.prompts)
+        ids = [_prompt_ids(tok, p) for p in prompts]
+        refs = [target_greedy(target, p, args.max_new_tokens, eos) for p in ids]
+        greedy = {}
+        for gamma in args.gammas:
+            tot = {"proposed": 0, "accepted": 0, "rounds": 0, "drafted_rounds": 0, "rows": 0}
+            for n, (p, ref) in enumerate(zip(ids, refs, strict=True)):
+                for key, v in replay_greedy(proposer, target, p, ref, gamma, f"{kind}-{n}").items():
+                    tot[key] += v
+            committed = sum(len(r) for r in refs)
+            greedy[gamma] = {
+                "acceptance": tot["accepted"] / max(1, tot["proposed"]),
+                "accepted_per_round": tot["accepted"] / max(1, tot["drafted_rounds"]),
+                "proposed": tot["proposed"],
+                "rounds": tot["rounds"],
+                "feature_bytes_per_token": tot["rows"] * row_bytes / max(1, committed),
+            }
+        sampled = {}
+        for gamma in args.sampled_gammas:
+            tot = {"proposed": 0, "accepted": 0, "rounds": 0, "tokens": 0}
+            for n, p in enumerate(ids[: args.sampled_prompts]):
+                params = SamplingParams(temperature=0.7, seed=1000 + n)
+                got = sampled_rounds(proposer, target, p, args.sampled_tokens, gamma, params, eos, f"s-{kind}-{n}")
+                for key, v in got.items():
+                    tot[key] += v
+            sampled[gamma] = {
+                "acceptance": tot["accepted"] / max(1, tot["proposed"]),
+                "accepted_per_round": tot["accepted"] / max(1, tot["rounds"]),
+                "proposed": tot["proposed"],
+                "rounds": tot["rounds"],
+            }
+        result[kind] = {
+            "prompts": len(ids),
+            "greedy_tokens": sum(len(r) for r in refs),
+            "max_new_tokens": args.max_new_tokens,
+            "greedy": greedy,
+            "t0.7": sampled,
+            "t0.7_prompts": min(len(ids), args.sampled_prompts),
+            "t0.7_max_new_tokens": args.sampled_tokens,
+        }
+        print(kind, json.dumps({"greedy": greedy, "t0.7": sampled}), flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="default: the registered default target")
+    ap.add_argument("--head", default=None, help="a head directory or registered name (default: the default head)")
+    ap.add_argument("--prompts", type=int, default=40, help="held-out prompts per set (greedy)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--gammas", type=int, nargs="+", default=list(GAMMAS))
+    ap.add_argument("--sampled-prompts", type=int, default=12)
+    ap.add_argument("--sampled-tokens", type=int, default=64)
+    ap.add_argument("--sampled-gammas", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--cost-steps", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    args.argv = argv
+    result = run(args)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
