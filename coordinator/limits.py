@@ -23,6 +23,7 @@ from coordinator.worker_clients import WorkerClients, WorkerInfo
 from specserve.api import errors
 from specserve.engine.models import check_same_vocabulary
 from specserve.runtime.config import CoordinatorSettings
+from specserve.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +42,8 @@ class Limits:
     # answering draft's max_batch_size (a draft that reports none takes one at a time)
     context_tokens: int | None = None  # the smallest context (max_positions) of every answering worker
     verify_curve_ns: tuple[float, ...] = ()  # per k positions, the median of the answering targets' curves
+    #: Whether every answering draft serves the feature head (PROPOSER_KIND_FEATURE).
+    feature_head: bool = False
 
 
 async def _infos(clients: Mapping[str, Any]) -> dict[str, WorkerInfo]:
@@ -88,6 +91,8 @@ async def probe_limits(settings: CoordinatorSettings, clients: WorkerClients, to
         draft_max_batch_size=draft_max_batch_size,
         context_tokens=min(contexts) if contexts else None,
         verify_curve_ns=median_curve([i.verify_curve_ns for i in targets.values()]),
+        feature_head=bool(drafts)
+        and all(common_pb2.PROPOSER_KIND_FEATURE in i.proposers for i in drafts.values()),
     )
 
 

@@ -56,6 +56,8 @@ class WorkerInfo:
     max_batch_size: int | None = None
     #: A target's measured verify pass for 1, 2, ... positions (ns); empty: not measured (or a draft).
     verify_curve_ns: tuple[int, ...] = ()
+    #: The proposers a draft serves (``ProposerKind`` values; empty for a target).
+    proposers: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,12 @@ class DraftClient(_WorkerClient):
 
     async def info(self, timeout_s: float | None = None) -> WorkerInfo:
         reply = await self._call("GetDraftInfo", draft_pb2.GetDraftInfoRequest(), timeout_s)
-        return WorkerInfo(ModelInfo.from_pb(reply.model), reply.max_gamma, reply.max_batch_size or None)
+        return WorkerInfo(
+            ModelInfo.from_pb(reply.model),
+            reply.max_gamma,
+            reply.max_batch_size or None,
+            proposers=frozenset(int(k) for k in reply.proposers),
+        )
 
 
 class TargetClient(_WorkerClient):

@@ -65,5 +65,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self, request: draft_pb2.GetDraftInfoRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.GetDraftInfoResponse:
         return draft_pb2.GetDraftInfoResponse(
-            model=self.info.to_pb(), max_gamma=self.max_gamma, max_batch_size=self.engine.max_batch_size
+            model=self.info.to_pb(),
+            max_gamma=self.max_gamma,
+            max_batch_size=self.engine.max_batch_size,
+            proposers=sorted(self.engine.proposers),
         )

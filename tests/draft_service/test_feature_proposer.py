@@ -183,11 +183,13 @@ async def test_the_draft_server_serves_the_head_and_refuses_an_item_without_feat
             bare.base.session_id = "bare"
             item.features.CopyFrom(_features(target, committed).to_pb())
             reply = await stub.ProposeBatch(draft_pb2.ProposeBatchRequest(items=[item, bare]))
+            info = await stub.GetDraftInfo(draft_pb2.GetDraftInfoRequest())
         expected = _proposer(head).propose(
             DraftRequest("h", committed, 3, SamplingParams(temperature=0.0), 0, features=_features(target, committed))
         )
         assert list(reply.results[0].proposal.proposal.token_ids) == list(expected.token_ids)
         assert reply.results[1].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
         assert "features" in reply.results[1].error.message
+        assert list(info.proposers) == [common_pb2.PROPOSER_KIND_MODEL, common_pb2.PROPOSER_KIND_FEATURE]
     finally:
         await app.stop(0)
