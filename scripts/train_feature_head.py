@@ -501,32 +501,34 @@ def target_logits(head: FeatureHead, feats: torch.Tensor) -> torch.Tensor:
 
 
 def head_losses(head: FeatureHead, ids, feats, slot_loss, steps: int, args):
-    """Loss and per-step statistics of the unrolled head on one batch (see the module docstring)."""
+    """Loss and per-step statistics of the unrolled head on one batch (see the module docstring). The
+    output head runs at the slots a loss reads only (the answer's; prompt slots feed attention alone)."""
     x = ids[:, 1:]  # slot tokens x_1 .. x_{T-1}
     f_in = feats[:, :-1]  # f_0 .. f_{T-2}
     f_out = feats[:, 1:]  # what slot j estimates: f_j
-    with torch.no_grad():
-        p_logits = target_logits(head, f_out)  # slot j's target: the target's distribution of token j + 1
-        p = torch.softmax(p_logits, dim=-1)
-        logp = torch.log_softmax(p_logits, dim=-1)
-        top = p_logits.argmax(-1)
-    outs = head.unrolled(x, f_in, steps)
+    outs = head.unrolled(x, f_in, steps, logits=False)
     total = torch.zeros((), device=ids.device)
     stats = []
     for k, out in enumerate(outs, start=1):
         valid = slot_loss.clone()
         valid[:, : k - 1] = False  # slots whose chain would start before slot 1
         n = valid.sum().clamp_min(1)
-        logq = torch.log_softmax(out.logits, dim=-1)
-        kl = ((p * (logp - logq)).sum(-1) * valid).sum() / n
-        ce = (-(logq.gather(-1, top[..., None])[..., 0]) * valid).sum() / n
-        err = torch.nn.functional.smooth_l1_loss(out.hidden.float(), f_out, reduction="none").mean(-1)
-        reg = (err * valid).sum() / n
+        target = f_out[valid]  # [N, d]
+        with torch.no_grad():
+            p_logits = target_logits(head, target)  # the target's distribution of each slot's next token
+            p = torch.softmax(p_logits, dim=-1)
+            logp = torch.log_softmax(p_logits, dim=-1)
+            top = p_logits.argmax(-1)
+        hidden = out.hidden[valid]  # [N, d]
+        logq = torch.log_softmax(head.head_logits(hidden), dim=-1)
+        kl = (p * (logp - logq)).sum(-1).sum() / n
+        ce = -logq.gather(-1, top[:, None]).sum() / n
+        reg = torch.nn.functional.smooth_l1_loss(hidden.float(), target, reduction="sum") / (n * target.shape[-1])
         total = total + args.step_decay ** (k - 1) * (kl + args.ce_weight * ce + args.reg_weight * reg)
-        agree = (out.logits.argmax(-1) == top) & valid
+        agree = (logq.argmax(-1) == top).sum()
         stats.append(
             {"kl": float(kl.detach()), "ce": float(ce.detach()), "reg": float(reg.detach()),
-             "top1": float(agree.sum() / n)}
+             "top1": float(agree / n)}
         )
     return total, stats
 

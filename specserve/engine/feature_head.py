@@ -198,7 +198,9 @@ class FeatureHead(nn.Module):
 
     # ---- training and evaluation: every slot, unrolled on its own outputs --------------------
 
-    def unrolled(self, input_ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[HeadStep]:
+    def unrolled(
+        self, input_ids: torch.Tensor, features: torch.Tensor, steps: int, *, logits: bool = True
+    ) -> list[HeadStep]:
         """The head run ``steps`` deep from every slot at once (the training-time test).
 
         ``input_ids [B, S]``: tokens ``x_1 .. x_S`` of the slots; ``features [B, S, hidden]``: the true
@@ -207,7 +209,8 @@ class FeatureHead(nn.Module):
         slot is ``j - k + 1`` and the drafted tokens are ``x_{j-k+2} .. x_j``: it attends to true slots
         up to ``j - k + 1`` and to its own chain's drafted slots, and its input feature is step
         ``k - 1``'s output at slot ``j - 1``. Slots with ``j - k + 1 < 1`` have no such chain (their
-        outputs at step ``k`` mean nothing: mask them out of losses).
+        outputs at step ``k`` mean nothing: mask them out of losses). ``logits=False``: outputs only (a
+        caller that needs logits at some slots computes them with :meth:`head_logits`).
         """
         layer = self.model.layers[0]
         attn = layer.self_attn
@@ -234,7 +237,7 @@ class FeatureHead(nn.Module):
             ctx = ctx.transpose(1, 2).reshape(B, S, n_heads * head_dim)
             h = x + attn.o_proj(ctx)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-            out.append(HeadStep(hidden=h, logits=self.head_logits(h)))
+            out.append(HeadStep(hidden=h, logits=self.head_logits(h) if logits else h.new_empty(0)))
             # Step k + 1's input at slot j is this step's output at slot j - 1.
             feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
         return out
