@@ -646,6 +646,7 @@ def train(args: argparse.Namespace) -> None:
     if ckpt.exists():
         saved = torch.load(ckpt, map_location=device, weights_only=False)
         head.load_state_dict(saved["head"], strict=False)
+        head.set_head_tokens(head.head_token_ids.clone())  # the checkpoint's tokens: their rows again
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
         print(f"resumed at step {state['step']}", flush=True)
