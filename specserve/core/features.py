@@ -11,9 +11,13 @@ and the draft decodes them (:func:`decode`). docs/design.md, "The feature head".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specserve.api.errors import InvalidArgument
 from specserve.v1 import common_pb2
+
+if TYPE_CHECKING:
+    import torch
 
 #: Bytes per value on the wire (float16).
 VALUE_BYTES = 2
@@ -72,7 +76,7 @@ class FeatureBlock:
         return cls(start=pb.start_position, hidden=pb.hidden_size, data=bytes(pb.float16_le))
 
 
-def encode(rows, start: int) -> FeatureBlock:
+def encode(rows: torch.Tensor, start: int) -> FeatureBlock:
     """``rows`` ``[count, hidden]`` (any float tensor) as a block starting at position ``start``."""
     import numpy as np
 
@@ -80,7 +84,7 @@ def encode(rows, start: int) -> FeatureBlock:
     return FeatureBlock(start=start, hidden=int(values.shape[1]), data=np.ascontiguousarray(values).tobytes())
 
 
-def decode(block: FeatureBlock):
+def decode(block: FeatureBlock) -> torch.Tensor:
     """The block's rows as a ``[count, hidden]`` float32 tensor."""
     import numpy as np
     import torch
