@@ -60,6 +60,7 @@ from specserve.engine.feature_head import (  # noqa: E402
     FeatureHead,
     FinalNormInput,
     head_from_target,
+    save_feature_head,
     target_features,
 )
 
@@ -667,7 +668,7 @@ def train(args: argparse.Namespace) -> None:
             **state,
         }
         (out_dir / "train_meta.json").write_text(json.dumps(meta, indent=1))
-        export_weights(head, out_dir / "head.safetensors")
+        save_feature_head(head, out_dir / "head")
 
     def log(entry: dict) -> None:
         state["history"].append(entry)
@@ -714,13 +715,22 @@ def _lr(step: int, progress: float, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def export_weights(head: FeatureHead, path: Path) -> None:
-    """The head's own tensors (not the target's tables), float16, with its config in the metadata."""
-    from safetensors.torch import save_file
+def export(args: argparse.Namespace) -> None:
+    """Write the head of ``--out``'s last checkpoint to ``--export`` (float16, its config naming the target)
+    with its training metadata beside it (``training_meta.json``: what the model card renders)."""
+    from transformers import AutoModelForCausalLM
 
-    tensors = {k: v.detach().to("cpu", torch.float16 if v.is_floating_point() else v.dtype).contiguous()
-               for k, v in head.state_dict().items()}
-    save_file(tensors, str(path), metadata={"config": head.config.to_json_string()})
+    ckpt = args.out / "checkpoint.pt"
+    if not ckpt.exists():
+        raise SystemExit(f"no checkpoint in {args.out}: run the train stage first")
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    head = head_from_target(target, saved["head"]["head_token_ids"], target_model=args.target_name)
+    head.load_state_dict(saved["head"], strict=False)
+    save_feature_head(head, args.export)
+    meta = json.loads((args.out / "train_meta.json").read_text())
+    (args.export / "training_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"wrote {args.export}")
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -728,12 +738,16 @@ def export_weights(head: FeatureHead, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("stage", choices=("generate", "features", "train"))
+    ap.add_argument("stage", choices=("generate", "features", "train", "export"))
     ap.add_argument("--target", default=str(Path.home() / ".cache/specserve/models/smollm2-135m-instruct"))
     ap.add_argument("--target-name", default="smollm2-135m-instruct")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--features", type=Path, default=DEFAULT_WORK / "features", help="the features' cache")
-    ap.add_argument("--out", type=Path, default=DEFAULT_WORK / "full")
+    ap.add_argument("--out", type=Path, default=DEFAULT_WORK / "full", help="the training run's directory")
+    ap.add_argument(
+        "--export", type=Path, default=ROOT / "specserve" / "models" / "specserve-smollm2-head",
+        help="where the export stage writes the head",
+    )
     ap.add_argument("--device", default="auto")
     ap.add_argument("--time-budget", type=float, default=None, help="seconds; stop starting work after this")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -768,7 +782,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    {"generate": generate, "features": features, "train": train}[args.stage](args)
+    {"generate": generate, "features": features, "train": train, "export": export}[args.stage](args)
 
 
 if __name__ == "__main__":
