@@ -238,6 +238,15 @@ class WorkerPool:
         """Sessions between :meth:`attach` and :meth:`detach`."""
         return self._active
 
+    def bound_targets(self) -> dict[str, str]:
+        """Session id -> the target its next Verify item goes to, for the sessions in a round (a copy)."""
+        return dict(self._assigned)
+
+    def drafting_sessions(self) -> dict[str, int]:
+        """Per draft replica, the sessions drafting through its batcher and not inside a Verify (a copy): the
+        ones its next ProposeBatch waits for."""
+        return dict(self._per_draft)
+
     def acceptance_prior(self, key: str) -> float | None:
         """Acceptance pooled over every session's rounds under ``key`` (None: too little seen yet)."""
         return self.acceptance_memory.prior(key)

@@ -115,7 +115,9 @@ class _WorkerClient:
         self.endpoint = endpoint
         self._timeout = settings.rpc_timeout_s
         self._channel = _channel(endpoint, settings)
-        self._stub = stub_class(self._channel)
+        #: The generated stub every call goes through, looked up at call time: a test may wrap or replace it
+        #: (to inject a fault or perturb a request) without reaching inside the client.
+        self.stub = stub_class(self._channel)
         token = settings.worker_token
         self._auth = () if token is None else (("authorization", f"Bearer {token.get_secret_value()}"),)
 
@@ -123,8 +125,7 @@ class _WorkerClient:
         await self._channel.close()
 
     async def _call(self, rpc: str, request: Any, timeout_s: float | None = None) -> Any:
-        # Looked up at call time: a test may swap the stub to inject faults.
-        method = getattr(self._stub, rpc)
+        method = getattr(self.stub, rpc)
         try:
             return await method(
                 request, timeout=timeout_s or self._timeout, metadata=outgoing_metadata(self._auth)

@@ -143,6 +143,11 @@ class SessionCache:
         return len(self._tokens)
 
     @property
+    def kv_len(self) -> int:
+        """Positions whose keys and values the cache holds (:attr:`seq_len` whenever it is consistent)."""
+        return self._cache.get_seq_length()
+
+    @property
     def tracks_features(self) -> bool:
         """Whether the cache keeps its positions' features (:meth:`track_features`)."""
         return self._features is not None

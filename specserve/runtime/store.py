@@ -224,7 +224,8 @@ class SessionStore:
     async def close(self) -> None:
         await self._redis.aclose()
 
-    def _keys(self, session_id: str) -> tuple[str, str, str]:
+    def keys(self, session_id: str) -> tuple[str, str, str]:
+        """The session's keys ``(meta, tokens, lease)``, laid out as the module docstring says."""
         tag = f"{self._ns}:{{{session_id}}}"
         return f"{tag}:meta", f"{tag}:tokens", f"{tag}:lease"
 
@@ -260,7 +261,7 @@ class SessionStore:
         """Store a new session at version 0 holding its prompt; Aborted if the id exists."""
         if not prompt_token_ids:
             raise InvalidArgument("the prompt must contain at least one token")
-        meta, tokens, _ = self._keys(session_id)
+        meta, tokens, _ = self.keys(session_id)
         created = await self._call(
             self._create(
                 keys=[meta, tokens],
@@ -292,7 +293,7 @@ class SessionStore:
         With ``settings`` (what an earlier load returned as ``record.settings``) only the
         fields that change are read. Settings that fail their own checks raise InvalidArgument.
         """
-        meta, tokens, _ = self._keys(session_id)
+        meta, tokens, _ = self.keys(session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             if settings is None:
                 pipe.hgetall(meta)
@@ -320,7 +321,7 @@ class SessionStore:
 
     async def read_tokens(self, session_id: str, start: int = 0) -> tuple[int, ...]:
         """Committed token ids from index ``start`` on."""
-        _, tokens, _ = self._keys(session_id)
+        _, tokens, _ = self.keys(session_id)
         blob = await self._call(self._redis.getrange(tokens, start * 4, -1))
         if not blob and start == 0:
             raise NotFound(f"session {session_id!r} does not exist")
@@ -337,7 +338,7 @@ class SessionStore:
         """
         if verdict.new_version != base_version + 1:
             raise InvalidArgument("verdict.new_version must be base_version + 1")
-        meta, tokens, _ = self._keys(session_id)
+        meta, tokens, _ = self.keys(session_id)
         base_len = verdict.committed_len - len(verdict.committed_token_ids)
         reply = await self._call(
             self._commit(
@@ -376,22 +377,42 @@ class SessionStore:
         )
 
     async def delete(self, session_id: str) -> None:
-        await self._call(self._redis.delete(*self._keys(session_id)))
+        await self._call(self._redis.delete(*self.keys(session_id)))
+
+    async def exists(self, session_id: str) -> bool:
+        """Whether Redis holds any part of the session's log: its meta or its tokens (a lease is no part)."""
+        meta, tokens, _ = self.keys(session_id)
+        return bool(await self._call(self._redis.exists(meta, tokens)))
+
+    async def session_ids(self) -> list[str]:
+        """The id of every session whose meta Redis holds (a SCAN over the whole keyspace: for operators
+        and tests, never on a round's path)."""
+        prefix, suffix = f"{self._ns}:{{", "}:meta"
+
+        async def scan() -> list[str]:
+            keys = self._redis.scan_iter(match=f"{prefix}*{suffix}", count=1000)
+            return [key.decode() async for key in keys]
+
+        return [key[len(prefix) : -len(suffix)] for key in await self._call(scan())]
+
+    async def lease_owner(self, session_id: str) -> str | None:
+        """The owner id holding the session's lease (None: nobody holds it)."""
+        _, _, lease = self.keys(session_id)
+        owner = await self._call(self._redis.get(lease))
+        return None if owner is None else owner.decode()
 
     async def acquire_lease(self, session_id: str, owner: str, ttl_s: float) -> bool:
         """Take (or renew, if ours) the session's owner lease for ``ttl_s`` seconds."""
-        _, _, lease = self._keys(session_id)
+        _, _, lease = self.keys(session_id)
         ms = int(ttl_s * 1000)
         if await self._call(self._redis.set(lease, owner, nx=True, px=ms)):
             return True
-        current = await self._call(self._redis.get(lease))
-        if current is not None and current.decode() == owner:
+        if await self.lease_owner(session_id) == owner:
             await self._call(self._redis.pexpire(lease, ms))
             return True
         return False
 
     async def release_lease(self, session_id: str, owner: str) -> None:
-        _, _, lease = self._keys(session_id)
-        current = await self._call(self._redis.get(lease))
-        if current is not None and current.decode() == owner:
+        _, _, lease = self.keys(session_id)
+        if await self.lease_owner(session_id) == owner:
             await self._call(self._redis.delete(lease))
