@@ -1,6 +1,18 @@
-"""Shared fixtures. ``tests/`` is put on ``sys.path`` so test modules can
+"""Shared fixtures and the two test tiers. ``tests/`` is put on ``sys.path`` so test modules can
 ``import tiny_models`` and ``import system_fixtures``; the private Redis is
-:class:`specserve.launch.redis_server.RedisServer`."""
+:class:`specserve.launch.redis_server.RedisServer`.
+
+Every test is in exactly one tier (README.md, the test commands; ``tests/tiers.py``):
+
+* ``system``: it starts a server, a process or Redis, or loads a real model from disk or fetches one.
+  A test that uses one of ``tiers.SYSTEM_FIXTURES`` (directly or through another fixture) is marked
+  ``system`` here; any other system test says so itself (``pytestmark = pytest.mark.system``).
+* ``unit``: in-process, and says so itself (``pytestmark = pytest.mark.unit``, or the mark on the test).
+  ``tiers.UnitGuard`` fails a unit test that reaches outside the process while its fixtures are set up
+  or while it runs.
+
+``tests/test_tiers.py`` fails when a collected test has no tier or both.
+"""
 
 import os
 import sys
@@ -21,7 +33,52 @@ except ImportError:  # the SDK-only environment
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from tiers import SYSTEM_FIXTURES, TIER_PROBLEMS, TIERS, UnitGuard
+
 from specserve.launch.redis_server import RedisServer
+
+_GUARD = UnitGuard()
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects, so the marks added here select
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    problems = {}
+    for item in items:
+        uses_system = SYSTEM_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if uses_system and not item.get_closest_marker("system"):
+            item.add_marker(pytest.mark.system)
+        tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+        if len(tiers) != 1:
+            problems[item.nodeid] = tiers
+    config.stash[TIER_PROBLEMS] = problems
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    return (yield from _guarded(item, "its fixtures' setup"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    return (yield from _guarded(item, "the test"))
+
+
+def _guarded(item: pytest.Item, phase: str):
+    """Run a phase of ``item`` under the unit guard when it is a unit test (a hook wrapper's body)."""
+    if not item.get_closest_marker("unit") or item.get_closest_marker("system"):
+        return (yield)
+    _GUARD.start()
+    try:
+        result = yield
+    finally:
+        violations = _GUARD.stop()
+    if violations:
+        pytest.fail(
+            f"a unit test stays in this process, but {phase} {'; '.join(dict.fromkeys(violations))}: "
+            "mark it system (tests/conftest.py)",
+            pytrace=False,
+        )
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ class DelayProxy:
         self.delay_s = delay_s
         self.port = 0
         self.chunks_forwarded = 0
+        self.connections = 0  # accepted so far
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -48,6 +49,7 @@ class DelayProxy:
                 writer.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
         except OSError:

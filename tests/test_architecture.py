@@ -134,6 +134,7 @@ def _third_party(module: str) -> set[str]:
     }
 
 
+@pytest.mark.unit
 def test_the_graph_is_read_from_real_imports():
     """Guards the tests below: known edges are found (so an empty graph cannot pass them)."""
     assert "coordinator.pool" in GRAPH["coordinator.rounds"]
@@ -149,6 +150,7 @@ def test_the_graph_is_read_from_real_imports():
     assert {_part(m) for m in MODULES} >= set(MAY_IMPORT)  # every part has modules
 
 
+@pytest.mark.unit
 def test_the_import_graph_has_no_cycle():
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
@@ -173,6 +175,7 @@ def test_the_import_graph_has_no_cycle():
             assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+@pytest.mark.unit
 def test_only_the_launcher_and_the_benchmark_import_a_role():
     offenders = {
         module: sorted(m for m in GRAPH[module] if _package(m) in ROLES)
@@ -182,6 +185,7 @@ def test_only_the_launcher_and_the_benchmark_import_a_role():
     assert {m: found for m, found in offenders.items() if found} == {}
 
 
+@pytest.mark.unit
 def test_each_floor_and_role_imports_only_itself_and_what_it_builds_on():
     """specserve's floors import only the floors below; roles only the floors (never launch, bench, client)."""
     offenders = {}
@@ -196,6 +200,7 @@ def test_each_floor_and_role_imports_only_itself_and_what_it_builds_on():
     assert offenders == {}
 
 
+@pytest.mark.unit
 def test_the_sdk_and_api_import_no_torch_by_layout():
     """Every module of the SDK, api and the stubs: grpc, protobuf and the standard library only."""
     modules = [m for m in MODULES if any(_within(m, p) for p in SDK)]
@@ -207,6 +212,7 @@ def test_the_sdk_and_api_import_no_torch_by_layout():
     assert {m: found for m, found in offenders.items() if found} == {}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("part", ["api", "core", "engine", "runtime", "launch", "bench"])
 def test_subpackage_inits_hold_a_docstring_only(part):
     """Importing ``specserve.core`` (say) runs nothing, so it never pulls in torch by itself."""
@@ -214,6 +220,7 @@ def test_subpackage_inits_hold_a_docstring_only(part):
     assert all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in tree.body)
 
 
+@pytest.mark.unit
 def test_no_role_imports_another_role():
     offenders = {
         module: sorted(m for m in GRAPH[module] if _package(m) in ROLES and _package(m) != _package(module))
@@ -226,6 +233,7 @@ def test_no_role_imports_another_role():
 # --------------------------------------------------------------------------- the round loop and the pool
 
 
+@pytest.mark.unit
 def test_the_round_loop_uses_only_the_pools_public_methods():
     from coordinator.pool import WorkerPool
 
@@ -249,6 +257,7 @@ def test_the_round_loop_uses_only_the_pools_public_methods():
 # --------------------------------------------------------------------------- short functions
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("path", "qualname"),
     [("coordinator/coordinator.py", "Coordinator.generate"), ("specserve/core/verification.py", "verify_batch")],
@@ -275,6 +284,7 @@ INTERNALS = (ROOT / "docs" / "internals.md").read_text()
 FILE_NAME = re.compile(r"`((?:[\w.-]+/)*[\w.-]+\.(?:py|proto|md|toml|yaml))`")
 
 
+@pytest.mark.unit
 def test_internals_names_only_files_that_exist():
     named = set(FILE_NAME.findall(INTERNALS))
     assert len(named) > 30
@@ -282,6 +292,7 @@ def test_internals_names_only_files_that_exist():
     assert missing == [], f"docs/internals.md names files that do not exist: {missing}"
 
 
+@pytest.mark.unit
 def test_internals_walks_one_round_through_the_files_in_order():
     section = INTERNALS.split("## One round, file by file", 1)[1].split("\n## ", 1)[0]
     walked = [n for n in FILE_NAME.findall(section) if "/" in n]
@@ -305,6 +316,7 @@ def test_internals_walks_one_round_through_the_files_in_order():
     assert firsts == sorted(firsts), "... and first named in the order the data flows"
 
 
+@pytest.mark.system
 def test_nothing_points_at_design_notes_outside_the_repository():
     banned = ["../" + "shared", "STYLE" + ".md", "DESIGN" + ".md"]
     files = subprocess.run(

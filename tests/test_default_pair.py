@@ -21,7 +21,7 @@ from asyncio.subprocess import PIPE
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.system]
 
 PROMPTS = ("What is the capital of France?", "Write a Python function that adds two numbers.")
 MAX_NEW_TOKENS = 24

@@ -21,6 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.bench.demo_pair import speculative_greedy
 
+pytestmark = pytest.mark.system
+
 MODELS = Path(os.environ.get("SPECSERVE_DEMO_MODELS_DIR", Path(__file__).resolve().parents[1] / "models"))
 TARGET = MODELS / "specserve-demo-target"
 DRAFT = MODELS / "specserve-demo-draft"

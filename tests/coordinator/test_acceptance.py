@@ -10,6 +10,8 @@ import pytest
 from coordinator.acceptance import AcceptanceTracker
 from coordinator.cost_model import expected_tokens_iid
 
+pytestmark = pytest.mark.unit
+
 
 def _round(rng: random.Random, gamma: int, accept: Callable[[int], float]) -> int:
     """Accepted count of one simulated round: position i is accepted with probability accept(i)."""

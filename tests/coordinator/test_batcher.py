@@ -144,6 +144,7 @@ async def test_propose_items_of_many_sessions_share_calls_and_get_their_own_resu
         await client.close()
 
 
+@pytest.mark.unit
 async def test_a_failed_propose_call_fails_every_item_of_its_batch():
     from coordinator.batcher import ProposeBatcher
     from coordinator.worker_clients import DraftClient

@@ -11,6 +11,8 @@ from specserve.api.errors import FailedPrecondition, InvalidArgument
 from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import coordinator_pb2
 
+pytestmark = pytest.mark.unit
+
 CONVERSATION = (
     ChatMessage("system", "you write python"),
     ChatMessage("user", "def add(a, b):"),

@@ -17,6 +17,8 @@ from coordinator.cost_model import (
 )
 from coordinator.limits import median_curve
 
+pytestmark = pytest.mark.unit
+
 # ---- the essay's formulas -----------------------------------------------------------------------
 
 

@@ -7,6 +7,8 @@ import system_fixtures as sf
 
 from coordinator.detokenize import IncrementalDetokenizer
 
+pytestmark = pytest.mark.unit
+
 TEXTS = ["héllo wörld", "def f(x):\n    return '世界🙂'", "🙂🙂 naïve café", "plain ascii text"]
 
 

@@ -7,6 +7,8 @@ import pytest
 from coordinator.feature_relay import FeatureRelay
 from specserve.core.features import VALUE_BYTES, FeatureBlock
 
+pytestmark = pytest.mark.unit
+
 HIDDEN = 3
 
 

@@ -20,6 +20,7 @@ import pytest_asyncio
 import system_fixtures as sf
 import tiny_models
 from prometheus_client import REGISTRY
+from waiting import wait_until
 
 from coordinator.server import start_coordinator
 from specserve import AsyncClient
@@ -91,23 +92,23 @@ async def extra_coordinator(stack, tokenizer, **overrides):
 
 async def new_session(stack, before: set[str]) -> str:
     """The id of the one session the target holds that is not in ``before`` (waits for it)."""
-    for _ in range(400):
-        new = set(stack.targets[0].caches.session_ids()) - before
-        if new:
-            assert len(new) == 1, new
-            return new.pop()
-        await asyncio.sleep(0.05)
-    raise AssertionError("no new session appeared on the target")
+
+    def new() -> set[str]:
+        return set(stack.targets[0].caches.session_ids()) - before
+
+    await wait_until(lambda: bool(new()), timeout_s=20, what="a new session on the target")
+    (sid,) = new()
+    return sid
 
 
 async def released(stack, sid: str) -> None:
     """Wait (bounded) until the session's caches are gone from the target and the draft."""
-    for _ in range(400):
-        if sid not in stack.targets[0].caches and sid not in stack.draft.caches:
-            break
-        await asyncio.sleep(0.05)
-    assert sid not in stack.targets[0].caches
-    assert sid not in stack.draft.caches and sid not in stack.draft.engine.history
+    await wait_until(
+        lambda: sid not in stack.targets[0].caches and sid not in stack.draft.caches,
+        timeout_s=20,
+        what="the session's caches to be released",
+    )
+    assert sid not in stack.draft.engine.history
 
 
 def requests_total(status: str) -> float:
@@ -484,11 +485,7 @@ async def test_a_session_limit_is_429_before_any_work(stack, pair):
                 fits = await http.post(f"{url}/completions", json={"prompt": PROMPT, "max_tokens": 2})
                 assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 2
         client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
-        for _ in range(400):  # the abandoned stream's session ends
-            if coordinator.active_sessions == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert coordinator.active_sessions == 0
+        await wait_until(lambda: coordinator.active_sessions == 0, timeout_s=20, what="the abandoned session")
         assert (await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)).usage.completion_tokens == 1
     await proxy.stop()
 
@@ -522,10 +519,11 @@ async def test_stopping_drains_open_streams_and_refuses_new_requests(stack, pair
                 lines = aiter(running.aiter_lines())
                 first = await anext(lines)
                 stopping = asyncio.ensure_future(app.stop(30.0))
-                for _ in range(200):
-                    if (await http.get(url.removesuffix("/v1") + "/health")).status_code == 503:
-                        break
-                    await asyncio.sleep(0.02)
+
+                async def not_serving() -> bool:
+                    return (await http.get(url.removesuffix("/v1") + "/health")).status_code == 503
+
+                await wait_until(not_serving, timeout_s=10, what="/health to say 503")
                 refused = await http.post(f"{url}/completions", json={"prompt": PROMPT, "max_tokens": 1})
                 assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
                 rest = [first] + [line async for line in lines]
@@ -573,6 +571,7 @@ async def test_the_http_api_serves_the_coordinators_tls(stack, pair, tmp_path):
                 await http.post(url.replace("https://", "http://") + "/completions", json=body)
 
 
+@pytest.mark.unit
 @pytest.mark.asyncio(loop_scope="module")
 async def test_every_domain_error_has_an_http_status_and_an_openai_type():
     from coordinator.http_api import ERROR_TYPES, HTTP_STATUS, http_status
@@ -609,7 +608,7 @@ async def test_closing_the_stream_cancels_the_session_and_releases_its_caches(st
     await coordinator.drain()
     assert coordinator.active_sessions == 0
     assert requests_total("cancelled") == cancelled + 1
-    assert await store.redis.get(f"specserve:{{{sid}}}:lease") is None
+    assert await store.lease_owner(sid) is None
     record = await store.load(sid)
     assert not record.finished and record.committed_len - record.prompt_len < 400
     await asyncio.sleep(0.3)

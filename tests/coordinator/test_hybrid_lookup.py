@@ -156,6 +156,7 @@ def copied_prompt() -> tuple[list[int], list[int]]:
     return prompt, prompt + prompt
 
 
+@pytest.mark.unit
 def test_copied_text_is_drafted_from_the_lookup_with_no_draft_call():
     prompt, script = copied_prompt()
     stats, pool = asyncio.run(run_session(prompt, script))
@@ -170,6 +171,7 @@ def test_copied_text_is_drafted_from_the_lookup_with_no_draft_call():
     assert sum(p for p, _ in pool.pooled) == model_proposed
 
 
+@pytest.mark.unit
 def test_the_same_session_without_the_lookup_gets_no_copy_speedup():
     prompt, script = copied_prompt()
     with_lookup, _ = asyncio.run(run_session(prompt, script))
@@ -179,6 +181,7 @@ def test_the_same_session_without_the_lookup_gets_no_copy_speedup():
     assert stats.rounds > 2 * with_lookup.rounds
 
 
+@pytest.mark.unit
 def test_a_lookup_that_keeps_guessing_wrong_is_left_alone():
     """The prompt repeats a motif, so the lookup always has a match; the completion never follows it. The
     lookup learns that from the rounds it does not draft (its guess against the committed tokens, for free)
@@ -196,6 +199,7 @@ def test_a_lookup_that_keeps_guessing_wrong_is_left_alone():
     assert lookup_alpha < 0.4, f"the lookup's acceptance estimate {lookup_alpha:.2f} did not learn its misses"
 
 
+@pytest.mark.unit
 def test_only_a_model_session_without_a_prediction_keeps_a_hybrid_lookup():
     """(A fixed gamma turns it off where the request is parsed: the system test below.)"""
     base = dict(sampling=SamplingParams(), stop=StopConditions())

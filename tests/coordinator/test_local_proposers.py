@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from coordinator.local_proposers import NgramProposer, PredictionProposer
 from specserve.core.ngram import ngram_lookup
+
+pytestmark = pytest.mark.unit
 
 PREDICTION = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 

@@ -27,6 +27,7 @@ def parse(server_default: float = 0.4, **fields) -> float:
     return _speculation_from_pb(pb, max_gamma=16, vocab_size=384, min_confidence=server_default).min_confidence
 
 
+@pytest.mark.unit
 def test_the_servers_threshold_is_the_automatic_policys_default():
     assert parse() == pytest.approx(0.4)
     assert parse(server_default=0.0) == 0.0
@@ -36,6 +37,7 @@ def test_the_servers_threshold_is_the_automatic_policys_default():
     assert parse(proposer=NGRAM) == 0.0 and parse(proposer=NGRAM, min_confidence=0.5) == 0.0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", [1.0, 1.5, -0.01, float("nan"), float("inf")])
 def test_a_threshold_outside_zero_to_one_is_refused(bad):
     with pytest.raises(InvalidArgument, match=r"must be in \[0, 1\)"):

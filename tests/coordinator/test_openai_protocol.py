@@ -13,6 +13,8 @@ from coordinator.openai_protocol import (
 from specserve.api.errors import InvalidArgument
 from specserve.v1 import common_pb2
 
+pytestmark = pytest.mark.unit
+
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
 

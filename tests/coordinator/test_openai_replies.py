@@ -17,6 +17,8 @@ from coordinator.openai_replies import (
 from specserve.api.params import PositionLogprobs, TokenLogprob
 from specserve.v1 import common_pb2, coordinator_pb2
 
+pytestmark = pytest.mark.unit
+
 STOP_STRING = common_pb2.FINISH_REASON_STOP_STRING
 
 
@@ -108,9 +110,9 @@ def test_chat_stream_chunks_then_the_usage_chunk():
 
 def test_non_streamed_completion_reply():
     b = ReplyBuilder("completion", model="m", n=1, stop_strings=["\n\n"])
-    b.on_event(0, Chunk((1,), "x = 1\n"))
-    b.on_event(0, Chunk((2,), "\n"))
-    b.on_event(0, Finished(stats(completion_tokens=2, finish_reason=STOP_STRING)))
+    chunks = b.on_event(0, Chunk((1,), "x = 1\n"))
+    chunks += b.on_event(0, Chunk((2,), "\n"))
+    chunks += b.on_event(0, Finished(stats(completion_tokens=2, finish_reason=STOP_STRING)))
     reply = b.reply()
     assert reply["object"] == "text_completion" and reply["id"].startswith("cmpl-")
     assert reply["choices"] == [
@@ -122,7 +124,8 @@ def test_non_streamed_completion_reply():
             "speculation": speculation_report([stats(completion_tokens=2, finish_reason=STOP_STRING)]),
         }
     ]
-    assert reply["usage"]["total_tokens"] == 7 and "usage" not in b._chunk({})
+    assert reply["usage"]["total_tokens"] == 7
+    assert chunks and all("usage" not in c for c in chunks), "no include_usage: the chunks carry no usage"
 
 
 class WordTokenizer:

@@ -34,6 +34,8 @@ from coordinator.policy import (
     predicted_speedup,
 )
 
+pytestmark = pytest.mark.unit
+
 LADDER = (0, 1, 2, 3, 4, 6, 8)
 STEP_NS = 10e6
 

@@ -65,7 +65,7 @@ async def test_concurrent_sessions_draft_in_shared_batches_and_stay_exact(
         assert batcher.items_sent > 2 * batcher.calls_made  # more than two sessions per call on average
         engine = stack.draft.engine
         assert engine.items_drafted >= batcher.items_sent and engine.batches < engine.items_drafted / 2
-        assert batcher.queued == 0 and pool._per_draft == dict.fromkeys(pool._per_draft, 0)  # all accounted
+        assert batcher.queued == 0 and set(pool.drafting_sessions().values()) == {0}  # all accounted
 
 
 async def test_ngram_proposals_are_made_in_the_coordinator_without_a_draft_call(pair, redis_server):

@@ -29,6 +29,7 @@ import pytest
 import pytest_asyncio
 import system_fixtures as sf
 from prometheus_client import REGISTRY
+from waiting import wait_until
 
 from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2, coordinator_pb2_grpc
@@ -213,15 +214,15 @@ async def self_draft_stack(pair, redis_server):
 @contextlib.contextmanager
 def perturbed_draft_noise(stack):
     clients = stack.coordinator.coordinator.pool.draft_clients
-    originals = {ep: client._stub for ep, client in clients.items()}
+    originals = {ep: client.stub for ep, client in clients.items()}
     wrappers = {ep: PerturbedNoiseStub(stub) for ep, stub in originals.items()}
     for ep, client in clients.items():
-        client._stub = wrappers[ep]
+        client.stub = wrappers[ep]
     try:
         yield wrappers
     finally:
         for ep, client in clients.items():
-            client._stub = originals[ep]
+            client.stub = originals[ep]
 
 
 @pytest.mark.parametrize("which", ["tiny-draft", "self-draft"])
@@ -277,10 +278,7 @@ async def test_the_draft_tier_down_changes_nothing(pair, redis_server, store, pr
             ([], coupled_request(prompts[i], 70 + i, gamma=4, max_new_tokens=max_new)) for i in range(2)
         ]
         tasks = [asyncio.create_task(_stream(s.address, req, tokens)) for tokens, req in streams]
-        for _ in range(2000):
-            if all(len(tokens) >= 3 for tokens, _ in streams):
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: all(len(t) >= 3 for t, _ in streams), timeout_s=60, what="3 tokens each")
         await s.stop_draft()
         at_stop = [len(tokens) for tokens, _ in streams]
         stats = await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)

@@ -18,6 +18,7 @@ import asyncio
 import grpc
 import pytest
 import system_fixtures as sf
+from waiting import wait_until
 
 from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import coordinator_pb2_grpc
@@ -138,15 +139,14 @@ async def test_cancellation_releases_caches_on_both_workers(pair, redis_server, 
             assert sid in stack.draft.caches, "the draft must hold the session while it runs"
             call.cancel()
         # Clean-up runs in the background: wait (bounded) for both workers to drop the session.
-        for _ in range(200):
-            if sid not in stack.targets[0].caches and sid not in stack.draft.caches:
-                break
-            await asyncio.sleep(0.05)
-        assert sid not in stack.targets[0].caches
-        assert sid not in stack.draft.caches
+        await wait_until(
+            lambda: sid not in stack.targets[0].caches and sid not in stack.draft.caches,
+            timeout_s=10,
+            what="both workers to drop the session",
+        )
         assert sid not in stack.draft.engine.history
         await stack.coordinator.coordinator.drain()
-        assert await store.redis.get(f"specserve:{{{sid}}}:lease") is None
+        assert await store.lease_owner(sid) is None
         record = await store.load(sid)
         assert not record.finished and record.committed_len - record.prompt_len < 400
         await asyncio.sleep(0.3)

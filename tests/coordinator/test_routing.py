@@ -6,6 +6,8 @@ import pytest
 
 from coordinator.routing import HashRing, ReplicaSet
 
+pytestmark = pytest.mark.unit
+
 EPS = [f"10.0.0.{i}:50052" for i in range(1, 5)]
 KEYS = [f"session-{i}" for i in range(2000)]
 

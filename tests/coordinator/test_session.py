@@ -10,6 +10,8 @@ from specserve.api.errors import FailedPrecondition
 from specserve.api.params import SamplingParams, StopConditions, Verdict
 from specserve.v1 import common_pb2
 
+pytestmark = pytest.mark.unit
+
 PROMPT = (1, 2, 3)
 
 

@@ -177,6 +177,7 @@ async def test_draft_client_and_error_mapping(stack, store):
         await dead.close()
 
 
+@pytest.mark.unit
 async def test_error_from_rpc_covers_every_status_code():
     import grpc
 
@@ -198,25 +199,22 @@ async def test_error_from_rpc_covers_every_status_code():
 
 
 async def test_a_malformed_proposal_falls_back_to_gamma_zero_instead_of_failing(stack, store):
-    """A draft bug (a token outside the vocabulary) makes the target refuse the item; the round retries
+    """A draft bug (a token outside the vocabulary) makes the real target refuse the item; the pool retries
     with an empty proposal and commits a plain target step."""
     prompt = (5, 6, 7, 8)
     sid = await _new_session(store, prompt)
     session = Session(
         sid, prompt, SAMPLING, STOP, SpeculationSettings(gamma=2, proposer=common_pb2.PROPOSER_KIND_MODEL)
     )
-    loop = RoundLoop(
-        session, pool=stack.coordinator.coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8
-    )
+    pool = stack.coordinator.coordinator.pool
     bad = target_pb2.VerifyItem(
         base=session.base.to_pb(), proposal=common_pb2.Proposal(token_ids=[100000, 3])
     )
-    batched, sent = await loop._verify(bad)
+    batched, sent = await pool.verify(session, bad)
     assert not sent.proposal.token_ids
     assert batched.item.verdict is not None and batched.item.verdict.new_version == 1
     assert (await store.load(sid)).version == 1
-    loop.detach()
-    await loop.release()
+    await pool.release(session)
 
 
 async def test_a_draft_with_another_vocabulary_is_refused_at_start(
@@ -276,25 +274,6 @@ async def test_round_loop_streams_a_replayed_verdicts_logprobs_and_fails_on_toke
                 await loop.step()
         loop.detach()
         await loop.release()
-
-
-async def test_a_resync_that_missed_one_verdict_takes_its_logprobs_from_the_log(stack, store, target):
-    """Re-reading the log after a refusal (ABORTED) when exactly one commit was missed: the last verdict
-    recorded with the log holds the new tokens' logprobs."""
-    prompt = (5, 6, 7, 8)
-    sid = await _new_session(store, prompt)
-    recorded = (await target.verify([_logprobs_item(sid, 4, 0)])).results[0].verdict
-    session = Session(
-        sid, prompt, SAMPLING, STOP, SpeculationSettings(gamma=0, proposer=common_pb2.PROPOSER_KIND_MODEL),
-        top_logprobs=2,
-    )  # fmt: skip
-    loop = RoundLoop(
-        session, pool=stack.coordinator.coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8
-    )
-    resynced = await loop._resync(errors.Aborted("the target refused the item"))  # the resync path alone
-    assert resynced.token_ids == recorded.committed_token_ids and resynced.logprobs == recorded.logprobs
-    loop.detach()
-    await loop.release()
 
 
 async def test_the_targets_measured_verify_cost_is_the_cost_models_prior(stack, target):

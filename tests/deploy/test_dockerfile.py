@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import pytest
 from deploy_helpers import DEPLOY, REPO
 
+pytestmark = pytest.mark.system
+
 DOCKERFILE = DEPLOY / "Dockerfile"
 FINAL_STAGES = ("runtime", "demo-models")
 TORCH_VERSION = "2.13.0"

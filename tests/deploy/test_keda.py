@@ -195,6 +195,7 @@ def test_keda_check_can_fail(rendered):
     assert any(p.startswith("coordinator:") and "threshold" in p for p in problems)
 
 
+@pytest.mark.unit
 def test_queries_name_gauges_that_specserve_exports():
     from prometheus_client import REGISTRY
 

@@ -784,6 +784,7 @@ def test_gpu_overlay_commits_no_credentials(rendered):
     assert "demo" in token
 
 
+@pytest.mark.unit
 def test_docs_list_every_metric_and_overlay():
     text = (REPO / "docs" / "deploy.md").read_text()
     for name in set().union(*TIER_METRICS.values()):

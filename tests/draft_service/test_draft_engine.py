@@ -13,12 +13,15 @@ import threading
 import pytest
 from draft_helpers import draft_settings
 from prometheus_client import REGISTRY
+from waiting import wait_until
 
 from draft_service.messages import ProposeCall
 from draft_service.server import build_draft
 from specserve.api.errors import FailedPrecondition, Unavailable
 from specserve.api.params import SamplingParams, SessionBase
 from specserve.v1 import common_pb2
+
+pytestmark = pytest.mark.unit
 
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 11, 64, 120)
 GREEDY = SamplingParams(temperature=0.0)
@@ -71,18 +74,10 @@ def gauge(name: str) -> float | None:
     return REGISTRY.get_sample_value(name)
 
 
-async def _until(predicate) -> None:
-    for _ in range(2000):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached")
-
-
 async def test_calls_that_arrive_together_share_one_pass(engine):
     async with Held(engine):
         tasks = [asyncio.ensure_future(engine.propose(call(f"t{i}", PROMPT[i:]))) for i in range(3)]
-        await _until(lambda: engine.queue_depth == 3)
+        await wait_until(lambda: engine.queue_depth == 3, timeout_s=10, what="3 calls queued")
         assert gauge("specserve_draft_queue_depth") == 3
     results = await asyncio.gather(*tasks)
     assert (engine.batches, engine.items_drafted) == (1, 3)
@@ -97,7 +92,7 @@ async def test_calls_that_arrive_together_share_one_pass(engine):
 async def test_a_batch_is_at_most_max_batch_size(engine):
     async with Held(engine):
         task = asyncio.ensure_future(engine.propose_batch([call(f"m{i}", PROMPT[i:]) for i in range(5)]))
-        await _until(lambda: engine.queue_depth == 5)
+        await wait_until(lambda: engine.queue_depth == 5, timeout_s=10, what="5 calls queued")
     results = await task
     assert (engine.batches, engine.items_drafted) == (2, 5)  # 3 + 2
     assert [len(r.drafted.token_ids) for r in results] == [3] * 5
@@ -147,7 +142,7 @@ async def test_items_queued_when_the_model_thread_stops_fail_instead_of_hanging(
     held = Held(engine)
     async with held:
         task = asyncio.ensure_future(engine.propose(call("late", PROMPT)))
-        await _until(lambda: engine.queue_depth == 1)
+        await wait_until(lambda: engine.queue_depth == 1, timeout_s=10, what="the call queued")
         engine.close()  # the drain scheduled behind the held job never starts
     with pytest.raises(Unavailable, match="model thread stopped"):
         await asyncio.wait_for(task, 30)

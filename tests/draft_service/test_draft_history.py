@@ -7,6 +7,8 @@ import pytest
 from draft_service.history import CommittedHistory
 from specserve.api.errors import FailedPrecondition, NotFound
 
+pytestmark = pytest.mark.unit
+
 
 class FakeClock:
     """A manual monotonic clock (stands in for time passing)."""

@@ -16,6 +16,8 @@ from specserve.core.rng import Purpose, uniform
 from specserve.core.sampling import logits_to_probs, sample_from
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
+pytestmark = pytest.mark.system
+
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 11, 64, 120]
 
 

@@ -77,6 +77,7 @@ def _next_round(target, request: DraftRequest, drafted: Drafted) -> DraftRequest
     return DraftRequest(request.session_id, committed, request.gamma, request.sampling, request.seed, features=new)
 
 
+@pytest.mark.unit
 def test_eight_sessions_in_one_batch_equal_each_drafted_alone(target, head):
     """Token for token, with the same q bytes, in two rounds (the second with only the new features)."""
     alone, batched = _proposer(head), _proposer(head)
@@ -93,6 +94,7 @@ def test_eight_sessions_in_one_batch_equal_each_drafted_alone(target, head):
         requests = [_next_round(target, r, a) for r, a in zip(requests, by_alone, strict=True)]
 
 
+@pytest.mark.unit
 @torch.no_grad()
 def test_greedy_drafts_are_the_heads_own_chain(target, head):
     """A greedy proposal is what the head gives run by hand: every true slot in one pass, then each drafted
@@ -116,6 +118,7 @@ def test_greedy_drafts_are_the_heads_own_chain(target, head):
     assert list(drafted.token_ids) == expected
 
 
+@pytest.mark.unit
 def test_missing_features_are_refused_by_position_and_a_reset_rebuilds(target, head):
     proposer = _proposer(head)
     committed = tuple(range(1, 30))
@@ -136,6 +139,7 @@ def test_missing_features_are_refused_by_position_and_a_reset_rebuilds(target, h
     assert window.token_ids == fresh.token_ids
 
 
+@pytest.mark.unit
 def test_a_repeated_propose_needs_no_features_and_drafts_the_same(target, head):
     """A retried Propose (nothing new committed) feeds the last true slot again from what the head kept: the
     same draft (``q`` to float rounding: a one-slot pass reduces in another order than the first call's
@@ -161,6 +165,7 @@ def head_dirs(tmp_path_factory, target, head):
     return target_dir, draft_dir, root / "head"
 
 
+@pytest.mark.system
 async def test_the_draft_server_serves_the_head_and_refuses_an_item_without_features(head_dirs, target, head):
     target_dir, draft_dir, head_dir = head_dirs
     app = await start_draft(

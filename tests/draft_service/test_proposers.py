@@ -22,6 +22,8 @@ from specserve.core.sampling import check_distribution, logits_to_probs, process
 from specserve.engine import cpu_kernels, row_invariant
 from specserve.engine.kvcache import SessionCacheStore
 
+pytestmark = pytest.mark.unit
+
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 11, 64, 120)
 
 

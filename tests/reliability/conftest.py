@@ -28,6 +28,7 @@ def _start(config: pytest.Config) -> RoleLauncher:
     return config.stash[_LAUNCHER]
 
 
+@pytest.hookimpl(trylast=True)  # after ``-m`` / ``-k`` deselected: ``pytest -m unit`` starts no launcher
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items) -> None:
     if fork_roles() and any(item.path.name == "test_kill.py" for item in items):
         _start(config)

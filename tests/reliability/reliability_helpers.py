@@ -25,14 +25,14 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from waiting import wait_until_blocking
 
 from specserve.launch.redis_server import free_port
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -83,11 +83,10 @@ class RoleProcess:
         return True
 
     def _wait_gone(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self.alive:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
+        try:
+            wait_until_blocking(lambda: not self.alive, timeout_s=timeout_s, what=f"{self.role} to exit")
+        except TimeoutError:
+            return False
         return True
 
     def kill(self) -> None:
@@ -214,28 +213,30 @@ def worker_flags(model_dir: Path, redis_url: str, **extra: Any) -> dict[str, Any
 
 def wait_serving(roles: list[RoleProcess], *, timeout_s: float) -> None:
     """Block until every role's health service says SERVING; raise with its log if one dies."""
-    deadline = time.monotonic() + timeout_s
     pending = list(roles)
-    while pending:
+
+    def all_serving() -> bool:
         for role in list(pending):
             if not role.alive:
                 raise RuntimeError(f"{role.role} (pid {role.pid}) exited:\n{role.log_tail()}")
-            with grpc.insecure_channel(role.address) as channel:
-                try:
-                    reply = health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(), timeout=1.0
-                    )
-                except grpc.RpcError:
-                    continue
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            if _serving(role):
                 pending.remove(role)
-        if pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{[r.role for r in pending]} not serving after {timeout_s} s:\n"
-                    + "\n".join(r.log_tail(1500) for r in pending)
-                )
-            time.sleep(0.25)
+        return not pending
+
+    try:
+        wait_until_blocking(all_serving, timeout_s=timeout_s, what="every role to serve", poll_s=0.25)
+    except TimeoutError as exc:
+        logs = "\n".join(r.log_tail(1500) for r in pending)
+        raise TimeoutError(f"{[r.role for r in pending]} not serving after {timeout_s} s:\n{logs}") from exc
+
+
+def _serving(role: RoleProcess) -> bool:
+    with grpc.insecure_channel(role.address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 # --------------------------------------------------------------------------- a loop in a thread
@@ -304,17 +305,6 @@ class Stream:
                 self.code, self.details = grpc.StatusCode.CANCELLED, "cancelled by the test"
                 raise
         return self
-
-
-async def wait_until(
-    predicate: Callable[[], bool], *, timeout_s: float, what: str, poll_s: float = 0.005
-) -> None:
-    """Poll ``predicate`` until it holds; TimeoutError naming ``what`` otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(poll_s)
 
 
 async def assert_stream_is_log(store: Any, stream: Stream) -> tuple[int, ...]:

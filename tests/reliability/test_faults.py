@@ -34,17 +34,18 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 import system_fixtures as sf
+from prometheus_client import REGISTRY
 from pydantic import SecretStr
-from reliability_helpers import Stream, assert_stream_is_log, wait_until
+from reliability_helpers import Stream, assert_stream_is_log
 from tcp_proxy import DelayProxy
+from waiting import wait_until
 
 from specserve.launch.redis_server import RedisServer
-from specserve.runtime import metrics
 from specserve.runtime.config import CoordinatorSettings, DraftSettings, TargetSettings
-from specserve.runtime.store import SessionStore, unpack_tokens
+from specserve.runtime.store import SessionRecord, SessionStore
 from specserve.v1 import target_pb2, target_pb2_grpc
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.system]
 
 TEXTS = ("class Point:\n    def", "for i in range(", "def add(a, b):", "import os\nimport", "the quick brown")
 
@@ -60,6 +61,12 @@ def prompts(pair):
     return [tuple(tok.encode(t, add_special_tokens=False)) for t in TEXTS]
 
 
+def _target_failures() -> float:
+    """Failed target calls counted against their replica (the coordinator's counter)."""
+    failures = REGISTRY.get_sample_value("specserve_coordinator_replica_failures_total", {"tier": "target"})
+    return failures or 0.0
+
+
 def reference(pair, prompt, n):
     return sf.reference_greedy(pair.target_dir, prompt, n, ignore_eos=True)
 
@@ -67,26 +74,16 @@ def reference(pair, prompt, n):
 # --------------------------------------------------------------------------- Redis restart
 
 
-async def _snapshot(admin: aioredis.Redis) -> dict[str, dict]:
-    """Every session's committed log in Redis: sid -> {tokens, prompt_len, finished, version}."""
-    out = {}
-    async for key in admin.scan_iter(match="specserve:{*}:meta", count=1000):
-        sid = key.decode().split("{", 1)[1].split("}", 1)[0]
-        meta = {k.decode(): v for k, v in (await admin.hgetall(key)).items()}
-        blob = await admin.get(f"specserve:{{{sid}}}:tokens")
-        out[sid] = {
-            "tokens": unpack_tokens(blob or b""),
-            "prompt_len": int(meta["prompt_len"]),
-            "finished": int(meta["finish_reason"]) != 0,
-            "version": int(meta["version"]),
-        }
-    return out
+async def _snapshot(store: SessionStore) -> dict[str, SessionRecord]:
+    """Every session's committed log in Redis, by session id."""
+    return {sid: await store.load(sid) for sid in await store.session_ids()}
 
 
 async def test_redis_restart_fails_sessions_cleanly_and_never_half_applies(pair, prompts, tmp_path):
     max_new = 160
     server = RedisServer(tmp_path).start()
     admin = aioredis.Redis.from_url(server.url)
+    store = SessionStore.from_url(server.url)
     try:
         async with sf.local_stack(pair, server.url, coordinator_overrides={"rpc_timeout_s": 10.0}) as stack:
             streams = [
@@ -98,7 +95,7 @@ async def test_redis_restart_fails_sessions_cleanly_and_never_half_applies(pair,
             )
 
             await admin.execute_command("CLIENT", "PAUSE", 20000, "WRITE")  # commits wait; reads go on
-            committed = await _snapshot(admin)
+            committed = await _snapshot(store)
             streamed_at_pause = [len(s.tokens) for s in streams]
             server.stop()  # killed while paused: everything is lost
             # While Redis is down a new session is refused with UNAVAILABLE, before any token.
@@ -107,11 +104,11 @@ async def test_redis_restart_fails_sessions_cleanly_and_never_half_applies(pair,
             server.start()  # back on the same port, empty
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
 
-            by_prompt = {tuple(c["tokens"][: c["prompt_len"]]): (sid, c) for sid, c in committed.items()}
+            by_prompt = {c.token_ids[: c.prompt_len]: c for c in committed.values()}
             failed = 0
             for prompt, s, at_pause in zip(prompts, streams, streamed_at_pause, strict=False):
-                sid, c = by_prompt[prompt]
-                log = c["tokens"][c["prompt_len"] :]
+                c = by_prompt[prompt]
+                log = c.generated_token_ids
                 assert len(s.tokens) >= at_pause
                 assert tuple(s.tokens) == log[: len(s.tokens)], (
                     "streamed a token that is not in the committed log"
@@ -120,7 +117,7 @@ async def test_redis_restart_fails_sessions_cleanly_and_never_half_applies(pair,
                     "the committed log is not the greedy output"
                 )
                 if s.ok:
-                    assert c["finished"] and tuple(s.tokens) == log
+                    assert c.finished and tuple(s.tokens) == log
                 else:
                     failed += 1
                     assert s.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION), (
@@ -132,23 +129,18 @@ async def test_redis_restart_fails_sessions_cleanly_and_never_half_applies(pair,
             )
 
             # Nothing of the old sessions was written to the new, empty Redis (no half-applied commit).
-            async with aioredis.Redis.from_url(server.url) as fresh_admin:
-                for sid in committed:
-                    keys = (f"specserve:{{{sid}}}:meta", f"specserve:{{{sid}}}:tokens")
-                    assert not await fresh_admin.exists(*keys)
+            for sid in committed:
+                assert not await store.exists(sid)
 
             # The roles reconnected: a new session runs to the end and its stream is its log.
-            store = SessionStore.from_url(server.url)
-            try:
-                fresh = await Stream(sf.request(prompts[4], max_new_tokens=12, ignore_eos=True)).run(
-                    stack.address
-                )
-                assert list(await assert_stream_is_log(store, fresh)) == reference(pair, prompts[4], 12)
-            finally:
-                await store.close()
+            fresh_request = sf.request(prompts[4], max_new_tokens=12, ignore_eos=True)
+            fresh = await Stream(fresh_request).run(stack.address)
+            assert list(await assert_stream_is_log(store, fresh)) == reference(pair, prompts[4], 12)
     finally:
         with contextlib.suppress(Exception):
             await admin.aclose()
+        with contextlib.suppress(Exception):
+            await store.close()
         server.stop()
 
 
@@ -227,7 +219,7 @@ async def proxied(pair, redis_server):
     dropper = DropVerifyReply()
     channel = grpc.aio.insecure_channel(target_ep, interceptors=[dropper])
     # Test-only injection: Verify calls of the coordinator go through the interceptor.
-    app.coordinator.pool.target_clients[target_ep]._stub = target_pb2_grpc.TargetServiceStub(channel)
+    app.coordinator.pool.target_clients[target_ep].stub = target_pb2_grpc.TargetServiceStub(channel)
     try:
         yield app, proxy, dropper
     finally:
@@ -295,8 +287,7 @@ async def test_resource_exhausted_is_retried_on_the_same_replica_without_opening
     tasks = [asyncio.create_task(s.run(_address(app), timeout_s=90)) for s in streams]
     await wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), timeout_s=60, what="3 tokens each")
     passed_before = len(dropper.passed)
-    failures = metrics.REPLICA_FAILURES.labels(tier="target")
-    failures_before = failures._value.get()
+    failures_before = _target_failures()
     dropper.refuse_next = grpc.StatusCode.RESOURCE_EXHAUSTED
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
 
@@ -304,7 +295,7 @@ async def test_resource_exhausted_is_retried_on_the_same_replica_without_opening
     later = [it for req, _ in dropper.passed[passed_before:] for it in req.items]
     for item in dropper.refused[0].items:
         assert any(it.base == item.base for it in later), f"{item.base} was not retried"
-    assert failures._value.get() == failures_before, "RESOURCE_EXHAUSTED counted against the replica"
+    assert _target_failures() == failures_before, "RESOURCE_EXHAUSTED counted against the replica"
     assert pool.targets.failures(target_ep) == 0 and pool.targets.is_up(target_ep)
     for p, s in zip(prompts, streams, strict=False):
         await assert_stream_is_log(store, s)

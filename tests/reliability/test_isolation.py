@@ -34,7 +34,8 @@ import pytest
 import pytest_asyncio
 import system_fixtures as sf
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from reliability_helpers import Stream, wait_until
+from reliability_helpers import Stream
+from waiting import wait_until
 
 from specserve.v1 import common_pb2, coordinator_pb2
 
@@ -267,17 +268,13 @@ async def test_a_prompt_that_runs_into_the_context_ends_with_length_there(clean_
     assert len((await store.load(out.session_id)).token_ids) == 512
 
 
-async def test_a_prompt_that_fills_the_context_is_refused_before_any_token(clean_stack, redis_server):
-    import redis.asyncio as aioredis
-
-    admin = aioredis.Redis.from_url(redis_server.url)
-    before = len([k async for k in admin.scan_iter(match="specserve:{*}:meta", count=1000)])
+async def test_a_prompt_that_fills_the_context_is_refused_before_any_token(clean_stack, store):
+    before = len(await store.session_ids())
     for n in (512, 600):
         out = await Stream(sf.request(long_prompt(n), max_new_tokens=4)).run(clean_stack.address)
         assert out.code == grpc.StatusCode.INVALID_ARGUMENT and not out.tokens and out.stats is None
         assert f"the prompt has {n} tokens but the model's context holds 512" in out.details
-    after = len([k async for k in admin.scan_iter(match="specserve:{*}:meta", count=1000)])
-    await admin.aclose()
+    after = len(await store.session_ids())
     assert after == before, "a refused request created a session"
     one = await Stream(sf.request(long_prompt(511), max_new_tokens=4, ignore_eos=True)).run(clean_stack.address)
     assert one.ok and len(one.tokens) == 1 and one.stats.finish_reason == common_pb2.FINISH_REASON_LENGTH

@@ -42,9 +42,9 @@ from reliability_helpers import (
     fork_roles,
     start_role,
     wait_serving,
-    wait_until,
     worker_flags,
 )
+from waiting import wait_until
 
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.store import SessionStore
@@ -148,7 +148,7 @@ async def test_a_hung_target_is_left_after_the_deadline(coordinator, workers, st
     streams = [Stream(sf.request(p, max_new_tokens=max_new, ignore_eos=True, gamma=2)) for p in prompts[:4]]
     tasks = [asyncio.create_task(s.run(address, timeout_s=120)) for s in streams]
     await wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), timeout_s=90, what="3 tokens each")
-    assigned = dict(pool._assigned)
+    assigned = pool.bound_targets()
     by_endpoint = {
         t.address: [sid for sid, ep in assigned.items() if ep == t.address] for t in workers["targets"]
     }
@@ -181,7 +181,7 @@ async def test_kill_9_of_one_target_moves_its_sessions_to_the_other(
     await wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), timeout_s=90, what="3 tokens each")
 
     # Kill the replica holding most coupled sessions now (the coordinator's routing table says which).
-    assigned = dict(pool._assigned)  # session id -> target endpoint, for sessions in a round
+    assigned = pool.bound_targets()  # session id -> target endpoint, for sessions in a round
     by_endpoint = {
         t.address: [sid for sid, ep in assigned.items() if ep == t.address] for t in workers["targets"]
     }
@@ -224,8 +224,6 @@ async def test_kill_9_of_the_coordinator_ends_its_streams_with_unavailable_and_l
     clients' streams end with UNAVAILABLE having received a prefix of their session's committed log; the
     logs stay in Redis, unfinished; the owner leases lapse after ``lease_ttl_s``; the SDK raises
     Unavailable for a stream that had tokens (it never resends one, see test_client.py)."""
-    import redis.asyncio as aioredis
-
     from specserve.api import errors
     from specserve.client import AsyncClient
 
@@ -246,9 +244,7 @@ async def test_kill_9_of_the_coordinator_ends_its_streams_with_unavailable_and_l
         "rpc_timeout_s": RPC_TIMEOUT_S,
         "log_level": "warning",
     }
-    admin = aioredis.Redis.from_url(redis_server.url)
-    before = {key async for key in admin.scan_iter(match="specserve:{*}:meta")}
-    await admin.aclose()
+    before = set(await store.session_ids())
     process = start("coordinator", flags)
     try:
         wait_serving([process], timeout_s=240)
@@ -283,41 +279,28 @@ async def test_kill_9_of_the_coordinator_ends_its_streams_with_unavailable_and_l
     ]
     assert isinstance(sdk_error, errors.Unavailable), sdk_error
     # Each stream is a prefix of a committed log that stays in Redis, unfinished.
-    admin = aioredis.Redis.from_url(redis_server.url)
-    try:
-        keys = [key.decode() async for key in admin.scan_iter(match="specserve:{*}:meta") if key not in before]
-        records = [await store.load(key.split("{", 1)[1].split("}", 1)[0]) for key in keys]
-        ours = []
-        for prompt, s in zip(prompts, streams, strict=False):
-            mine = [
-                r
-                for r in records
-                if r.token_ids[: r.prompt_len] == prompt
-                and not r.finished
-                and r.generated_token_ids[: len(s.tokens)] == tuple(s.tokens)
-                and len(s.tokens) <= len(r.generated_token_ids) < MAX_NEW
-            ]
-            assert len(mine) == 1, f"no single unfinished log holds what the stream of {prompt} received"
-            ours.append(mine[0].session_id)
+    records = [await store.load(sid) for sid in set(await store.session_ids()) - before]
+    ours = []
+    for prompt, s in zip(prompts, streams, strict=False):
+        mine = [
+            r
+            for r in records
+            if r.token_ids[: r.prompt_len] == prompt
+            and not r.finished
+            and r.generated_token_ids[: len(s.tokens)] == tuple(s.tokens)
+            and len(s.tokens) <= len(r.generated_token_ids) < MAX_NEW
+        ]
+        assert len(mine) == 1, f"no single unfinished log holds what the stream of {prompt} received"
+        ours.append(mine[0].session_id)
 
-        async def leases_gone() -> bool:
-            return not any([await admin.exists(f"specserve:{{{sid}}}:lease") for sid in ours])
+    async def leases_gone() -> bool:
+        return all([await store.lease_owner(sid) is None for sid in ours])
 
-        assert not await leases_gone(), "the dead coordinator held no lease (nothing to lapse)"
-        # The dead owner's leases lapse within their TTL; the logs stay.
-        await wait_until_async(leases_gone, timeout_s=lease_ttl_s + 3, what="the leases to lapse")
-        for sid in ours:
-            assert await admin.exists(f"specserve:{{{sid}}}:tokens", f"specserve:{{{sid}}}:meta") == 2
-    finally:
-        await admin.aclose()
-
-
-async def wait_until_async(predicate, *, timeout_s: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.1)
+    assert not await leases_gone(), "the dead coordinator held no lease (nothing to lapse)"
+    # The dead owner's leases lapse within their TTL; the logs stay.
+    await wait_until(leases_gone, timeout_s=lease_ttl_s + 3, what="the leases to lapse", poll_s=0.1)
+    for sid in ours:
+        assert not (await store.load(sid)).finished
 
 
 async def test_kill_9_of_the_draft_continues_at_gamma_0(coordinator, workers, store, pair, prompts):

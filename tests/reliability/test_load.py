@@ -28,7 +28,8 @@ import time
 import grpc
 import pytest
 import system_fixtures as sf
-from reliability_helpers import Stream, assert_stream_is_log, rss_mib, wait_until
+from reliability_helpers import Stream, assert_stream_is_log, rss_mib
+from waiting import wait_until
 
 from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2
@@ -139,9 +140,7 @@ async def test_64_concurrent_mixed_sessions_lose_nothing_and_release_everything(
         for s in doomed:
             assert s.code == grpc.StatusCode.CANCELLED and len(s.tokens) >= 2
         # Cancelled sessions: streamed a prefix of their log (their ids come from the log's prompt).
-        doomed_logs = await _logs_by_prompt(
-            store, redis_server.url, {tuple(prompts[i]) for i in range(CANCELLED)}
-        )
+        doomed_logs = await _logs_by_prompt(store, {tuple(prompts[i]) for i in range(CANCELLED)})
         for i, s in enumerate(doomed):
             candidates = [log for log in doomed_logs.get(tuple(prompts[i]), []) if len(log) >= len(s.tokens)]
             assert any(tuple(s.tokens) == log[: len(s.tokens)] for log in candidates)
@@ -163,16 +162,12 @@ def _held(stack) -> dict[str, list[str]]:
     return {k: v for k, v in held.items() if v}
 
 
-async def _logs_by_prompt(store: SessionStore, url: str, prompts: set[tuple]) -> dict[tuple, list[tuple]]:
+async def _logs_by_prompt(store: SessionStore, prompts: set[tuple]) -> dict[tuple, list[tuple]]:
     """Generated tokens of every session in Redis whose prompt is one of ``prompts``, by prompt."""
-    import redis.asyncio as aioredis
-
     out: dict[tuple, list[tuple]] = {}
-    async with aioredis.Redis.from_url(url) as admin:
-        async for key in admin.scan_iter(match="specserve:{*}:meta", count=1000):
-            sid = key.decode().split("{", 1)[1].split("}", 1)[0]
-            record = await store.load(sid)
-            prompt = record.token_ids[: record.prompt_len]
-            if prompt in prompts:
-                out.setdefault(prompt, []).append(record.generated_token_ids)
+    for sid in await store.session_ids():
+        record = await store.load(sid)
+        prompt = record.token_ids[: record.prompt_len]
+        if prompt in prompts:
+            out.setdefault(prompt, []).append(record.generated_token_ids)
     return out

@@ -10,7 +10,6 @@ starts, so the last test can grep everything the module's run logged.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import uuid
@@ -22,6 +21,7 @@ import structlog
 import system_fixtures as sf
 from pydantic import SecretStr
 from security_helpers import running_roles
+from waiting import wait_until
 
 from specserve.api import errors
 from specserve.api.status import RETRY_AFTER_KEY
@@ -31,7 +31,7 @@ from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.logs import configure_logging, settings_secrets
 from specserve.v1 import coordinator_pb2_grpc
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.system]
 
 TOKENS = {name: f"tok-{name}-{uuid.uuid4().hex}" for name in ("a", "b", "c")}
 REDIS_PASSWORD = f"pw-{uuid.uuid4().hex}"
@@ -157,16 +157,6 @@ class _Held:
         await self.channel.close()
 
 
-async def _wait_for_sessions(roles, n: int) -> None:
-    for _ in range(400):
-        if roles.coordinator.coordinator.active_sessions == n:
-            return
-        await asyncio.sleep(0.025)
-    raise AssertionError(
-        f"the coordinator still runs {roles.coordinator.coordinator.active_sessions} sessions"
-    )
-
-
 async def test_session_limits_refuse_with_a_retry_hint_while_others_are_served(roles):
     small = sf.request(PROMPT, max_new_tokens=2, gamma=0, ignore_eos=True)
     roles.proxy.delay_s = HOLD_DELAY_S  # each round now takes >= 2 * HOLD_DELAY_S: sessions stay open
@@ -200,7 +190,9 @@ async def test_session_limits_refuse_with_a_retry_hint_while_others_are_served(r
         for h in held:
             await h.cancel()
     # Once the held sessions end, a is served again.
-    await _wait_for_sessions(roles, 0)
+    await wait_until(
+        lambda: roles.coordinator.coordinator.active_sessions == 0, timeout_s=10, what="every session's end"
+    )
     out = await _generate(roles.address, small, _auth(TOKENS["a"]))
     assert out.stats is not None and out.stats.completion_tokens == 2
 

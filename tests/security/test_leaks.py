@@ -33,7 +33,7 @@ from specserve.launch.redis_server import RedisServer
 from specserve.runtime.config import CoordinatorSettings, describe_errors
 from specserve.runtime.logs import configure_logging
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.system]
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = f"tok-{uuid.uuid4().hex[:8]}"

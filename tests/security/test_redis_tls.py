@@ -22,6 +22,8 @@ from specserve.api.params import SamplingParams, StopConditions
 from specserve.launch.redis_server import free_port
 from specserve.runtime.store import SessionStore
 
+pytestmark = pytest.mark.system
+
 PASSWORD = f"pw-{uuid.uuid4().hex}"
 
 

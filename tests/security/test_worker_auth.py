@@ -34,7 +34,7 @@ from specserve.runtime.config import CoordinatorSettings, TargetSettings
 from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.system]
 
 WORKER_TOKEN = f"wt-{uuid.uuid4().hex}"
 PROMPT = (5, 6, 7, 8)

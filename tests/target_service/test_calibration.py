@@ -10,6 +10,8 @@ import tiny_models
 from specserve.engine.models import load_model
 from target_service.calibration import measure_verify_curve
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_curve_has_a_positive_time_per_number_of_positions(llama_target):
     curve = measure_verify_curve(llama_target, 5, repeats=1)

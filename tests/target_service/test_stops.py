@@ -9,6 +9,8 @@ from specserve.api.params import StopConditions
 from specserve.v1 import common_pb2
 from target_service.stops import cut_at_stop
 
+pytestmark = pytest.mark.unit
+
 EOS = 0
 
 

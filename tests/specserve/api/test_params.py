@@ -21,6 +21,8 @@ from specserve.api.params import (
 )
 from specserve.v1 import common_pb2
 
+pytestmark = pytest.mark.unit
+
 
 def test_every_wire_sampling_mode_has_a_name_and_unspecified_is_the_default():
     named = {v for k, v in common_pb2.SamplingMode.items() if k != "SAMPLING_MODE_UNSPECIFIED"}

@@ -47,6 +47,7 @@ def sent(exc: errors.SpecServeError) -> Received:
 # --------------------------------------------------------------------------- server -> wire
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 def test_every_class_has_a_code_and_names_itself(cls):
     exc = cls("x", retry_after_s=1.5)
@@ -57,6 +58,7 @@ def test_every_class_has_a_code_and_names_itself(cls):
     assert status.RETRY_AFTER_KEY not in dict(status.trailers_for(cls("x")))
 
 
+@pytest.mark.unit
 def test_a_bug_and_a_cancellation_have_their_codes():
     assert status.status_code_for(KeyError("bug")) == grpc.StatusCode.INTERNAL
     assert status.status_code_for(asyncio.CancelledError()) == grpc.StatusCode.CANCELLED
@@ -65,6 +67,7 @@ def test_a_bug_and_a_cancellation_have_their_codes():
 # --------------------------------------------------------------------------- wire -> SDK
 
 
+@pytest.mark.unit
 def test_every_code_maps_to_an_error_class():
     assert set(status.ERRORS_BY_CODE) == ALL_CODES
     for code in ALL_CODES:
@@ -72,6 +75,7 @@ def test_every_code_maps_to_an_error_class():
         assert isinstance(err, status.ERRORS_BY_CODE[code]) and err.status_code == code
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 def test_every_class_comes_back_exactly_through_the_sdk(cls):
     err = status.error_from_rpc(sent(cls("it happened", retry_after_s=2.0)), "h:1")
@@ -82,6 +86,7 @@ def test_every_class_comes_back_exactly_through_the_sdk(cls):
     assert isinstance(cls("x"), type(bare))
 
 
+@pytest.mark.unit
 def test_a_named_class_is_trusted_only_within_its_code():
     wider = Received(grpc.StatusCode.ABORTED, trailing=[(status.ERROR_CLASS_KEY, "InvalidArgument")])
     assert type(status.error_from_rpc(wider)) is errors.Aborted
@@ -94,12 +99,14 @@ def test_a_named_class_is_trusted_only_within_its_code():
 # --------------------------------------------------------------------------- wire -> coordinator
 
 
+@pytest.mark.unit
 def test_bug_codes_are_the_codes_no_error_class_names():
     named = {c.grpc_code_name for c in CLASSES if c is not errors.SpecServeError}
     assert {c.name for c in status.BUG_CODES} == {c.name for c in ALL_CODES} - named
     assert grpc.StatusCode.INTERNAL in status.BUG_CODES and grpc.StatusCode.UNKNOWN in status.BUG_CODES
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("code", sorted(ALL_CODES, key=lambda c: c.value[0]), ids=lambda c: c.name)
 def test_every_code_from_a_worker_is_a_domain_error_whose_message_never_names_the_endpoint(code):
     """The message may reach a client: the worker's own text for what it sends on purpose, only the code for
@@ -118,6 +125,7 @@ def test_every_code_from_a_worker_is_a_domain_error_whose_message_never_names_th
         assert type(err) is status.ERRORS_BY_CODE[code]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cls", CLASSES[1:], ids=lambda c: c.__name__)
 def test_every_class_a_worker_raises_arrives_in_the_coordinator(cls):
     err = status.worker_error_from_rpc(sent(cls("it happened")), "w:1")
@@ -128,6 +136,7 @@ def test_every_class_a_worker_raises_arrives_in_the_coordinator(cls):
 # --------------------------------------------------------------------------- per item
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 def test_every_item_error_round_trips_to_its_code_family(cls):
     code = status.item_code(cls("x"))
@@ -141,6 +150,7 @@ def test_every_item_error_round_trips_to_its_code_family(cls):
     assert back.message == "x"
 
 
+@pytest.mark.unit
 def test_an_unknown_item_code_is_a_failed_precondition():
     assert type(status.item_error(999, "?")) is errors.FailedPrecondition
 
@@ -148,6 +158,7 @@ def test_an_unknown_item_code_is_a_failed_precondition():
 # --------------------------------------------------------------------------- SDK-light
 
 
+@pytest.mark.system
 def test_status_and_the_sdk_import_without_the_serving_stack():
     """specserve.api.status (and the SDK that uses it) needs grpc and protobuf only."""
     hidden = ("torch", "transformers", "redis", "structlog", "numpy", "pydantic", "pydantic_settings")

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import system_fixtures as sf
 
 from specserve.bench import attention as bench_attention
+
+pytestmark = pytest.mark.system
 
 
 def test_the_attention_bench_measures_both_copies_and_finds_the_same_bits(tmp_path_factory, tmp_path):

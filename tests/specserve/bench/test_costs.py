@@ -10,6 +10,8 @@ import torch
 from specserve.bench.costs import Costs, as_run, measure_costs, predicted_speedup
 from specserve.bench.pair import load_pair
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):

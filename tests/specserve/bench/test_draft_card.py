@@ -3,7 +3,11 @@ every figure from those files, and the verdicts on the draft's targets follow th
 
 from __future__ import annotations
 
+import pytest
+
 from specserve.bench.draft_card import render_card
+
+pytestmark = pytest.mark.unit
 
 
 def _card(chat_acceptance: float, target_ms: float) -> dict:

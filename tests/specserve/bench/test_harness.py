@@ -20,6 +20,7 @@ def pair(tmp_path_factory):
     return sf.tiny_pair(tmp_path_factory)
 
 
+@pytest.mark.unit
 def test_copy_prompts_quote_real_code_and_ask_for_it_back():
     prompts = copy_prompts()
     assert len(prompts) >= 4

@@ -11,6 +11,8 @@ from specserve.bench import head_card
 from specserve.engine.feature_head import FinalNormInput, head_from_target, target_features
 from specserve.engine.models import load_model
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):

@@ -19,6 +19,7 @@ def pair(tmp_path_factory):
     return sf.tiny_pair(tmp_path_factory)
 
 
+@pytest.mark.unit
 def test_half_wrong_replaces_every_other_block():
     assert half_wrong(list(range(10)), [90, 91, 92], 2) == [0, 1, 92, 90, 4, 5, 90, 91, 8, 9]
 

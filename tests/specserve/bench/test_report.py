@@ -17,6 +17,8 @@ from specserve.bench.report import (
     targets,
 )
 
+pytestmark = pytest.mark.unit
+
 #: The default pair's costs on the development machine (specserve.bench.costs, one run): a 2-position pass ~1.7 steps.
 CPU = Costs(
     target_step_ms=62.0,

@@ -56,6 +56,7 @@ def test_only_sampling_modes_writes_json_and_report(tmp_path_factory, tmp_path, 
     assert f"**Default: `{v['default']}`.**" in report
 
 
+@pytest.mark.unit
 def test_the_verdict_keeps_optimal_unless_coupled_loses_under_five_percent():
     def groups(ratio_07, ratio_10):
         return {

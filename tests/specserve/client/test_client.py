@@ -122,6 +122,7 @@ async def fake():
 # --------------------------------------------------------------------------- error mapping
 
 
+@pytest.mark.unit
 def test_every_status_code_but_ok_maps_to_an_sdk_error():
     codes = set(grpc.StatusCode) - {grpc.StatusCode.OK}
     assert set(ERRORS_BY_CODE) == codes
@@ -129,6 +130,7 @@ def test_every_status_code_but_ok_maps_to_an_sdk_error():
         assert issubclass(cls, errors.SpecServeError), code
 
 
+@pytest.mark.unit
 def test_every_error_class_is_reachable_from_its_code():
     """The code alone yields the class or its base; the class name in metadata yields the class."""
     for cls in errors.all_error_classes():
@@ -139,6 +141,7 @@ def test_every_error_class_is_reachable_from_its_code():
             assert mapped is cls
 
 
+@pytest.mark.system
 @module_loop
 @pytest.mark.parametrize("cls", errors.all_error_classes()[1:], ids=lambda c: c.__name__)
 async def test_a_domain_error_raised_in_the_server_arrives_as_its_sdk_class(fake, cls):
@@ -153,6 +156,7 @@ async def test_a_domain_error_raised_in_the_server_arrives_as_its_sdk_class(fake
     assert info.value.status_code == grpc.StatusCode[cls.grpc_code_name]
 
 
+@pytest.mark.system
 @module_loop
 @pytest.mark.parametrize("cls", errors.all_error_classes(), ids=lambda c: c.__name__)
 async def test_a_class_named_in_trailing_metadata_is_raised_exactly(fake, cls):
@@ -163,6 +167,7 @@ async def test_a_class_named_in_trailing_metadata_is_raised_exactly(fake, cls):
     assert f"{cls.__name__} named by the script" in str(info.value)
 
 
+@pytest.mark.unit
 def test_a_named_class_wider_than_the_code_is_not_trusted():
     class FakeRpcError(grpc.RpcError):
         """A stand-in for a received status: lets the test pair any code with any metadata."""
@@ -184,6 +189,7 @@ def test_a_named_class_wider_than_the_code_is_not_trusted():
 # --------------------------------------------------------------------------- request building
 
 
+@pytest.mark.unit
 def test_build_request_maps_every_argument():
     req = build_request(
         "hello",
@@ -219,6 +225,7 @@ def test_build_request_maps_every_argument():
     )
 
 
+@pytest.mark.unit
 def test_build_request_defaults_leave_server_choices_absent():
     req = build_request(prompt_token_ids=[5, 6, 7])
     assert list(req.tokens.token_ids) == [5, 6, 7]
@@ -232,6 +239,7 @@ def test_build_request_defaults_leave_server_choices_absent():
     assert build_request(prompt_token_ids=[]).WhichOneof("prompt") == "tokens"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
@@ -250,11 +258,13 @@ def test_unencodable_arguments_raise_invalid_argument_before_any_call(kwargs, ne
         build_request("text", **kwargs)
 
 
+@pytest.mark.unit
 def test_no_prompt_at_all_is_refused():
     with pytest.raises(errors.InvalidArgument, match="exactly one of prompt"):
         build_request()
 
 
+@pytest.mark.unit
 def test_build_request_carries_chat_messages_in_order():
     req = build_request(
         messages=[{"role": "system", "content": "be brief"}, ("user", "hi")], max_new_tokens=3
@@ -265,6 +275,7 @@ def test_build_request_carries_chat_messages_in_order():
     assert build_request(messages=[]).WhichOneof("prompt") == "chat"  # the server refuses it
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("messages", "needle"),
     [
@@ -285,6 +296,7 @@ def test_malformed_chat_messages_are_refused_before_any_call(messages, needle):
 # --------------------------------------------------------------------------- results, streams, retries
 
 
+@pytest.mark.system
 @module_loop
 async def test_sync_generate_and_stream_agree_and_fill_stats(fake):
     def run():
@@ -310,6 +322,7 @@ async def test_sync_generate_and_stream_agree_and_fill_stats(fake):
     assert stats.total_s == 5.0 and stats.tokens_per_s == 1.0 and stats.verify_s == 0.003
 
 
+@pytest.mark.system
 @module_loop
 async def test_async_stream_exposes_result_after_exhaustion(fake):
     async with AsyncClient(fake.address) as client:
@@ -320,6 +333,7 @@ async def test_async_stream_exposes_result_after_exhaustion(fake):
         assert stream.stats.completion_tokens == 3
 
 
+@pytest.mark.system
 @module_loop
 async def test_unavailable_before_the_first_token_is_retried(fake):
     async with AsyncClient(fake.address, retries=3, backoff=0.01) as client:
@@ -334,6 +348,7 @@ async def test_unavailable_before_the_first_token_is_retried(fake):
     assert (await asyncio.to_thread(sync_run)).token_ids == (10,)
 
 
+@pytest.mark.system
 @module_loop
 async def test_retries_give_up_with_unavailable(fake):
     async with AsyncClient(fake.address, retries=1, backoff=0.01) as client:
@@ -342,6 +357,7 @@ async def test_retries_give_up_with_unavailable(fake):
     assert sum(1 for t, _ in fake.calls if t == "flaky:5:1") == 2
 
 
+@pytest.mark.system
 @module_loop
 async def test_unavailable_after_a_token_is_never_resent(fake):
     async with AsyncClient(fake.address, retries=3, backoff=0.01) as client:
@@ -362,6 +378,7 @@ async def test_unavailable_after_a_token_is_never_resent(fake):
     assert sum(1 for t, _ in fake.calls if t == "chunk-then-unavailable") == 2
 
 
+@pytest.mark.system
 def test_dead_port_fails_with_unavailable_naming_the_address():
     from specserve.launch.redis_server import free_port
 
@@ -373,6 +390,7 @@ def test_dead_port_fails_with_unavailable_naming_the_address():
     assert isinstance(info.value, ConnectionError)
 
 
+@pytest.mark.system
 @module_loop
 async def test_token_travels_as_bearer_metadata(fake):
     async with AsyncClient(fake.address, token="s3cret") as client:
@@ -387,6 +405,7 @@ async def test_token_travels_as_bearer_metadata(fake):
     assert "authorization" not in fake.calls[-1][1]
 
 
+@pytest.mark.system
 @module_loop
 async def test_leaving_a_stream_early_cancels_it_on_the_server(fake):
     async with AsyncClient(fake.address) as client:
@@ -398,6 +417,7 @@ async def test_leaving_a_stream_early_cancels_it_on_the_server(fake):
     assert fake.cancelled.is_set()
 
 
+@pytest.mark.system
 @module_loop
 async def test_sync_cancel_stops_the_server_side(fake):
     def run():
@@ -414,6 +434,7 @@ async def test_sync_cancel_stops_the_server_side(fake):
     assert fake.cancelled.is_set()
 
 
+@pytest.mark.system
 @module_loop
 async def test_mutual_tls(tmp_path):
     """The SDK speaks TLS with the CA and client certificate given as files; without them it cannot."""

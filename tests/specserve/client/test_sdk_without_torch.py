@@ -20,7 +20,7 @@ import pytest_asyncio
 
 from specserve import AsyncClient
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.system]
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -9,6 +9,8 @@ import pytest
 from specserve.api.errors import InvalidArgument
 from specserve.core.ngram import NgramIndex, ngram_lookup
 
+pytestmark = pytest.mark.unit
+
 
 def scan_lookup(tokens, gamma, *, max_n=3, min_n=1):
     """Prompt lookup by scanning: the first start of the last n tokens (not the suffix's own), n from max_n down."""

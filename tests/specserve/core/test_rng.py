@@ -16,7 +16,7 @@ from scipy import stats
 from specserve.api.errors import InvalidArgument
 from specserve.core.rng import Purpose, gumbel_noise, gumbel_uniforms, uniform
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.unit]
 
 ALPHA = 0.001
 

@@ -33,7 +33,7 @@ from specserve.core.sampling import (
     sample_rows,
 )
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.unit]
 
 VOCAB = 48
 

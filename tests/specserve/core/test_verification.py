@@ -42,7 +42,7 @@ from specserve.core.verification import (
 )
 from specserve.v1 import common_pb2
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.unit]
 
 F64 = torch.float64
 N0 = 7  # sequence index of the first proposed token in the exact and statistical tests

@@ -54,7 +54,7 @@ from specserve.core.rng import gumbel_noise
 from specserve.core.sampling import gumbel_argmax
 from specserve.core.verification import VerifyOutcome, verify_coupled
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.unit]
 
 F64 = torch.float64
 N0 = 7  # sequence index of the first proposed token

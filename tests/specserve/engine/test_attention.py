@@ -17,6 +17,8 @@ from specserve.engine import attention, batching
 from specserve.engine.kvcache import SessionCache
 from specserve.engine.models import load_model
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):

@@ -11,6 +11,8 @@ from transformers import DynamicCache
 from specserve.engine import batching
 from specserve.engine.models import load_model
 
+pytestmark = pytest.mark.unit
+
 ATOL = 1e-5
 #: float32 logits of a few units differ by a few 1e-6 between a padded pass and a fresh prefill (the
 #: reduction order of the kernels, which can change with the machine's load); a bug is off by far more.
@@ -82,7 +84,7 @@ def test_steps_after_a_ragged_pass_equal_each_row_alone(target):
     seqs, rows = _rows(target, specs, [1, 1, 1], seed=3)
     packed = batching.pack(rows, config=target.model.config, device="cpu", room=3)
     logits, cache = batching.forward(target.model, packed)
-    buffers = [layer._k.data_ptr() for layer in cache.layers]
+    buffers = [layer.keys.data_ptr() for layer in cache.layers]
     packed = batching.align_ends(packed, cache)
     assert {stop for _, stop in packed.spans} == {9 + 4}
     fed = [list(seq) for seq in seqs]
@@ -107,7 +109,7 @@ def test_steps_after_a_ragged_pass_equal_each_row_alone(target):
         alive = keep
         logits, cache = batching.forward(target.model, packed)
         assert packed.positions_processed == len(keep), f"step {step}"
-        in_place = [layer._k.data_ptr() for layer in cache.layers] == buffers
+        in_place = [layer.keys.data_ptr() for layer in cache.layers] == buffers
         assert in_place == (step == 0)  # written into the room; rows dropping out compact the batch
     want = fresh_logits(target, fed[2])[-1]
     torch.testing.assert_close(batching.row_logits(logits, packed, 0)[-1], want, atol=ATOL, rtol=RTOL)

@@ -17,7 +17,10 @@ from specserve.engine import cpu_kernels
 from specserve.engine.kvcache import SessionCache
 from specserve.engine.models import load_model
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.onednn_available(), reason="this PyTorch has no oneDNN ops")
+pytestmark = [
+    pytest.mark.skipif(not cpu_kernels.onednn_available(), reason="this PyTorch has no oneDNN ops"),
+    pytest.mark.unit,
+]
 
 
 def _packed(in_features: int, out_features: int, *, bias: bool, seed: int) -> tuple[nn.Linear, nn.Module]:

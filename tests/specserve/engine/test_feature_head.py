@@ -8,6 +8,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specserve.engine.feature_head import FeatureHead, FinalNormInput, head_from_target, target_features
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[LlamaForCausalLM, FeatureHead]:

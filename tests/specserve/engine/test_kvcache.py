@@ -14,6 +14,8 @@ from specserve.api.errors import InvalidArgument, NotFound
 from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len
 from specserve.engine.models import load_model
 
+pytestmark = pytest.mark.unit
+
 ATOL = 1e-4
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 11]
 BRANCH = [64, 65, 66, 67, 68]  # gamma = 5 draft tokens
@@ -34,7 +36,7 @@ def fresh_logits(model, tokens) -> torch.Tensor:
 def assert_consistent(cache: SessionCache, expected_tokens, committed_len: int) -> None:
     assert cache.tokens == tuple(expected_tokens)
     assert cache.committed_len == committed_len
-    assert cache._cache.get_seq_length() == len(expected_tokens)  # KV rows agree with the token list
+    assert cache.kv_len == len(expected_tokens)  # KV rows agree with the token list
 
 
 def test_common_prefix_len():

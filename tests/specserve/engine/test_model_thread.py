@@ -13,10 +13,10 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     not sys.platform.startswith("linux") or (os.cpu_count() or 1) < 2,
     reason="counts a process's threads in /proc; needs torch on more than one thread",
-)
+), pytest.mark.system]
 
 #: A worker's life in miniature: the model's work on its ModelThread, then a request's checks on the
 #: main thread (an event loop's), big enough for torch to split across threads (dense draft

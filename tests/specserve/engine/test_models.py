@@ -19,6 +19,8 @@ from specserve.engine.models import (
     vocab_fingerprint,
 )
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
 def pair(request, tmp_path_factory):

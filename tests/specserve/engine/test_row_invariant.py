@@ -16,6 +16,8 @@ from specserve.engine import batching, cpu_kernels, row_invariant
 from specserve.engine.kvcache import SessionCache
 from specserve.engine.models import load_model
 
+pytestmark = pytest.mark.unit
+
 ONEDNN = pytest.param(
     "onednn", marks=pytest.mark.skipif(not cpu_kernels.onednn_available(), reason="no oneDNN ops in this PyTorch")
 )
@@ -29,7 +31,7 @@ def model(request, tmp_path_factory):
     _, draft_dir = tiny_models.make_tiny_pair(tmp_path_factory.mktemp(f"rowinv_{arch}"), arch=arch)
     loaded = load_model(draft_dir, device="cpu", dtype="float32")
     row_invariant.prepare(loaded.model, kernels=kernels)
-    assert (loaded.model._specserve_packed_weights is not None) == (kernels == "onednn")
+    assert (row_invariant.blocked_matmuls(loaded.model).packed is not None) == (kernels == "onednn")
     return loaded
 
 

@@ -31,6 +31,7 @@ def _keep_log_config():
 # --------------------------------------------------------------------------- without a stack
 
 
+@pytest.mark.unit
 def test_up_without_any_redis_says_how_to_get_one(tmp_path, monkeypatch, capsys):
     """No server on PATH, none in the installed wheels, no --redis-url: a clear error before anything starts."""
     from specserve.launch import redis_server
@@ -58,6 +59,7 @@ def test_up_without_any_redis_says_how_to_get_one(tmp_path, monkeypatch, capsys)
     assert "[serve]" in err and "--redis-url" in err
 
 
+@pytest.mark.unit
 def test_the_server_binary_comes_from_a_wheel_when_path_has_none(tmp_path, monkeypatch):
     from specserve.launch.redis_server import find_server_binary
 
@@ -67,12 +69,14 @@ def test_the_server_binary_comes_from_a_wheel_when_path_has_none(tmp_path, monke
     assert binary.name in ("redis-server", "valkey-server")
 
 
+@pytest.mark.unit
 def test_up_with_a_missing_model_directory_says_what_is_accepted(capsys, tmp_path):
     assert cli.main(["up", "--target-model", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert "neither a registered name" in err and "smollm2-135m-instruct" in err
 
 
+@pytest.mark.unit
 def test_models_list_and_path(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECSERVE_MODEL_CACHE", str(tmp_path))
     assert cli.main(["models", "list"]) == 0
@@ -85,6 +89,7 @@ def test_models_list_and_path(capsys, monkeypatch, tmp_path):
     assert "no registered model named 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", [["models", "fetch", "smollm2-135m-instruct"], ["demo"]])
 def test_a_model_fetch_from_the_cli_prints_each_progress_message_once(command, capsys, monkeypatch):
     """The fetch's progress lines go to stderr once: its debug log line of the same message stays out
@@ -107,6 +112,7 @@ def test_a_model_fetch_from_the_cli_prints_each_progress_message_once(command, c
     assert "[specserve models] downloading the wheel" in err
 
 
+@pytest.mark.unit
 def test_serve_reads_flags_over_environment(monkeypatch):
     from specserve.runtime.config import CoordinatorSettings
 
@@ -120,6 +126,7 @@ def test_serve_reads_flags_over_environment(monkeypatch):
     assert settings.target_endpoints == ["a:1", "b:2"]
 
 
+@pytest.mark.unit
 def test_serve_coordinator_takes_the_http_port_from_a_flag_or_the_environment(monkeypatch):
     from specserve.runtime.config import CoordinatorSettings
 
@@ -132,12 +139,14 @@ def test_serve_coordinator_takes_the_http_port_from_a_flag_or_the_environment(mo
     assert CoordinatorSettings().http_port == 9000
 
 
+@pytest.mark.unit
 def test_serve_with_bad_settings_says_what_is_wrong(capsys):
     assert cli.main(["serve", "target", "--port", "70000", "--no-warmup"]) == 2
     err = capsys.readouterr().err
     assert "invalid target settings" in err and "port" in err
 
 
+@pytest.mark.system
 def test_generate_against_a_dead_address_fails_cleanly(capsys):
     from specserve.launch.redis_server import free_port
 
@@ -145,6 +154,7 @@ def test_generate_against_a_dead_address_fails_cleanly(capsys):
     assert "error: Unavailable: " in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_gamma_flag_parsing():
     assert cli._parse_gamma("auto") is None
     assert cli._parse_gamma("3") == 3
@@ -302,6 +312,7 @@ async def test_chat_keeps_the_conversation_and_resets_it(stack, tmp_path):
     assert text.count("tokens/round") == 3
 
 
+@pytest.mark.system
 @pytest.mark.slow  # a subprocess that imports torch
 @module_loop
 async def test_up_serves_with_a_private_redis_and_stops_on_sigterm(pair, tmp_path):
@@ -361,6 +372,7 @@ async def test_up_serves_with_a_private_redis_and_stops_on_sigterm(pair, tmp_pat
         socket.create_connection(("127.0.0.1", redis_port), timeout=2).close()
 
 
+@pytest.mark.system
 def test_demo_runs_each_scenario_beside_the_target_alone(pair, capsys, monkeypatch):
     """In this process (the subprocess path is covered by ``up`` above); its own private redis-server."""
     import structlog
@@ -431,6 +443,7 @@ async def test_serve_runs_one_role_from_environment_and_flags_until_sigterm(pair
             await proc.wait()
 
 
+@pytest.mark.system
 def test_up_on_a_busy_port_says_to_pick_another(pair, capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -443,6 +456,7 @@ def test_up_on_a_busy_port_says_to_pick_another(pair, capsys):
     assert "Pass --port with a free port" in err
 
 
+@pytest.mark.unit
 def test_http_port_flag_parsing():
     assert cli._http_port("off") is None
     assert cli._http_port("0") == 0 and cli._http_port("8000") == 8000
@@ -453,6 +467,7 @@ def test_http_port_flag_parsing():
     assert cli.build_parser().parse_args(["up", "--http-port", "off"]).http_port is None
 
 
+@pytest.mark.system
 def test_up_on_a_busy_http_port_says_to_pick_another(pair, capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -494,6 +509,7 @@ def demo_result(
     return GenerateResult(text="", token_ids=(1,) * 40, stats=stats)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("draft_rounds", "verdict"),
     [
@@ -517,6 +533,7 @@ def test_the_demo_summary_tells_probes_from_speculating(draft_rounds, verdict):
     assert "at best 1.25x the target alone (no draft token was accepted, so the difference is the machine's noise)" in lucky
 
 
+@pytest.mark.unit
 def test_the_demo_summary_keeps_the_prompt_lookups_copy_out_of_the_draft_models_verdict():
     """The default request drafts copied text from its prompt lookup (the hybrid lookup): a copy that pays
     that way is what pays, labelled so, and the draft model's own verdict is taken from the requests it
@@ -538,6 +555,7 @@ def test_the_demo_summary_keeps_the_prompt_lookups_copy_out_of_the_draft_models_
     assert "of which from the prompt lookup: proposed 40, accepted 30" in copied.stats.summary()
 
 
+@pytest.mark.unit
 def test_request_flags_reach_the_sdk_including_the_draft_length_threshold():
     """``--min-confidence`` (dynamic draft length) and the other speculation flags become SDK arguments; unset,
     the threshold is left to the server."""

@@ -7,6 +7,8 @@ import pytest
 
 from specserve.runtime.interceptors import certificate_names, peer_key
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     "peer, key",

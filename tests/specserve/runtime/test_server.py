@@ -48,6 +48,7 @@ async def call(port: int, name: str):
         return await channel.unary_unary(f"/{SERVICE}/Raise")(name.encode())
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("cls", errors.all_error_classes()[1:], ids=lambda c: c.__name__)
 async def test_every_domain_error_maps_to_its_status(running, cls):
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -58,18 +59,21 @@ async def test_every_domain_error_maps_to_its_status(running, cls):
     assert dict(info.value.trailing_metadata())[ERROR_CLASS_KEY] == cls.__name__
 
 
+@pytest.mark.unit
 def test_every_error_class_names_a_real_non_ok_code():
     for cls in errors.all_error_classes()[1:]:
         code = status_code_for(cls("x"))
         assert code not in (grpc.StatusCode.OK, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), cls
 
 
+@pytest.mark.system
 async def test_retry_hint_travels_in_trailing_metadata(running):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call(running.port, "ResourceExhausted")
     assert dict(info.value.trailing_metadata())[RETRY_AFTER_KEY] == "2.5"
 
 
+@pytest.mark.system
 async def test_a_bug_is_internal_and_the_server_keeps_serving(running):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call(running.port, "bug")
@@ -78,6 +82,7 @@ async def test_a_bug_is_internal_and_the_server_keeps_serving(running):
     assert await call(running.port, "ok") == b"fine"
 
 
+@pytest.mark.system
 async def test_health_reflection_and_graceful_stop(running):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -107,6 +112,7 @@ async def test_health_reflection_and_graceful_stop(running):
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.system
 async def test_bearer_token_interceptor_codes():
     from specserve.runtime.interceptors import BearerTokenInterceptor
 
@@ -141,6 +147,7 @@ def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
+@pytest.mark.system
 async def test_mutual_tls_refuses_plaintext_and_certless_clients(pki):
     settings = CommonSettings(
         host="127.0.0.1",
@@ -178,6 +185,7 @@ async def test_mutual_tls_refuses_plaintext_and_certless_clients(pki):
         await server.stop(0)
 
 
+@pytest.mark.unit
 def test_tls_settings_are_checked():
     from pydantic import ValidationError
 
