@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import time
 import uuid
 
 import pytest
 import system_fixtures as sf
 from security_helpers import running_roles
+from waiting import wait_until_blocking
 
 from specserve.api import errors
 from specserve.api.params import SamplingParams, StopConditions
@@ -45,18 +45,22 @@ def _start_tls(binary: str, port: int, workdir, pki) -> subprocess.Popen | None:
         "--requirepass", PASSWORD, "--save", "", "--appendonly", "no", "--dir", str(workdir),
     ]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
+
+    def accepting_or_gone() -> bool:
+        if proc.poll() is not None:
+            return True  # this build has no TLS (it refuses --tls-port)
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc
+                return True
         except OSError:
-            if proc.poll() is not None:
-                return None  # this build has no TLS (it refuses --tls-port)
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("redis-server with TLS did not start") from None
-            time.sleep(0.02)
+            return False
+
+    try:
+        wait_until_blocking(accepting_or_gone, timeout_s=10, what="redis-server with TLS to accept connections")
+    except TimeoutError:
+        proc.kill()
+        raise RuntimeError("redis-server with TLS did not start") from None
+    return None if proc.poll() is not None else proc
 
 
 @pytest.fixture(scope="module")
