@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API of the coordinator (FastAPI).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
-and ``GET /health``. Each generation request goes through the same domain object
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /version`` (``{"version": ...}``, as vLLM's) and ``GET /metrics``
+(the process's Prometheus registry, the metrics port's very series, vLLM's names
+included, where vLLM and SGLang serve them: tools such as aiperf look there). Each generation request goes through the same domain object
 as the gRPC servicer, in the same order: the body becomes one ``GenerateRequest``
 per choice (:mod:`coordinator.openai_protocol`), ``Coordinator.parse`` checks
 each against the server's limits, ``Coordinator.check_admission`` checks the
@@ -18,7 +20,7 @@ event before ``data: [DONE]``.
 
 Authentication: with ``auth_tokens`` set, every ``/v1`` route needs
 ``Authorization: Bearer <token>`` with one of the same tokens the gRPC API
-accepts; ``/health`` stays open for probes. Per-client session limits key on
+accepts; ``/health``, ``/version`` and ``/metrics`` stay open, as on the metrics port. Per-client session limits key on
 the token (or the peer address without auth), as on the gRPC side.
 
 Cancellation: when the client goes away (a streamed reply's connection closes,
@@ -39,11 +41,13 @@ from typing import Any
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+import specserve
 from coordinator.choices import Choices
 from coordinator.coordinator import Coordinator
 from coordinator.openai_protocol import (
@@ -219,13 +223,14 @@ class OpenAIServer:
         """One completion or chat request: every check, then the sessions, then the reply."""
         client = self.authorize(request)
         body, parsed = await self.admit(request, cls, client)
+        options = body.reply_options()
         builder = ReplyBuilder(
             "chat" if cls is ChatCompletionRequest else "completion",
             model=self.model_name,
             n=body.n,
-            stop_strings=body.stop_strings,
-            include_usage=body.include_usage,
-            token_strings=self.token_strings if body.top_logprobs_wanted() is not None else None,
+            options=options,
+            prompt_tokens=len(parsed[0].prompt_token_ids),
+            token_strings=self.token_strings if options.logprobs else None,
         )
         choices = Choices(self.coordinator, parsed, client=client)
         headers = {REQUEST_ID_KEY: structlog.contextvars.get_contextvars().get("request_id", "")}
@@ -263,7 +268,7 @@ class OpenAIServer:
             raw = json.loads(await self.read_body(request))
         except ValueError:
             raise bad_param(None, "the request body is not valid JSON", "invalid_json") from None
-        body = parse_body(cls, raw)
+        body = parse_body(cls, raw, unknown_fields=self.coordinator.settings.http_unknown_fields)
         self.check_model(body.model)
         body.check_supported()
         settings = self.coordinator.settings
@@ -336,6 +341,14 @@ def create_app(server: OpenAIServer) -> FastAPI:
         if server.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": specserve.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -8,52 +8,41 @@ choice (:meth:`~_OpenAIRequest.to_pb`) and hands those to the same
 ``Coordinator.parse`` / ``Coordinator.generate`` as the gRPC servicer. The
 reply bodies are built by :mod:`coordinator.openai_replies`.
 
-Request fields, and where each goes:
+Every field either endpoint knows, and whether it is honoured, refused or ignored,
+is the table in docs/operations.md ("Request fields"); tests/coordinator/test_field_table.py
+checks each row against :meth:`~_OpenAIRequest.effect`. Where the honoured ones go:
+``temperature``, ``top_p``, ``seed`` (choice ``i`` of ``n`` uses ``seed + i``) and the
+extensions ``top_k`` (-1 or 0 disables it, as in vLLM), ``min_p``, ``repetition_penalty``
+go to ``SamplingParams``; ``max_tokens`` / ``max_completion_tokens`` (completions default
+to 16 as OpenAI's do; chat to the server's ``default_max_new_tokens``), ``stop``,
+``ignore_eos``, ``stop_token_ids`` and ``min_tokens`` to ``StopConditions``; ``n`` is ``n``
+independent sessions; ``speculation`` is ``SpeculationParams``; ``logprobs`` /
+``top_logprobs`` and ``prediction`` their ``GenerateRequest`` fields. What only shapes the
+reply (``stream_options``, ``include_stop_str_in_output``, whether logprobs are rendered)
+is :class:`ReplyOptions`.
 
-=============================  ==============================================================
-``temperature`` (default 1)    ``SamplingParams.temperature`` (0 is greedy)
-``top_p``                      ``SamplingParams.top_p``
-``max_tokens`` /               ``StopConditions.max_new_tokens`` (completions default to 16 as
-``max_completion_tokens``      OpenAI's do; chat defaults to the server's ``default_max_new_tokens``)
-``stop`` (str or list)         ``StopConditions.stop_strings``; as OpenAI does, the stop string
-                               is not part of the returned text
-``seed``                       ``SamplingParams.seed``; choice ``i`` of ``n`` uses ``seed + i``
-``n``                          ``n`` independent sessions
-extension ``top_k``,           ``SamplingParams`` (``top_k`` -1 or 0 disables it, as in vLLM)
-``min_p``,
-``repetition_penalty``
-extension ``ignore_eos``,      ``StopConditions``
-``stop_token_ids``
-extension ``speculation``      ``SpeculationParams``: ``{"gamma": int | "auto", "proposer":
-                               "model" | "ngram", "draft_top_k": int,
-                               "hybrid_lookup": bool, "min_confidence": float}``
-chat ``logprobs`` (bool),      ``GenerateRequest.logprobs`` (``top_logprobs`` 0..20; it needs
-``top_logprobs``               ``logprobs: true``)
-completions ``logprobs`` (int) ``GenerateRequest.logprobs`` with that many alternatives, 0..20
-``prediction``                 ``GenerateRequest.prediction``: ``{"type": "content", "content":
-                               str | [text parts]}`` (Predicted Outputs; on completions too)
-=============================  ==============================================================
-
-Refused with 400 (:meth:`check_supported`): non-zero ``frequency_penalty`` /
-``presence_penalty`` (the verifier would have to apply them exactly;
-``repetition_penalty`` is);
-``logit_bias``, tools, ``response_format`` other than text, ``echo``,
-``suffix``, ``best_of`` other than ``n``, several prompts in one completion
-request, and non-text message parts. Any field the API does not define is
-refused as OpenAI does ("Unrecognized request argument supplied"); ``user``,
-``metadata``, ``store``, ``service_tier``, ``safety_identifier``,
-``prompt_cache_key`` and ``parallel_tool_calls`` are accepted and ignored.
+Refused with 400 naming the field (:meth:`~_OpenAIRequest.check_supported`): a value this
+server cannot honour exactly, with the reason (vLLM's extensions it does not implement are
+accepted at their defaults, so a client that sends the defaults works). A field no endpoint
+knows is refused as OpenAI refuses it ("Unrecognized request argument supplied"), unless the
+server's ``http_unknown_fields`` is ``ignore`` (vLLM's behaviour): then it is dropped with a
+warning in the log (:func:`parse_body`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import copy
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
+import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specserve.api.errors import InvalidArgument
 from specserve.api.params import MAX_TOP_LOGPROBS
 from specserve.v1 import common_pb2, coordinator_pb2
+
+log = structlog.get_logger(__name__)
 
 #: ``max_tokens`` of a completion request that sets none (OpenAI's default).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -74,9 +63,50 @@ def bad_param(param: str | None, message: str, code: str = "invalid_value") -> I
 
 
 class StreamOptions(BaseModel):
+    """``include_usage``: a last chunk with the request's usage; ``continuous_usage_stats`` (vLLM's
+    extension, with ``include_usage``): every chunk carries the usage so far."""
+
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+@dataclass(frozen=True)
+class ReplyOptions:
+    """What a request asks of its reply's shape, beside its sessions (the reply builder's settings)."""
+
+    include_usage: bool = False  # a usage chunk at the end of a stream
+    continuous_usage: bool = False  # usage (so far) in every chunk of a stream
+    trim_stop_strings: tuple[str, ...] = ()  # stop strings cut off the returned text
+    logprobs: bool = False  # render each token's logprobs
+
+
+#: vLLM's extension fields this server does not implement: accepted at vLLM's default (the first
+#: value, or None), refused with the reason otherwise. Shared by both endpoints.
+_UNSUPPORTED_COMMON: dict[str, tuple[Any, str]] = {
+    "skip_special_tokens": (True, "the text is always decoded without special tokens"),
+    "spaces_between_special_tokens": (True, "the text is always decoded without special tokens"),
+    "use_beam_search": (False, "beam search is not implemented"),
+    "length_penalty": (1.0, "length_penalty applies to beam search, which is not implemented"),
+    "truncate_prompt_tokens": (None, "prompts are never truncated: shorten the prompt"),
+    "prompt_logprobs": (None, "prompt logprobs are not computed (logprobs covers the completion)"),
+    "allowed_token_ids": (None, "a token allow-list is not implemented"),
+    "bad_words": ([], "bad_words is not implemented"),
+    "logits_processors": (None, "custom logits processors are not implemented"),
+    "guided_json": (None, "guided decoding is not implemented"),
+    "guided_regex": (None, "guided decoding is not implemented"),
+    "guided_choice": (None, "guided decoding is not implemented"),
+    "guided_grammar": (None, "guided decoding is not implemented"),
+    "guided_decoding_backend": (None, "guided decoding is not implemented"),
+    "guided_whitespace_pattern": (None, "guided decoding is not implemented"),
+    "structured_outputs": (None, "structured outputs are not implemented"),
+    "return_tokens_as_token_ids": (False, "logprobs show each token's text"),
+    "return_token_ids": (False, "token ids are not returned over HTTP (the gRPC API returns them)"),
+    "priority": (0, "requests are not scheduled by priority"),
+    "kv_transfer_params": (None, "KV transfer is not implemented"),
+    "vllm_xargs": (None, "vllm_xargs is not implemented"),
+}
 
 
 class SpeculationOptions(BaseModel):
@@ -152,20 +182,68 @@ class _OpenAIRequest(BaseModel):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    cache_salt: str | None = None  # vLLM: salts its prefix cache; no cache is shared between requests here
+    request_id: str | None = None  # vLLM's own request id; the log's is the x-request-id header
     # Extensions (vLLM's names where vLLM has them).
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**32)]] | None = None
+    min_tokens: int = Field(0, ge=0, lt=2**32)
+    include_stop_str_in_output: bool = False
     speculation: SpeculationOptions | None = None
     prediction: PredictionIn | None = None
+    # vLLM's extensions not implemented (_UNSUPPORTED_COMMON): accepted at their defaults.
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    priority: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+
+    #: The endpoint's own unimplemented extensions (same form as ``_UNSUPPORTED_COMMON``).
+    _unsupported: ClassVar[dict[str, tuple[Any, str]]] = {}
 
     # ---- checks -------------------------------------------------------------------------
     def check_supported(self) -> None:
         """Refuse (400, naming the field) what this server does not do yet."""
+        for name, (default, why) in {**_UNSUPPORTED_COMMON, **self._unsupported}.items():
+            value = getattr(self, name)
+            if value is not None and value != default:
+                raise bad_param(
+                    name, f"{name}={value!r} is not supported: {why} (send {default!r} or leave it out)",
+                    "unsupported_parameter",
+                )
         if self.stream_options is not None and not self.stream:
             raise bad_param("stream_options", "stream_options is only allowed with stream: true")
+        if self.min_tokens:
+            if self.stop_strings:
+                raise bad_param(
+                    "min_tokens",
+                    "min_tokens cannot be combined with stop strings: a stop string completed before "
+                    "min_tokens would have to be skipped, which this server's stop-string matching does not "
+                    "do; use stop_token_ids, or leave min_tokens out",
+                    "unsupported_value",
+                )
+            wanted = self.max_new_tokens()
+            if wanted and self.min_tokens > wanted:
+                raise bad_param("min_tokens", f"min_tokens={self.min_tokens} is above max_tokens={wanted}")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 raise bad_param(
@@ -221,6 +299,7 @@ class _OpenAIRequest(BaseModel):
                 stop_token_ids=list(self.stop_token_ids or ()),
                 stop_strings=stops,
                 ignore_eos=self.ignore_eos,
+                min_new_tokens=self.min_tokens,
             ),
             speculation=speculation,
         )
@@ -233,9 +312,22 @@ class _OpenAIRequest(BaseModel):
         self.prompt_pb(pb)
         return pb
 
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+    def reply_options(self) -> ReplyOptions:
+        """How the reply is shaped (:class:`ReplyOptions`)."""
+        usage = bool(self.stream and self.stream_options and self.stream_options.include_usage)
+        return ReplyOptions(
+            include_usage=usage,
+            continuous_usage=usage and bool(self.stream_options and self.stream_options.continuous_usage_stats),
+            trim_stop_strings=() if self.include_stop_str_in_output else self.stop_strings,
+            logprobs=self.top_logprobs_wanted() is not None,
+        )
+
+    def effect(self) -> tuple[Any, ...]:
+        """Everything the HTTP layer reads from the request: the model it names, whether it streams,
+        each choice's ``GenerateRequest`` and the reply's options. Two bodies with the same effect are
+        served alike (the field table's test compares them)."""
+        pbs = tuple(self.to_pb(i).SerializeToString(deterministic=True) for i in range(self.n))
+        return (self.model, self.stream, pbs, self.reply_options())
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -250,6 +342,13 @@ class CompletionRequest(_OpenAIRequest):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: Any = None
+    response_format: Any = None
+
+    _unsupported: ClassVar[dict[str, tuple[Any, str]]] = {
+        "add_special_tokens": (False, "text prompts are tokenized without special tokens"),
+        "response_format": ({"type": "text"}, "only text responses are supported"),
+    }
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -300,6 +399,26 @@ class ChatCompletionRequest(_OpenAIRequest):
     function_call: Any = None
     parallel_tool_calls: bool | None = None  # accepted and ignored (there are no tools)
     response_format: dict[str, Any] | None = None
+    # vLLM's chat extensions not implemented: accepted at their defaults.
+    echo: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    add_special_tokens: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+
+    _unsupported: ClassVar[dict[str, tuple[Any, str]]] = {
+        "echo": (False, "the reply does not repeat the prompt"),
+        "add_generation_prompt": (True, "the chat template always opens the assistant's turn"),
+        "continue_final_message": (False, "the chat template always opens a new assistant turn"),
+        "add_special_tokens": (False, "the chat template places the special tokens"),
+        "chat_template": (None, "the model's own chat template is always used"),
+        "chat_template_kwargs": ({}, "the model's chat template is rendered with no extra arguments"),
+        "documents": (None, "the chat template is rendered without documents"),
+        "mm_processor_kwargs": (None, "only text is supported"),
+    }
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -329,14 +448,43 @@ class ChatCompletionRequest(_OpenAIRequest):
         pb.chat.SetInParent()
 
 
-def parse_body(cls: type[_OpenAIRequest], body: Any) -> _OpenAIRequest:
-    """Validate a JSON body; errors become 400s naming the field, as OpenAI words them."""
+def parse_body(
+    cls: type[_OpenAIRequest], body: Any, *, unknown_fields: Literal["refuse", "ignore"] = "refuse"
+) -> _OpenAIRequest:
+    """Validate a JSON body; errors become 400s naming the field, as OpenAI words them.
+
+    ``unknown_fields="ignore"`` (the server's ``http_unknown_fields``): fields no endpoint knows are
+    dropped, each named in one ``http_unknown_fields_ignored`` warning, and the rest validated.
+    """
     if not isinstance(body, dict):
         raise bad_param(None, "the request body must be a JSON object", "invalid_request")
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
+        unknown = [e["loc"] for e in exc.errors() if e["type"] == "extra_forbidden"]
+        if unknown_fields == "ignore" and unknown:
+            trimmed = copy.deepcopy(body)
+            dropped = [path for path in unknown if _drop(trimmed, path)]
+            if dropped:
+                log.warning("http_unknown_fields_ignored", fields=[".".join(map(str, p)) for p in dropped])
+                return parse_body(cls, trimmed, unknown_fields="refuse")
         raise validation_error(exc) from None
+
+
+def _drop(body: Any, path: tuple[int | str, ...]) -> bool:
+    """Remove the field at ``path`` (a pydantic error location) from ``body``; False if it is not there."""
+    node = body
+    for part in path[:-1]:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        else:
+            return False
+    if isinstance(node, dict) and path and path[-1] in node:
+        del node[path[-1]]
+        return True
+    return False
 
 
 #: Names pydantic puts in an error's location for the member of a union that failed.

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from coordinator.coordinator import Chunk, Finished
+from coordinator.openai_protocol import ReplyOptions
 from specserve.api.params import PositionLogprobs
 from specserve.v1 import common_pb2, coordinator_pb2
 
@@ -212,18 +213,23 @@ class ReplyBuilder:
         *,
         model: str,
         n: int,
-        stop_strings: Sequence[str] = (),
-        include_usage: bool = False,
+        options: ReplyOptions | None = None,
+        prompt_tokens: int = 0,
         token_strings: TokenStrings | None = None,
     ) -> None:
-        """``token_strings``: render logprobs (the request asked for them); None: ``"logprobs": null``."""
+        """``token_strings``: render logprobs (the request asked for them); None: ``"logprobs": null``.
+        ``prompt_tokens``: the prompt's length, for the usage of ``options.continuous_usage``."""
         self.kind = kind
         self.model = model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.include_usage = include_usage
+        options = options or ReplyOptions()
+        self.include_usage = options.include_usage
+        self.continuous_usage = options.continuous_usage
+        self._prompt_tokens = prompt_tokens
+        self._completion_tokens = 0  # tokens of every choice's chunks so far (continuous usage)
         self._strings = token_strings
-        self._trimmers = [StopTrimmer(stop_strings) for _ in range(n)]
+        self._trimmers = [StopTrimmer(options.trim_stop_strings) for _ in range(n)]
         self._texts: list[list[str]] = [[] for _ in range(n)]
         self._logprobs: list[list[PositionLogprobs]] = [[] for _ in range(n)]
         self._offsets = [0] * n  # characters of token text before each choice's next logprobs (completions)
@@ -243,7 +249,13 @@ class ReplyBuilder:
             "choices": [choice],
             **extra,
         }
-        if self.include_usage:
+        if self.continuous_usage:
+            body["usage"] = {
+                "prompt_tokens": self._prompt_tokens,
+                "completion_tokens": self._completion_tokens,
+                "total_tokens": self._prompt_tokens + self._completion_tokens,
+            }
+        elif self.include_usage:
             body["usage"] = None
         return body
 
@@ -275,6 +287,7 @@ class ReplyBuilder:
                 out.append(self._chunk({**role, "logprobs": None, "finish_reason": None}))
         trimmer = self._trimmers[index]
         if isinstance(event, Chunk):
+            self._completion_tokens += len(event.token_ids)
             text = trimmer.push(event.text)
             if text:
                 self._texts[index].append(text)

@@ -674,4 +674,5 @@ def _session_propose_request(
         min_confidence=session.speculation.min_confidence,
         stop_token_ids=session.stop.stop_token_ids,
         ignore_eos=session.stop.ignore_eos,
+        stop_tokens_from=session.prompt_len + session.stop.min_new_tokens if session.stop.min_new_tokens else 0,
     )

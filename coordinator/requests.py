@@ -121,7 +121,7 @@ class GenerationRequest:
                     f"prompt and generation together; shorten the prompt to at most {context_tokens - 1} tokens"
                 )
             if stop.max_new_tokens > room:  # generate up to the context, then finish with `length`
-                stop = replace(stop, max_new_tokens=room)
+                stop = replace(stop, max_new_tokens=room, min_new_tokens=min(stop.min_new_tokens, room))
         prediction = await _prediction_from_pb(pb, settings=settings, tokenize=tokenize, vocab_size=vocab_size)
         return cls(
             prompt_token_ids=prompt,

@@ -154,6 +154,7 @@ def propose_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     min_confidence: float = 0.0,
+    stop_tokens_from: int = 0,
 ) -> draft_pb2.ProposeRequest:
     """The wire request for one session's proposal (sent alone or as an item of a ProposeBatch)."""
     return draft_pb2.ProposeRequest(
@@ -168,6 +169,7 @@ def propose_request(
         stop_token_ids=stop_token_ids,
         ignore_eos=ignore_eos,
         min_confidence=min_confidence,
+        stop_tokens_from=stop_tokens_from,
     )
 
 

@@ -190,6 +190,7 @@ class DraftEngine:
             min_confidence=call.min_confidence,
             features=call.features,
             features_reset=call.features_reset,
+            stop_tokens_from=call.stop_tokens_from,
         )
         return request, proposer
 

@@ -40,6 +40,7 @@ class ProposeCall:
     min_confidence: float = 0.0  # the proposal ends after a token drafted with probability below this
     features: FeatureBlock | None = None  # the target's features the draft has not seen (feature proposer)
     features_reset: bool = False  # ... which start a fresh context
+    stop_tokens_from: int = 0  # min_new_tokens: stop tokens masked for tokens drafted before this position
 
     @property
     def session_id(self) -> str:
@@ -94,6 +95,7 @@ class ProposeCall:
             min_confidence=check_min_confidence(pb.min_confidence),
             features=features,
             features_reset=pb.features_reset,
+            stop_tokens_from=pb.stop_tokens_from,
         )
 
 

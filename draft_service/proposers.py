@@ -46,6 +46,7 @@ from specserve.core.sampling import (
     logits_to_probs,
     processed_logprobs,
     sample_from,
+    suppress_tokens,
 )
 from specserve.engine import batching, row_invariant
 from specserve.engine.cpu_kernels import Kernels
@@ -78,6 +79,9 @@ class DraftRequest:
     stop_token_ids: frozenset[int] = (
         frozenset()
     )  # drafting ends after one of these (nothing after it commits)
+    #: ``min_new_tokens`` as an absolute position: ``stop_token_ids`` are masked out of the draft's
+    #: distribution for a token drafted at a position before this (0: never; :func:`draw_step`).
+    stop_tokens_from: int = 0
     #: Dynamic draft length: drafting ends after a token whose probability under the draft's own
     #: distribution is below this (0: draft ``gamma`` tokens). See :meth:`ModelProposer._draft`.
     min_confidence: float = 0.0
@@ -211,6 +215,11 @@ def draw_step(rows: Sequence[_Row], last: torch.Tensor) -> list[int]:
     """One draft step for ``rows`` from their next-token logits ``last`` ``[batch, vocab]``: each row takes
     its token (a plain greedy row its argmax, any other :func:`draw_token`); returns the indices of the
     rows that go on (:meth:`_Row.done`)."""
+    # min_new_tokens: a row drafting before its session's minimum has its stop tokens masked first, as
+    # the target masks its own rows there (the same processing follows).
+    for b, row in enumerate(rows):
+        if len(row.request.committed) + len(row.tokens) < row.request.stop_tokens_from:
+            last = suppress_rows(last, b, row.request.stop_token_ids)
     # Every row's argmax in one reduction (a row's max does not depend on the others'): a plain greedy
     # row's token; a NaN or +inf row has none, and fails the batch as its sampling would.
     argmax = greedy_tokens(last).tolist()  # [batch]
@@ -226,6 +235,13 @@ def draw_step(rows: Sequence[_Row], last: torch.Tensor) -> list[int]:
         if q32 is not None:
             row.shipped.append(q32)
     return [b for b, row in enumerate(rows) if not row.done()]
+
+
+def suppress_rows(last: torch.Tensor, row: int, token_ids: frozenset[int]) -> torch.Tensor:
+    """``last`` ``[batch, vocab]`` with ``token_ids`` masked in row ``row`` (a copy; the other rows as they were)."""
+    out = last.clone()  # [batch, vocab]
+    out[row : row + 1] = suppress_tokens(last[row : row + 1], token_ids, 1)
+    return out
 
 
 class ModelProposer(Proposer):

@@ -42,7 +42,9 @@ One call (:meth:`Verifier.verify`) for a :class:`~target_service.messages.Verify
    it misses (a prompt and its first proposal together, as target-only
    decoding's prefill; the output head on the proposal's positions only).
 3. Process the logits at every position exactly as target-only decoding would
-   (:func:`specserve.core.sampling.logits_to_probs`) and decide with
+   (the stop tokens masked before ``min_new_tokens``,
+   :func:`specserve.core.sampling.suppress_tokens`; then
+   :func:`specserve.core.sampling.logits_to_probs`) and decide with
    :func:`specserve.core.verification.verify_batch` (sampled sessions, randomness
    keyed by session seed and position), :func:`~specserve.core.verification.verify_coupled`
    (sampled sessions in the coupled mode: Gumbel-max with noise keyed by seed
@@ -133,7 +135,13 @@ from specserve.api.params import PositionLogprobs, Verdict
 from specserve.core import features as feature_wire
 from specserve.core.features import FeatureBlock
 from specserve.core.proposal import DraftProposal
-from specserve.core.sampling import greedy_tokens, logits_to_probs, pick_logprobs, processed_logprobs
+from specserve.core.sampling import (
+    greedy_tokens,
+    logits_to_probs,
+    pick_logprobs,
+    processed_logprobs,
+    suppress_tokens,
+)
 from specserve.core.verification import VerifyOutcome, verify_batch, verify_coupled, verify_greedy
 from specserve.engine import batching
 from specserve.engine.feature_head import FinalNormInput
@@ -534,6 +542,7 @@ class Verifier:
         for w in work:
             if w.error is None:
                 try:
+                    self._suppress_stops(w)
                     if w.record.sampling.plain_greedy:
                         # Nothing processes a plain greedy row: its argmax is the one-hot's (finite rows only).
                         assert w.logits is not None
@@ -577,6 +586,16 @@ class Verifier:
         for w in work:
             if w.error is None:
                 w.verdict = self._verdict(w)
+
+    def _suppress_stops(self, w: _Work) -> None:
+        """``min_new_tokens``: mask the stop tokens out of the rows that emit a token before the minimum
+        (row ``i`` emits generated token ``n - prompt_len + i``), before any processing, as target-only
+        decoding would; the verdict, its logprobs and the acceptance rule all read the masked rows."""
+        assert w.logits is not None
+        stop = w.record.stop
+        rows = stop.masked_rows(w.n - w.record.prompt_len, w.logits.shape[0])
+        if rows:
+            w.logits = suppress_tokens(w.logits, stop.stop_tokens(self.eos_token_ids), rows)
 
     def _logprobs(self, w: _Work, token_ids: tuple[int, ...]) -> tuple[PositionLogprobs, ...]:
         """The committed tokens' log probabilities, when the item asked for them (else ``()``)."""

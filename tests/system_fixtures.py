@@ -94,8 +94,10 @@ def reference_greedy(
     eos_token_id: int = 0,
     ignore_eos: bool = False,
     repetition_penalty: float = 1.0,
+    min_new_tokens: int = 0,
 ) -> list[int]:
-    """The target's own ``generate(do_sample=False)``, cut after its first EOS (unless ``ignore_eos``)."""
+    """The target's own ``generate(do_sample=False)``, cut after its first EOS (unless ``ignore_eos``);
+    ``min_new_tokens``: EOS masked until then (Hugging Face's ``MinNewTokensLengthLogitsProcessor``)."""
     import torch
     from transformers import GenerationConfig
 
@@ -107,6 +109,7 @@ def reference_greedy(
         eos_token_id=None if ignore_eos else eos_token_id,
         pad_token_id=eos_token_id,
         repetition_penalty=repetition_penalty,
+        min_new_tokens=min_new_tokens or None,
     )
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)

@@ -162,16 +162,35 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class StopConditions:
-    """When a generation ends. Nothing after a stop is ever committed."""
+    """When a generation ends. Nothing after a stop is ever committed.
+
+    ``min_new_tokens`` (vLLM's ``min_tokens``): until that many tokens are generated the stop
+    tokens (:meth:`stop_tokens`) are masked out of the distribution, in the target and the draft
+    alike (:func:`specserve.core.sampling.suppress_tokens`), so the generation cannot end before
+    then except at ``max_new_tokens`` or the context. Stop strings are not combined with it (a stop
+    string completed before ``min_new_tokens`` would have to be ignored, and a later match found
+    past it; the stop-string matching does not do that).
+    """
 
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise InvalidArgument(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise InvalidArgument(
+                f"min_new_tokens={self.min_new_tokens} must be in [0, max_new_tokens={self.max_new_tokens}]"
+            )
+        if self.min_new_tokens and self.stop_strings:
+            raise InvalidArgument(
+                "min_new_tokens cannot be combined with stop strings: a stop string completed before "
+                "min_new_tokens would have to be skipped, which this server's stop-string matching does not "
+                "do; send stop_token_ids, or no min_new_tokens"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgument("stop_token_ids must be non-negative token ids")
         if any(s == "" for s in self.stop_strings):
@@ -184,6 +203,7 @@ class StopConditions:
             stop_token_ids=tuple(pb.stop_token_ids),
             stop_strings=tuple(pb.stop_strings),
             ignore_eos=pb.ignore_eos,
+            min_new_tokens=pb.min_new_tokens,
         )
 
     def to_pb(self) -> common_pb2.StopConditions:
@@ -192,7 +212,17 @@ class StopConditions:
             stop_token_ids=list(self.stop_token_ids),
             stop_strings=list(self.stop_strings),
             ignore_eos=self.ignore_eos,
+            min_new_tokens=self.min_new_tokens,
         )
+
+    def stop_tokens(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """The tokens that end the generation: ``stop_token_ids``, and ``eos_token_ids`` unless ``ignore_eos``."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else eos_token_ids)
+
+    def masked_rows(self, generated: int, rows: int) -> int:
+        """How many of ``rows`` consecutive positions, the first after ``generated`` generated tokens, have
+        their stop tokens masked (``min_new_tokens`` not reached before the token they emit)."""
+        return max(0, min(rows, self.min_new_tokens - generated))
 
 
 @dataclass(frozen=True)

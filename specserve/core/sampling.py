@@ -116,6 +116,26 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, context: Contex
     return scores  # [N, vocab] float32
 
 
+def suppress_tokens(logits: torch.Tensor, token_ids: frozenset[int] | Sequence[int], rows: int) -> torch.Tensor:
+    """``logits`` with ``token_ids`` removed (``-inf``) from its first ``rows`` rows: ``[N, vocab]`` -> ``[N, vocab]``.
+
+    ``min_new_tokens`` (vLLM's ``min_tokens``): a row whose token would be generated before the
+    minimum cannot emit a stop token, as Hugging Face's ``MinNewTokensLengthLogitsProcessor`` masks
+    EOS (it runs before the warpers, so the masked row is then processed as any other). Returns
+    ``logits`` itself when there is nothing to mask, else a copy; ids outside the vocabulary are
+    skipped (a draft's vocabulary may be smaller than the target's).
+    """
+    if rows <= 0 or not token_ids:
+        return logits
+    vocab_size = logits.shape[-1]
+    ids = sorted(t for t in token_ids if 0 <= t < vocab_size)
+    if not ids:
+        return logits
+    out = logits.clone()  # [N, vocab]
+    out[:rows, torch.as_tensor(ids, dtype=torch.int64, device=logits.device)] = float("-inf")
+    return out  # [N, vocab]
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams, context: Context) -> torch.Tensor:
     """The distribution each row is sampled from: ``[N, vocab]`` -> ``[N, vocab]`` float64.
 

@@ -247,6 +247,11 @@ class CoordinatorSettings(CommonSettings):
     served_model_name: str | None = Field(
         None, description="Model id the HTTP API lists and accepts; unset: the tokenizer directory's name."
     )
+    http_unknown_fields: Literal["refuse", "ignore"] = Field(
+        "refuse",
+        description="A request field the HTTP API does not know: refuse it with a 400 naming it (catches "
+        "typos), or ignore it with a warning in the log (vLLM's behaviour).",
+    )
     draft_endpoints: CommaList = Field(default_factory=list, description="host:port of each draft replica.")
     target_endpoints: CommaList = Field(
         default_factory=list, description="host:port of each target replica (sessions stick to one)."

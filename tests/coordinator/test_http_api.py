@@ -22,6 +22,7 @@ import tiny_models
 from prometheus_client import REGISTRY
 from waiting import wait_until
 
+import specserve
 from coordinator.server import start_coordinator
 from specserve import AsyncClient
 from specserve.runtime.config import CoordinatorSettings
@@ -704,3 +705,81 @@ async def test_the_readme_curl_example_of_predicted_outputs(stack, url):
     details = reply["usage"]["completion_tokens_details"]
     assert set(details) == {"accepted_prediction_tokens", "rejected_prediction_tokens"}
     assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] > 0, "it was drafted"
+
+
+def _prompt_ending_early(pair, within: int) -> tuple[list[int], list[int]]:
+    """A token prompt whose greedy continuation by the tiny target emits EOS within ``within`` tokens,
+    and that continuation (found by trying fixed prompts in order; the tiny pair is seeded)."""
+    for i in range(400):
+        prompt = [(7 * i + 13 * j) % 380 + 3 for j in range(6)]
+        out = sf.reference_greedy(pair.target_dir, prompt, within)
+        if out and out[-1] == 0:
+            return prompt, out
+    raise AssertionError("no prompt of the tiny target ends within the tokens asked; the search needs widening")
+
+
+@pytest.mark.parametrize("gamma", [0, 3])
+async def test_min_tokens_equals_target_alone_with_eos_masked_until_then(pair, oai, stack, gamma):
+    """vLLM's min_tokens: EOS is masked in the target's (and the draft's) distribution until min_tokens
+    tokens are generated; the greedy output is the target's own generate() with min_new_tokens."""
+    prompt, early = _prompt_ending_early(pair, 6)
+    want = sf.reference_greedy(pair.target_dir, prompt, 16, min_new_tokens=12)
+    assert len(early) < 12 <= len(want) and want[: len(early) - 1] == early[:-1], "EOS would end it early"
+    extra = {"min_tokens": 12, "speculation": {"gamma": gamma}}
+    reply = await oai.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16, extra_body=extra)
+    assert reply.usage.completion_tokens == len(want)
+    assert reply.choices[0].text == pair.tokenizer.decode(want, skip_special_tokens=True)
+    assert reply.choices[0].finish_reason == ("stop" if want[-1] == 0 else "length")
+    if gamma:
+        assert reply.model_extra["speculation"]["num_draft_tokens"] > 0
+    grpc_request = sf.request(prompt, max_new_tokens=16, gamma=gamma)
+    grpc_request.stop.min_new_tokens = 12
+    assert (await sf.generate(stack.address, grpc_request)).token_ids == want
+    plain = await oai.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)
+    assert plain.usage.completion_tokens == len(early)  # without it, EOS ends the completion
+
+
+async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(oai):
+    extra = {"ignore_eos": True, "speculation": {"gamma": 2}}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    stream = await oai.chat.completions.create(
+        model=MODEL, messages=CONVERSATION, temperature=0, max_tokens=9, stream=True, stream_options=options,
+        extra_body=extra,
+    )
+    chunks = [c async for c in stream]
+    whole = await oai.chat.completions.create(
+        model=MODEL, messages=CONVERSATION, temperature=0, max_tokens=9, extra_body=extra
+    )
+    assert all(c.usage is not None for c in chunks)
+    assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 9
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == whole.choices[0].message.content
+
+
+async def test_include_stop_str_in_output_keeps_the_stop_string(oai):
+    common = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 24}
+    free = (await oai.completions.create(**common, extra_body={"ignore_eos": True})).choices[0].text
+    stop = free[3:5]
+    assert stop and stop in free, free
+    cut = await oai.completions.create(**common, stop=[stop], extra_body={"ignore_eos": True})
+    kept = await oai.completions.create(
+        **common, stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True}
+    )
+    assert cut.choices[0].text == free[: free.index(stop)]
+    assert kept.choices[0].text == free[: free.index(stop) + len(stop)]
+    assert cut.choices[0].finish_reason == kept.choices[0].finish_reason == "stop"
+
+
+async def test_metrics_and_version_on_the_api_port(url, oai):
+    await oai.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=2)
+    base = url.removesuffix("/v1")
+    async with httpx.AsyncClient(timeout=60) as http:
+        metrics = await http.get(f"{base}/metrics")
+        version = await http.get(f"{base}/version")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    assert "specserve_coordinator_committed_tokens_total" in metrics.text
+    assert "vllm:spec_decode_num_drafts_total" in metrics.text
+    assert version.status_code == 200 and version.json() == {"version": specserve.__version__}

@@ -63,7 +63,7 @@ def test_every_chat_field_reaches_the_generate_request():
     assert pb.speculation.gamma == 4 and pb.speculation.draft_top_k == 8
     assert pb.speculation.proposer == common_pb2.PROPOSER_KIND_NGRAM
     assert pb.speculation.min_confidence == pytest.approx(0.25)
-    assert body.stop_strings == ("\n\n", "END") and not body.include_usage
+    assert body.stop_strings == ("\n\n", "END") and not body.reply_options().include_usage
 
 
 def test_defaults_follow_openai_and_leave_server_choices_absent():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.coordinator import Chunk, Finished
+from coordinator.openai_protocol import ReplyOptions
 from coordinator.openai_replies import (
     ReplyBuilder,
     StopTrimmer,
@@ -92,7 +93,7 @@ def test_speculation_report_sums_sessions_like_vllm_metrics():
 
 
 def test_chat_stream_chunks_then_the_usage_chunk():
-    b = ReplyBuilder("chat", model="m", n=2, include_usage=True)
+    b = ReplyBuilder("chat", model="m", n=2, options=ReplyOptions(include_usage=True))
     out = b.on_event(1, Chunk((7, 8), "he"))
     assert [c["choices"][0]["delta"] for c in out] == [{"role": "assistant", "content": ""}, {"content": "he"}]
     assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in out)
@@ -109,7 +110,7 @@ def test_chat_stream_chunks_then_the_usage_chunk():
 
 
 def test_non_streamed_completion_reply():
-    b = ReplyBuilder("completion", model="m", n=1, stop_strings=["\n\n"])
+    b = ReplyBuilder("completion", model="m", n=1, options=ReplyOptions(trim_stop_strings=("\n\n",)))
     chunks = b.on_event(0, Chunk((1,), "x = 1\n"))
     chunks += b.on_event(0, Chunk((2,), "\n"))
     chunks += b.on_event(0, Finished(stats(completion_tokens=2, finish_reason=STOP_STRING)))
@@ -140,7 +141,8 @@ def entry(token: int, logprob: float, *top: tuple[int, float]) -> PositionLogpro
 
 
 def test_chat_logprobs_go_out_with_their_chunk_even_when_its_text_is_held_back():
-    b = ReplyBuilder("chat", model="m", n=1, stop_strings=["STOP"], token_strings=TokenStrings(WordTokenizer()))
+    b = ReplyBuilder(
+        "chat", model="m", n=1, options=ReplyOptions(trim_stop_strings=("STOP",)), token_strings=TokenStrings(WordTokenizer()))
     out = b.on_event(0, Chunk((1,), "ab", (entry(1, -0.5, (1, -0.5), (2, -1.5)),)))
     sent = out[-1]["choices"][0]
     assert sent["delta"] == {"content": ""}, "the text waits: it might begin the stop string"

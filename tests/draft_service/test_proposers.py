@@ -349,3 +349,30 @@ def test_confidence_cut_sessions_in_one_batch_equal_each_drafted_alone(draft_mod
             dataclasses.replace(r, committed=(*r.committed, *a.token_ids[:1], 7))
             for r, a in zip(requests, by_alone, strict=True)
         ]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)])
+def test_stop_tokens_are_masked_before_stop_tokens_from_and_drafted_after(draft_model, sampling):
+    """min_new_tokens in the draft: a stop token the draft would take at a position before
+    ``stop_tokens_from`` is masked out of its distribution (it drafts on, and ships vectors with no mass
+    there); from that position on it is drafted as before."""
+    free = ModelProposer(_store(draft_model.model)).propose(
+        DraftRequest("m", PROMPT, gamma=4, sampling=sampling, seed=3)
+    )
+    first = free.token_ids[0]
+    stops = frozenset({first})
+    masked = ModelProposer(_store(draft_model.model)).propose(
+        DraftRequest(
+            "m", PROMPT, gamma=4, sampling=sampling, seed=3, stop_token_ids=stops,
+            stop_tokens_from=len(PROMPT) + 4,
+        )
+    )
+    assert first not in masked.token_ids and len(masked.token_ids) == 4
+    if masked.probs_f32 is not None:
+        assert float(masked.probs_f32[:, first].abs().max()) == 0.0
+    later = ModelProposer(_store(draft_model.model)).propose(
+        DraftRequest(
+            "m", PROMPT, gamma=4, sampling=sampling, seed=3, stop_token_ids=stops, stop_tokens_from=len(PROMPT)
+        )
+    )
+    assert later.token_ids == (first,)  # not masked at its position: drafted, and drafting ends there

@@ -14,6 +14,7 @@ from specserve.api.params import (
     SAMPLING_MODES,
     PositionLogprobs,
     SamplingParams,
+    StopConditions,
     TokenLogprob,
     Verdict,
     check_top_logprobs,
@@ -69,3 +70,19 @@ def test_top_logprobs_is_bounded_like_openais():
     assert check_top_logprobs(0) == 0 and check_top_logprobs(MAX_TOP_LOGPROBS) == MAX_TOP_LOGPROBS == 20
     with pytest.raises(InvalidArgument, match="top_logprobs must be in"):
         check_top_logprobs(21)
+
+
+def test_min_new_tokens_is_bounded_by_max_new_tokens_and_refuses_stop_strings():
+    stop = StopConditions(max_new_tokens=8, min_new_tokens=8, stop_token_ids=(5,))
+    assert StopConditions.from_pb(stop.to_pb(), default_max_new_tokens=1) == stop
+    with pytest.raises(InvalidArgument, match=r"min_new_tokens=9 must be in \[0, max_new_tokens=8\]"):
+        StopConditions(max_new_tokens=8, min_new_tokens=9)
+    with pytest.raises(InvalidArgument, match="cannot be combined with stop strings"):
+        StopConditions(min_new_tokens=2, stop_strings=("x",))
+
+
+def test_masked_rows_counts_the_positions_before_the_minimum_and_stop_tokens_follow_ignore_eos():
+    stop = StopConditions(min_new_tokens=5, stop_token_ids=(9,))
+    assert [stop.masked_rows(generated, 3) for generated in (0, 3, 4, 5, 7)] == [3, 2, 1, 0, 0]
+    assert stop.stop_tokens(frozenset({2})) == {2, 9}
+    assert dataclasses.replace(stop, ignore_eos=True).stop_tokens(frozenset({2})) == {9}

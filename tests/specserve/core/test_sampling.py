@@ -31,6 +31,7 @@ from specserve.core.sampling import (
     processed_logprobs,
     sample_from,
     sample_rows,
+    suppress_tokens,
 )
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.unit]
@@ -497,3 +498,14 @@ def test_pick_logprobs_lists_the_emitted_token_and_the_most_likely_ones():
     assert pick_logprobs(logprobs[:0], [], 3) == ()
     with pytest.raises(InvalidArgument):
         pick_logprobs(logprobs, [0], 3)
+
+
+def test_suppress_tokens_masks_the_first_rows_only_and_copies():
+    logits = torch.tensor([[3.0, 1.0, 2.0], [3.0, 1.0, 2.0], [3.0, 1.0, 2.0]])  # [3, 3]
+    out = suppress_tokens(logits, frozenset({0, 7}), 2)  # 7: outside the vocabulary, skipped
+    assert out[:2, 0].tolist() == [float("-inf")] * 2 and out[2].tolist() == [3.0, 1.0, 2.0]
+    assert logits[0, 0] == 3.0  # the input is untouched
+    assert greedy_tokens(out).tolist() == [2, 2, 0]
+    assert suppress_tokens(logits, frozenset({0}), 0) is logits and suppress_tokens(logits, (), 3) is logits
+    probs = logits_to_probs(out, SamplingParams(temperature=0.7, top_k=2), None)
+    assert probs[0, 0] == 0.0 and probs[2, 0] > 0.0  # the masked row is then processed as any other
