@@ -215,6 +215,7 @@ class Coordinator:
         """Create the session in Redis and take its lease."""
         await self.store.create(session.session_id, request.prompt_token_ids, request.sampling, request.stop)
         await lease.take()
+        metrics.PROMPT_TOKENS.inc(session.prompt_len)
         log.info(
             "session_started",
             session_id=session.session_id,

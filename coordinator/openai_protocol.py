@@ -424,8 +424,11 @@ class ChatCompletionRequest(_OpenAIRequest):
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise bad_param("top_logprobs", "top_logprobs needs logprobs: true")
-        if self.tools or self.functions or self.tool_choice not in (None, "none"):
-            raise bad_param("tools", "tools and function calling are not supported", "unsupported_parameter")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise bad_param(name, "tools and function calling are not supported", "unsupported_parameter")
+        if self.tool_choice not in (None, "none"):
+            raise bad_param("tool_choice", "tools and function calling are not supported", "unsupported_parameter")
         if self.function_call not in (None, "none"):
             raise bad_param("function_call", "function calling is not supported", "unsupported_parameter")
         if self.response_format not in (None, {"type": "text"}):

@@ -3,9 +3,12 @@
 Names follow Prometheus conventions (``_total`` counters, base units in names).
 The speculation counters mirror vLLM's spec-decode metrics: drafts, draft
 tokens, accepted tokens, accepted tokens per position, and the wasted
-proposals; the first four are also exported under vLLM's own names
-(``vllm:spec_decode_num_drafts_total`` ...) by :class:`VllmSpecDecodeNames`,
-so that dashboards built for vLLM read them unchanged. Each role updates only its own metrics; a process that hosts all
+proposals. Those, and the request metrics vLLM has too (running requests,
+prompt and generation tokens, time to first token, inter-token latency), are
+also exported under vLLM's own names (``vllm:spec_decode_num_drafts_total``,
+``vllm:num_requests_running`` ...) by :class:`VllmNames`, so that dashboards
+and tools built for vLLM (aiperf reads them from the API port's ``/metrics``)
+read them unchanged. Each role updates only its own metrics; a process that hosts all
 three roles (``specserve up``) exposes all of them. The gauges the
 HorizontalPodAutoscalers scale on are documented in docs/deploy.md.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -41,33 +44,6 @@ SPEC_ACCEPTED_LENGTH = Histogram(
 GAMMA_CHOSEN = Histogram("specserve_coordinator_gamma", "Gamma chosen per round.", buckets=_SMALL_COUNT_BUCKETS)
 
 
-class VllmSpecDecodeNames(Collector):
-    """The spec-decode counters above, exported again under vLLM's metric names.
-
-    Read at scrape time from the counters themselves, so the two names never disagree.
-    vLLM's own series also carry ``model_name`` and ``engine`` labels; add them with a
-    scrape-time relabelling where a dashboard filters on them (docs/operations.md).
-    """
-
-    ALIASES = (
-        (SPEC_DRAFTS, "vllm:spec_decode_num_drafts", ()),
-        (SPEC_DRAFT_TOKENS, "vllm:spec_decode_num_draft_tokens", ()),
-        (SPEC_ACCEPTED_TOKENS, "vllm:spec_decode_num_accepted_tokens", ()),
-        (SPEC_ACCEPTED_PER_POS, "vllm:spec_decode_num_accepted_tokens_per_pos", ("position",)),
-    )
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        for counter, name, labels in self.ALIASES:
-            for metric in counter.collect():
-                family = CounterMetricFamily(name, f"{metric.documentation} (vLLM's name)", labels=list(labels))
-                for sample in metric.samples:
-                    if sample.name.endswith("_total"):
-                        family.add_metric([sample.labels[k] for k in labels], sample.value)
-                yield family
-
-
-REGISTRY.register(VllmSpecDecodeNames())
-
 # --- coordinator: requests ------------------------------------------------------
 ACTIVE_SESSIONS = Gauge("specserve_coordinator_active_sessions", "Generations in progress.")
 REQUESTS = Counter("specserve_coordinator_requests", "Generate requests by final status.", ["status"])
@@ -92,7 +68,43 @@ VERIFY_QUEUE_DEPTH = Gauge(
 VERIFY_BATCH_SIZE = Histogram(
     "specserve_coordinator_verify_batch_size", "Sessions per Verify call.", buckets=_SMALL_COUNT_BUCKETS
 )
+PROMPT_TOKENS = Counter("specserve_coordinator_prompt_tokens", "Prompt tokens of the sessions started.")
 REPLICA_FAILURES = Counter("specserve_coordinator_replica_failures", "Worker calls failed by tier.", ["tier"])
+
+
+
+class VllmNames(Collector):
+    """Metrics above exported again under vLLM's metric names (:attr:`ALIASES`).
+
+    Read at scrape time from the metrics themselves, so the two names never disagree.
+    vLLM's own series also carry ``model_name`` and ``engine`` labels; add them with a
+    scrape-time relabelling where a dashboard filters on them (docs/operations.md).
+    """
+
+    ALIASES = (
+        (SPEC_DRAFTS, "vllm:spec_decode_num_drafts"),
+        (SPEC_DRAFT_TOKENS, "vllm:spec_decode_num_draft_tokens"),
+        (SPEC_ACCEPTED_TOKENS, "vllm:spec_decode_num_accepted_tokens"),
+        (SPEC_ACCEPTED_PER_POS, "vllm:spec_decode_num_accepted_tokens_per_pos"),
+        (ACTIVE_SESSIONS, "vllm:num_requests_running"),
+        (PROMPT_TOKENS, "vllm:prompt_tokens"),
+        (COMMITTED_TOKENS, "vllm:generation_tokens"),
+        (TIME_TO_FIRST_TOKEN, "vllm:time_to_first_token_seconds"),
+        (INTER_TOKEN_LATENCY, "vllm:inter_token_latency_seconds"),
+    )
+
+    def collect(self) -> Iterator[Metric]:
+        for source, name in self.ALIASES:
+            for family in source.collect():
+                alias = Metric(name, f"{family.documentation} (vLLM's name)", family.type)
+                for sample in family.samples:
+                    if sample.name.endswith("_created"):  # vLLM's series have none
+                        continue
+                    alias.add_sample(name + sample.name[len(family.name) :], sample.labels, sample.value)
+                yield alias
+
+
+REGISTRY.register(VllmNames())
 
 OVERLAP_DRAFTS = Counter(
     "specserve_coordinator_overlap_drafts",

@@ -782,4 +782,18 @@ async def test_metrics_and_version_on_the_api_port(url, oai):
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     assert "specserve_coordinator_committed_tokens_total" in metrics.text
     assert "vllm:spec_decode_num_drafts_total" in metrics.text
+
+    def value(name: str) -> float:
+        found = re.search(rf"^{re.escape(name)} (\S+)$", metrics.text, re.MULTILINE)
+        assert found, name
+        return float(found.group(1))
+
+    for ours, vllm in (
+        ("specserve_coordinator_committed_tokens_total", "vllm:generation_tokens_total"),
+        ("specserve_coordinator_prompt_tokens_total", "vllm:prompt_tokens_total"),
+        ("specserve_coordinator_active_sessions", "vllm:num_requests_running"),
+        ("specserve_coordinator_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+    ):
+        assert value(ours) == value(vllm)
+    assert value("vllm:prompt_tokens_total") > 0 and value("vllm:time_to_first_token_seconds_count") > 0
     assert version.status_code == 200 and version.json() == {"version": specserve.__version__}
