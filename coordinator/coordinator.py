@@ -158,7 +158,11 @@ class Coordinator:
         """
         async with self.admission.slot(client):
             session, loop = self._new_session(request)
-            detok = IncrementalDetokenizer(self.tokenizer, stop_strings=request.stop.stop_strings)
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                stop_strings=request.stop.stop_strings,
+                skip_special_tokens=not request.keep_special_tokens,
+            )
             lease = _Lease(self.store, session.session_id, self.owner, self.settings.lease_ttl_s)
             status = "error"
             try:

@@ -85,8 +85,7 @@ class ReplyOptions:
 #: vLLM's extension fields this server does not implement: accepted at vLLM's default (the first
 #: value, or None), refused with the reason otherwise. Shared by both endpoints.
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, str]] = {
-    "skip_special_tokens": (True, "the text is always decoded without special tokens"),
-    "spaces_between_special_tokens": (True, "the text is always decoded without special tokens"),
+    "spaces_between_special_tokens": (True, "special tokens are decoded as the tokenizer decodes them"),
     "use_beam_search": (False, "beam search is not implemented"),
     "length_penalty": (1.0, "length_penalty applies to beam search, which is not implemented"),
     "truncate_prompt_tokens": (None, "prompts are never truncated: shorten the prompt"),
@@ -192,10 +191,10 @@ class _OpenAIRequest(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**32)]] | None = None
     min_tokens: int = Field(0, ge=0, lt=2**32)
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     speculation: SpeculationOptions | None = None
     prediction: PredictionIn | None = None
     # vLLM's extensions not implemented (_UNSUPPORTED_COMMON): accepted at their defaults.
-    skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -309,6 +308,7 @@ class _OpenAIRequest(BaseModel):
             pb.logprobs.SetInParent()
         if self.prediction is not None:
             pb.prediction.text = _text_parts(self.prediction.content, "prediction.content")
+        pb.keep_special_tokens = not self.skip_special_tokens
         self.prompt_pb(pb)
         return pb
 

@@ -67,6 +67,7 @@ class GenerationRequest:
 
     ``top_logprobs``: report each token's log probability with that many alternatives (None: no
     logprobs). ``prediction_token_ids``: Predicted Outputs, the prediction tokenized once (None: none).
+    ``keep_special_tokens``: the text keeps the special tokens (else they decode to nothing).
     """
 
     prompt_token_ids: tuple[int, ...]
@@ -75,6 +76,7 @@ class GenerationRequest:
     speculation: SpeculationSettings
     top_logprobs: int | None = None
     prediction_token_ids: tuple[int, ...] | None = None
+    keep_special_tokens: bool = False  # the text keeps special tokens (vLLM's skip_special_tokens=False)
 
     @classmethod
     async def from_pb(
@@ -130,6 +132,7 @@ class GenerationRequest:
             speculation=speculation,
             top_logprobs=top_logprobs,
             prediction_token_ids=prediction,
+            keep_special_tokens=pb.keep_special_tokens,
         )
 
 

@@ -797,3 +797,14 @@ async def test_metrics_and_version_on_the_api_port(url, oai):
         assert value(ours) == value(vllm)
     assert value("vllm:prompt_tokens_total") > 0 and value("vllm:time_to_first_token_seconds_count") > 0
     assert version.status_code == 200 and version.json() == {"version": specserve.__version__}
+
+
+async def test_skip_special_tokens_false_keeps_the_eos_in_the_text(pair, oai):
+    prompt, early = _prompt_ending_early(pair, 6)
+    common = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 16}
+    plain = await oai.completions.create(**common)
+    kept = await oai.completions.create(**common, extra_body={"skip_special_tokens": False})
+    eos = pair.tokenizer.convert_ids_to_tokens(0)
+    assert plain.choices[0].text == pair.tokenizer.decode(early, skip_special_tokens=True)
+    assert kept.choices[0].text == pair.tokenizer.decode(early) == plain.choices[0].text + eos
+    assert kept.usage.completion_tokens == plain.usage.completion_tokens == len(early)
