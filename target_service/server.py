@@ -2,7 +2,8 @@
 
 :func:`build_target` wires the model, the session cache store, the Redis store
 (its own, unless one is passed in), the :class:`Verifier` and the servicer from
-one :class:`~specserve.runtime.config.TargetSettings`. The shell
+one :class:`~specserve.runtime.config.TargetSettings`; with ``invariant`` on (the default) the model's
+passes are made invariant (:func:`specserve.engine.invariant.prepare`) before anything runs on it. The shell
 (:class:`~specserve.runtime.worker_shell.WorkerApp`) serves it: :func:`start_target` binds the
 port, :func:`serve` runs until SIGTERM / SIGINT (the CLI's entry point); a
 stop also closes the Redis store the app owns.
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from specserve.engine import invariant
 from specserve.engine.model_thread import ModelThread
 from specserve.engine.models import LoadedModel
 from specserve.runtime.config import TargetSettings
@@ -65,6 +67,9 @@ def build_target(
     thread = ModelThread("target-model")
     if model is None:  # loaded on the model thread, where it runs
         model = thread.call(lambda: load_worker_model(settings, "target", kernels=settings.kernels))
+    if settings.invariant:
+        loaded = model
+        thread.call(lambda: invariant.prepare(loaded.model))
     owns_store = store is None
     if store is None:
         store = SessionStore.from_url(settings.redis_url.get_secret_value())

@@ -40,7 +40,9 @@ One call (:meth:`Verifier.verify`) for a :class:`~target_service.messages.Verify
    (``SessionCache.reconcile``), so one long prompt does not pad every row. A
    batch of one session runs on its own cache, unpadded, in one pass whatever
    it misses (a prompt and its first proposal together, as target-only
-   decoding's prefill; the output head on the proposal's positions only).
+   decoding's prefill; the output head on the proposal's positions only). With invariant passes
+   (:mod:`specserve.engine.invariant`, the default) a position's logits are the same bits on every one
+   of these paths, so none of these choices changes a verdict.
 3. Process the logits at every position exactly as target-only decoding would
    (the stop tokens masked before ``min_new_tokens``,
    :func:`specserve.core.sampling.suppress_tokens`; then
@@ -143,7 +145,7 @@ from specserve.core.sampling import (
     suppress_tokens,
 )
 from specserve.core.verification import VerifyOutcome, verify_batch, verify_coupled, verify_greedy
-from specserve.engine import batching
+from specserve.engine import batching, invariant
 from specserve.engine.feature_head import FinalNormInput
 from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len, features_of
 from specserve.engine.model_thread import ModelThread
@@ -517,10 +519,10 @@ class Verifier:
             hidden = None
             if any(w.cache is not None and w.cache.tracks_features for w in ready):
                 with FinalNormInput(self.model.model) as tap:
-                    logits, grown = batching.forward(self.model.model, packed)
+                    logits, grown = invariant.forward(self.model.model, packed)
                 hidden = tap.hidden  # [batch, T, d]: the pass's last-layer states, for the features
             else:
-                logits, grown = batching.forward(self.model.model, packed)
+                logits, grown = invariant.forward(self.model.model, packed)
             for b, w in enumerate(ready):
                 assert w.cache is not None
                 rows_b = None

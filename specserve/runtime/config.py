@@ -225,12 +225,37 @@ class TargetSettings(WorkerSettings):
     """The target service."""
 
     port: int = Field(50052, ge=0, le=65535)
+    kernels: Literal["fastest", "auto", "stock", "onednn"] = Field(
+        "auto",
+        description="Linear-layer kernels, one path for every replica of a deployment: 'auto' (onednn for "
+        "float32 on a CPU where PyTorch has it, else stock), 'onednn' (weights prepacked for oneDNN, on a "
+        "CPU), 'stock' (PyTorch's), 'fastest' (only with invariant off: both paths timed on the model as it "
+        "loads and the faster kept, so two replicas may run different kernels; docs/benchmarks/kernels.md).",
+    )
+    invariant: bool = Field(
+        True,
+        description="Invariant passes (docs/design.md, 'Numerics'): a position's logits are the same bits from "
+        "a decoding step, a verify pass, a prefill, any batch-mates and padding, and any replica with the same "
+        "software, CPU kind and kernels, so greedy output is the target alone's token for token and a coupled "
+        "session's text survives a failover. Off (--no-invariant): transformers' attention and the kernels' "
+        "own row handling, faster, equal to those only up to float rounding (docs/benchmarks/invariance.md).",
+    )
     max_batch_size: int = Field(32, ge=1, description="Most sessions in one Verify call.")
     measure_verify_cost: bool = Field(
         True,
         description="Time one session's verify pass for 1..max_gamma+1 positions at start-up (a few seconds "
         "on a CPU) and report it in GetTargetInfo, so the coordinator knows what speculation costs here.",
     )
+
+    @model_validator(mode="after")
+    def _one_kernel_path(self) -> TargetSettings:
+        if self.invariant and self.kernels == "fastest":
+            raise ValueError(
+                "kernels='fastest' picks a kernel path by timing in each process, so replicas could compute "
+                "different bits; with invariant passes choose kernels 'auto', 'onednn' or 'stock' (the same on "
+                "every replica), or turn invariant off (--no-invariant)"
+            )
+        return self
 
 
 class CoordinatorSettings(CommonSettings):

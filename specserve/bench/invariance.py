@@ -1,0 +1,158 @@
+"""What invariant target passes cost: a decoding step and a verify pass, stock passes against invariant ones.
+
+Run (one run, one machine; docs/benchmarks/invariance.md comes from it)::
+
+    python -m specserve.bench.invariance --out docs/benchmarks
+
+Copies of the target in this process, for each linear kernel path of
+``--kernels``: the stock passes (:func:`specserve.engine.models.load_model`,
+transformers' attention) and invariant ones (:func:`specserve.engine.invariant.prepare`):
+
+* **pass cost**: one pass over k new positions (k = 1, a decoding step, and
+  each of ``--ks``) after a context of each ``--contexts`` length with a warm KV
+  cache (:func:`specserve.bench.costs.time_pass`), in ``--pairs`` pairs of
+  timings, the stock and the invariant copy back to back in alternating order;
+  the cost is the median of the pairs' ratios, so drift on a shared machine
+  cancels out of it;
+* **the same bits**: for each copy, whether the logits of the last positions
+  are ``torch.equal`` from one-position steps, from one pass over them and
+  from a prefill of the whole sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from specserve.bench.costs import random_context, time_pass
+from specserve.bench.harness import DEFAULT_TARGET, _run_header
+from specserve.bench.kernels import write_report
+from specserve.bench.pair import forward, prefilled
+
+PASSES = ("stock", "invariant")
+
+
+def _copies(target: str, kernels: str) -> dict[str, object]:
+    from specserve.engine import invariant
+    from specserve.engine.models import load_model, resolve_model_path
+
+    path = resolve_model_path(target, "target")
+    models = {name: load_model(path, device="cpu", dtype="float32", kernels=kernels).model for name in PASSES}
+    invariant.prepare(models["invariant"])
+    return models
+
+
+def _positions_agree(model, context: list[int], k: int) -> bool:
+    """Whether the logits of the last ``k`` positions of ``context`` are the same bits from ``k`` one-position
+    steps, from one pass over the ``k``, and from one prefill of the whole ``context``."""
+    head, tail = context[:-k], context[-k:]
+    with torch.inference_mode():
+        whole = forward(model, context, DynamicCache(config=model.config))[-k:]  # [k, vocab]
+        cache = prefilled(model, head)
+        together = forward(model, tail, cache)  # [k, vocab]
+        cache.crop(-k)
+        steps = torch.cat([forward(model, [t], cache) for t in tail])  # [k, vocab]
+    return torch.equal(together, steps) and torch.equal(whole, together)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    ks = (1, *args.ks)
+    cost: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    same: dict[str, dict[str, bool]] = {}
+    for kernels in args.kernels:
+        models = _copies(args.target, kernels)
+        vocab = models["stock"].config.vocab_size
+        cost[kernels] = {}
+        for length in args.contexts:
+            caches = {name: random_context(model, length) for name, model in models.items()}
+            times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in ks} for name in PASSES}
+            for k in tqdm(ks, desc=f"{kernels} kernels, context {length}", unit="k"):
+                for name in PASSES:  # warm-up
+                    time_pass(models[name], caches[name], k, 1)
+                for r in range(args.pairs):
+                    for name in PASSES if r % 2 == 0 else PASSES[::-1]:
+                        times[name][k].append(time_pass(models[name], caches[name], k, 1, warmup=0))
+            cost[kernels][str(length)] = {
+                str(k): {
+                    "stock_ms": statistics.median(times["stock"][k]),
+                    "invariant_ms": statistics.median(times["invariant"][k]),
+                    "ratio": statistics.median(
+                        i / s for i, s in zip(times["invariant"][k], times["stock"][k], strict=True)
+                    ),
+                }
+                for k in ks
+            }
+        context = torch.randint(0, vocab, (args.contexts[0],)).tolist()
+        same[kernels] = {name: _positions_agree(model, context, max(ks)) for name, model in models.items()}
+        del models
+    return {
+        **_run_header(args),
+        "settings": {"pairs": args.pairs, "threads": args.threads},
+        "cost": cost,
+        "same_bits": same,
+    }
+
+
+def render(data: dict) -> str:
+    s = data["settings"]
+    lines = [
+        "# Invariant target passes: what they cost",
+        "",
+        f"Measured {data['date_utc']} UTC ({data['machine']['platform']}, {s['threads']} torch threads, torch "
+        f"{data['machine']['torch']}), target `{Path(data['target']).name}` in float32; one run of:",
+        "",
+        f"```\n{data['command']}\n```",
+        "",
+        "One target pass over k new positions after the context, warm KV cache, batch 1: "
+        f"{s['pairs']} pairs of timings per k, the stock and the invariant pass back to back, the order "
+        "alternating; ms are medians, 'invariant / stock' the median of the pairs' ratios. k = 1 is a decoding "
+        "step; a verify pass at gamma feeds k = gamma + 1 positions. 'Stock' is the target as it loads without "
+        "invariance (transformers' attention, grouped heads read in place; the linear kernels named).",
+        "",
+    ]
+    for kernels, per_context in data["cost"].items():
+        lines += [f"## Linear kernels `{kernels}`", ""]
+        lines += [
+            "| context | k | stock ms | invariant ms | invariant / stock |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for length, per_k in per_context.items():
+            for k, row in per_k.items():
+                lines.append(
+                    f"| {length} | {k} | {row['stock_ms']:.1f} | {row['invariant_ms']:.1f} | {row['ratio']:.3f} |"
+                )
+        bits = data["same_bits"][kernels]
+        lines += [
+            "",
+            "The last positions' logits the same bits from one-position steps, one pass over them and one "
+            "prefill: " + ", ".join(f"{name} **{'yes' if ok else 'no'}**" for name, ok in bits.items()) + ".",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.invariance", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--kernels", nargs="+", default=["stock", "onednn"], choices=["stock", "onednn"])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--ks", type=int, nargs="*", default=[5], help="verify pass widths timed besides k = 1")
+    parser.add_argument("--pairs", type=int, default=30, help="pairs of timings (one pass of each copy) per k")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    args = parser.parse_args(argv)
+    args.command = "python -m specserve.bench.invariance " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_report(args.out, "invariance", render=render, data=measure(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

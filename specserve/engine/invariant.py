@@ -1,0 +1,252 @@
+"""Target passes whose logits at a position are the same bits however the position is computed.
+
+The contract (docs/design.md, "Numerics"): with a model prepared by
+:func:`prepare`, a position's logits are bitwise equal (``torch.equal``)
+whether they come from a one-position decoding step, a verify pass over k
+positions, a prefill of any length (whole or in pieces), a batched pass with
+any batch-mates and padding (:func:`forward`), on any replica that runs the
+same software on the same kind of CPU with the same ``kernels`` setting.
+Greedy output is then the target alone's token for token, and a coupled
+session's text does not depend on its batch-mates or on a failover.
+
+Stock kernels break this in three places, each fixed here by a reduction
+order that depends on the row alone:
+
+* **Linear layers** pick their kernel by row count (one row runs another
+  kernel than five). :class:`InvariantLinear` runs every linear layer on blocks
+  of exactly :data:`~specserve.engine.row_invariant.ROW_BLOCK` rows, the last
+  zero-padded (the draft's row-invariant linears,
+  :mod:`specserve.engine.row_invariant`): for one fixed shape the kernel
+  computes each row from that row alone, wherever it sits in the block. With
+  packed oneDNN weights (``kernels="onednn"``) the blocks are the same; the
+  packed kernel is only the faster way to run them.
+* **Attention** (SDPA) takes another path for 1, 2-3 and 4+ query rows, and
+  its reduction over the keys depends on how many keys the tensor holds, the
+  padding included. :func:`invariant_attention` splits each row's own keys
+  (from its position 0, whatever padding precedes them in the batch) into
+  chunks of :data:`KEY_CHUNK` keys; scores and the weighted values are matrix
+  products of one fixed shape (:data:`QUERY_BLOCK` query rows against one key
+  chunk), the softmax's maximum is exact, and the chunks' sums are added in
+  chunk order. Keys a query may not see (later positions, padding past the
+  row's end) are masked inside the chunk, which adds exact zeros, and chunks
+  wholly past a query add zeros after its last real chunk: no bit moves.
+* **The kernel path** was chosen by timing at load (``kernels=fastest``), so
+  two replicas could run different kernels. A prepared model's path is the
+  deployment's ``kernels`` setting (``stock`` or ``onednn``), the same on
+  every replica; ``fastest`` is refused (``TargetSettings``).
+
+Everything else in a Llama-like pass is row-wise already (embeddings, norms,
+rotary positions, activations). ``tests/specserve/engine/test_invariant.py``
+checks the property on a tiny Llama with the default target's head shapes (9
+query heads over 3 key/value heads), and that the fixed-shape kernels behave
+as assumed on the machine that runs the tests.
+
+The price is a matmul of :data:`~specserve.engine.row_invariant.ROW_BLOCK`
+rows for a lone decoding row, and attention in small fixed-shape pieces;
+measured on the default target: docs/benchmarks/invariance.md
+(``python -m specserve.bench.invariance``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.pytorch_utils import Conv1D
+
+from specserve.engine import attention, batching, cpu_kernels
+from specserve.engine.row_invariant import ROW_BLOCK, RowLayout, _blocked
+
+#: Keys per chunk of the attention's reduction: a row's keys from its position 0 in chunks of this many.
+KEY_CHUNK = 64
+#: Fewest rows of the attention's matrix products (a key/value head's query heads x positions, zero-padded):
+#: from 4 rows on the kernel gives a row the same bits whatever the row count (checked by the tests).
+MIN_QUERY_ROWS = 4
+#: Query rows per piece of a long pass (bounds the scores' memory; the result does not depend on it).
+QUERY_PIECE = 1024
+#: The name :func:`invariant_attention` is registered under with transformers.
+ATTENTION = "specserve_invariant"
+
+
+class InvariantLinear(nn.Module):
+    """``F.linear`` on blocks of exactly ``ROW_BLOCK`` rows (the last zero-padded), on the stock kernel or on
+    a packed oneDNN weight (:class:`specserve.engine.cpu_kernels.PackedLinear`); inference only."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        if not _swappable(layer):
+            raise TypeError(f"an invariant linear wraps an nn.Linear, a PackedLinear or a Conv1D, not {type(layer).__name__}")
+        if isinstance(layer, Conv1D):  # GPT-2's linear layers: weight [in, out], torch.addmm
+            self.in_features, self.out_features = layer.weight.shape
+        else:
+            self.out_features, self.in_features = layer.out_features, layer.in_features
+        self.layer = layer  # a submodule: its weights stay the model's parameters (tied ones too)
+        #: Packed weights only: the fewest rows from which the kernel gives a row the same bits for any row
+        #: count up to ``ROW_BLOCK`` (:func:`fewest_block_rows`); blocks then go unpadded down to it. None: every
+        #: block is padded to ``ROW_BLOCK`` rows.
+        self.fewest_rows: int | None = None
+        if isinstance(layer, cpu_kernels.PackedLinear):
+            key = (layer.out_features, layer.in_features, layer.bias is not None, torch.get_num_threads())
+            if key not in _FEWEST:
+                _FEWEST[key] = fewest_block_rows(self._packed_matmul, layer.in_features)
+            self.fewest_rows = _FEWEST[key]
+
+    @property
+    def kernels(self) -> str:
+        return "onednn" if isinstance(self.layer, cpu_kernels.PackedLinear) else "stock"
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        layer = self.layer
+        if isinstance(layer, Conv1D):
+            return _blocked(x, lambda block: torch.addmm(layer.bias, block, layer.weight))
+        if not isinstance(layer, cpu_kernels.PackedLinear):
+            return _blocked(x, lambda block: F.linear(block, layer.weight, layer.bias))
+        if self.fewest_rows is None:
+            return _blocked(x, self._packed_matmul)
+        flat = x.reshape(-1, x.shape[-1])  # [M, in]
+        out = torch.cat(
+            [cpu_kernels.pad_rows(block, self.fewest_rows, self._packed_matmul) for block in flat.split(ROW_BLOCK)]
+        )  # [M, out]: blocks of up to ROW_BLOCK rows, each padded to fewest_rows at least
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _packed_matmul(self, rows: Tensor) -> Tensor:  # [m, in] -> [m, out]
+        layer = self.layer
+        assert isinstance(layer, cpu_kernels.PackedLinear)
+        return cpu_kernels.packed_linear(rows, layer.packed, layer.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernels={self.kernels}"
+
+
+def _swappable(layer: nn.Module) -> bool:
+    return type(layer) in (nn.Linear, Conv1D) or isinstance(layer, cpu_kernels.PackedLinear)
+
+
+#: (out, in, bias, threads) -> fewest_block_rows of a packed weight of that shape (the kernel depends on the shape).
+_FEWEST: dict[tuple[int, int, bool, int], int | None] = {}
+
+
+def fewest_block_rows(run: Callable[[Tensor], Tensor], in_features: int) -> int | None:
+    """The fewest rows ``f`` (1 or 2) such that a call of ``run`` (a matmul ``[m, in] -> [m, out]``) gives each
+    row the same bits for every row count ``m`` from ``f`` to ``ROW_BLOCK`` and wherever the row sits (a lone
+    row padded to ``f``); None when neither holds. Checked bit for bit on random rows, once per shape."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * ROW_BLOCK, in_features, generator=gen)  # [32, in]
+    with torch.inference_mode():
+        whole = run(x[:ROW_BLOCK])  # [16, out]
+        for fewest in (1, 2):
+            if all(
+                torch.equal(cpu_kernels.pad_rows(x[a : a + m], fewest, run), whole[a : a + m])
+                for m in range(1, ROW_BLOCK + 1)
+                for a in {0, (ROW_BLOCK - m) // 2, ROW_BLOCK - m}
+            ):
+                return fewest
+    return None
+
+
+def _row_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """One session's attention: ``q [H, t, d]`` at the last ``t`` of the ``n`` positions of ``k/v [KV, n, d]``
+    (query ``i`` sees keys ``0 .. n - t + i``) -> ``[t, H, d]``, in a reduction order fixed per query."""
+    heads, t, dim = q.shape
+    kv_heads, n, _ = k.shape
+    groups = heads // kv_heads
+    chunks = -(-n // KEY_CHUNK)
+    pad = chunks * KEY_CHUNK - n
+    keys = F.pad(k, (0, 0, 0, pad)).contiguous().transpose(1, 2)  # [KV, d, N], N = chunks * KEY_CHUNK
+    values = F.pad(v, (0, 0, 0, pad)).contiguous().view(kv_heads, chunks, KEY_CHUNK, dim)  # [KV, C, 64, d]
+    rows = (q * scale).reshape(kv_heads, groups * t, dim)  # [KV, G*t, d]: row g*t + i is head g of the group, query i
+    position = (torch.arange(t, device=q.device) + (n - t)).repeat(groups)  # [G*t]
+    key_position = torch.arange(chunks * KEY_CHUNK, device=q.device)  # [N]
+    out = torch.empty(kv_heads, groups * t, dim, dtype=q.dtype, device=q.device)  # [KV, G*t, d]
+    for start in range(0, groups * t, QUERY_PIECE):
+        piece = rows[:, start : start + QUERY_PIECE]  # [KV, r, d]
+        r = piece.shape[1]
+        pos = position[start : start + r]  # [r]
+        if r < MIN_QUERY_ROWS:  # padded rows sit at the last position (they see every key: finite, and dropped)
+            piece = F.pad(piece, (0, 0, 0, MIN_QUERY_ROWS - r))
+            pos = F.pad(pos, (0, MIN_QUERY_ROWS - r), value=n - 1)
+        # Scores: each a dot product over the head dim, in a product of at least MIN_QUERY_ROWS rows.
+        scores = torch.matmul(piece, keys)  # [KV, r', N]
+        scores.masked_fill_(key_position > pos.unsqueeze(-1), float("-inf"))
+        top = scores.amax(dim=-1, keepdim=True)  # [KV, r', 1]: exact, order-free
+        p = torch.exp(scores - top).view(kv_heads, -1, chunks, KEY_CHUNK)  # [KV, r', C, 64]; hidden keys: 0
+        # Per chunk a sum of 64 and a [r', 64] x [64, d] product; then the chunks added in order.
+        weight = torch.cumsum(p.sum(dim=-1), dim=-1)[..., -1]  # [KV, r']
+        mixed = torch.matmul(p.transpose(1, 2).contiguous(), values)  # [KV, C, r', d]
+        mixed = torch.cumsum(mixed, dim=1)[:, -1]  # [KV, r', d]
+        out[:, start : start + r] = (mixed / weight.unsqueeze(-1))[:, :r]
+    return out.view(heads, t, dim).transpose(0, 1)  # [t, H, d]
+
+
+def invariant_attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    row_layout: RowLayout | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention interface: ``query [B, H, T, d]``, ``key/value [B, KV, W, d]`` -> ``[B, T, H, d]``.
+
+    Causal attention, each query's reduction over the keys in a fixed order (the module docstring). With a
+    ``row_layout`` (a batched pass, :func:`forward`), row ``b``'s first ``queries[b]`` queries attend to its
+    keys ``spans[b]``, the last query to all of them; padded queries get zeros. Without one every row's
+    ``T`` queries are the last ``T`` of its ``W`` positions (one session's pass on its own cache).
+    """
+    if dropout or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+        raise ValueError("invariant attention is for inference: no dropout, soft-capping or position bias")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("invariant attention supports full attention only, not a sliding window")
+    batch, heads, queries, dim = query.shape
+    if row_layout is None:
+        if attention_mask is not None and batch > 1:
+            raise ValueError("a padded batch needs a row layout (invariant.forward)")
+        row_layout = RowLayout(spans=((0, key.shape[2]),) * batch, queries=(queries,) * batch)
+    if len(row_layout.spans) != batch:
+        raise ValueError(f"row layout has {len(row_layout.spans)} rows, the pass {batch}")
+    scale = scaling if scaling is not None else dim**-0.5
+    out = query.new_zeros(batch, queries, heads, value.shape[-1])  # [B, T, H, d]
+    for b, ((start, stop), t) in enumerate(zip(row_layout.spans, row_layout.queries, strict=True)):
+        out[b, :t] = _row_attention(query[b, :, :t], key[b, :, start:stop], value[b, :, start:stop], scale)
+    return out, None
+
+
+def prepare(model: Any) -> int:
+    """Make ``model``'s passes invariant (the module docstring): every linear layer (stock or packed, as loaded)
+    becomes an :class:`InvariantLinear`, attention :func:`invariant_attention`. Returns the layers swapped
+    (0 when it was prepared before)."""
+    attention.register(ATTENTION, invariant_attention)
+    config = model.config
+    if config._attn_implementation != ATTENTION:
+        model.set_attn_implementation(ATTENTION)
+    swapped = 0
+    for parent in list(model.modules()):
+        if isinstance(parent, InvariantLinear):
+            continue
+        for name, child in list(parent.named_children()):
+            if _swappable(child):
+                setattr(parent, name, InvariantLinear(child))
+                swapped += 1
+    return swapped
+
+
+def is_invariant(model: Any) -> bool:
+    """Whether :func:`prepare` made ``model``'s passes invariant."""
+    return model.config._attn_implementation == ATTENTION
+
+
+def forward(model: Any, packed: batching.PackedBatch) -> tuple[Tensor, object]:
+    """:func:`specserve.engine.batching.forward`, with each row's layout for the attention when ``model`` is
+    invariant (:func:`prepare`), so that a row's logits do not depend on its batch-mates or padding."""
+    if not is_invariant(model):
+        return batching.forward(model, packed)
+    return batching.forward(model, packed, row_layout=RowLayout(spans=packed.spans, queries=packed.input_lens))
+
+
+__all__ = ["ATTENTION", "KEY_CHUNK", "MIN_QUERY_ROWS", "ROW_BLOCK", "InvariantLinear", "forward", "prepare"]
