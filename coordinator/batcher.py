@@ -47,7 +47,7 @@ from coordinator.worker_clients import (
     VerifyReply,
 )
 from specserve.runtime import metrics
-from specserve.runtime.interceptors import current_request_id
+from specserve.runtime.interceptors import clean_request_ids, current_request_id
 from specserve.v1 import draft_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
@@ -190,9 +190,9 @@ class Batcher(abc.ABC, Generic[ItemT, ResultT]):
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
 
     async def _call(self, batch: list[_Pending[ItemT, ResultT]]) -> None:
-        # This task's own context: the call carries the request ids of its items.
-        ids = dict.fromkeys(p.request_id for p in batch if p.request_id)
-        structlog.contextvars.bind_contextvars(request_id=",".join(ids) or None)
+        # This task's own context: the call carries the request ids of its items, joined and capped
+        # below gRPC's metadata limit (clean_request_ids), so no item's id can fail the call.
+        structlog.contextvars.bind_contextvars(request_id=clean_request_ids([p.request_id for p in batch]))
         sent_ns = time.perf_counter_ns()
         try:
             reply = await self._send([p.item for p in batch])

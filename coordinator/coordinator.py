@@ -11,7 +11,7 @@ With ``logprobs`` requested, each chunk carries one
 iterating (client cancellation) or anything fails, the
 session's caches on every worker it used are released and its lease dropped,
 in a tracked background task so that the caller's cancellation cannot cut the
-clean-up short.
+clean-up short; its keys in Redis are then deleted (or kept ``keep_ended_sessions_s``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import structlog
 
-from coordinator.admission import Admission
+from coordinator.admission import Admission, SessionRate
 from coordinator.chat import ChatMessage, chat_prompt_ids
 from coordinator.detokenize import IncrementalDetokenizer
 from coordinator.limits import Limits
@@ -108,7 +108,9 @@ class Coordinator:
         )
         self.owner = f"coordinator-{uuid.uuid4().hex[:12]}"
         self.admission = Admission(
-            max_sessions=settings.max_sessions, max_sessions_per_client=settings.max_sessions_per_client
+            max_sessions=settings.max_sessions,
+            max_sessions_per_client=settings.max_sessions_per_client,
+            rate=SessionRate(rate=settings.session_rate_per_client, burst=settings.session_burst_per_client),
         )
         self._cleanups: set[asyncio.Task] = set()
 
@@ -258,12 +260,15 @@ class Coordinator:
         task.add_done_callback(self._cleanups.discard)
 
     async def _clean_up(self, loop: RoundLoop, session_id: str) -> None:
+        """Release the session's caches on its workers, then its keys in Redis (its log and lease):
+        deleted, or kept ``keep_ended_sessions_s`` for inspection. While the session ran, replays and
+        failover needed them; once it has ended nothing does."""
         try:
             await loop.release(wait_s=self.settings.rpc_timeout_s)
         except Exception:
             log.exception("release_failed", session_id=session_id)
         with contextlib.suppress(errors.SpecServeError):
-            await self.store.release_lease(session_id, self.owner)
+            await self.store.end(session_id, self.owner, keep_s=self.settings.keep_ended_sessions_s)
 
     @property
     def active_sessions(self) -> int:

@@ -54,14 +54,24 @@ from coordinator.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     bad_param,
+    check_prompt_size,
     parse_body,
 )
 from coordinator.openai_replies import ReplyBuilder, TokenStrings
 from coordinator.requests import GenerationRequest
 from specserve.api import errors
-from specserve.runtime.interceptors import REQUEST_ID_KEY, BearerTokens, bearer_token, identity
+from specserve.runtime.interceptors import (
+    REQUEST_ID_KEY,
+    BearerTokens,
+    bearer_token,
+    clean_request_ids,
+    identity,
+)
 
 log = structlog.get_logger(__name__)
+
+#: A body larger than this (bytes) is parsed and validated on a worker thread, off the event loop.
+PARSE_ON_LOOP_BYTES = 64 * 1024
 
 #: HTTP status of each domain error, by the gRPC code its class names (errors.py).
 HTTP_STATUS: dict[str, int] = {
@@ -173,12 +183,12 @@ class OpenAIServer:
     def authorize(self, request: Request) -> str:
         """The caller's identity for per-client limits; Unauthenticated (401) without a valid key.
 
-        Also binds ``request_id`` (the ``x-request-id`` header, or a new id) and the path to the
-        log context, so the sessions' log events carry them (and the workers' too, as over gRPC).
+        Also binds ``request_id`` (the ``x-request-id`` header through ``clean_request_ids``, as over
+        gRPC, or a new id) and the path to the log context, so the sessions' log events carry them
+        (and the workers' too, as over gRPC).
         """
-        structlog.contextvars.bind_contextvars(
-            request_id=request.headers.get(REQUEST_ID_KEY) or uuid.uuid4().hex, rpc=request.url.path
-        )
+        given = clean_request_ids(request.headers.getlist(REQUEST_ID_KEY))
+        structlog.contextvars.bind_contextvars(request_id=given or uuid.uuid4().hex, rpc=request.url.path)
         header = request.headers.get("authorization")
         token = bearer_token([("authorization", header)] if header is not None else [])
         if self._tokens is not None:
@@ -264,20 +274,37 @@ class OpenAIServer:
             raise errors.Unavailable(
                 "this coordinator is shutting down; send the request to another replica", retry_after_s=1.0
             )
-        try:
-            raw = json.loads(await self.read_body(request))
-        except ValueError:
-            raise bad_param(None, "the request body is not valid JSON", "invalid_json") from None
-        body = parse_body(cls, raw, unknown_fields=self.coordinator.settings.http_unknown_fields)
-        self.check_model(body.model)
-        body.check_supported()
+        data = await self.read_body(request)  # refused past max_message_bytes before any parsing
+        if len(data) > PARSE_ON_LOOP_BYTES:  # a large body is parsed and validated on a worker thread
+            body = await asyncio.to_thread(self.parse, cls, data)
+        else:
+            body = self.parse(cls, data)
         settings = self.coordinator.settings
         limit = min(settings.max_sessions_per_client, settings.max_sessions)
         if body.n > limit:
             raise bad_param("n", f"n={body.n} is above this server's limit of {limit} sessions per request")
-        parsed = [await self.coordinator.parse(body.to_pb(i)) for i in range(body.n)]
-        self.coordinator.check_admission(client, sessions=body.n)
+        self.coordinator.check_admission(client, sessions=body.n)  # before any tokenizing
+        first = await self.coordinator.parse(body.to_pb(0))  # the prompt is tokenized once for all n
+        parsed = [first, *(first.with_seed(body.choice_seed(i)) for i in range(1, body.n))]
+        self.coordinator.check_admission(client, sessions=body.n)  # still, now that the sessions start
         return body, parsed
+
+    def parse(
+        self, cls: type[CompletionRequest] | type[ChatCompletionRequest], data: bytes
+    ) -> CompletionRequest | ChatCompletionRequest:
+        """The body as a request, checked: JSON, the prompt's size before validation builds it, the
+        fields, the model, what is supported. Pure CPU work: :meth:`admit` runs it off the loop when
+        the body is large."""
+        try:
+            raw = json.loads(data)
+        except ValueError:
+            raise bad_param(None, "the request body is not valid JSON", "invalid_json") from None
+        settings = self.coordinator.settings
+        check_prompt_size(raw, max_tokens=settings.max_prompt_tokens, max_bytes=settings.max_prompt_bytes)
+        body = parse_body(cls, raw, unknown_fields=settings.http_unknown_fields)
+        self.check_model(body.model)
+        body.check_supported()
+        return body
 
 
 def _too_large(limit: int) -> errors.ResourceExhausted:

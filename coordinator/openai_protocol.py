@@ -27,6 +27,10 @@ accepted at their defaults, so a client that sends the defaults works). A field 
 knows is refused as OpenAI refuses it ("Unrecognized request argument supplied"), unless the
 server's ``http_unknown_fields`` is ``ignore`` (vLLM's behaviour): then it is dropped with a
 warning in the log (:func:`parse_body`).
+
+Every number is checked against the range the wire and the model take (``max_tokens`` and
+every other count below 2**32, ``temperature`` finite and >= 0, ``top_p`` in (0, 1], ...): out of
+range is a 400 naming the field, never a 500.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ from typing import Annotated, Any, ClassVar, Literal
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from coordinator.requests import random_seed
 from specserve.api.errors import InvalidArgument
-from specserve.api.params import MAX_TOP_LOGPROBS
+from specserve.api.params import MAX_TOP_LOGPROBS, REPETITION_PENALTY_RANGE
 from specserve.v1 import common_pb2, coordinator_pb2
 
 log = structlog.get_logger(__name__)
@@ -47,6 +52,9 @@ log = structlog.get_logger(__name__)
 #: ``max_tokens`` of a completion request that sets none (OpenAI's default).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _UINT64 = 2**64
+_UINT32 = 2**32
+#: The largest finite float32, the wire's type of the sampling settings.
+_FLOAT32_MAX = 3.4028234663852886e38
 
 _PROPOSERS = {"model": common_pb2.PROPOSER_KIND_MODEL, "ngram": common_pb2.PROPOSER_KIND_NGRAM}
 
@@ -113,9 +121,9 @@ class SpeculationOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    gamma: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
+    gamma: Annotated[int, Field(ge=0, lt=_UINT32)] | Literal["auto"] | None = None
     proposer: Literal["model", "ngram"] = "model"
-    draft_top_k: int = Field(0, ge=0)
+    draft_top_k: int = Field(0, ge=0, lt=_UINT32)
     hybrid_lookup: bool | None = None
     min_confidence: float | None = Field(None, ge=0.0, lt=1.0)
 
@@ -166,9 +174,9 @@ class _OpenAIRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=_FLOAT32_MAX)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1, lt=_UINT32)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=_UINT64)
     frequency_penalty: float | None = None
@@ -184,12 +192,14 @@ class _OpenAIRequest(BaseModel):
     cache_salt: str | None = None  # vLLM: salts its prefix cache; no cache is shared between requests here
     request_id: str | None = None  # vLLM's own request id; the log's is the x-request-id header
     # Extensions (vLLM's names where vLLM has them).
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1, lt=_UINT32)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(
+        None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1]
+    )
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**32)]] | None = None
-    min_tokens: int = Field(0, ge=0, lt=2**32)
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=_UINT32)]] | None = None
+    min_tokens: int = Field(0, ge=0, lt=_UINT32)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculation: SpeculationOptions | None = None
@@ -329,6 +339,10 @@ class _OpenAIRequest(BaseModel):
         pbs = tuple(self.to_pb(i).SerializeToString(deterministic=True) for i in range(self.n))
         return (self.model, self.stream, pbs, self.reply_options())
 
+    def choice_seed(self, choice: int) -> int:
+        """The seed of choice ``choice``: ``seed + choice``, or a fresh one when the request sets none."""
+        return random_seed() if self.seed is None else (self.seed + choice) % _UINT64
+
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -390,7 +404,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessageIn]
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=_UINT32)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
@@ -449,6 +463,38 @@ class ChatCompletionRequest(_OpenAIRequest):
             coordinator_pb2.ChatMessage(role=m.role, content=m.text(i)) for i, m in enumerate(self.messages)
         )
         pb.chat.SetInParent()
+
+
+def check_prompt_size(body: Any, *, max_tokens: int, max_bytes: int) -> None:
+    """Refuse (400 naming the field) a token-list ``prompt`` longer than ``max_tokens`` and ``messages``
+    larger than ``max_bytes`` (their roles and text contents, in UTF-8), on the parsed JSON, before
+    validation builds anything from them."""
+    if not isinstance(body, dict):
+        return
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+        count = len(prompt[0]) if isinstance(prompt[0], list) else len(prompt)
+        if count > max_tokens:
+            raise bad_param(
+                "prompt",
+                f"the prompt has {count} tokens, more than this server's limit of {max_tokens}; shorten it",
+                "context_length_exceeded",
+            )
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        size = 0
+        for message in messages:
+            if isinstance(message, dict):
+                for key in ("role", "content"):
+                    value = message.get(key)
+                    size += len(value.encode("utf-8", "replace")) if isinstance(value, str) else 0
+            if size > max_bytes:
+                raise bad_param(
+                    "messages",
+                    f"the conversation ({len(messages)} messages) is more than this server's limit of "
+                    f"{max_bytes} bytes; shorten it",
+                    "context_length_exceeded",
+                )
 
 
 def parse_body(

@@ -78,6 +78,10 @@ class GenerationRequest:
     prediction_token_ids: tuple[int, ...] | None = None
     keep_special_tokens: bool = False  # the text keeps special tokens (vLLM's skip_special_tokens=False)
 
+    def with_seed(self, seed: int) -> GenerationRequest:
+        """This request with another seed (the HTTP API's choice ``i`` of ``n``: tokenized once)."""
+        return replace(self, sampling=replace(self.sampling, seed=seed))
+
     @classmethod
     async def from_pb(
         cls,

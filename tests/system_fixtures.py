@@ -244,6 +244,9 @@ async def local_stack(pair: TinyPair, redis_url: str, **kwargs: Any) -> AsyncIte
 
     kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("device", "cpu")
+    # The tests compare each stream with its session's log in Redis after the session has ended, so the
+    # log is kept; the default (deleted at the end) is tests/security/test_session_churn.py's.
+    kwargs["coordinator_overrides"] = {"keep_ended_sessions_s": 600.0, **kwargs.get("coordinator_overrides", {})}
     overrides = {"warmup": False, **kwargs.pop("worker_overrides", {})}
     # The target on PyTorch's stock kernels, as the references here (load_reference) are: its default,
     # "fastest", times both paths as it loads, and for a tiny model that choice is the machine's noise,
@@ -325,14 +328,18 @@ class Generated:
 
 
 async def generate(
-    address: str, req: coordinator_pb2.GenerateRequest, *, timeout_s: float = 60.0
+    address: str,
+    req: coordinator_pb2.GenerateRequest,
+    *,
+    timeout_s: float = 60.0,
+    metadata: Sequence[tuple[str, str]] = (),
 ) -> Generated:
-    """Run one Generate call to completion on a fresh channel."""
+    """Run one Generate call to completion on a fresh channel (with ``metadata``)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         chunks: list[coordinator_pb2.TokenChunk] = []
         stats = None
-        async for reply in stub.Generate(req, timeout=timeout_s):
+        async for reply in stub.Generate(req, timeout=timeout_s, metadata=tuple(metadata)):
             if stats is not None:
                 raise AssertionError("a message arrived after the stats")
             if reply.WhichOneof("event") == "chunk":

@@ -101,6 +101,8 @@ async def _local_stack(
     configure_logging("console", args.log_level, secrets=[password] if password else [])
     target, draft = _resolve_models(args)  # registered models are fetched here, with a progress bar
     coordinator: dict[str, Any] = {"served_model_name": _served_name(args.target_model)}
+    if args.insecure:
+        coordinator["insecure"] = True
     workers: dict[str, dict[str, Any]] = {"target": {}, "draft": {}}
     if metrics is not None:
         coordinator["metrics_port"], workers["target"]["metrics_port"], workers["draft"]["metrics_port"] = metrics
@@ -417,7 +419,13 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="Redis to use (default: start a private redis-server)")
     p.add_argument(
         "--host", default="127.0.0.1",
-        help="address the coordinator listens on (the draft and the target stay on 127.0.0.1)",
+        help="address the coordinator listens on (the draft and the target stay on 127.0.0.1); beyond "
+        "loopback it needs client authentication (SPECSERVE_AUTH_TOKENS or SPECSERVE_TLS_CA_FILE) or --insecure",
+    )  # fmt: skip
+    p.add_argument(
+        "--insecure", action="store_true",
+        help="let the coordinator listen beyond loopback without authenticating its clients (anyone who "
+        "reaches the port can generate)",
     )  # fmt: skip
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,6 +192,9 @@ class ProcessStack:
     The roles share no GIL: the coordinator's event loop, the draft's and the
     target's model threads each run in their own interpreter, as they do in
     production (one pod per role). ``specserve up`` and ``specserve demo`` use it.
+    The workers listen on loopback and require a worker token made at random for
+    the stack (``worker_token``, given to the three processes in their environment),
+    so no other local process can call Verify or Propose on them directly.
     """
 
     host: str
@@ -338,7 +342,9 @@ async def start_process_stack(
     _check_free(host, port, "could not listen on {where} ({error}): is another server using the port?")
     if http_port:
         _check_free(host, http_port, "could not bind the HTTP API to {where} ({error})")
-    env = {**os.environ, "SPECSERVE_REDIS_URL": redis_url}
+    # A fresh worker token per stack, in the environment of its processes alone (never on a command line,
+    # which every local user can read): the coordinator sends it, the workers refuse calls without it.
+    env = {**os.environ, "SPECSERVE_REDIS_URL": redis_url, "SPECSERVE_WORKER_TOKEN": secrets.token_urlsafe(32)}
     common = {"log_level": log_level, "log_format": "console"}
     worker = {**common, "host": loopback, "device": device, "dtype": dtype}
     target_port = free_port()

@@ -311,6 +311,23 @@ class CoordinatorSettings(CommonSettings):
     max_sessions_per_client: int = Field(
         64, ge=1, description="Concurrent sessions per authenticated client."
     )
+    session_rate_per_client: float = Field(
+        20.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="New sessions per second one client may start, sustained (a token bucket refilled at "
+        "this rate); past it a request is refused with RESOURCE_EXHAUSTED (HTTP 429) and a retry hint.",
+    )
+    session_burst_per_client: int = Field(
+        200, ge=1, description="New sessions one client may start at once before session_rate_per_client applies."
+    )
+    keep_ended_sessions_s: float = Field(
+        0.0,
+        ge=0,
+        description="How long a session's log stays in Redis once the session has ended (finished, cancelled "
+        "or failed); 0 deletes its keys at once. While a session runs its keys stay (replays and failover "
+        "read them); a session whose coordinator vanished expires after the store's TTL.",
+    )
     max_gamma: int = Field(
         16,
         ge=0,
@@ -397,6 +414,17 @@ class CoordinatorSettings(CommonSettings):
     )
     target_max_backoff_s: float = Field(10.0, gt=0, description="Cap of the target replicas' back-off.")
 
+    insecure: bool = Field(
+        False,
+        description="Listen on a non-loopback address with neither auth_tokens nor tls_ca_file (client "
+        "certificates): anyone who reaches the port can generate. Off: such a coordinator refuses to start.",
+    )
+
+    @property
+    def authenticates_clients(self) -> bool:
+        """Client bearer tokens, or mutual TLS (client certificates from tls_ca_file), are configured."""
+        return bool(self.auth_tokens) or self.tls_ca_file is not None
+
     @field_validator("draft_endpoints", "target_endpoints", "auth_tokens", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
@@ -409,6 +437,13 @@ class CoordinatorSettings(CommonSettings):
 
     @model_validator(mode="after")
     def _limits(self) -> CoordinatorSettings:
+        if not (is_loopback(self.host) or self.authenticates_clients or self.insecure):
+            raise ValueError(
+                f"this coordinator would listen on {self.host}, beyond this machine, without authenticating "
+                "its clients: anyone reaching the port could generate on your models. Set auth_tokens "
+                "(SPECSERVE_AUTH_TOKENS), or tls_ca_file (mutual TLS: client certificates required), or "
+                "listen on 127.0.0.1; insecure=true (--insecure) accepts anyone"
+            )
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
         for tier in ("draft", "target"):

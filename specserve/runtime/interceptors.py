@@ -13,7 +13,14 @@
 * :class:`RequestIdInterceptor` takes ``x-request-id`` from the call's metadata
   (or makes one) and binds it, with the method, to structlog's context for the
   duration of the call, so one request can be followed across all three roles:
-  callers forward it with :func:`outgoing_metadata`.
+  callers forward it with :func:`outgoing_metadata`. Ids are cleaned at every
+  ingress (:func:`clean_request_ids`: printable ASCII, at most
+  :data:`MAX_REQUEST_ID_CHARS` each, at most :data:`MAX_REQUEST_IDS_CHARS` for the
+  comma-joined ids of one batched call), so no client's id can push a batched
+  call past gRPC's metadata limit (16 KiB) and fail its batch-mates.
+
+Every wrapper covers all four handler kinds (unary-unary, unary-stream,
+stream-unary, stream-stream): a handler kind added later is not left unguarded.
 """
 
 from __future__ import annotations
@@ -34,12 +41,43 @@ REQUEST_ID_KEY = "x-request-id"
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
+#: Longest request id kept from a caller, in characters; a longer one is cut to this.
+MAX_REQUEST_ID_CHARS = 128
+#: Longest comma-joined value of a batched call's request ids (gRPC refuses metadata over 16 KiB);
+#: ids past it are left out and counted (``+N``).
+MAX_REQUEST_IDS_CHARS = 4096
+
+
+def clean_request_ids(ids: str | Sequence[str | None] | None) -> str | None:
+    """Request ids as they may travel and be logged: ``ids`` (one metadata value, comma-separated ids,
+    or a sequence of such values) split on commas, each id kept to printable ASCII without spaces and
+    cut to :data:`MAX_REQUEST_ID_CHARS`, duplicates and empties dropped, joined with commas up to
+    :data:`MAX_REQUEST_IDS_CHARS` (the ids past it become ``+N``). None when nothing is left."""
+    values = [ids] if isinstance(ids, str) or ids is None else ids
+    kept: dict[str, None] = {}
+    for value in values:
+        for part in (value or "").split(","):
+            clean = "".join(c for c in part if "!" <= c <= "~")[:MAX_REQUEST_ID_CHARS]
+            if clean:
+                kept[clean] = None
+    ordered = list(kept)
+    out: list[str] = []
+    size = -1  # the length of ",".join(out)
+    for i, request_id in enumerate(ordered):
+        after = len(ordered) - i - 1
+        marker = len(f",+{after}") if after else 0  # room kept for the count of the ids left out
+        if size + 1 + len(request_id) + marker > MAX_REQUEST_IDS_CHARS:
+            return ",".join([*out, f"+{after + 1}"])
+        out.append(request_id)
+        size += 1 + len(request_id)
+    return ",".join(out) or None
+
+
 def _wrap(
     handler: grpc.RpcMethodHandler,
     before: Callable[[grpc.aio.ServicerContext], Awaitable[None]],
-    bind: Callable[[], Any] | None = None,
 ) -> grpc.RpcMethodHandler:
-    """A copy of ``handler`` that runs ``before(context)`` first (it may abort)."""
+    """A copy of ``handler`` that runs ``before(context)`` first (it may abort), for every handler kind."""
     if handler.unary_unary is not None:
         inner = handler.unary_unary
 
@@ -70,7 +108,37 @@ def _wrap(
         return grpc.unary_stream_rpc_method_handler(
             unary_stream, handler.request_deserializer, handler.response_serializer
         )
-    return handler
+    if handler.stream_unary is not None:
+        inner_client_stream = handler.stream_unary
+
+        async def stream_unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            await before(context)
+            return await inner_client_stream(requests, context)
+
+        return grpc.stream_unary_rpc_method_handler(
+            stream_unary, handler.request_deserializer, handler.response_serializer
+        )
+    if handler.stream_stream is not None:
+        inner_bidi = handler.stream_stream
+        if not inspect.isasyncgenfunction(inner_bidi):
+
+            async def stream_stream_writer(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+                await before(context)
+                await inner_bidi(requests, context)
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream_writer, handler.request_deserializer, handler.response_serializer
+            )
+
+        async def stream_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await before(context)
+            async for reply in inner_bidi(requests, context):
+                yield reply
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream_stream, handler.request_deserializer, handler.response_serializer
+        )
+    raise TypeError(f"a gRPC method handler of no known kind: {handler!r}")
 
 
 def token_fingerprint(token: str) -> str:
@@ -207,7 +275,8 @@ def certificate_names(auth_context: Mapping[str, Sequence[bytes]] | None) -> set
 
 
 class RequestIdInterceptor(grpc.aio.ServerInterceptor):
-    """Binds ``request_id`` (from ``x-request-id`` or new) and ``rpc`` to structlog's context."""
+    """Binds ``request_id`` (``x-request-id`` through :func:`clean_request_ids`, or new) and ``rpc`` to
+    structlog's context."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -216,10 +285,12 @@ class RequestIdInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method.rsplit("/", 1)[-1]
 
         async def bind(context: grpc.aio.ServicerContext) -> None:
-            request_id = None
-            for key, value in context.invocation_metadata() or ():
-                if key == REQUEST_ID_KEY:
-                    request_id = value if isinstance(value, str) else value.decode()
+            given = [
+                value if isinstance(value, str) else value.decode("ascii", "replace")
+                for key, value in context.invocation_metadata() or ()
+                if key == REQUEST_ID_KEY
+            ]
+            request_id = clean_request_ids(given)
             structlog.contextvars.bind_contextvars(request_id=request_id or uuid.uuid4().hex, rpc=method)
 
         return _wrap(handler, bind)

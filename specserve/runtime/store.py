@@ -24,7 +24,8 @@ holds them (:class:`SessionSettings`), so a round reads only what moves (the
 tokens, the version, the finish reason, the last verdict).
 
 All keys of a session expire together ``ttl_s`` after the last write, so
-abandoned sessions disappear. A commit is one Lua script (registered once per
+abandoned sessions (their coordinator gone) disappear; a session that ends is
+removed at once by its coordinator (:meth:`SessionStore.end`). A commit is one Lua script (registered once per
 store) that checks the version, appends the tokens, bumps the version and
 records the verdict atomically; a retry of a commit that already happened finds
 ``version == base + 1`` with ``last_base == base`` and gets the recorded verdict
@@ -378,6 +379,24 @@ class SessionStore:
 
     async def delete(self, session_id: str) -> None:
         await self._call(self._redis.delete(*self.keys(session_id)))
+
+    async def end(self, session_id: str, owner: str, *, keep_s: float = 0.0) -> None:
+        """The session has ended (finished, cancelled or failed) under ``owner``: its keys are deleted,
+        or with ``keep_s`` > 0 its log expires in ``keep_s`` seconds and its lease goes now. Nothing is
+        done when another owner holds the lease (it drives the session now)."""
+        holder = await self.lease_owner(session_id)
+        if holder not in (None, owner):
+            return
+        meta, tokens, lease = self.keys(session_id)
+        if keep_s <= 0:
+            await self._call(self._redis.delete(meta, tokens, lease))
+            return
+        ms = max(1, int(keep_s * 1000))
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.pexpire(meta, ms)
+            pipe.pexpire(tokens, ms)
+            pipe.delete(lease)
+            await self._call(pipe.execute())
 
     async def exists(self, session_id: str) -> bool:
         """Whether Redis holds any part of the session's log: its meta or its tokens (a lease is no part)."""

@@ -19,7 +19,7 @@ from specserve.v1 import common_pb2, target_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SETTINGS = CoordinatorSettings(target_endpoints=["x:1"], rpc_timeout_s=10)
+SETTINGS = CoordinatorSettings(host="127.0.0.1", target_endpoints=["x:1"], rpc_timeout_s=10)
 
 
 @pytest.fixture(scope="module")

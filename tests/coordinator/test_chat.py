@@ -84,7 +84,7 @@ async def _parse(pb, tokenizer, settings):
 
 
 async def test_generation_request_renders_chat_and_applies_the_prompt_limits(tokenizer, plain_tokenizer):
-    settings = CoordinatorSettings(max_prompt_tokens=100, max_prompt_bytes=2000)
+    settings = CoordinatorSettings(host="127.0.0.1", max_prompt_tokens=100, max_prompt_bytes=2000)
     parsed = await _parse(_pb(CONVERSATION), tokenizer, settings)
     assert parsed.prompt_token_ids == chat_prompt_ids(tokenizer, CONVERSATION)
     long = [ChatMessage("user", "the quick brown fox " * 40)]

@@ -35,7 +35,7 @@ STOP = StopConditions(max_new_tokens=64, ignore_eos=True)
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def target(stack):
-    client = TargetClient(f"127.0.0.1:{stack.target_ports[0]}", CoordinatorSettings(target_endpoints=["x:1"]))
+    client = TargetClient(f"127.0.0.1:{stack.target_ports[0]}", CoordinatorSettings(host="127.0.0.1", target_endpoints=["x:1"]))
     yield client
     await client.close()
 
@@ -134,7 +134,7 @@ async def test_round_loop_resyncs_after_a_conflict(stack, store, target):
 
 
 async def test_draft_client_and_error_mapping(stack, store):
-    settings = CoordinatorSettings(target_endpoints=["x:1"], rpc_timeout_s=5)
+    settings = CoordinatorSettings(host="127.0.0.1", target_endpoints=["x:1"], rpc_timeout_s=5)
     client = DraftClient(f"127.0.0.1:{stack.draft_port}", settings)
     try:
         info = await client.info()
@@ -225,6 +225,7 @@ async def test_a_draft_with_another_vocabulary_is_refused_at_start(
     other = sf.tiny_vocab_pair(tmp_path_factory, vocab_size=6)
     async with sf.local_stack(other, redis_server.url, with_draft=True) as foreign:
         settings = CoordinatorSettings(
+            host="127.0.0.1",
             redis_url=redis_server.url,
             target_endpoints=[f"127.0.0.1:{stack.target_ports[0]}"],
             draft_endpoints=[f"127.0.0.1:{foreign.draft_port}"],

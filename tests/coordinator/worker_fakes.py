@@ -308,6 +308,7 @@ async def pool_of_fakes(
     fake_targets = {f"target-{i}:1": FakeTarget(f"target-{i}:1", store) for i in range(targets)}
     fake_drafts = {f"draft-{i}:1": FakeDraft(f"draft-{i}:1") for i in range(drafts)}
     config = CoordinatorSettings(
+        host="127.0.0.1",
         target_endpoints=list(fake_targets),
         draft_endpoints=list(fake_drafts),
         max_batch_size=max_batch_size,

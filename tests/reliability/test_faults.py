@@ -214,6 +214,7 @@ async def proxied(pair, redis_server):
             draft_endpoints=[proxy.address],
             tokenizer=pair.target_dir,
             rpc_timeout_s=10.0,
+            keep_ended_sessions_s=600.0,  # the streams are compared with their logs afterwards
         )
     )
     dropper = DropVerifyReply()

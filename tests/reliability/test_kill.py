@@ -109,6 +109,7 @@ async def coordinator(workers, pair, redis_server):
             draft_endpoints=[workers["draft"].address],
             tokenizer=pair.target_dir,
             rpc_timeout_s=RPC_TIMEOUT_S,
+            keep_ended_sessions_s=600.0,  # the streams are compared with their logs afterwards
         )
     )
     yield app

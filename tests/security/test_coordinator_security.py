@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
 import pytest_asyncio
 import structlog
 import system_fixtures as sf
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 from security_helpers import running_roles
 from waiting import wait_until
 
@@ -37,6 +41,7 @@ TOKENS = {name: f"tok-{name}-{uuid.uuid4().hex}" for name in ("a", "b", "c")}
 REDIS_PASSWORD = f"pw-{uuid.uuid4().hex}"
 WORKER_TOKEN = f"wt-{uuid.uuid4().hex}"
 PROMPT = [5, 6, 7, 8]
+REPO = Path(__file__).resolve().parents[2]
 #: Seconds the proxy adds to each chunk while a session is being held open.
 HOLD_DELAY_S = 0.2
 
@@ -53,6 +58,7 @@ def captured_logs():
     """structlog configured like an entry point (JSON, debug, secrets redacted) into a buffer."""
     buffer = io.StringIO()
     settings = CoordinatorSettings(
+        host="127.0.0.1",
         redis_url=SecretStr(f"redis://:{REDIS_PASSWORD}@127.0.0.1:6379/0"),
         auth_tokens=[SecretStr(t) for t in TOKENS.values()],
         worker_token=SecretStr(WORKER_TOKEN),
@@ -255,3 +261,30 @@ async def test_without_auth_the_per_client_limit_keys_on_the_peer_address(sec_pa
         finally:
             r.proxy.delay_s = 0.0
             await held.cancel()
+
+
+# --------------------------------------------------------------------------- where the coordinator listens
+
+
+async def test_a_coordinator_beyond_loopback_without_client_authentication_refuses_to_start():
+    """As the workers do: beyond loopback the coordinator needs auth_tokens or mutual TLS, or --insecure."""
+    for host in ("0.0.0.0", "::", "10.1.2.3", "coordinator.specserve.svc"):
+        with pytest.raises(ValidationError, match="without authenticating its clients"):
+            CoordinatorSettings(host=host)
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert CoordinatorSettings(host=host).host == host
+    assert CoordinatorSettings(host="0.0.0.0", auth_tokens=[SecretStr("t")]).authenticates_clients
+    assert not CoordinatorSettings(host="0.0.0.0", insecure=True).authenticates_clients
+
+
+async def test_specserve_serve_refuses_a_public_coordinator_without_auth_unless_insecure():
+    """The command line exits with status 2 and says what to do; with --insecure it gets past the check
+    (and then fails on the port given, proving it tried to start)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSERVE_")}
+    env["PYTHONPATH"] = str(REPO)
+    base = [sys.executable, "-m", "specserve.launch.cli", "serve", "coordinator", "--host", "0.0.0.0"]
+    refused = subprocess.run(base, capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    assert "auth_tokens" in refused.stderr and "--insecure" in refused.stderr
+    insecure = subprocess.run([*base, "--insecure", "--port", "70000"], capture_output=True, text=True, env=env, timeout=120)
+    assert insecure.returncode == 2 and "port" in insecure.stderr and "auth_tokens" not in insecure.stderr

@@ -36,7 +36,12 @@ SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def roles(sec_pair, sec_models, redis_server):
-    coordinator = {"stream_idle_timeout_s": IDLE_S, "keepalive_time_s": 1.0, "keepalive_timeout_s": 1.0}
+    coordinator = {
+        "stream_idle_timeout_s": IDLE_S,
+        "keepalive_time_s": 1.0,
+        "keepalive_timeout_s": 1.0,
+        "keep_ended_sessions_s": 600.0,  # the tests read an ended session's log
+    }
     async with running_roles(
         sec_pair, sec_models, redis_server.url, coordinator=coordinator, proxy_target=True
     ) as r:

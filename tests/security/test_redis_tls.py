@@ -101,7 +101,8 @@ async def test_the_stack_runs_on_a_password_protected_tls_redis(tls_redis, sec_p
     finally:
         await wrong.close()
 
-    async with running_roles(sec_pair, sec_models, url) as roles:
+    keep = {"keep_ended_sessions_s": 600.0}  # the log is read after the session ended
+    async with running_roles(sec_pair, sec_models, url, coordinator=keep) as roles:
         req = sf.request([5, 6, 7, 8], max_new_tokens=6, gamma=2, ignore_eos=True)
         out = await sf.generate(roles.address, req)
         assert out.stats is not None and len(out.token_ids) == 6

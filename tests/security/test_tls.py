@@ -116,8 +116,9 @@ async def test_worker_calls_need_a_client_certificate_from_the_ca(roles, pki, wo
 
 async def test_the_coordinators_worker_clients_without_a_certificate_are_refused(roles, pki):
     """The coordinator's own clients: with only the CA (no client certificate) the workers refuse them."""
-    no_cert = CoordinatorSettings(worker_tls_ca_file=pki.ca, rpc_timeout_s=5.0)
+    no_cert = CoordinatorSettings(host="127.0.0.1", worker_tls_ca_file=pki.ca, rpc_timeout_s=5.0)
     with_cert = CoordinatorSettings(
+        host="127.0.0.1",
         worker_tls_ca_file=pki.ca, worker_tls_cert_file=pki.client.cert, worker_tls_key_file=pki.client.key
     )
     for cls, port in ((DraftClient, roles.draft.port), (TargetClient, roles.target.port)):

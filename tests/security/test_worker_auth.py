@@ -126,7 +126,7 @@ async def test_a_direct_propose_or_release_without_the_token_is_refused(roles):
 
 
 async def test_the_coordinators_clients_with_another_token_are_refused(roles):
-    wrong = CoordinatorSettings(worker_token=SecretStr("not-it"), rpc_timeout_s=5.0)
+    wrong = CoordinatorSettings(host="127.0.0.1", worker_token=SecretStr("not-it"), rpc_timeout_s=5.0)
     for cls, port in ((DraftClient, roles.draft.port), (TargetClient, roles.target.port)):
         client = cls(f"127.0.0.1:{port}", wrong)
         try:
@@ -187,7 +187,8 @@ def _non_loopback_address() -> str | None:
 
 
 async def test_the_local_stack_keeps_its_workers_on_loopback_whatever_host_says(sec_pair, redis_server):
-    async with sf.local_stack(sec_pair, redis_server.url, host="0.0.0.0") as stack:
+    insecure = {"insecure": True}  # the coordinator beyond loopback without client auth: test_coordinator_security.py
+    async with sf.local_stack(sec_pair, redis_server.url, host="0.0.0.0", coordinator_overrides=insecure) as stack:
         assert [t.settings.host for t in stack.targets] == ["127.0.0.1"]
         assert stack.draft.settings.host == "127.0.0.1"
         assert stack.coordinator.settings.host == "0.0.0.0"
@@ -200,3 +201,44 @@ async def test_the_local_stack_keeps_its_workers_on_loopback_whatever_host_says(
                     socket.create_connection((address, port), timeout=5).close()
         out = await sf.generate(f"127.0.0.1:{stack.port}", sf.request(list(PROMPT), max_new_tokens=4, gamma=2))
         assert len(out.token_ids) == 4 and out.stats.proposed_tokens > 0
+
+
+async def test_the_workers_of_a_process_stack_refuse_a_local_caller_without_its_random_token(sec_pair, redis_server):
+    """``specserve up`` and ``demo`` run ``start_process_stack``: its workers listen on loopback, where any
+    local process reaches them, so they require a worker token made for the stack. A direct Verify or
+    Propose is refused; the stack's own coordinator (which has the token) generates through both."""
+    from specserve.launch.local import start_process_stack
+
+    stack = await start_process_stack(
+        target_model=sec_pair.target_dir, draft_model=sec_pair.draft_dir, redis_url=redis_server.url,
+        device="cpu", dtype="float32", target_overrides={"measure_verify_cost": False, "warmup": False},
+        draft_overrides={"warmup": False},
+    )  # fmt: skip
+    try:
+        verify = target_pb2.VerifyRequest(
+            items=[
+                target_pb2.VerifyItem(
+                    base=common_pb2.SessionBase(session_id="x", committed_len=len(PROMPT), version=0),
+                    proposal=common_pb2.Proposal(token_ids=[9]),
+                )
+            ]
+        )
+        propose = draft_pb2.ProposeRequest(
+            base=common_pb2.SessionBase(session_id="x", committed_len=len(PROMPT)),
+            token_ids=PROMPT,
+            sampling=common_pb2.SamplingParams(temperature=0),
+            gamma=2,
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.target_ports[0]}") as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            assert await _code(stub.Verify(verify, timeout=30)) == grpc.StatusCode.UNAUTHENTICATED
+            assert await _code(stub.Verify(verify, timeout=30, metadata=_auth("guess"))) == (
+                grpc.StatusCode.PERMISSION_DENIED
+            )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.draft_port}") as channel:
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+            assert await _code(stub.Propose(propose, timeout=30)) == grpc.StatusCode.UNAUTHENTICATED
+        out = await sf.generate(stack.address, sf.request(list(PROMPT), max_new_tokens=6, gamma=2, ignore_eos=True))
+        assert len(out.token_ids) == 6 and out.stats.proposed_tokens > 0
+    finally:
+        await stack.stop()

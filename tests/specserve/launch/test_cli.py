@@ -131,12 +131,12 @@ def test_serve_coordinator_takes_the_http_port_from_a_flag_or_the_environment(mo
     from specserve.runtime.config import CoordinatorSettings
 
     parser = cli._role_parser("coordinator", CoordinatorSettings)
-    assert CoordinatorSettings().http_port is None, "off unless asked for"
-    options = parser.parse_args(["--http-port", "8080", "--served-model-name", "m"])
+    assert CoordinatorSettings(host="127.0.0.1").http_port is None, "off unless asked for"
+    options = parser.parse_args(["--http-port", "8080", "--served-model-name", "m", "--host", "127.0.0.1"])
     settings = CoordinatorSettings(**{k: v for k, v in vars(options).items() if v is not None})
     assert settings.http_port == 8080 and settings.served_model_name == "m"
     monkeypatch.setenv("SPECSERVE_HTTP_PORT", "9000")
-    assert CoordinatorSettings().http_port == 9000
+    assert CoordinatorSettings(host="127.0.0.1").http_port == 9000
 
 
 @pytest.mark.unit

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.runtime.interceptors import certificate_names, peer_key
+from specserve.runtime.interceptors import (
+    MAX_REQUEST_ID_CHARS,
+    MAX_REQUEST_IDS_CHARS,
+    certificate_names,
+    clean_request_ids,
+    peer_key,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -36,3 +42,14 @@ def test_certificate_names_are_the_common_name_and_the_dns_alternative_names():
     }
     assert certificate_names(context) == {"coordinator", "coordinator.specserve.svc", "localhost"}
     assert certificate_names({}) == set() and certificate_names(None) == set()
+
+
+def test_request_ids_are_printable_ascii_cut_to_their_cap_and_joined_under_gRPCs_limit():
+    assert clean_request_ids(None) is None and clean_request_ids(["", " \t"]) is None
+    assert clean_request_ids("req 1\x00\u00e9,req-2,req-2") == "req1,req-2"
+    assert clean_request_ids("x" * 10_000) == "x" * MAX_REQUEST_ID_CHARS
+    many = clean_request_ids([f"{i:0{MAX_REQUEST_ID_CHARS}d}" for i in range(100)])
+    assert many is not None and len(many) <= MAX_REQUEST_IDS_CHARS
+    kept = many.split(",")
+    assert kept[-1] == f"+{100 - (len(kept) - 1)}" and len(kept) > 20
+    assert clean_request_ids(["a" * 9000, "b" * 9000]) == f"{'a' * MAX_REQUEST_ID_CHARS},{'b' * MAX_REQUEST_ID_CHARS}"

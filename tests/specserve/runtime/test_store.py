@@ -137,6 +137,24 @@ async def test_lease(store: SessionStore):
     assert await store.acquire_lease(s, "b", 5)
 
 
+async def test_an_ended_session_is_deleted_or_kept_for_a_while_and_another_owners_is_left_alone(store: SessionStore):
+    params = (SamplingParams(), StopConditions(max_new_tokens=4))
+    gone, kept, taken = sid(), sid(), sid()
+    for s in (gone, kept, taken):
+        await store.create(s, [1, 2], *params)
+    await store.acquire_lease(gone, "a", 30)
+    await store.acquire_lease(kept, "a", 30)
+    await store.acquire_lease(taken, "b", 30)
+    await store.end(gone, "a")
+    assert not await store.exists(gone) and await store.lease_owner(gone) is None
+    await store.end(kept, "a", keep_s=60)
+    assert (await store.load(kept)).token_ids == (1, 2) and await store.lease_owner(kept) is None
+    meta, tokens, _ = store.keys(kept)
+    assert 0 < await store.redis.pttl(meta) <= 60_000 and 0 < await store.redis.pttl(tokens) <= 60_000
+    await store.end(taken, "a")  # b drives it now
+    assert await store.exists(taken) and await store.lease_owner(taken) == "b"
+
+
 async def test_redis_down_is_unavailable(tmp_path):
     from specserve.launch.redis_server import free_port
 
