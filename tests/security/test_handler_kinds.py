@@ -71,12 +71,12 @@ async def _call(channel: grpc.aio.Channel, kind: str, metadata) -> list[bytes]:
     """Call method ``kind`` with two request messages where it streams them; its replies."""
     method = f"/{SERVICE}/{kind}"
     if kind == "UnaryUnary":
-        return [await channel.unary_unary(method)(b"x", metadata=metadata, timeout=10)]
+        return [await channel.unary_unary(method)(b"x", metadata=metadata, timeout=60)]
     if kind == "UnaryStream":
-        return [reply async for reply in channel.unary_stream(method)(b"x", metadata=metadata, timeout=10)]
+        return [reply async for reply in channel.unary_stream(method)(b"x", metadata=metadata, timeout=60)]
     if kind == "StreamUnary":
-        return [await channel.stream_unary(method)(iter([b"x", b"y"]), metadata=metadata, timeout=10)]
-    call = channel.stream_stream(method)(iter([b"x", b"y"]), metadata=metadata, timeout=10)
+        return [await channel.stream_unary(method)(iter([b"x", b"y"]), metadata=metadata, timeout=60)]
+    call = channel.stream_stream(method)(iter([b"x", b"y"]), metadata=metadata, timeout=60)
     return [reply async for reply in call]
 
 
