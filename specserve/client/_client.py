@@ -211,6 +211,7 @@ def build_request(
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
+    min_new_tokens: int = 0,
     gamma: int | Literal["auto"] | None = None,
     proposer: Literal["model", "ngram"] | None = "model",
     draft_top_k: int = 0,
@@ -235,6 +236,7 @@ def build_request(
     _check_uint("top_k", top_k, 32)
     _check_uint("draft_top_k", draft_top_k, 32)
     _check_uint("max_new_tokens", max_new_tokens or 0, 32)
+    _check_uint("min_new_tokens", min_new_tokens, 32)
     if seed is not None:
         _check_uint("seed", seed, 64)
     _check_uint("top_logprobs", top_logprobs, 32)
@@ -262,6 +264,7 @@ def build_request(
             stop_token_ids=list(stop_token_ids or ()),
             stop_strings=list(stop or ()),
             ignore_eos=ignore_eos,
+            min_new_tokens=min_new_tokens,
         ),
         speculation=coordinator_pb2.SpeculationParams(
             proposer=PROPOSER_KINDS[proposer] if proposer is not None else common_pb2.PROPOSER_KIND_UNSPECIFIED,
@@ -566,6 +569,7 @@ class Client:
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        min_new_tokens: int = 0,
         gamma: int | Literal["auto"] | None = None,
         proposer: Literal["model", "ngram"] | None = "model",
         draft_top_k: int = 0,
@@ -583,7 +587,10 @@ class Client:
         those. ``seed`` (None: the server picks and reports it in ``stats.seed``)
         makes a sampled completion reproducible. ``max_new_tokens`` None is the
         server's default. ``stop`` strings and ``stop_token_ids`` end the
-        completion (included in it). ``gamma``: draft tokens per round, or
+        completion (included in it). ``min_new_tokens`` (vLLM's ``min_tokens``): until
+        that many tokens are generated, EOS (unless ``ignore_eos``) and ``stop_token_ids``
+        are masked out of the distribution, as Hugging Face's ``min_new_tokens`` masks EOS
+        (not with ``stop`` strings; at most ``max_new_tokens``). ``gamma``: draft tokens per round, or
         ``"auto"``/None for the server's policy; ``proposer``: ``"model"`` (the
         draft model) or ``"ngram"`` (prompt lookup); ``draft_top_k`` > 0 truncates
         the draft's distribution (the output distribution stays exact).

@@ -737,6 +737,10 @@ async def test_min_tokens_equals_target_alone_with_eos_masked_until_then(pair, o
     assert (await sf.generate(stack.address, grpc_request)).token_ids == want
     plain = await oai.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)
     assert plain.usage.completion_tokens == len(early)  # without it, EOS ends the completion
+    if not gamma:  # several target steps per Verify call: each step masks by its own position
+        async with extra_coordinator(stack, pair.tokenizer, decode_steps=4) as app:
+            steps = await sf.generate(f"127.0.0.1:{app.port}", grpc_request)
+        assert steps.token_ids == want and steps.stats.rounds < len(want)
 
 
 async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(oai):

@@ -203,6 +203,7 @@ def test_build_request_maps_every_argument():
         stop="\n\n",
         stop_token_ids=[3, 4],
         ignore_eos=True,
+        min_new_tokens=6,
         gamma=4,
         proposer="ngram",
         draft_top_k=8,
@@ -215,7 +216,7 @@ def test_build_request_maps_every_argument():
     assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
     assert s.min_p == pytest.approx(0.05) and s.repetition_penalty == pytest.approx(1.2)
     assert list(req.stop.stop_strings) == ["\n\n"] and list(req.stop.stop_token_ids) == [3, 4]
-    assert req.stop.max_new_tokens == 12 and req.stop.ignore_eos
+    assert req.stop.max_new_tokens == 12 and req.stop.ignore_eos and req.stop.min_new_tokens == 6
     assert req.speculation.gamma == 4 and req.speculation.draft_top_k == 8
     assert req.speculation.min_confidence == pytest.approx(0.25)
     assert req.speculation.proposer == common_pb2.PROPOSER_KIND_NGRAM
