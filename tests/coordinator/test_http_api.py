@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
+import structlog.testing
 import system_fixtures as sf
 import tiny_models
 from prometheus_client import REGISTRY
@@ -812,3 +813,21 @@ async def test_skip_special_tokens_false_keeps_the_eos_in_the_text(pair, oai):
     assert plain.choices[0].text == pair.tokenizer.decode(early, skip_special_tokens=True)
     assert kept.choices[0].text == pair.tokenizer.decode(early) == plain.choices[0].text + eos
     assert kept.usage.completion_tokens == plain.usage.completion_tokens == len(early)
+
+
+async def test_unknown_fields_are_refused_unless_the_server_ignores_them(stack, pair, url):
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "reasoning_effort": "low"}
+    known = {k: v for k, v in body.items() if k != "reasoning_effort"}
+    async with httpx.AsyncClient(timeout=120) as http:
+        refused = await http.post(f"{url}/completions", json=body)
+        without = await http.post(f"{url}/completions", json=known)
+        async with extra_coordinator(stack, pair.tokenizer, http_unknown_fields="ignore") as app:
+            with structlog.testing.capture_logs() as logs:
+                served = await http.post(f"{app.http.url}/completions", json=body)
+    assert refused.status_code == 400
+    error = check_error_shape(refused.json(), "invalid_request_error")
+    assert error["param"] == "reasoning_effort" and error["code"] == "unknown_parameter"
+    assert served.status_code == 200 and without.status_code == 200
+    assert served.json()["choices"][0]["text"] == without.json()["choices"][0]["text"]
+    warned = [e for e in logs if e["event"] == "http_unknown_fields_ignored"]
+    assert warned and warned[0]["fields"] == ["reasoning_effort"]

@@ -109,6 +109,25 @@ def test_chat_stream_chunks_then_the_usage_chunk():
     assert {c["id"] for c in out} == {last["id"]} and last["id"].startswith("chatcmpl-")
 
 
+def test_continuous_usage_puts_the_running_usage_in_every_chunk():
+    options = ReplyOptions(include_usage=True, continuous_usage=True)
+    b = ReplyBuilder("chat", model="m", n=2, options=options, prompt_tokens=5)
+    first = b.on_event(0, Chunk((7, 8), "he"))
+    second = b.on_event(1, Chunk((9,), "y"))
+    done = b.on_event(0, Finished(stats(completion_tokens=2)))
+    counts = [c["usage"]["completion_tokens"] for c in first + second + done]
+    assert counts == [0, 2, 2, 3, 3]  # each choice's role chunk, then its text: the usage after each chunk
+    assert all(c["usage"]["prompt_tokens"] == 5 for c in first + second + done)
+    assert all(c["usage"]["total_tokens"] == 5 + c["usage"]["completion_tokens"] for c in first + second + done)
+
+
+def test_trimming_nothing_keeps_the_stop_string():
+    b = ReplyBuilder("completion", model="m", n=1, options=ReplyOptions(trim_stop_strings=()))
+    b.on_event(0, Chunk((1,), "x = 1\n\n"))
+    b.on_event(0, Finished(stats(completion_tokens=1, finish_reason=STOP_STRING)))
+    assert b.reply()["choices"][0]["text"] == "x = 1\n\n"
+
+
 def test_non_streamed_completion_reply():
     b = ReplyBuilder("completion", model="m", n=1, options=ReplyOptions(trim_stop_strings=("\n\n",)))
     chunks = b.on_event(0, Chunk((1,), "x = 1\n"))
