@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sys
+import threading
 
 import grpc
 import httpx
@@ -50,6 +52,7 @@ async def roles(captured_logs, sec_pair, sec_models, redis_server):
         "max_batch_wait_ms": 500.0,
         "max_prompt_tokens": MAX_PROMPT_TOKENS,
         "max_message_bytes": 4 * 1024 * 1024,
+        "max_prompt_bytes": 512 * 1024,
     }
     async with running_roles(sec_pair, sec_models, redis_server.url, coordinator=coordinator) as r:
         yield r
@@ -130,6 +133,38 @@ async def test_a_token_prompt_over_the_limit_is_refused_naming_the_field_before_
     assert "200000" in error["message"]
     assert chat.status_code == 400, chat.text
     assert chat.json()["error"]["param"] == "messages"
+
+
+def _frames_of(name: str, filename: str, seen: set[int], stop: threading.Event) -> None:
+    """Until ``stop``: add to ``seen`` the id of every thread found running function ``name`` of ``filename``."""
+    while not stop.wait(0.001):
+        for thread_id, frame in sys._current_frames().items():
+            f = frame
+            while f is not None:
+                if f.f_code.co_name == name and f.f_code.co_filename.endswith(filename):
+                    seen.add(thread_id)
+                f = f.f_back
+
+
+async def test_a_large_body_is_parsed_and_validated_off_the_event_loop(url):
+    """The review's case: 100k messages (about 3 MB, under every size limit) take the validator a while;
+    meanwhile the coordinator's event loop (this test's: the servers run in it) must stay free. A thread
+    watching every thread's stack sees the validation (``parse_body``) run, never on the loop's thread."""
+    messages = [{"role": "user", "content": ""}] * 100_000
+    body = {"messages": messages, "max_tokens": 2, "not_a_field": True}  # refused once validated
+    seen: set[int] = set()
+    stop = threading.Event()
+    watcher = threading.Thread(target=_frames_of, args=("parse_body", "openai_protocol.py", seen, stop))
+    watcher.start()
+    try:
+        async with httpx.AsyncClient(timeout=120) as http:
+            reply = await http.post(f"{url}/chat/completions", json=body)
+    finally:
+        stop.set()
+        watcher.join()
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "not_a_field", reply.text
+    assert seen, "the validation was seen running"
+    assert threading.get_ident() not in seen, "the validation ran on the event loop's thread"
 
 
 async def test_n_over_the_session_limits_is_refused_before_any_prompt_is_tokenized(url):
