@@ -129,6 +129,8 @@ def reference_coupled(
     top_k: int = 0,
     top_p: float = 1.0,
     repetition_penalty: float = 1.0,
+    min_new_tokens: int = 0,
+    eos_token_id: int | None = None,
 ) -> list[int]:
     """The target's own Gumbel-max sampling, ``y_j = argmax(log p_j + G_j)``, from Hugging Face logits.
 
@@ -136,7 +138,9 @@ def reference_coupled(
     processed by HF's own processors (repetition penalty, temperature, top-k, top-p, in
     ``generate()``'s order), turned into ``log p`` in float64, plus
     ``specserve.core.rng.gumbel_noise(seed, j)`` of the position ``j`` being decided; the argmax is
-    the token. EOS is an ordinary token (``ignore_eos``).
+    the token. EOS is an ordinary token (``ignore_eos``) unless ``eos_token_id`` is given: then the
+    tokens are cut after the first one, and ``min_new_tokens`` masks it until then (HF's
+    ``MinNewTokensLengthLogitsProcessor``, first).
     """
     import torch
     from transformers import (
@@ -151,6 +155,11 @@ def reference_coupled(
     from specserve.core.rng import gumbel_noise
 
     processors = LogitsProcessorList()
+    if min_new_tokens:
+        from transformers import MinNewTokensLengthLogitsProcessor
+
+        assert eos_token_id is not None, "min_new_tokens masks eos_token_id"
+        processors.append(MinNewTokensLengthLogitsProcessor(len(prompt), min_new_tokens, eos_token_id))
     if repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
     if temperature != 1.0:
@@ -171,6 +180,8 @@ def reference_coupled(
             token = torch.argmax(torch.log_softmax(scores.double(), dim=-1) + noise, dim=-1, keepdim=True)
             ids = torch.cat([ids, token], dim=1)
             feed = token
+            if eos_token_id is not None and int(token) == eos_token_id:
+                break
     return ids[0, len(prompt) :].tolist()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import re
 import shlex
@@ -27,6 +28,7 @@ import specserve
 from coordinator.server import start_coordinator
 from specserve import AsyncClient
 from specserve.runtime.config import CoordinatorSettings
+from specserve.v1 import common_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -742,6 +744,25 @@ async def test_min_tokens_equals_target_alone_with_eos_masked_until_then(pair, o
         async with extra_coordinator(stack, pair.tokenizer, decode_steps=4) as app:
             steps = await sf.generate(f"127.0.0.1:{app.port}", grpc_request)
         assert steps.token_ids == want and steps.stats.rounds < len(want)
+
+
+async def test_min_tokens_in_the_coupled_mode_equals_the_targets_own_sampling_with_the_mask(pair, stack):
+    """Sampled, in the coupled mode (the text for a seed is the target's own Gumbel-max sample, whatever
+    the draft proposed): with min_new_tokens the server's tokens are the target-alone sample with EOS
+    masked until then, and without it the same seed ends early at EOS."""
+    prompt, _ = _prompt_ending_early(pair, 6)
+    sample = functools.partial(sf.reference_coupled, pair.target_dir, prompt, 16, temperature=0.7, eos_token_id=0)
+    seed = next((s for s in range(64) if len(sample(seed=s)) < 8), None)
+    assert seed is not None, "no seed of 64 ends the sample early; the search needs widening"
+    want = sample(seed=seed, min_new_tokens=12)
+    assert len(want) >= 12
+    request = sf.request(
+        prompt, max_new_tokens=16, temperature=0.7, seed=seed, gamma=3,
+        sampling_mode=common_pb2.SAMPLING_MODE_COUPLED,
+    )  # fmt: skip
+    request.stop.min_new_tokens = 12
+    got = await sf.generate(stack.address, request)
+    assert got.token_ids == want and got.stats.proposed_tokens > 0
 
 
 async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(oai):
