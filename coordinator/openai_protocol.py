@@ -36,6 +36,7 @@ range is a 400 naming the field, never a 500.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -235,9 +236,10 @@ class _OpenAIRequest(BaseModel):
         for name, (default, why) in {**_UNSUPPORTED_COMMON, **self._unsupported}.items():
             value = getattr(self, name)
             if value is not None and value != default:
+                shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+                instead = "leave it out" if default is None else f"send {json.dumps(default)} or leave it out"
                 raise bad_param(
-                    name, f"{name}={value!r} is not supported: {why} (send {default!r} or leave it out)",
-                    "unsupported_parameter",
+                    name, f"{name}={shown} is not supported: {why} ({instead})", "unsupported_parameter"
                 )
         if self.stream_options is not None and not self.stream:
             raise bad_param("stream_options", "stream_options is only allowed with stream: true")
