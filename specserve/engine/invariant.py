@@ -147,6 +147,31 @@ def fewest_block_rows(run: Callable[[Tensor], Tensor], in_features: int) -> int 
     return None
 
 
+#: (head dim, threads) -> whether the attention's products keep a row's bits from MIN_QUERY_ROWS rows on.
+_PRODUCTS_CHECKED: dict[tuple[int, int], bool] = {}
+
+
+def products_row_invariant(head_dim: int) -> bool:
+    """Whether float32 ``[m, K] x [K, N]`` products (``K`` the head dim for the scores, :data:`KEY_CHUNK` for
+    the values) give a row the same bits for every row count ``m >= MIN_QUERY_ROWS``, wherever it sits and
+    whatever ``N``: the kernel property :func:`invariant_attention` relies on, checked once per head dim."""
+    key = (head_dim, torch.get_num_threads())
+    if key not in _PRODUCTS_CHECKED:
+        gen = torch.Generator().manual_seed(0)
+        ok = True
+        with torch.inference_mode():
+            for k_dim in (head_dim, KEY_CHUNK):
+                a = torch.randn(2, 300, k_dim, generator=gen)  # [2, rows, K]
+                b = torch.randn(2, k_dim, 3 * KEY_CHUNK, generator=gen)  # [2, K, N]
+                whole = torch.matmul(a, b)  # [2, rows, N]
+                for m in (MIN_QUERY_ROWS, MIN_QUERY_ROWS + 1, 7, 16, 33, 100):
+                    for at in (0, 11, 300 - m):
+                        ok = ok and torch.equal(torch.matmul(a[:, at : at + m], b), whole[:, at : at + m])
+                ok = ok and torch.equal(torch.matmul(a[:, :8], b[:, :, :KEY_CHUNK]), whole[:, :8, :KEY_CHUNK])
+        _PRODUCTS_CHECKED[key] = ok
+    return _PRODUCTS_CHECKED[key]
+
+
 def _row_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """One session's attention: ``q [H, t, d]`` at the last ``t`` of the ``n`` positions of ``k/v [KV, n, d]``
     (query ``i`` sees keys ``0 .. n - t + i``) -> ``[t, H, d]``, in a reduction order fixed per query."""
@@ -220,9 +245,17 @@ def invariant_attention(
 def prepare(model: Any) -> int:
     """Make ``model``'s passes invariant (the module docstring): every linear layer (stock or packed, as loaded)
     becomes an :class:`InvariantLinear`, attention :func:`invariant_attention`. Returns the layers swapped
-    (0 when it was prepared before)."""
-    attention.register(ATTENTION, invariant_attention)
+    (0 when it was prepared before). Raises ``RuntimeError`` where the CPU's matmul lacks the property the
+    attention relies on (:func:`products_row_invariant`)."""
     config = model.config
+    text = config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if next(model.parameters()).device.type == "cpu" and not products_row_invariant(head_dim):
+        raise RuntimeError(
+            f"this machine's float32 matmul gives a row different bits for different row counts at head dim "
+            f"{head_dim}: invariant passes cannot be promised here; serve with invariant off (--no-invariant)"
+        )
+    attention.register(ATTENTION, invariant_attention)
     if config._attn_implementation != ATTENTION:
         model.set_attn_implementation(ATTENTION)
     swapped = 0

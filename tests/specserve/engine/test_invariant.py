@@ -196,11 +196,11 @@ def test_invariant_passes_compute_what_the_stock_ones_do(model_dir):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # ...of the same sums
 
 
-@pytest.mark.parametrize("head_dim", [64])
+@pytest.mark.parametrize("head_dim", [12, 64, 128])
 def test_the_attention_products_give_a_row_the_same_bits_from_the_fewest_rows_on(head_dim):
     """The kernel property the attention relies on, on this machine: a [m, K] x [K, N] float32 product (K the
     head dim for the scores, the 64-key chunk for the values) gives a row the same bits for every row count
-    m >= MIN_QUERY_ROWS, wherever the row sits and whatever N."""
+    m >= MIN_QUERY_ROWS, wherever the row sits and whatever N (prepare() checks it too)."""
     gen = torch.Generator().manual_seed(0)
     for k_dim in (head_dim, invariant.KEY_CHUNK):
         a = torch.randn(3, 700, k_dim, generator=gen)  # [KV, rows, K]
@@ -210,6 +210,7 @@ def test_the_attention_products_give_a_row_the_same_bits_from_the_fewest_rows_on
             for at in (0, 11, 700 - m):
                 assert torch.equal(torch.matmul(a[:, at : at + m], b), whole[:, at : at + m]), (k_dim, m, at)
         assert torch.equal(torch.matmul(a[:, :8], b[:, :, :64]), whole[:, :8, :64]), k_dim
+    assert invariant.products_row_invariant(head_dim)
 
 
 def test_packed_blocks_go_unpadded_only_where_the_kernel_allows(model_dir):
