@@ -179,23 +179,26 @@ def _row_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     kv_heads, n, _ = k.shape
     groups = heads // kv_heads
     chunks = -(-n // KEY_CHUNK)
-    pad = chunks * KEY_CHUNK - n
-    keys = F.pad(k, (0, 0, 0, pad)).contiguous().transpose(1, 2)  # [KV, d, N], N = chunks * KEY_CHUNK
-    values = F.pad(v, (0, 0, 0, pad)).contiguous().view(kv_heads, chunks, KEY_CHUNK, dim)  # [KV, C, 64, d]
+    pad = chunks * KEY_CHUNK - n  # keys past the row's end: masked, so the chunks start at the row's position 0
+    # Keys padded to whole chunks: the kernel's bits for a key column hold for widths in whole chunks.
+    keys = F.pad(k, (0, 0, 0, pad)).transpose(1, 2)  # [KV, d, C*64]
+    values = F.pad(v, (0, 0, 0, pad)).view(kv_heads, chunks, KEY_CHUNK, dim)  # [KV, C, 64, d]
     rows = (q * scale).reshape(kv_heads, groups * t, dim)  # [KV, G*t, d]: row g*t + i is head g of the group, query i
-    position = (torch.arange(t, device=q.device) + (n - t)).repeat(groups)  # [G*t]
-    key_position = torch.arange(chunks * KEY_CHUNK, device=q.device)  # [N]
+    hidden = None
+    if t > 1:  # a lone query is the last position: it sees every key
+        position = (torch.arange(t, device=q.device) + (n - t)).repeat(groups)  # [G*t]
+        hidden = torch.arange(n, device=q.device) > position.unsqueeze(-1)  # [G*t, n]: later positions
     out = torch.empty(kv_heads, groups * t, dim, dtype=q.dtype, device=q.device)  # [KV, G*t, d]
     for start in range(0, groups * t, QUERY_PIECE):
         piece = rows[:, start : start + QUERY_PIECE]  # [KV, r, d]
         r = piece.shape[1]
-        pos = position[start : start + r]  # [r]
-        if r < MIN_QUERY_ROWS:  # padded rows sit at the last position (they see every key: finite, and dropped)
+        if r < MIN_QUERY_ROWS:  # zero rows added (they see every key: finite, and dropped)
             piece = F.pad(piece, (0, 0, 0, MIN_QUERY_ROWS - r))
-            pos = F.pad(pos, (0, MIN_QUERY_ROWS - r), value=n - 1)
         # Scores: each a dot product over the head dim, in a product of at least MIN_QUERY_ROWS rows.
-        scores = torch.matmul(piece, keys)  # [KV, r', N]
-        scores.masked_fill_(key_position > pos.unsqueeze(-1), float("-inf"))
+        scores = torch.matmul(piece, keys)  # [KV, r', C*64]
+        scores[..., n:] = float("-inf")  # the padding past the row's end
+        if hidden is not None:
+            scores[:, :r, :n].masked_fill_(hidden[start : start + r], float("-inf"))
         top = scores.amax(dim=-1, keepdim=True)  # [KV, r', 1]: exact, order-free
         p = torch.exp(scores - top).view(kv_heads, -1, chunks, KEY_CHUNK)  # [KV, r', C, 64]; hidden keys: 0
         # Per chunk a sum of 64 and a [r', 64] x [64, d] product; then the chunks added in order.
