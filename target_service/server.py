@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from specserve.engine import invariant
 from specserve.engine.model_thread import ModelThread
 from specserve.engine.models import LoadedModel
@@ -25,6 +27,8 @@ from specserve.v1 import target_pb2, target_pb2_grpc
 from target_service.calibration import CURVE_MAX_POSITIONS
 from target_service.servicer import TargetServicer
 from target_service.verifier import Verifier
+
+log = structlog.get_logger(__name__)
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -69,7 +73,8 @@ def build_target(
         model = thread.call(lambda: load_worker_model(settings, "target", kernels=settings.kernels))
     if settings.invariant:
         loaded = model
-        thread.call(lambda: invariant.prepare(loaded.model))
+        swapped = thread.call(lambda: invariant.prepare(loaded.model))
+        log.info("target_passes_invariant", linear_layers=swapped, kernels=invariant.kernels_of(model.model))
     owns_store = store is None
     if store is None:
         store = SessionStore.from_url(settings.redis_url.get_secret_value())

@@ -265,10 +265,8 @@ async def local_stack(pair: TinyPair, redis_url: str, **kwargs: Any) -> AsyncIte
         **kwargs.get("coordinator_overrides", {}),
     }
     overrides = {"warmup": False, **kwargs.pop("worker_overrides", {})}
-    # The target on PyTorch's stock kernels, as the references here (load_reference) are: its default,
-    # "fastest", times both paths as it loads, and for a tiny model that choice is the machine's noise,
-    # which would change the stacks' costs (and so the adaptive policy's choices) from run to run.
-    # tests/specserve/engine/test_cpu_kernels.py covers "fastest".
+    # The target on PyTorch's stock kernels (in invariant passes, the default), as the references here
+    # (load_reference) are; tests/coordinator/test_rounds_invariant.py runs the default kernels ("auto").
     target = {**overrides, "kernels": "stock", **kwargs.pop("target_overrides", {})}
     stack = await start_local_stack(
         target_model=pair.target_dir,

@@ -277,6 +277,12 @@ def is_invariant(model: Any) -> bool:
     return model.config._attn_implementation == ATTENTION
 
 
+def kernels_of(model: Any) -> str:
+    """The kernel path of a prepared model's linear layers: "onednn", "stock", or "mixed"."""
+    paths = {m.kernels for m in model.modules() if isinstance(m, InvariantLinear)}
+    return paths.pop() if len(paths) == 1 else "mixed"
+
+
 def forward(model: Any, packed: batching.PackedBatch) -> tuple[Tensor, object]:
     """:func:`specserve.engine.batching.forward`, with each row's layout for the attention when ``model`` is
     invariant (:func:`prepare`), so that a row's logits do not depend on its batch-mates or padding."""
@@ -285,4 +291,4 @@ def forward(model: Any, packed: batching.PackedBatch) -> tuple[Tensor, object]:
     return batching.forward(model, packed, row_layout=RowLayout(spans=packed.spans, queries=packed.input_lens))
 
 
-__all__ = ["ATTENTION", "KEY_CHUNK", "MIN_QUERY_ROWS", "ROW_BLOCK", "InvariantLinear", "forward", "prepare"]
+__all__ = ["ATTENTION", "KEY_CHUNK", "MIN_QUERY_ROWS", "ROW_BLOCK", "InvariantLinear", "forward", "kernels_of", "prepare"]
