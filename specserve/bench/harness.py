@@ -485,7 +485,8 @@ async def _process_stack(args):
         target_model=str(args.target),
         draft_model=str(args.draft),
         redis_url=args.redis_url,
-        target_overrides={"metrics_port": metrics_port, "kernels": args.kernels},
+        # "fastest" reaches here only from --only-load; a target timing its kernels runs without invariance.
+        target_overrides={"metrics_port": metrics_port, "kernels": args.kernels, "invariant": args.kernels != "fastest"},
         draft_overrides={"max_batch_size": args.draft_batch},
         coordinator_overrides=_coordinator_overrides(args.draft_batch),
     )
@@ -807,11 +808,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kernels",
         choices=("fastest", "auto", "stock", "onednn"),
-        default="fastest",
-        help="the target's linear-layer kernels (specserve/engine/cpu_kernels.py), in the target service and in "
-        "the Hugging Face baselines alike; fastest (the target's default): both paths timed here as the "
-        "pair loads and the faster one given to the service too; where that is onednn, HF target-only with "
-        "the stock kernels runs too",
+        default="auto",
+        help="the target's linear-layer kernels (specserve/engine/cpu_kernels.py), in the target service (with "
+        "its default invariant passes) and in the Hugging Face baselines (stock transformers) alike; auto (the "
+        "target's default): packed where it applies; fastest: both paths timed here as the pair loads and the "
+        "faster one given to the service too (--only-load, which loads no baselines: the service times them "
+        "itself, with invariance off); where the path is onednn, HF target-only with the stock kernels runs too",
     )
     lat = parser.add_argument_group("network latency between the tiers (specserve/bench/latency.py)")
     lat.add_argument(

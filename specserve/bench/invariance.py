@@ -11,7 +11,9 @@ transformers' attention) and invariant ones (:func:`specserve.engine.invariant.p
 * **pass cost**: one pass over k new positions (k = 1, a decoding step, and
   each of ``--ks``) after a context of each ``--contexts`` length with a warm KV
   cache (:func:`specserve.bench.costs.time_pass`), in ``--pairs`` pairs of
-  timings, the stock and the invariant copy back to back in alternating order;
+  timings, the stock and the invariant copy back to back in alternating order,
+  by default in the thread's CPU time on one thread (``--clock cpu``: what a
+  pass costs, little moved by other processes on a shared machine);
   the cost is the median of the pairs' ratios, so drift on a shared machine
   cancels out of it;
 * **the same bits**: for each copy, whether the logits of the last positions
@@ -24,13 +26,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from specserve.bench.costs import random_context, time_pass
+from specserve.bench.costs import random_context
 from specserve.bench.harness import DEFAULT_TARGET, _run_header
 from specserve.bench.kernels import write_report
 from specserve.bench.pair import forward, prefilled
@@ -61,9 +64,21 @@ def _positions_agree(model, context: list[int], k: int) -> bool:
     return torch.equal(together, steps) and torch.equal(whole, together)
 
 
+def _time_pass(model, cache, k: int, clock) -> float:
+    """ms by ``clock`` (ns) of one pass over ``k`` random positions after ``cache`` (left as it was)."""
+    ids = torch.randint(0, model.config.vocab_size, (k,)).tolist()
+    with torch.inference_mode():
+        start = clock()
+        forward(model, ids, cache)
+        elapsed = clock() - start
+    cache.crop(-k)
+    return elapsed / 1e6
+
+
 def measure(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    clock = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
     ks = (1, *args.ks)
     cost: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     same: dict[str, dict[str, bool]] = {}
@@ -76,10 +91,11 @@ def measure(args: argparse.Namespace) -> dict:
             times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in ks} for name in PASSES}
             for k in tqdm(ks, desc=f"{kernels} kernels, context {length}", unit="k"):
                 for name in PASSES:  # warm-up
-                    time_pass(models[name], caches[name], k, 1)
+                    for _ in range(2):
+                        _time_pass(models[name], caches[name], k, clock)
                 for r in range(args.pairs):
                     for name in PASSES if r % 2 == 0 else PASSES[::-1]:
-                        times[name][k].append(time_pass(models[name], caches[name], k, 1, warmup=0))
+                        times[name][k].append(_time_pass(models[name], caches[name], k, clock))
             cost[kernels][str(length)] = {
                 str(k): {
                     "stock_ms": statistics.median(times["stock"][k]),
@@ -95,7 +111,7 @@ def measure(args: argparse.Namespace) -> dict:
         del models
     return {
         **_run_header(args),
-        "settings": {"pairs": args.pairs, "threads": args.threads},
+        "settings": {"pairs": args.pairs, "threads": args.threads, "clock": args.clock},
         "cost": cost,
         "same_bits": same,
     }
@@ -106,7 +122,8 @@ def render(data: dict) -> str:
     lines = [
         "# Invariant target passes: what they cost",
         "",
-        f"Measured {data['date_utc']} UTC ({data['machine']['platform']}, {s['threads']} torch threads, torch "
+        f"Measured {data['date_utc']} UTC ({data['machine']['platform']}, {s['threads']} torch threads, "
+        f"{'CPU time of the model thread' if s.get('clock') == 'cpu' else 'wall-clock time'}, torch "
         f"{data['machine']['torch']}), target `{Path(data['target']).name}` in float32; one run of:",
         "",
         f"```\n{data['command']}\n```",
@@ -146,9 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--ks", type=int, nargs="*", default=[5], help="verify pass widths timed besides k = 1")
     parser.add_argument("--pairs", type=int, default=30, help="pairs of timings (one pass of each copy) per k")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="cpu: the model thread's CPU time, with --threads 1 (what a pass costs, little moved by other "
+        "processes on a shared machine); wall: elapsed time",
+    )
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu measures one thread: use --threads 1")
     args.command = "python -m specserve.bench.invariance " + " ".join(argv if argv is not None else sys.argv[1:])
     write_report(args.out, "invariance", render=render, data=measure(args))
     return 0

@@ -9,10 +9,11 @@ import json
 
 import pytest
 import system_fixtures as sf
+import torch
 
 from specserve.bench.chat_prompts import copy_prompts
 from specserve.bench.harness import HF_LOOKUP, HF_STOCK, SPEC_MODES, main
-from specserve.engine import attention
+from specserve.engine import attention, cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,8 @@ async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(p
     data = json.loads((tmp_path / "bench.json").read_text())
     # The target's packed oneDNN kernels where this PyTorch has them (the HF baselines alike), and HF
     # target-only with the stock kernels beside them.
-    assert data["kernels"] == "stock"  # the harness's default, as the workers' (--kernels onednn adds HF_STOCK)
+    # The harness's default, "auto", as the target's: packed where this PyTorch has oneDNN.
+    assert data["kernels"] == cpu_kernels.resolve("auto", torch.device("cpu"), torch.float32)
     stock = [HF_STOCK] if data["kernels"] == "onednn" else []
     modes = ["hf target-only", *stock, "hf assisted", *HF_LOOKUP, *SPEC_MODES]
     assert sorted(data["single_stream"]) == ["chat T=0", "chat T=0.7", "copy T=0", "copy T=0.7"]
