@@ -107,6 +107,8 @@ class InvariantLinear(nn.Module):
         if self.fewest_rows is None:
             return _blocked(x, self._packed_matmul)
         flat = x.reshape(-1, x.shape[-1])  # [M, in]
+        if flat.shape[0] <= ROW_BLOCK:  # one block (every decoding step and short verify pass)
+            return cpu_kernels.pad_rows(x, self.fewest_rows, self._packed_matmul)
         out = torch.cat(
             [cpu_kernels.pad_rows(block, self.fewest_rows, self._packed_matmul) for block in flat.split(ROW_BLOCK)]
         )  # [M, out]: blocks of up to ROW_BLOCK rows, each padded to fewest_rows at least
