@@ -31,6 +31,7 @@ is cancelled and releases its caches, as a cancelled gRPC call does.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import math
 import time
@@ -47,7 +48,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-import specserve
 from coordinator.choices import Choices
 from coordinator.coordinator import Coordinator
 from coordinator.openai_protocol import (
@@ -178,6 +178,8 @@ class OpenAIServer:
         self._tokens = BearerTokens(auth_tokens) if auth_tokens else None
         self.token_strings = TokenStrings(coordinator.tokenizer)  # logprobs' token texts and bytes
         self.draining = False
+        #: ``GET /version``: the installed distribution's version.
+        self.version = _installed_version()
 
     # ---- per request --------------------------------------------------------------------
     def authorize(self, request: Request) -> str:
@@ -307,6 +309,13 @@ class OpenAIServer:
         return body
 
 
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("specserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
 def _too_large(limit: int) -> errors.ResourceExhausted:
     exc = errors.ResourceExhausted(f"the request body is larger than this server's limit of {limit} bytes")
     exc.http_status = 413  # type: ignore[attr-defined]
@@ -371,7 +380,7 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        return JSONResponse({"version": specserve.__version__})
+        return JSONResponse({"version": server.version})
 
     @app.get("/metrics")
     async def metrics() -> Response:
