@@ -5,7 +5,9 @@ way Hugging Face does for ``generate()``: ``apply_chat_template(messages,
 add_generation_prompt=True)`` renders the conversation and opens the
 assistant's turn, and the text is tokenized without adding special tokens (the
 template writes the ones it wants). The result equals
-``tokenizer.apply_chat_template(..., tokenize=True)``.
+``tokenizer.apply_chat_template(..., tokenize=True)``. :class:`TemplateOptions`
+can leave the assistant's turn closed, or leave the final message open so that
+the completion continues it (``continue_final_message``, Hugging Face's own).
 
 A tokenizer without a chat template cannot do this: :func:`chat_prompt_ids`
 raises :class:`~specserve.api.errors.FailedPrecondition` saying so. A template
@@ -46,12 +48,39 @@ def messages_from_pb(pb: coordinator_pb2.ChatMessages) -> tuple[ChatMessage, ...
     return tuple(ChatMessage.from_pb(m) for m in pb.messages)
 
 
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How the chat template renders a conversation: open the assistant's turn (the default), or
+    leave the final message open for the completion to continue (``continue_final_message``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidArgument(
+                "continue_final_message continues the final message, so the assistant's turn cannot also be "
+                "opened: leave add_generation_prompt off"
+            )
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.ChatMessages) -> TemplateOptions:
+        return cls(
+            add_generation_prompt=not (pb.omit_generation_prompt or pb.continue_final_message),
+            continue_final_message=pb.continue_final_message,
+        )
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> tuple[int, ...]:
-    """The prompt token ids of ``messages`` with the assistant's turn opened."""
+def chat_prompt_ids(
+    tokenizer: Any, messages: Sequence[ChatMessage], options: TemplateOptions | None = None
+) -> tuple[int, ...]:
+    """The prompt token ids of ``messages``, with the assistant's turn opened unless ``options`` say
+    otherwise."""
+    options = options or TemplateOptions()
     if not messages:
         raise InvalidArgument("the conversation is empty: send at least one chat message")
     if not has_chat_template(tokenizer):
@@ -64,7 +93,14 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> tuple[in
 
     conversation = [{"role": m.role, "content": m.content} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+        )
     except TemplateError as exc:
         raise InvalidArgument(f"the model's chat template refused the conversation: {exc}") from exc
+    except ValueError as exc:  # continue_final_message: the final message is not in the rendered text
+        raise InvalidArgument(f"continue_final_message: {exc}") from exc
     return tuple(tokenizer.encode(text, add_special_tokens=False))

@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 
 from coordinator.admission import Admission, SessionRate
-from coordinator.chat import ChatMessage, chat_prompt_ids
+from coordinator.chat import ChatMessage, TemplateOptions, chat_prompt_ids
 from coordinator.detokenize import IncrementalDetokenizer
 from coordinator.limits import Limits
 from coordinator.policy import FixedGamma, SpeculationPolicy
@@ -135,11 +135,11 @@ class Coordinator:
         )
         return tuple(ids)
 
-    async def render_chat(self, messages: list[ChatMessage]) -> tuple[int, ...]:
+    async def render_chat(self, messages: list[ChatMessage], options: TemplateOptions) -> tuple[int, ...]:
         """A conversation's prompt ids (the chat template), computed on the tokenizer threads."""
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(
-            self._tokenizer_pool, functools.partial(chat_prompt_ids, self.tokenizer, messages)
+            self._tokenizer_pool, functools.partial(chat_prompt_ids, self.tokenizer, messages, options)
         )
         return tuple(ids)
 

@@ -415,10 +415,11 @@ class ChatCompletionRequest(_OpenAIRequest):
     function_call: Any = None
     parallel_tool_calls: bool | None = None  # accepted and ignored (there are no tools)
     response_format: dict[str, Any] | None = None
+    # vLLM's chat extensions.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # vLLM's chat extensions not implemented: accepted at their defaults.
     echo: Any = None
-    add_generation_prompt: Any = None
-    continue_final_message: Any = None
     add_special_tokens: Any = None
     chat_template: Any = None
     chat_template_kwargs: Any = None
@@ -427,8 +428,6 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     _unsupported: ClassVar[dict[str, tuple[Any, str]]] = {
         "echo": (False, "the reply does not repeat the prompt"),
-        "add_generation_prompt": (True, "the chat template always opens the assistant's turn"),
-        "continue_final_message": (False, "the chat template always opens a new assistant turn"),
         "add_special_tokens": (False, "the chat template places the special tokens"),
         "chat_template": (None, "the model's own chat template is always used"),
         "chat_template_kwargs": ({}, "the model's chat template is rendered with no extra arguments"),
@@ -438,6 +437,12 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_param(
+                "continue_final_message",
+                "continue_final_message continues the final message, so the assistant's turn cannot also be "
+                "opened: send add_generation_prompt: false with it",
+            )
         if self.top_logprobs and not self.logprobs:
             raise bad_param("top_logprobs", "top_logprobs needs logprobs: true")
         for name in ("tools", "functions"):
@@ -464,6 +469,8 @@ class ChatCompletionRequest(_OpenAIRequest):
         pb.chat.messages.extend(
             coordinator_pb2.ChatMessage(role=m.role, content=m.text(i)) for i, m in enumerate(self.messages)
         )
+        pb.chat.omit_generation_prompt = not self.add_generation_prompt
+        pb.chat.continue_final_message = self.continue_final_message
         pb.chat.SetInParent()
 
 

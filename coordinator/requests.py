@@ -23,7 +23,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
-from coordinator.chat import ChatMessage, messages_from_pb
+from coordinator.chat import ChatMessage, TemplateOptions, messages_from_pb
 from specserve.api.errors import InvalidArgument
 from specserve.api.params import (
     SamplingParams,
@@ -38,7 +38,7 @@ from specserve.v1 import common_pb2, coordinator_pb2
 #: Tokenizes a text prompt (off the event loop) into token ids.
 Tokenize = Callable[[str], Awaitable[tuple[int, ...]]]
 #: Renders a conversation with the chat template and tokenizes it (off the event loop).
-RenderChat = Callable[[list[ChatMessage]], Awaitable[tuple[int, ...]]]
+RenderChat = Callable[[list[ChatMessage], TemplateOptions], Awaitable[tuple[int, ...]]]
 
 
 def random_seed() -> int:
@@ -220,7 +220,7 @@ async def _prompt(
     if which == "chat":
         size = sum(len(m.role.encode("utf-8")) + len(m.content.encode("utf-8")) for m in pb.chat.messages)
         _check_bytes("the conversation", size, settings)
-        prompt = tuple(await render_chat(messages_from_pb(pb.chat)))
+        prompt = tuple(await render_chat(list(messages_from_pb(pb.chat)), TemplateOptions.from_pb(pb.chat)))
         if not prompt:
             raise InvalidArgument("the conversation renders to no tokens: send a non-empty message")
         return prompt

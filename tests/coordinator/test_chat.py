@@ -75,8 +75,8 @@ async def _parse(pb, tokenizer, settings):
     async def tokenize(text):
         return tuple(tokenizer.encode(text, add_special_tokens=False))
 
-    async def render_chat(messages):
-        return chat_prompt_ids(tokenizer, messages)
+    async def render_chat(messages, options):
+        return chat_prompt_ids(tokenizer, messages, options)
 
     return await GenerationRequest.from_pb(
         pb, settings=settings, tokenize=tokenize, render_chat=render_chat, vocab_size=384, max_gamma=8

@@ -852,3 +852,27 @@ async def test_unknown_fields_are_refused_unless_the_server_ignores_them(stack, 
     assert served.json()["choices"][0]["text"] == without.json()["choices"][0]["text"]
     warned = [e for e in logs if e["event"] == "http_unknown_fields_ignored"]
     assert warned and warned[0]["fields"] == ["reasoning_effort"]
+
+
+async def test_add_generation_prompt_and_continue_final_message_render_as_hugging_face_does(pair, oai):
+    tok = pair.tokenizer
+    prefilled = [*CONVERSATION, {"role": "assistant", "content": "return a"}]
+    opened = tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)["input_ids"]
+    prompts = []
+    for extra, messages, kw in (
+        ({"add_generation_prompt": False}, CONVERSATION, {"add_generation_prompt": False}),
+        ({"add_generation_prompt": False, "continue_final_message": True}, prefilled, {"continue_final_message": True}),
+    ):
+        ids = tok.apply_chat_template(messages, tokenize=True, **kw)["input_ids"]
+        want = sf.reference_greedy(pair.target_dir, ids, 8, ignore_eos=True)
+        reply = await oai.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=8, extra_body={"ignore_eos": True, **extra}
+        )
+        assert reply.usage.prompt_tokens == len(ids)
+        assert reply.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+        prompts.append(ids)
+    assert len({tuple(opened), *map(tuple, prompts)}) == 3, "the three renderings differ"
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt: false"):
+        await oai.chat.completions.create(
+            model=MODEL, messages=prefilled, max_tokens=2, extra_body={"continue_final_message": True}
+        )
