@@ -16,6 +16,8 @@ transformers' attention) and invariant ones (:func:`specserve.engine.invariant.p
   pass costs, little moved by other processes on a shared machine);
   the cost is the median of the pairs' ratios, so drift on a shared machine
   cancels out of it;
+* **prefill cost**: a prompt of each ``--prefills`` length into a new cache,
+  ``--prefill-pairs`` pairs;
 * **the same bits**: for each copy, whether the logits of the last positions
   are ``torch.equal`` from one-position steps, from one pass over them and
   from a prefill of the whole sequence.
@@ -75,6 +77,14 @@ def _time_pass(model, cache, k: int, clock) -> float:
     return elapsed / 1e6
 
 
+def _time_prefill(model, ids: list[int], clock) -> float:
+    """ms by ``clock`` (ns) of a prefill of ``ids`` into a new cache, the logits of the last position only."""
+    with torch.inference_mode():
+        start = clock()
+        model(input_ids=torch.tensor([ids]), cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+        return (clock() - start) / 1e6
+
+
 def measure(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -82,6 +92,7 @@ def measure(args: argparse.Namespace) -> dict:
     ks = (1, *args.ks)
     cost: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     same: dict[str, dict[str, bool]] = {}
+    prefill: dict[str, dict[str, dict[str, float]]] = {}
     for kernels in args.kernels:
         models = _copies(args.target, kernels)
         vocab = models["stock"].config.vocab_size
@@ -106,13 +117,31 @@ def measure(args: argparse.Namespace) -> dict:
                 }
                 for k in ks
             }
+        prefill[kernels] = {}
+        for length in args.prefills:
+            ids = torch.randint(0, vocab, (length,)).tolist()
+            spent: dict[str, list[float]] = {name: [] for name in PASSES}
+            for r in tqdm(range(args.prefill_pairs), desc=f"{kernels} kernels, prefill {length}", unit="pair"):
+                for name in PASSES if r % 2 == 0 else PASSES[::-1]:
+                    spent[name].append(_time_prefill(models[name], ids, clock))
+            prefill[kernels][str(length)] = {
+                "stock_ms": statistics.median(spent["stock"]),
+                "invariant_ms": statistics.median(spent["invariant"]),
+                "ratio": statistics.median(i / s for i, s in zip(spent["invariant"], spent["stock"], strict=True)),
+            }
         context = torch.randint(0, vocab, (args.contexts[0],)).tolist()
         same[kernels] = {name: _positions_agree(model, context, max(ks)) for name, model in models.items()}
         del models
     return {
         **_run_header(args),
-        "settings": {"pairs": args.pairs, "threads": args.threads, "clock": args.clock},
+        "settings": {
+            "pairs": args.pairs,
+            "prefill_pairs": args.prefill_pairs,
+            "threads": args.threads,
+            "clock": args.clock,
+        },
         "cost": cost,
+        "prefill": prefill,
         "same_bits": same,
     }
 
@@ -146,6 +175,19 @@ def render(data: dict) -> str:
                 lines.append(
                     f"| {length} | {k} | {row['stock_ms']:.1f} | {row['invariant_ms']:.1f} | {row['ratio']:.3f} |"
                 )
+        prefills = data.get("prefill", {}).get(kernels, {})
+        if prefills:
+            lines += [
+                "",
+                f"A prefill of the prompt into a new cache (median of {s.get('prefill_pairs')} pairs):",
+                "",
+                "| prompt tokens | stock ms | invariant ms | invariant / stock |",
+                "| --- | --- | --- | --- |",
+            ]
+            lines += [
+                f"| {length} | {row['stock_ms']:.1f} | {row['invariant_ms']:.1f} | {row['ratio']:.3f} |"
+                for length, row in prefills.items()
+            ]
         bits = data["same_bits"][kernels]
         lines += [
             "",
@@ -163,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--ks", type=int, nargs="*", default=[5], help="verify pass widths timed besides k = 1")
     parser.add_argument("--pairs", type=int, default=30, help="pairs of timings (one pass of each copy) per k")
+    parser.add_argument("--prefills", type=int, nargs="*", default=[128, 512], help="prompt lengths prefilled")
+    parser.add_argument("--prefill-pairs", type=int, default=5, help="pairs of timings per prefill length")
     parser.add_argument(
         "--clock",
         choices=["cpu", "wall"],

@@ -18,15 +18,21 @@ order that depends on the row alone:
   zero-padded (the draft's row-invariant linears,
   :mod:`specserve.engine.row_invariant`): for one fixed shape the kernel
   computes each row from that row alone, wherever it sits in the block. With
-  packed oneDNN weights (``kernels="onednn"``) the blocks are the same; the
-  packed kernel is only the faster way to run them.
+  packed oneDNN weights (``kernels="onednn"``, or ``"auto"`` where oneDNN is
+  available) a block holds up to :data:`PACKED_BLOCK` rows and goes unpadded
+  (a lone row padded to 2 where it takes another kernel) where the kernel gives
+  a row the same bits for every row count up to that, checked per weight
+  shape at load (:func:`fewest_block_rows`); a shape that fails keeps the
+  padded 16-row blocks.
 * **Attention** (SDPA) takes another path for 1, 2-3 and 4+ query rows, and
   its reduction over the keys depends on how many keys the tensor holds, the
   padding included. :func:`invariant_attention` splits each row's own keys
   (from its position 0, whatever padding precedes them in the batch) into
-  chunks of :data:`KEY_CHUNK` keys; scores and the weighted values are matrix
-  products of one fixed shape (:data:`QUERY_BLOCK` query rows against one key
-  chunk), the softmax's maximum is exact, and the chunks' sums are added in
+  chunks of :data:`KEY_CHUNK` keys; the scores and the weighted values are
+  matrix products of at least :data:`MIN_QUERY_ROWS` rows over keys padded to
+  whole chunks (from that many rows the CPU's matmul gives a row the same bits
+  whatever the row count: :func:`products_row_invariant`, checked at load),
+  the softmax's maximum is exact, and the chunks' sums are added in
   chunk order. Keys a query may not see (later positions, padding past the
   row's end) are masked inside the chunk, which adds exact zeros, and chunks
   wholly past a query add zeros after its last real chunk: no bit moves.
@@ -41,9 +47,9 @@ checks the property on a tiny Llama with the default target's head shapes (9
 query heads over 3 key/value heads), and that the fixed-shape kernels behave
 as assumed on the machine that runs the tests.
 
-The price is a matmul of :data:`~specserve.engine.row_invariant.ROW_BLOCK`
-rows for a lone decoding row, and attention in small fixed-shape pieces;
-measured on the default target: docs/benchmarks/invariance.md
+The price, on the stock kernel, is a matmul of 16 rows for a lone decoding
+row; on packed weights little beyond the attention's smaller pieces. Measured
+on the default target: docs/benchmarks/invariance.md
 (``python -m specserve.bench.invariance``).
 """
 
@@ -60,13 +66,16 @@ from transformers.pytorch_utils import Conv1D
 from specserve.engine import attention, batching, cpu_kernels
 from specserve.engine.row_invariant import ROW_BLOCK, RowLayout, _blocked
 
+#: Most rows per call of a packed linear layer whose kernel keeps a row's bits whatever the row count (checked
+#: for the shape at load, :func:`fewest_block_rows`): a batched verify pass or a prefill in few weight reads.
+PACKED_BLOCK = 64
 #: Keys per chunk of the attention's reduction: a row's keys from its position 0 in chunks of this many.
 KEY_CHUNK = 64
 #: Fewest rows of the attention's matrix products (a key/value head's query heads x positions, zero-padded):
 #: from 4 rows on the kernel gives a row the same bits whatever the row count (checked by the tests).
 MIN_QUERY_ROWS = 4
 #: Query rows per piece of a long pass (bounds the scores' memory; the result does not depend on it).
-QUERY_PIECE = 1024
+QUERY_PIECE = 192
 #: The name :func:`invariant_attention` is registered under with transformers.
 ATTENTION = "specserve_invariant"
 
@@ -85,8 +94,8 @@ class InvariantLinear(nn.Module):
             self.out_features, self.in_features = layer.out_features, layer.in_features
         self.layer = layer  # a submodule: its weights stay the model's parameters (tied ones too)
         #: Packed weights only: the fewest rows from which the kernel gives a row the same bits for any row
-        #: count up to ``ROW_BLOCK`` (:func:`fewest_block_rows`); blocks then go unpadded down to it. None: every
-        #: block is padded to ``ROW_BLOCK`` rows.
+        #: count up to ``PACKED_BLOCK`` (:func:`fewest_block_rows`); blocks of up to ``PACKED_BLOCK`` rows then
+        #: go unpadded down to it. None: blocks of exactly ``ROW_BLOCK`` rows, zero-padded.
         self.fewest_rows: int | None = None
         if isinstance(layer, cpu_kernels.PackedLinear):
             key = (layer.out_features, layer.in_features, layer.bias is not None, torch.get_num_threads())
@@ -107,11 +116,11 @@ class InvariantLinear(nn.Module):
         if self.fewest_rows is None:
             return _blocked(x, self._packed_matmul)
         flat = x.reshape(-1, x.shape[-1])  # [M, in]
-        if flat.shape[0] <= ROW_BLOCK:  # one block (every decoding step and short verify pass)
+        if flat.shape[0] <= PACKED_BLOCK:  # one block (every decoding step, most verify passes)
             return cpu_kernels.pad_rows(x, self.fewest_rows, self._packed_matmul)
         out = torch.cat(
-            [cpu_kernels.pad_rows(block, self.fewest_rows, self._packed_matmul) for block in flat.split(ROW_BLOCK)]
-        )  # [M, out]: blocks of up to ROW_BLOCK rows, each padded to fewest_rows at least
+            [cpu_kernels.pad_rows(block, self.fewest_rows, self._packed_matmul) for block in flat.split(PACKED_BLOCK)]
+        )  # [M, out]: blocks of up to PACKED_BLOCK rows, each padded to fewest_rows at least
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _packed_matmul(self, rows: Tensor) -> Tensor:  # [m, in] -> [m, out]
@@ -133,17 +142,21 @@ _FEWEST: dict[tuple[int, int, bool, int], int | None] = {}
 
 def fewest_block_rows(run: Callable[[Tensor], Tensor], in_features: int) -> int | None:
     """The fewest rows ``f`` (1 or 2) such that a call of ``run`` (a matmul ``[m, in] -> [m, out]``) gives each
-    row the same bits for every row count ``m`` from ``f`` to ``ROW_BLOCK`` and wherever the row sits (a lone
-    row padded to ``f``); None when neither holds. Checked bit for bit on random rows, once per shape."""
+    row the same bits for every row count ``m`` from ``f`` to :data:`PACKED_BLOCK` and wherever the row sits (a
+    lone row padded to ``f``); None when neither holds. Checked bit for bit on random rows, once per shape:
+    every count up to ``ROW_BLOCK`` at three places, and the counts around each power of two above it."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2 * ROW_BLOCK, in_features, generator=gen)  # [32, in]
+    x = torch.randn(PACKED_BLOCK, in_features, generator=gen)  # [64, in]
+    counts = sorted(
+        {*range(1, ROW_BLOCK + 1), ROW_BLOCK + 1, 24, 31, 32, 33, 48, PACKED_BLOCK - 1, PACKED_BLOCK}
+    )
     with torch.inference_mode():
-        whole = run(x[:ROW_BLOCK])  # [16, out]
+        whole = run(x)  # [64, out]
         for fewest in (1, 2):
             if all(
                 torch.equal(cpu_kernels.pad_rows(x[a : a + m], fewest, run), whole[a : a + m])
-                for m in range(1, ROW_BLOCK + 1)
-                for a in {0, (ROW_BLOCK - m) // 2, ROW_BLOCK - m}
+                for m in counts
+                for a in ({0, (ROW_BLOCK - m) // 2, ROW_BLOCK - m} if m <= ROW_BLOCK else {0, PACKED_BLOCK - m})
             ):
                 return fewest
     return None
@@ -185,30 +198,33 @@ def _row_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     # Keys padded to whole chunks: the kernel's bits for a key column hold for widths in whole chunks.
     keys = F.pad(k, (0, 0, 0, pad)).transpose(1, 2)  # [KV, d, C*64]
     values = F.pad(v, (0, 0, 0, pad)).view(kv_heads, chunks, KEY_CHUNK, dim)  # [KV, C, 64, d]
-    rows = (q * scale).reshape(kv_heads, groups * t, dim)  # [KV, G*t, d]: row g*t + i is head g of the group, query i
-    hidden = None
-    if t > 1:  # a lone query is the last position: it sees every key
-        position = (torch.arange(t, device=q.device) + (n - t)).repeat(groups)  # [G*t]
-        hidden = torch.arange(n, device=q.device) > position.unsqueeze(-1)  # [G*t, n]: later positions
-    out = torch.empty(kv_heads, groups * t, dim, dtype=q.dtype, device=q.device)  # [KV, G*t, d]
-    for start in range(0, groups * t, QUERY_PIECE):
+    # Row i*G + g: query i, head g of the group (position-major, so a piece of rows sees a prefix of the chunks).
+    rows = (q * scale).view(kv_heads, groups, t, dim).transpose(1, 2).reshape(kv_heads, t * groups, dim)
+    position = None  # [t*G]; a lone query is the last position: it sees every key
+    if t > 1:
+        position = torch.arange(t, device=q.device).repeat_interleave(groups) + (n - t)
+    out = torch.empty(kv_heads, t * groups, dim, dtype=q.dtype, device=q.device)  # [KV, t*G, d]
+    for start in range(0, t * groups, QUERY_PIECE):
         piece = rows[:, start : start + QUERY_PIECE]  # [KV, r, d]
         r = piece.shape[1]
+        last = n - t + (start + r - 1) // groups  # the piece's last position: later chunks are all masked
+        c = last // KEY_CHUNK + 1  # chunks the piece sees
         if r < MIN_QUERY_ROWS:  # zero rows added (they see every key: finite, and dropped)
             piece = F.pad(piece, (0, 0, 0, MIN_QUERY_ROWS - r))
         # Scores: each a dot product over the head dim, in a product of at least MIN_QUERY_ROWS rows.
-        scores = torch.matmul(piece, keys)  # [KV, r', C*64]
+        scores = torch.matmul(piece, keys[:, :, : c * KEY_CHUNK])  # [KV, r', c*64]
         scores[..., n:] = float("-inf")  # the padding past the row's end
-        if hidden is not None:
-            scores[:, :r, :n].masked_fill_(hidden[start : start + r], float("-inf"))
+        if position is not None:
+            hidden = torch.arange(min(n, c * KEY_CHUNK), device=q.device) > position[start : start + r, None]
+            scores[:, :r, :n].masked_fill_(hidden, float("-inf"))  # later positions
         top = scores.amax(dim=-1, keepdim=True)  # [KV, r', 1]: exact, order-free
-        p = torch.exp(scores - top).view(kv_heads, -1, chunks, KEY_CHUNK)  # [KV, r', C, 64]; hidden keys: 0
+        p = torch.exp(scores - top).view(kv_heads, -1, c, KEY_CHUNK)  # [KV, r', c, 64]; hidden keys: 0
         # Per chunk a sum of 64 and a [r', 64] x [64, d] product; then the chunks added in order.
         weight = torch.cumsum(p.sum(dim=-1), dim=-1)[..., -1]  # [KV, r']
-        mixed = torch.matmul(p.transpose(1, 2).contiguous(), values)  # [KV, C, r', d]
+        mixed = torch.matmul(p.transpose(1, 2).contiguous(), values[:, :c])  # [KV, c, r', d]
         mixed = torch.cumsum(mixed, dim=1)[:, -1]  # [KV, r', d]
         out[:, start : start + r] = (mixed / weight.unsqueeze(-1))[:, :r]
-    return out.view(heads, t, dim).transpose(0, 1)  # [t, H, d]
+    return out.view(kv_heads, t, groups, dim).transpose(0, 1).reshape(t, heads, dim)  # [t, H, d]
 
 
 def invariant_attention(
@@ -293,4 +309,4 @@ def forward(model: Any, packed: batching.PackedBatch) -> tuple[Tensor, object]:
     return batching.forward(model, packed, row_layout=RowLayout(spans=packed.spans, queries=packed.input_lens))
 
 
-__all__ = ["ATTENTION", "KEY_CHUNK", "MIN_QUERY_ROWS", "ROW_BLOCK", "InvariantLinear", "forward", "kernels_of", "prepare"]
+__all__ = ["ATTENTION", "KEY_CHUNK", "MIN_QUERY_ROWS", "PACKED_BLOCK", "ROW_BLOCK", "InvariantLinear", "forward", "kernels_of", "prepare"]

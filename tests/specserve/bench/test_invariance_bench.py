@@ -18,7 +18,7 @@ def test_the_invariance_bench_times_both_passes_and_finds_only_the_invariant_one
 ):
     pair = sf.tiny_pair(tmp_path_factory)
     argv = [
-        "--target", str(pair.target_dir), "--kernels", "stock", "onednn", "--contexts", "20", "70", "--ks", "3", "--pairs", "2", "--out", str(tmp_path),
+        "--target", str(pair.target_dir), "--kernels", "stock", "onednn", "--contexts", "20", "70", "--ks", "3", "--pairs", "2", "--prefills", "30", "--prefill-pairs", "1", "--out", str(tmp_path),
     ]  # fmt: skip
     assert bench_invariance.main(argv) == 0
     data = json.loads((tmp_path / "invariance.json").read_text())
@@ -28,6 +28,7 @@ def test_the_invariance_bench_times_both_passes_and_finds_only_the_invariant_one
         for per_k in per_context.values():
             assert set(per_k) == {"1", "3"}
             assert all(row["stock_ms"] > 0 and row["invariant_ms"] > 0 and row["ratio"] > 0 for row in per_k.values())
+    assert all(set(per) == {"30"} and per["30"]["ratio"] > 0 for per in data["prefill"].values())
     # The invariant passes give the same bits every way; the stock passes are what the check catches.
     assert all(same["invariant"] for same in data["same_bits"].values())
     assert not all(same["stock"] for same in data["same_bits"].values())
