@@ -7,7 +7,8 @@ assistant's turn, and the text is tokenized without adding special tokens (the
 template writes the ones it wants). The result equals
 ``tokenizer.apply_chat_template(..., tokenize=True)``. :class:`TemplateOptions`
 can leave the assistant's turn closed, or leave the final message open so that
-the completion continues it (``continue_final_message``, Hugging Face's own).
+the completion continues it (``continue_final_message``, Hugging Face's own),
+and give the template extra variables (``enable_thinking`` and the like).
 
 A tokenizer without a chat template cannot do this: :func:`chat_prompt_ids`
 raises :class:`~specserve.api.errors.FailedPrecondition` saying so. A template
@@ -17,8 +18,9 @@ that refuses the conversation (many raise on roles that do not alternate) is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.api.errors import FailedPrecondition, InvalidArgument
@@ -48,13 +50,25 @@ def messages_from_pb(pb: coordinator_pb2.ChatMessages) -> tuple[ChatMessage, ...
     return tuple(ChatMessage.from_pb(m) for m in pb.messages)
 
 
+#: ``apply_chat_template``'s own arguments and the template's reserved names: not template variables.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+    }
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TemplateOptions:
     """How the chat template renders a conversation: open the assistant's turn (the default), or
-    leave the final message open for the completion to continue (``continue_final_message``)."""
+    leave the final message open for the completion to continue (``continue_final_message``); and
+    extra variables the template reads (``variables``, vLLM's ``chat_template_kwargs``)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    variables: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
@@ -62,12 +76,27 @@ class TemplateOptions:
                 "continue_final_message continues the final message, so the assistant's turn cannot also be "
                 "opened: leave add_generation_prompt off"
             )
+        reserved = sorted(RESERVED_TEMPLATE_NAMES & set(self.variables))
+        if reserved:
+            raise InvalidArgument(
+                f"chat template variable {reserved[0]!r} is an argument of the template's rendering, not a "
+                "variable: leave it out of the template's variables"
+            )
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.ChatMessages) -> TemplateOptions:
+        variables: Any = {}
+        if pb.template_kwargs_json:
+            try:
+                variables = json.loads(pb.template_kwargs_json)
+            except ValueError:
+                raise InvalidArgument("template_kwargs_json is not valid JSON") from None
+            if not isinstance(variables, dict):
+                raise InvalidArgument("template_kwargs_json must be a JSON object of variable names to values")
         return cls(
             add_generation_prompt=not (pb.omit_generation_prompt or pb.continue_final_message),
             continue_final_message=pb.continue_final_message,
+            variables=variables,
         )
 
 
@@ -98,6 +127,7 @@ def chat_prompt_ids(
             tokenize=False,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
+            **options.variables,
         )
     except TemplateError as exc:
         raise InvalidArgument(f"the model's chat template refused the conversation: {exc}") from exc

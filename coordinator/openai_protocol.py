@@ -43,6 +43,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from coordinator.chat import RESERVED_TEMPLATE_NAMES
 from coordinator.requests import random_seed
 from specserve.api.errors import InvalidArgument
 from specserve.api.params import MAX_TOP_LOGPROBS, REPETITION_PENALTY_RANGE
@@ -418,11 +419,11 @@ class ChatCompletionRequest(_OpenAIRequest):
     # vLLM's chat extensions.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's chat extensions not implemented: accepted at their defaults.
     echo: Any = None
     add_special_tokens: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     documents: Any = None
     mm_processor_kwargs: Any = None
 
@@ -430,13 +431,20 @@ class ChatCompletionRequest(_OpenAIRequest):
         "echo": (False, "the reply does not repeat the prompt"),
         "add_special_tokens": (False, "the chat template places the special tokens"),
         "chat_template": (None, "the model's own chat template is always used"),
-        "chat_template_kwargs": ({}, "the model's chat template is rendered with no extra arguments"),
         "documents": (None, "the chat template is rendered without documents"),
         "mm_processor_kwargs": (None, "only text is supported"),
     }
 
     def check_supported(self) -> None:
         super().check_supported()
+        reserved = sorted(RESERVED_TEMPLATE_NAMES & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise bad_param(
+                "chat_template_kwargs",
+                f"{reserved[0]!r} is an argument of the chat template's rendering, not a template variable: "
+                "leave it out of chat_template_kwargs (add_generation_prompt and continue_final_message are "
+                "fields of their own)",
+            )
         if self.continue_final_message and self.add_generation_prompt:
             raise bad_param(
                 "continue_final_message",
@@ -471,6 +479,8 @@ class ChatCompletionRequest(_OpenAIRequest):
         )
         pb.chat.omit_generation_prompt = not self.add_generation_prompt
         pb.chat.continue_final_message = self.continue_final_message
+        if self.chat_template_kwargs:
+            pb.chat.template_kwargs_json = json.dumps(self.chat_template_kwargs, sort_keys=True)
         pb.chat.SetInParent()
 
 

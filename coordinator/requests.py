@@ -219,6 +219,7 @@ async def _prompt(
         return prompt
     if which == "chat":
         size = sum(len(m.role.encode("utf-8")) + len(m.content.encode("utf-8")) for m in pb.chat.messages)
+        size += len(pb.chat.template_kwargs_json.encode("utf-8"))
         _check_bytes("the conversation", size, settings)
         prompt = tuple(await render_chat(list(messages_from_pb(pb.chat)), TemplateOptions.from_pb(pb.chat)))
         if not prompt:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especserve/v1/coordinator.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"!\n\x0cPromptTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"{\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\x12\x1e\n\x16omit_generation_prompt\x18\x02 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\"\xd2\x01\n\x11SpeculationParams\x12\x12\n\x05gamma\x18\x01 \x01(\rH\x00\x88\x01\x01\x12,\n\x08proposer\x18\x02 \x01(\x0e\x32\x1a.specserve.v1.ProposerKind\x12\x13\n\x0b\x64raft_top_k\x18\x03 \x01(\r\x12\x1a\n\rhybrid_lookup\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1b\n\x0emin_confidence\x18\x05 \x01(\x02H\x02\x88\x01\x01\x42\x08\n\x06_gammaB\x10\n\x0e_hybrid_lookupB\x11\n\x0f_min_confidence\"\x92\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x06tokens\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.PromptTokensH\x00\x12*\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12*\n\x04stop\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.StopConditions\x12\x34\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1f.specserve.v1.SpeculationParams\x12.\n\x08logprobs\x18\x07 \x01(\x0b\x32\x1c.specserve.v1.LogprobsParams\x12,\n\nprediction\x18\x08 \x01(\x0b\x32\x18.specserve.v1.Prediction\x12\x1b\n\x13keep_special_tokens\x18\t \x01(\x08\x42\x08\n\x06prompt\"U\n\nPrediction\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x06tokens\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.PromptTokensH\x00\x42\t\n\x07\x63ontent\"_\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.specserve.v1.PositionLogprobs\"\x9f\x04\n\x0fGenerationStats\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x0e\n\x06rounds\x18\x04 \x01(\r\x12\x17\n\x0fproposed_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\r\x12\x10\n\x08\x64raft_ns\x18\x08 \x01(\x04\x12\x11\n\tverify_ns\x18\t \x01(\x04\x12\x10\n\x08queue_ns\x18\n \x01(\x04\x12\x16\n\x0e\x66irst_token_ns\x18\x0b \x01(\x04\x12\x10\n\x08total_ns\x18\x0c \x01(\x04\x12\x31\n\rfinish_reason\x18\r \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\x0c\n\x04seed\x18\x0e \x01(\x04\x12\x14\n\x0c\x64raft_rounds\x18\x0f \x01(\r\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x10 \x01(\r\x12\"\n\x1arejected_prediction_tokens\x18\x11 \x01(\r\x12\x11\n\ttarget_ns\x18\x12 \x01(\x04\x12\x12\n\nforward_ns\x18\x13 \x01(\x04\x12\x1e\n\x16lookup_proposed_tokens\x18\x14 \x01(\r\x12\x1e\n\x16lookup_accepted_tokens\x18\x15 \x01(\r\"v\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.specserve.v1.TokenChunkH\x00\x12.\n\x05stats\x18\x02 \x01(\x0b\x32\x1d.specserve.v1.GenerationStatsH\x00\x42\x07\n\x05\x65vent2a\n\x12\x43oordinatorService\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especserve/v1/coordinator.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"!\n\x0cPromptTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x99\x01\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\x12\x1e\n\x16omit_generation_prompt\x18\x02 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x1c\n\x14template_kwargs_json\x18\x04 \x01(\t\"\xd2\x01\n\x11SpeculationParams\x12\x12\n\x05gamma\x18\x01 \x01(\rH\x00\x88\x01\x01\x12,\n\x08proposer\x18\x02 \x01(\x0e\x32\x1a.specserve.v1.ProposerKind\x12\x13\n\x0b\x64raft_top_k\x18\x03 \x01(\r\x12\x1a\n\rhybrid_lookup\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1b\n\x0emin_confidence\x18\x05 \x01(\x02H\x02\x88\x01\x01\x42\x08\n\x06_gammaB\x10\n\x0e_hybrid_lookupB\x11\n\x0f_min_confidence\"\x92\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x06tokens\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.PromptTokensH\x00\x12*\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12*\n\x04stop\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.StopConditions\x12\x34\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1f.specserve.v1.SpeculationParams\x12.\n\x08logprobs\x18\x07 \x01(\x0b\x32\x1c.specserve.v1.LogprobsParams\x12,\n\nprediction\x18\x08 \x01(\x0b\x32\x18.specserve.v1.Prediction\x12\x1b\n\x13keep_special_tokens\x18\t \x01(\x08\x42\x08\n\x06prompt\"U\n\nPrediction\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x06tokens\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.PromptTokensH\x00\x42\t\n\x07\x63ontent\"_\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.specserve.v1.PositionLogprobs\"\x9f\x04\n\x0fGenerationStats\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x0e\n\x06rounds\x18\x04 \x01(\r\x12\x17\n\x0fproposed_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\r\x12\x10\n\x08\x64raft_ns\x18\x08 \x01(\x04\x12\x11\n\tverify_ns\x18\t \x01(\x04\x12\x10\n\x08queue_ns\x18\n \x01(\x04\x12\x16\n\x0e\x66irst_token_ns\x18\x0b \x01(\x04\x12\x10\n\x08total_ns\x18\x0c \x01(\x04\x12\x31\n\rfinish_reason\x18\r \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\x0c\n\x04seed\x18\x0e \x01(\x04\x12\x14\n\x0c\x64raft_rounds\x18\x0f \x01(\r\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x10 \x01(\r\x12\"\n\x1arejected_prediction_tokens\x18\x11 \x01(\r\x12\x11\n\ttarget_ns\x18\x12 \x01(\x04\x12\x12\n\nforward_ns\x18\x13 \x01(\x04\x12\x1e\n\x16lookup_proposed_tokens\x18\x14 \x01(\r\x12\x1e\n\x16lookup_accepted_tokens\x18\x15 \x01(\r\"v\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.specserve.v1.TokenChunkH\x00\x12.\n\x05stats\x18\x02 \x01(\x0b\x32\x1d.specserve.v1.GenerationStatsH\x00\x42\x07\n\x05\x65vent2a\n\x12\x43oordinatorService\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,20 +36,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPTTOKENS']._serialized_end=108
   _globals['_CHATMESSAGE']._serialized_start=110
   _globals['_CHATMESSAGE']._serialized_end=154
-  _globals['_CHATMESSAGES']._serialized_start=156
-  _globals['_CHATMESSAGES']._serialized_end=279
-  _globals['_SPECULATIONPARAMS']._serialized_start=282
-  _globals['_SPECULATIONPARAMS']._serialized_end=492
-  _globals['_GENERATEREQUEST']._serialized_start=495
-  _globals['_GENERATEREQUEST']._serialized_end=897
-  _globals['_PREDICTION']._serialized_start=899
-  _globals['_PREDICTION']._serialized_end=984
-  _globals['_TOKENCHUNK']._serialized_start=986
-  _globals['_TOKENCHUNK']._serialized_end=1081
-  _globals['_GENERATIONSTATS']._serialized_start=1084
-  _globals['_GENERATIONSTATS']._serialized_end=1627
-  _globals['_GENERATERESPONSE']._serialized_start=1629
-  _globals['_GENERATERESPONSE']._serialized_end=1747
-  _globals['_COORDINATORSERVICE']._serialized_start=1749
-  _globals['_COORDINATORSERVICE']._serialized_end=1846
+  _globals['_CHATMESSAGES']._serialized_start=157
+  _globals['_CHATMESSAGES']._serialized_end=310
+  _globals['_SPECULATIONPARAMS']._serialized_start=313
+  _globals['_SPECULATIONPARAMS']._serialized_end=523
+  _globals['_GENERATEREQUEST']._serialized_start=526
+  _globals['_GENERATEREQUEST']._serialized_end=928
+  _globals['_PREDICTION']._serialized_start=930
+  _globals['_PREDICTION']._serialized_end=1015
+  _globals['_TOKENCHUNK']._serialized_start=1017
+  _globals['_TOKENCHUNK']._serialized_end=1112
+  _globals['_GENERATIONSTATS']._serialized_start=1115
+  _globals['_GENERATIONSTATS']._serialized_end=1658
+  _globals['_GENERATERESPONSE']._serialized_start=1660
+  _globals['_GENERATERESPONSE']._serialized_end=1778
+  _globals['_COORDINATORSERVICE']._serialized_start=1780
+  _globals['_COORDINATORSERVICE']._serialized_end=1877
 # @@protoc_insertion_point(module_scope)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import tiny_models
 
-from coordinator.chat import ChatMessage, chat_prompt_ids
+from coordinator.chat import ChatMessage, TemplateOptions, chat_prompt_ids
 from coordinator.requests import GenerationRequest
 from specserve.api.errors import FailedPrecondition, InvalidArgument
 from specserve.runtime.config import CoordinatorSettings
@@ -97,3 +97,21 @@ async def test_generation_request_renders_chat_and_applies_the_prompt_limits(tok
         await _parse(_pb([]), tokenizer, settings)
     with pytest.raises(FailedPrecondition, match="no chat template"):
         await _parse(_pb(CONVERSATION), plain_tokenizer, settings)
+
+
+def test_template_options_from_the_wire_and_their_refusals():
+    pb = coordinator_pb2.ChatMessages(continue_final_message=True, template_kwargs_json='{"greeting": "hi"}')
+    options = TemplateOptions.from_pb(pb)
+    assert options == TemplateOptions(add_generation_prompt=False, continue_final_message=True, variables={"greeting": "hi"})
+    assert TemplateOptions.from_pb(coordinator_pb2.ChatMessages(omit_generation_prompt=True)).add_generation_prompt is False
+    for bad, message in (("{", "not valid JSON"), ("[1]", "must be a JSON object"), ('{"tokenize": 1}', "'tokenize'")):
+        with pytest.raises(InvalidArgument, match=message):
+            TemplateOptions.from_pb(coordinator_pb2.ChatMessages(template_kwargs_json=bad))
+    with pytest.raises(InvalidArgument, match="leave add_generation_prompt off"):
+        TemplateOptions(continue_final_message=True)
+
+
+def test_continue_final_message_leaves_the_last_message_open(tokenizer):
+    prefilled = [ChatMessage("user", "add two numbers"), ChatMessage("assistant", "def add")]
+    ids = chat_prompt_ids(tokenizer, prefilled, TemplateOptions(add_generation_prompt=False, continue_final_message=True))
+    assert tokenizer.decode(ids).endswith("assistant: def add")

@@ -876,3 +876,21 @@ async def test_add_generation_prompt_and_continue_final_message_render_as_huggin
         await oai.chat.completions.create(
             model=MODEL, messages=prefilled, max_tokens=2, extra_body={"continue_final_message": True}
         )
+
+
+async def test_chat_template_kwargs_are_the_templates_variables(stack, pair):
+    tok = pair.tokenizer
+    tok.chat_template = tiny_models.CHAT_TEMPLATE + "{%- if greeting %} {{ greeting }}{% endif %}"
+    variables = {"greeting": "hello there"}
+    want = tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True, **variables)["input_ids"]
+    plain = tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert len(want) > len(plain)
+    async with extra_coordinator(stack, tok) as app:
+        client = openai.AsyncOpenAI(base_url=app.http.url, api_key="unused", max_retries=0)
+        common = {"model": MODEL, "messages": CONVERSATION, "max_tokens": 2, "temperature": 0}
+        with_them = await client.chat.completions.create(**common, extra_body={"chat_template_kwargs": variables})
+        without = await client.chat.completions.create(**common)
+        with pytest.raises(openai.BadRequestError, match="'tokenize' is an argument") as refused:
+            await client.chat.completions.create(**common, extra_body={"chat_template_kwargs": {"tokenize": True}})
+    assert with_them.usage.prompt_tokens == len(want) and without.usage.prompt_tokens == len(plain)
+    assert refused.value.body["param"] == "chat_template_kwargs"
