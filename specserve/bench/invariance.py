@@ -18,6 +18,8 @@ transformers' attention) and invariant ones (:func:`specserve.engine.invariant.p
   cancels out of it;
 * **prefill cost**: a prompt of each ``--prefills`` length into a new cache,
   ``--prefill-pairs`` pairs;
+* **greedy output**: HF ``generate()`` of held-out chat and code prompts with
+  each copy, token for token (the stock copy is stock transformers);
 * **the same bits**: for each copy, whether the logits of the last positions
   are ``torch.equal`` from one-position steps, from one pass over them and
   from a prefill of the whole sequence.
@@ -37,7 +39,7 @@ from transformers import DynamicCache
 
 from specserve.bench.costs import random_context
 from specserve.bench.harness import DEFAULT_TARGET, _run_header
-from specserve.bench.kernels import write_report
+from specserve.bench.kernels import greedy_outputs, write_report
 from specserve.bench.pair import forward, prefilled
 
 PASSES = ("stock", "invariant")
@@ -51,6 +53,14 @@ def _copies(target: str, kernels: str) -> dict[str, object]:
     models = {name: load_model(path, device="cpu", dtype="float32", kernels=kernels).model for name in PASSES}
     invariant.prepare(models["invariant"])
     return models
+
+
+def _tokenizer(target: str):
+    from transformers import AutoTokenizer
+
+    from specserve.engine.models import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(target, "target"), local_files_only=True)
 
 
 def _positions_agree(model, context: list[int], k: int) -> bool:
@@ -93,6 +103,8 @@ def measure(args: argparse.Namespace) -> dict:
     cost: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     same: dict[str, dict[str, bool]] = {}
     prefill: dict[str, dict[str, dict[str, float]]] = {}
+    greedy: dict[str, list[dict]] = {}
+    tokenizer = _tokenizer(args.target)
     for kernels in args.kernels:
         models = _copies(args.target, kernels)
         vocab = models["stock"].config.vocab_size
@@ -129,6 +141,8 @@ def measure(args: argparse.Namespace) -> dict:
                 "invariant_ms": statistics.median(spent["invariant"]),
                 "ratio": statistics.median(i / s for i, s in zip(spent["invariant"], spent["stock"], strict=True)),
             }
+        if args.prompts:
+            greedy[kernels] = greedy_outputs(models, tokenizer, args.prompts, args.max_new_tokens)
         context = torch.randint(0, vocab, (args.contexts[0],)).tolist()
         same[kernels] = {name: _positions_agree(model, context, max(ks)) for name, model in models.items()}
         del models
@@ -142,6 +156,8 @@ def measure(args: argparse.Namespace) -> dict:
         },
         "cost": cost,
         "prefill": prefill,
+        "greedy": greedy,
+        "max_new_tokens": args.max_new_tokens,
         "same_bits": same,
     }
 
@@ -188,6 +204,23 @@ def render(data: dict) -> str:
                 f"| {length} | {row['stock_ms']:.1f} | {row['invariant_ms']:.1f} | {row['ratio']:.3f} |"
                 for length, row in prefills.items()
             ]
+        runs = data.get("greedy", {}).get(kernels, [])
+        if runs:
+            same_text = sum(g["identical"] for g in runs)
+            lines += [
+                "",
+                f"Greedy output, HF `generate()` of {len(runs)} held-out chat and code prompts, "
+                f"{data['max_new_tokens']} tokens each (EOS ignored), with the stock and the invariant passes: "
+                f"**{same_text} of {len(runs)} token-identical**"
+                + (
+                    ""
+                    if same_text == len(runs)
+                    else " (first differences at "
+                    + ", ".join(f"{g['prompt']}: token {g['first_difference']}" for g in runs if not g["identical"])
+                    + ": near-ties the two roundings break differently)"
+                )
+                + ".",
+            ]
         bits = data["same_bits"][kernels]
         lines += [
             "",
@@ -207,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=30, help="pairs of timings (one pass of each copy) per k")
     parser.add_argument("--prefills", type=int, nargs="*", default=[128, 512], help="prompt lengths prefilled")
     parser.add_argument("--prefill-pairs", type=int, default=5, help="pairs of timings per prefill length")
+    parser.add_argument("--prompts", type=int, default=3, help="held-out prompts per kind (chat, code); 0: none")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument(
         "--clock",
         choices=["cpu", "wall"],
