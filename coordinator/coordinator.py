@@ -42,7 +42,7 @@ from specserve.api.params import PositionLogprobs
 from specserve.runtime import metrics
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.store import SessionStore
-from specserve.v1 import coordinator_pb2
+from specserve.v1 import common_pb2, coordinator_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -76,6 +76,19 @@ class Finished:
         return coordinator_pb2.GenerateResponse(stats=self.stats)
 
 
+def default_proposer(setting: str, feature_head: bool) -> int:
+    """The ``ProposerKind`` of a request that names none: ``setting`` ('auto', 'model' or 'feature'), with
+    'auto' the feature head where the draft tier serves one. Raises ``ValueError`` for 'feature' without it."""
+    if setting == "feature" and not feature_head:
+        raise ValueError(
+            "default_proposer='feature' but the draft replicas serve no feature head; start them with "
+            "--feature-head or set default_proposer to 'auto' or 'model'"
+        )
+    if setting == "feature" or (setting == "auto" and feature_head):
+        return common_pb2.PROPOSER_KIND_FEATURE
+    return common_pb2.PROPOSER_KIND_MODEL
+
+
 class Coordinator:
     """Sessions, the round loop and its workers, for one coordinator process.
 
@@ -102,6 +115,9 @@ class Coordinator:
         self.max_gamma = limits.max_gamma
         self.overlap = settings.overlap  # proactive drafting (RoundLoop)
         self.context_tokens = limits.context_tokens
+        self.feature_head = limits.feature_head
+        #: The proposer of a request that names none (CoordinatorSettings.default_proposer, resolved).
+        self.default_proposer = default_proposer(settings.default_proposer, limits.feature_head)
         #: Tokenizing runs here, off the event loop (a long prompt must not stall other sessions).
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize"
@@ -125,6 +141,8 @@ class Coordinator:
             vocab_size=self.vocab_size,
             max_gamma=self.max_gamma,
             context_tokens=self.context_tokens,
+            default_proposer=self.default_proposer,
+            feature_head=self.feature_head,
         )
 
     async def tokenize(self, text: str) -> tuple[int, ...]:

@@ -58,7 +58,12 @@ _UINT32 = 2**32
 #: The largest finite float32, the wire's type of the sampling settings.
 _FLOAT32_MAX = 3.4028234663852886e38
 
-_PROPOSERS = {"model": common_pb2.PROPOSER_KIND_MODEL, "ngram": common_pb2.PROPOSER_KIND_NGRAM}
+_PROPOSERS = {
+    None: common_pb2.PROPOSER_KIND_UNSPECIFIED,
+    "model": common_pb2.PROPOSER_KIND_MODEL,
+    "feature": common_pb2.PROPOSER_KIND_FEATURE,
+    "ngram": common_pb2.PROPOSER_KIND_NGRAM,
+}
 
 
 def bad_param(param: str | None, message: str, code: str = "invalid_value") -> InvalidArgument:
@@ -124,7 +129,7 @@ class SpeculationOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     gamma: Annotated[int, Field(ge=0, lt=_UINT32)] | Literal["auto"] | None = None
-    proposer: Literal["model", "ngram"] = "model"
+    proposer: Literal["model", "feature", "ngram"] | None = None  # None: the server's default
     draft_top_k: int = Field(0, ge=0, lt=_UINT32)
     hybrid_lookup: bool | None = None
     min_confidence: float | None = Field(None, ge=0.0, lt=1.0)

@@ -97,7 +97,9 @@ T = TypeVar("T")
 #: How often a round waiting for a breaker (every target backing off) looks again, in seconds.
 ALL_DOWN_POLL_S = 0.25
 #: Proposers drafted by the draft model: a Propose call, batched. The others (n-gram) run in the coordinator.
-MODEL_PROPOSERS = frozenset({common_pb2.PROPOSER_KIND_UNSPECIFIED, common_pb2.PROPOSER_KIND_MODEL})
+DRAFT_PROPOSERS = frozenset(
+    {common_pb2.PROPOSER_KIND_UNSPECIFIED, common_pb2.PROPOSER_KIND_MODEL, common_pb2.PROPOSER_KIND_FEATURE}
+)
 #: Errors that say the replica, not the request, failed: the same call may succeed on another replica.
 REPLICA_FAULTS: tuple[type[errors.SpecServeError], ...] = (
     errors.Unavailable,  # WorkerError (INTERNAL, UNKNOWN, a malformed reply) included
@@ -270,7 +272,7 @@ class WorkerPool:
     # ---- Propose -------------------------------------------------------------------------
     def drafts_locally(self, session: Session) -> bool:
         """Whether the session's next proposal needs no draft call (no model cost: the policy's question)."""
-        if session.speculation.proposer not in MODEL_PROPOSERS:
+        if session.speculation.proposer not in DRAFT_PROPOSERS:
             return True
         return any(p.ready for p in session.local_proposers)
 
@@ -298,9 +300,13 @@ class WorkerPool:
             return self._propose_locally((lookup,), gamma) or Proposed(common_pb2.Proposal())
         if gamma > 0:
             local = self._propose_locally(session.local_proposers, gamma)
-            if local is not None or session.speculation.proposer not in MODEL_PROPOSERS:
+            if local is not None or session.speculation.proposer not in DRAFT_PROPOSERS:
                 self._bind_draft(sid, None)
                 return local or Proposed(common_pb2.Proposal())
+            if session.features is not None and not session.features.ready(session.committed_len):
+                # The feature head has no features yet (the first round: the target's prefill brings them).
+                self._bind_draft(sid, None)
+                return Proposed(common_pb2.Proposal())
             if ahead is not None and ahead.token_ids:
                 self._bind_draft(sid, None)
                 metrics.PROPOSALS.labels(proposer="model").inc()
@@ -353,7 +359,8 @@ class WorkerPool:
         """
         endpoint = session.draft_endpoint
         if (
-            endpoint is None
+            session.features is not None  # the head needs the target's features of the round in flight
+            or endpoint is None
             or endpoint not in self.draft_clients
             or self.drafts.choose(session.session_id) != endpoint
         ):
@@ -389,7 +396,7 @@ class WorkerPool:
 
     def _batched(self, session: Session, endpoint: str) -> bool:
         """Whether the session's proposals go through ``endpoint``'s batcher (model proposals, batching on)."""
-        return endpoint in self.propose_batchers and session.speculation.proposer in MODEL_PROPOSERS
+        return endpoint in self.propose_batchers and session.speculation.proposer in DRAFT_PROPOSERS
 
     async def _propose_on(self, endpoint: str, session: Session, gamma: int) -> ProposeReply:
         sid = session.session_id
@@ -397,19 +404,31 @@ class WorkerPool:
         try:
             return await self._shielded(sid, self._send_propose(endpoint, session, start, tokens, gamma))
         except errors.FailedPrecondition:
-            # The draft lacks tokens before start_position: resend everything.
+            # The draft lacks tokens before start_position (or the head, features): resend everything.
+            if session.features is not None:
+                session.features.refused()
             return await self._shielded(
                 sid, self._send_propose(endpoint, session, 0, session.token_ids, gamma)
             )
 
-    def _send_propose(
+    async def _send_propose(
         self, endpoint: str, session: Session, start: int, tokens: tuple[int, ...], gamma: int
-    ) -> Awaitable[ProposeReply]:
-        """The one way a Propose leaves for the draft replica at ``endpoint`` (batched or alone)."""
+    ) -> ProposeReply:
+        """The one way a Propose leaves for the draft replica at ``endpoint`` (batched or alone), with the
+        target's features the replica lacks for a feature session."""
         request = _session_propose_request(session, session.base, start, tokens, gamma)
+        relay = session.features
+        if relay is not None:
+            block, reset = relay.outgoing(endpoint, session.committed_len)
+            request.features.CopyFrom(block.to_pb())
+            request.features_reset = reset
         if self._batched(session, endpoint):
-            return self._through_batcher(self.propose_batchers[endpoint], request)
-        return self.draft_clients[endpoint].propose_one(request)
+            reply = await self._through_batcher(self.propose_batchers[endpoint], request)
+        else:
+            reply = await self.draft_clients[endpoint].propose_one(request)
+        if relay is not None:
+            relay.sent(endpoint, block)
+        return reply
 
     async def _through_batcher(
         self, batcher: ProposeBatcher, request: draft_pb2.ProposeRequest
@@ -654,9 +673,14 @@ def _without_proposal(
     item: target_pb2.VerifyItem, session_id: str, endpoint: str, refusal: errors.SpecServeError
 ) -> target_pb2.VerifyItem:
     """The target refused the item's proposal (whole call or item alone): logged, and the item again with no
-    proposal, for one more try at gamma 0."""
+    proposal, for one more try at gamma 0 (still asking for what the round reports: logprobs, features)."""
     log.error("verify_refused_proposal_gamma_0", session_id=session_id, endpoint=endpoint, error=refusal.message)
-    return target_pb2.VerifyItem(base=item.base, proposal=common_pb2.Proposal())
+    retry = target_pb2.VerifyItem()
+    retry.CopyFrom(item)
+    retry.ClearField("proposal")
+    retry.proposal.SetInParent()
+    retry.decode_steps = 1
+    return retry
 
 
 def _session_propose_request(

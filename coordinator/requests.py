@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from coordinator.chat import ChatMessage, TemplateOptions, messages_from_pb
-from specserve.api.errors import InvalidArgument
+from specserve.api.errors import FailedPrecondition, InvalidArgument
 from specserve.api.params import (
     SamplingParams,
     StopConditions,
@@ -93,8 +93,13 @@ class GenerationRequest:
         vocab_size: int,
         max_gamma: int,
         context_tokens: int | None = None,
+        default_proposer: int = common_pb2.PROPOSER_KIND_MODEL,
+        feature_head: bool = False,
     ) -> GenerationRequest:
-        """Check ``pb`` against the server's limits, cheapest first; tokenize a text prompt last."""
+        """Check ``pb`` against the server's limits, cheapest first; tokenize a text prompt last.
+
+        ``default_proposer``: the proposer of a request that names none; ``feature_head``: whether the
+        draft tier serves the feature head (a request for it is refused otherwise)."""
         if pb.stop.max_new_tokens > settings.max_new_tokens_limit:
             raise InvalidArgument(
                 f"max_new_tokens={pb.stop.max_new_tokens} is above this server's limit of "
@@ -109,6 +114,8 @@ class GenerationRequest:
             vocab_size=vocab_size,
             hybrid_lookup=settings.hybrid_lookup,
             min_confidence=settings.draft_min_confidence,
+            default_proposer=default_proposer,
+            feature_head=feature_head,
         )
         top_logprobs = check_top_logprobs(pb.logprobs.top_logprobs) if pb.HasField("logprobs") else None
         prompt = await _prompt(
@@ -245,10 +252,17 @@ def _speculation_from_pb(
     vocab_size: int,
     hybrid_lookup: bool = True,
     min_confidence: float = 0.0,
+    default_proposer: int = common_pb2.PROPOSER_KIND_MODEL,
+    feature_head: bool = False,
 ):
     """The request's speculation, checked (``hybrid_lookup``, ``min_confidence``: the server's defaults for
-    them under the automatic policy)."""
-    proposer = resolve_proposer(pb.proposer)
+    them under the automatic policy; ``default_proposer``, ``feature_head``: see ``GenerationRequest.from_pb``)."""
+    proposer = resolve_proposer(pb.proposer, default_proposer)
+    if proposer == common_pb2.PROPOSER_KIND_FEATURE and not feature_head:
+        raise FailedPrecondition(
+            "proposer 'feature' needs the feature head, and this server's draft replicas do not serve one "
+            "(start them with --feature-head); use proposer 'model' or leave it unset"
+        )
     gamma: int | None = None
     if pb.HasField("gamma"):
         gamma = pb.gamma
@@ -262,7 +276,7 @@ def _speculation_from_pb(
             f"draft_top_k={pb.draft_top_k} exceeds the vocabulary size {vocab_size}; use 0 (off) or a smaller k"
         )
     lookup = pb.hybrid_lookup if pb.HasField("hybrid_lookup") else hybrid_lookup
-    model = proposer == common_pb2.PROPOSER_KIND_MODEL
+    model = proposer in (common_pb2.PROPOSER_KIND_MODEL, common_pb2.PROPOSER_KIND_FEATURE)  # a draft tier proposer
     if pb.HasField("min_confidence"):
         confidence = check_min_confidence(pb.min_confidence)
     else:

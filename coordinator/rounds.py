@@ -191,6 +191,8 @@ class RoundLoop:
         item = target_pb2.VerifyItem(base=s.base.to_pb(), proposal=proposed.proposal, decode_steps=steps)
         if s.top_logprobs is not None:
             item.logprobs.CopyFrom(common_pb2.LogprobsParams(top_logprobs=s.top_logprobs))
+        if s.features is not None:  # the feature head drafts from the target's features of these positions
+            item.features_from = s.features.ask_from()
         drafting = None
         if self.overlap and proposed.source == "model" and proposed.proposal.token_ids:
             # While the target verifies, the draft drafts the next round as if all of this one is accepted.
@@ -215,6 +217,8 @@ class RoundLoop:
         _observe_stages(batched, proposed.network_ns)
         if batched.item.verdict is None:
             return await self._resync(batched.item.error)
+        if s.features is not None and batched.item.features is not None:
+            s.features.add(batched.item.features)
         return self._apply(
             batched.item,
             proposed=len(item.proposal.token_ids),

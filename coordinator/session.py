@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from coordinator.feature_relay import FeatureRelay
 from coordinator.local_proposers import LocalProposer, NgramProposer, PredictionProposer
 from coordinator.requests import SpeculationSettings
 from specserve.api.errors import FailedPrecondition
@@ -116,6 +117,8 @@ class Session:
         self.lookup: NgramProposer | None = (
             NgramProposer(prompt_token_ids) if lookup and not self.local_proposers else None
         )
+        #: The target's features on their way to the feature head (None: the session drafts with another proposer).
+        self.features = FeatureRelay() if speculation.proposer == common_pb2.PROPOSER_KIND_FEATURE else None
         self.start_ns = time.perf_counter_ns() if start_ns is None else start_ns
         self.status = SessionStatus.RUNNING
         self.finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -161,8 +164,11 @@ class Session:
         self.draft_seen = len(self._tokens)
 
     def draft_lost(self) -> None:
-        """The draft failed: whichever draft serves the next round is sent every token."""
+        """The draft failed: whichever draft serves the next round is sent every token (and the feature head's
+        context again, from the features the relay keeps)."""
         self.draft_endpoint = None
+        if self.features is not None:
+            self.features.refused()
 
     # ---- the one mutator -------------------------------------------------
     def advance(

@@ -22,6 +22,7 @@ import grpc
 from specserve.api import errors
 from specserve.api.params import SamplingParams, SessionBase, Verdict
 from specserve.api.status import item_error, worker_error_from_rpc
+from specserve.core.features import FeatureBlock
 from specserve.engine.models import ModelInfo
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.interceptors import outgoing_metadata
@@ -92,6 +93,8 @@ class ItemReply:
     verdict: Verdict | None
     replayed: bool
     error: errors.SpecServeError | None
+    #: The target's features the item asked for (``VerifyItem.features_from``), undecoded; None: none sent.
+    features: FeatureBlock | None = None
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,8 @@ class VerifyReply:
 
 def item_reply_from_pb(pb: target_pb2.VerifyResult) -> ItemReply:
     if pb.WhichOneof("outcome") == "verdict":
-        return ItemReply(pb.session_id, Verdict.from_pb(pb.verdict), pb.replayed, None)
+        features = FeatureBlock.from_pb(pb.features) if pb.HasField("features") else None
+        return ItemReply(pb.session_id, Verdict.from_pb(pb.verdict), pb.replayed, None, features)
     return ItemReply(pb.session_id, None, False, item_error(pb.error.code, pb.error.message))
 
 

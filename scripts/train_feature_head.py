@@ -129,11 +129,17 @@ def load_shard(path: Path) -> list[Record]:
     return out
 
 
-def load_records(folder: Path, prefix: str) -> list[Record]:
+def load_records(folder: Path, prefix: str, shards: int | None = None) -> list[Record]:
+    """The records of the phase's shards (the first ``shards`` of them in name order; None: all)."""
     out: list[Record] = []
-    for path in sorted(folder.glob(f"{prefix}-*.npz.xz")):
+    for path in sorted(folder.glob(f"{prefix}-*.npz.xz"))[:shards]:
         out += load_shard(path)
     return out
+
+
+def training_records(args: argparse.Namespace) -> list[Record]:
+    """The training phases' records (``--shards``: the first N shards of each phase)."""
+    return [r for prefix in TRAIN_PHASES for r in load_records(args.data, prefix, args.shards)]
 
 
 def save_features(path: Path, per_record: list[np.ndarray], hidden: int) -> None:
@@ -595,14 +601,14 @@ def _autocast(device: torch.device):
 def features(args: argparse.Namespace) -> None:
     """Compute the features of every shard that has none cached: one target pass per conversation."""
     device = _device(args.device)
-    records = [r for prefix in ("heldout", *TRAIN_PHASES) for r in load_records(args.data, prefix)]
+    records = load_records(args.data, "heldout") + training_records(args)
     files = FeatureFiles(args.features)
     missing = files.missing(records)
     if not missing:
         return
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.feature_dtype)).to(device).eval()
     by_shard: dict[str, list[Record]] = {}
     for r in records:
         by_shard.setdefault(r.shard, []).append(r)
@@ -626,7 +632,7 @@ def train(args: argparse.Namespace) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     from transformers import AutoModelForCausalLM
 
-    records = [r for prefix in TRAIN_PHASES for r in load_records(args.data, prefix)]
+    records = training_records(args)
     heldout = load_records(args.data, "heldout")[: args.heldout_records]
     if not records:
         raise SystemExit(f"no training data in {args.data}: run the generate stage first")
@@ -761,6 +767,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=None, help="at most this many requests per phase (smoke runs)")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--worker", type=int, default=0)
+    # features
+    ap.add_argument("--feature-dtype", default="bfloat16", help="the target's dtype while it computes features")
+    ap.add_argument("--shards", type=int, default=None, help="use the first N shards of each training phase")
     # train
     ap.add_argument("--fraction", type=float, default=1.0)
     ap.add_argument("--heldout-records", type=int, default=None, help="evaluate on the first N held-out answers")

@@ -22,7 +22,7 @@ on the SDK. Everything runs in float32 on CPU (greedy equality needs float32).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -422,3 +422,79 @@ def exact_joint(
             if probs[i, t] > 0
         }
     return joint
+
+
+def merged_chi_square(observed: Mapping[tuple[int, ...], int], expected_p: Mapping[tuple[int, ...], float]) -> tuple[float, float, int]:
+    """Chi-square statistic, p-value and number of cells after merging cells with expected < 5."""
+    n = sum(observed.values())
+    cells = sorted(expected_p, key=lambda k: expected_p[k])
+    obs, exp = [], []
+    acc_o = acc_e = 0.0
+    for key in cells:
+        acc_o += observed.get(key, 0)
+        acc_e += expected_p[key] * n
+        if acc_e >= 5:
+            obs.append(acc_o)
+            exp.append(acc_e)
+            acc_o = acc_e = 0.0
+    if acc_e > 0:  # leftover small mass joins the last merged cell
+        obs[-1] += acc_o
+        exp[-1] += acc_e
+    from scipy.stats import chisquare
+
+    stat, p = chisquare(obs, exp)
+    return float(stat), float(p), len(obs)
+
+
+# ---- the feature head ------------------------------------------------------------------------------
+
+_HEADS: dict[tuple, Path] = {}
+
+
+def tiny_head(
+    pair: TinyPair, tmp_path_factory, prompts: Sequence[Sequence[int]], *, length: int = 32, steps: int = 60
+) -> Path:
+    """A feature head for ``pair``'s target, saved once per test session: trained (``steps`` Adam steps, two
+    unrolled steps, cross-entropy on the target's token) on the target's own greedy continuations of
+    ``prompts`` (``length`` tokens, EOS an ordinary token). A tiny random target's text does not generalise,
+    so the head knows these continuations only: on them its proposals are accepted and every path of the
+    head runs; elsewhere it is simply a poor draft (exactness never depends on the draft)."""
+    key = (pair.target_dir, tuple(map(tuple, prompts)), length, steps)
+    if key in _HEADS:
+        return _HEADS[key]
+    import torch
+
+    from specserve.engine.feature_head import FinalNormInput, head_from_target, target_features
+
+    torch.manual_seed(0)
+    target = load_reference(pair.target_dir)
+    vocab = target.config.vocab_size
+    data = []
+    for prompt in prompts:
+        seq = torch.tensor([[*prompt, *reference_greedy(pair.target_dir, prompt, length, ignore_eos=True)]])
+        with torch.no_grad(), FinalNormInput(target) as tap:
+            target.get_decoder()(input_ids=seq[:, :-1])
+        # slot j takes x_j and f_{j-1} and predicts x_{j+1}
+        data.append((seq[:, 1:-1], target_features(tap.hidden, target.config.rms_norm_eps)[:, :-1], seq[:, 2:]))
+    head = head_from_target(target, torch.arange(vocab), target_model=str(pair.target_dir))
+    head.train()
+    opt = torch.optim.Adam([p for n, p in head.named_parameters() if n != "norm.weight"], lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        for inputs, feats, labels in data:
+            chain = head.unrolled(inputs, feats, 2)  # step k: a chain k deep, from slot k - 1 on
+            sum(
+                torch.nn.functional.cross_entropy(step.logits[0, k:], labels[0, k:]) for k, step in enumerate(chain)
+            ).backward()
+        opt.step()
+    out = tmp_path_factory.mktemp("feature-head")
+    from specserve.engine.feature_head import save_feature_head
+
+    save_feature_head(head.eval(), out, dtype=torch.float32)
+    _HEADS[key] = out
+    return out
+
+
+def head_overrides(pair: TinyPair, head_dir: Path) -> dict[str, str]:
+    """Draft settings that serve ``head_dir`` with ``pair``'s target's token tables."""
+    return {"feature_head": str(head_dir), "feature_head_target": str(pair.target_dir)}

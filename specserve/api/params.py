@@ -33,13 +33,13 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_SESSION_ID_CHARS = 128
 
 
-def resolve_proposer(kind: int) -> int:
-    """The ``ProposerKind`` a wire value asks for (UNSPECIFIED: :data:`DEFAULT_PROPOSER`).
+def resolve_proposer(kind: int, default: int = DEFAULT_PROPOSER) -> int:
+    """The ``ProposerKind`` a wire value asks for (UNSPECIFIED: ``default``, the server's choice).
 
     Raises :class:`InvalidArgument` for a value no proposer has.
     """
     if kind == common_pb2.PROPOSER_KIND_UNSPECIFIED:
-        return DEFAULT_PROPOSER
+        return default
     if kind not in PROPOSER_KINDS.values():
         known = ", ".join(common_pb2.ProposerKind.Name(k) for k in PROPOSER_KINDS.values())
         raise InvalidArgument(f"unknown proposer {kind}; use one of {known} (or leave it unspecified)")

@@ -213,7 +213,7 @@ def build_request(
     ignore_eos: bool = False,
     min_new_tokens: int = 0,
     gamma: int | Literal["auto"] | None = None,
-    proposer: Literal["model", "ngram"] | None = "model",
+    proposer: Literal["model", "feature", "ngram"] | None = None,
     draft_top_k: int = 0,
     sampling_mode: Literal["optimal", "coupled"] | None = None,
     logprobs: bool = False,
@@ -230,7 +230,7 @@ def build_request(
     if sum(p is not None for p in (prompt, prompt_token_ids, messages)) != 1:
         raise errors.InvalidArgument("pass exactly one of prompt (text), prompt_token_ids or messages (chat)")
     if proposer is not None and proposer not in PROPOSER_KINDS:
-        raise errors.InvalidArgument(f"proposer must be 'model' or 'ngram', got {proposer!r}")
+        raise errors.InvalidArgument(f"proposer must be 'model', 'feature' or 'ngram', got {proposer!r}")
     if sampling_mode is not None and sampling_mode not in SAMPLING_MODES:
         raise errors.InvalidArgument(f"sampling_mode must be 'optimal' or 'coupled', got {sampling_mode!r}")
     _check_uint("top_k", top_k, 32)
@@ -571,7 +571,7 @@ class Client:
         ignore_eos: bool = False,
         min_new_tokens: int = 0,
         gamma: int | Literal["auto"] | None = None,
-        proposer: Literal["model", "ngram"] | None = "model",
+        proposer: Literal["model", "feature", "ngram"] | None = None,
         draft_top_k: int = 0,
         sampling_mode: Literal["optimal", "coupled"] | None = None,
         logprobs: bool = False,
@@ -591,8 +591,10 @@ class Client:
         that many tokens are generated, EOS (unless ``ignore_eos``) and ``stop_token_ids``
         are masked out of the distribution, as Hugging Face's ``min_new_tokens`` masks EOS
         (not with ``stop`` strings; at most ``max_new_tokens``). ``gamma``: draft tokens per round, or
-        ``"auto"``/None for the server's policy; ``proposer``: ``"model"`` (the
-        draft model) or ``"ngram"`` (prompt lookup); ``draft_top_k`` > 0 truncates
+        ``"auto"``/None for the server's policy; ``proposer``: ``"feature"`` (the
+        feature head, reading the target's features), ``"model"`` (the token draft),
+        ``"ngram"`` (prompt lookup), or None for the server's default (the feature
+        head where the draft tier serves one); ``draft_top_k`` > 0 truncates
         the draft's distribution (the output distribution stays exact).
 
         ``sampling_mode`` (None: the server's default, ``"optimal"``) decides

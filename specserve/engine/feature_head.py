@@ -121,18 +121,20 @@ class FeatureHead(nn.Module):
         self.register_buffer("head_token_ids", torch.zeros(config.head_size, dtype=torch.long))
         # The target's tables, attached (not saved with the head).
         self.register_buffer("embedding", torch.empty(0), persistent=False)  # [vocab, hidden]
+        self.register_buffer("output", torch.empty(0), persistent=False)  # [vocab, hidden]: the target's lm_head
         self.register_buffer("head_rows", torch.empty(0), persistent=False)  # [head_size, hidden]
 
-    def attach_target(self, embedding: torch.Tensor) -> None:
-        """Take the target's token table ``[vocab, hidden]`` (its output rows too: the targets here tie them)."""
-        if embedding.shape != (self.config.vocab_size, self.config.hidden_size):
-            raise ValueError(
-                f"the target's embedding is {tuple(embedding.shape)}, the head expects "
-                f"{(self.config.vocab_size, self.config.hidden_size)}"
-            )
+    def attach_target(self, embedding: torch.Tensor, output: torch.Tensor | None = None) -> None:
+        """Take the target's token table ``[vocab, hidden]`` and its output rows ``[vocab, hidden]`` (None:
+        the target ties them to the token table)."""
+        shape = (self.config.vocab_size, self.config.hidden_size)
+        for name, table in (("embedding", embedding), ("output rows", output)):
+            if table is not None and tuple(table.shape) != shape:
+                raise ValueError(f"the target's {name} are {tuple(table.shape)}, the head expects {shape}")
         dtype = self.fc.weight.dtype
         self.embedding = embedding.detach().to(device=self.fc.weight.device, dtype=dtype)
-        self.head_rows = self.embedding[self.head_token_ids]
+        self.output = self.embedding if output is None else output.detach().to(self.embedding)
+        self.head_rows = self.output[self.head_token_ids]
 
     def set_head_tokens(self, token_ids: torch.Tensor) -> None:
         """Name the head's tokens (sorted, distinct ids)."""
@@ -140,8 +142,8 @@ class FeatureHead(nn.Module):
         if ids.shape != (self.config.head_size,) or not bool((ids[1:] > ids[:-1]).all()):
             raise ValueError(f"head token ids must be {self.config.head_size} sorted distinct ids")
         self.head_token_ids.copy_(ids)
-        if self.embedding.numel():
-            self.head_rows = self.embedding[self.head_token_ids]
+        if self.output.numel():
+            self.head_rows = self.output[self.head_token_ids]
 
     # ---- pieces shared by serving and training -------------------------------------------
 
@@ -299,7 +301,8 @@ def head_from_target(target: nn.Module, head_token_ids: torch.Tensor, *, target_
     with torch.no_grad():
         head.norm.weight.copy_(target.get_decoder().norm.weight.float())
     head.head_token_ids.copy_(ids)
-    head.attach_target(target.get_input_embeddings().weight.float())
+    embedding, output = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    head.attach_target(embedding.float(), None if output is embedding else output.float())
     return head
 
 
@@ -365,22 +368,30 @@ def load_feature_head(
     if unexpected or [k for k in missing if not k.endswith("inv_freq")]:
         raise FailedPrecondition(f"{path}: weights do not fit the head (missing {missing}, unexpected {unexpected})")
     head.to(device=device, dtype=dtype).eval()
-    head.attach_target(_token_table(Path(resolve_model(str(spec), progress=False))))
+    head.attach_target(*_token_tables(Path(resolve_model(str(spec), progress=False))))
     return head
 
 
-def _token_table(target: Path) -> torch.Tensor:
-    """``[vocab, hidden]``: the target's input embedding, read from its safetensors files alone."""
+def _token_tables(target: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``([vocab, hidden], [vocab, hidden] | None)``: the target's input embedding and its own output rows
+    (None where it ties them to the embedding), read from its safetensors files alone."""
     import json
 
     from safetensors import safe_open
 
     from specserve.api.errors import FailedPrecondition
 
-    key = "model.embed_tokens.weight"
     index = target / "model.safetensors.index.json"
-    name = json.loads(index.read_text())["weight_map"].get(key) if index.is_file() else WEIGHTS
-    if name is None or not (target / name).is_file():
-        raise FailedPrecondition(f"the target at {target} has no {key} in safetensors files")
-    with safe_open(str(target / name), framework="pt") as f:
-        return f.get_tensor(key).float()
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+
+    def tensor(key: str) -> torch.Tensor | None:
+        name = WEIGHTS if weight_map is None else weight_map.get(key)
+        if name is None or not (target / name).is_file():
+            return None
+        with safe_open(str(target / name), framework="pt") as f:
+            return f.get_tensor(key).float() if key in f.keys() else None
+
+    embedding = tensor("model.embed_tokens.weight")
+    if embedding is None:
+        raise FailedPrecondition(f"the target at {target} has no model.embed_tokens.weight in safetensors files")
+    return embedding, tensor("lm_head.weight")

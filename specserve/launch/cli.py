@@ -457,7 +457,12 @@ def _request_flags() -> argparse.ArgumentParser:
     p.add_argument("--stop-token-id", type=int, action="append", default=None, help="(repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--gamma", default="auto", help="draft tokens per round, or 'auto'")
-    p.add_argument("--proposer", choices=["model", "ngram"], default="model")
+    p.add_argument(
+        "--proposer",
+        choices=["feature", "model", "ngram"],
+        default=None,
+        help="feature: the feature head; model: the token draft; ngram: prompt lookup (default: the server's)",
+    )
     p.add_argument("--draft-top-k", type=int, default=0)
     p.add_argument(
         "--hybrid-lookup",

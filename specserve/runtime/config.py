@@ -361,6 +361,12 @@ class CoordinatorSettings(CommonSettings):
         "is not (HF's assistant_confidence_threshold, 0.4 there too). 0 drafts the whole gamma. A request "
         "may set its own (SpeculationParams.min_confidence). Exactness is kept at any value.",
     )
+    default_proposer: Literal["auto", "model", "feature"] = Field(
+        "auto",
+        description="The proposer of a request that names none: 'feature' (the feature head, docs/design.md "
+        "'The feature head'), 'model' (the token draft), or 'auto': the feature head when every draft "
+        "replica serves one, else the token draft.",
+    )
     overlap: bool = Field(
         False,
         description="Proactive drafting: while the target verifies a round, the draft already drafts the "

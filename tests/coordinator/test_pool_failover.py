@@ -97,6 +97,25 @@ async def test_a_refused_proposal_is_sent_again_once_at_gamma_0():
         assert w.pool.targets.failures(target.endpoint) == 0
 
 
+async def test_a_refused_proposals_retry_still_asks_for_logprobs_and_features():
+    """The retry at gamma 0 is the same item without its proposal: a session reporting logprobs (or relaying
+    the target's features to the feature head) still gets them, so the round does not fail for lack of them."""
+    async with pool_of_fakes(targets=1) as w:
+        (target,) = w.targets.values()
+        session = await new_session(w)
+        target.refuse_next(errors.InvalidArgument("token 100000 is outside the vocabulary"))
+        item = item_for(session, [100000, 3])
+        item.logprobs.top_logprobs = 2
+        item.features_from = 0
+
+        verified = await w.pool.verify(session, item)
+
+        assert not verified.item.proposal.token_ids
+        assert verified.item.logprobs.top_logprobs == 2 and verified.item.features_from == 0
+        verdict = verified.batched.item.verdict
+        assert verdict is not None and len(verdict.logprobs) == len(verdict.committed_token_ids) == 1
+
+
 async def test_a_whole_call_refused_for_its_proposal_is_sent_again_at_gamma_0():
     async with pool_of_fakes(targets=1) as w:
         (target,) = w.targets.values()

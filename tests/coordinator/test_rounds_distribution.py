@@ -39,7 +39,6 @@ import pytest
 import pytest_asyncio
 import system_fixtures as sf
 from prometheus_client import REGISTRY
-from scipy.stats import chisquare
 
 import target_service.verifier
 from specserve.api.params import SamplingParams
@@ -67,26 +66,6 @@ def pair(tmp_path_factory):
 async def stack(pair, redis_server):
     async with sf.local_stack(pair, redis_server.url, coordinator_overrides={"max_batch_size": 32}) as s:
         yield s
-
-
-def merged_chi_square(observed: Counter, expected_p: dict) -> tuple[float, float, int]:
-    """Chi-square statistic, p-value and number of cells after merging cells with expected < 5."""
-    n = sum(observed.values())
-    cells = sorted(expected_p, key=lambda k: expected_p[k])
-    obs, exp = [], []
-    acc_o = acc_e = 0.0
-    for key in cells:
-        acc_o += observed.get(key, 0)
-        acc_e += expected_p[key] * n
-        if acc_e >= 5:
-            obs.append(acc_o)
-            exp.append(acc_e)
-            acc_o = acc_e = 0.0
-    if acc_e > 0:  # leftover small mass joins the last merged cell
-        obs[-1] += acc_o
-        exp[-1] += acc_e
-    stat, p = chisquare(obs, exp)
-    return float(stat), float(p), len(obs)
 
 
 MODES = {"optimal": common_pb2.SAMPLING_MODE_OPTIMAL, "coupled": common_pb2.SAMPLING_MODE_COUPLED}
@@ -142,13 +121,13 @@ async def test_joint_of_three_tokens_matches_target_only_sampling(stack, pair, s
     assert sum(observed.values()) == N
     outside = [seq for seq in observed if seq not in exact]
     assert not outside, f"sampled sequences the target gives probability 0: {outside}"
-    stat, p, cells = merged_chi_square(observed, exact)
+    stat, p, cells = sf.merged_chi_square(observed, exact)
     print(f"chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
     assert p > ALPHA, f"chi-square {stat:.1f} on {cells} cells, p = {p:.2e}"
     # The draft's own joint must be rejected by the same test (the test has power).
     draft_exact = sf.exact_joint(pair.draft_dir, PROMPT, params, LENGTH)
     draft_like = Counter({k: round(v * N) for k, v in draft_exact.items() if k in exact})
-    assert merged_chi_square(draft_like, exact)[1] < ALPHA
+    assert sf.merged_chi_square(draft_like, exact)[1] < ALPHA
 
 
 async def test_a_prediction_drafts_point_masses_and_keeps_the_joint(stack, pair):
@@ -160,7 +139,7 @@ async def test_a_prediction_drafts_point_masses_and_keeps_the_joint(stack, pair)
     drafted = REGISTRY.get_sample_value("specserve_coordinator_proposals_total", {"proposer": "prediction"}) or 0
     observed = await _sample(stack, "optimal", prediction=likely, temperature=1.0)
     assert not [seq for seq in observed if seq not in exact]
-    stat, p, cells = merged_chi_square(observed, exact)
+    stat, p, cells = sf.merged_chi_square(observed, exact)
     assert p > ALPHA, f"chi-square {stat:.1f} on {cells} cells, p = {p:.2e}"
     now = REGISTRY.get_sample_value("specserve_coordinator_proposals_total", {"proposer": "prediction"})
     assert now >= drafted + N, "every session drafted from its prediction"
@@ -192,7 +171,7 @@ async def test_the_same_test_rejects_a_biased_coupled_verifier(stack, pair, monk
     monkeypatch.setattr(target_service.verifier, "verify_coupled", count_matches_verify_coupled)
     observed = await _sample(stack, "coupled", temperature=1.0)
     outside = [seq for seq in observed if seq not in exact]
-    stat, p, cells = merged_chi_square(observed, exact) if not outside else (float("inf"), 0.0, 0)
+    stat, p, cells = sf.merged_chi_square(observed, exact) if not outside else (float("inf"), 0.0, 0)
     print(f"biased coupled verifier: chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
     assert p < ALPHA
 
@@ -218,7 +197,7 @@ async def test_with_overlap_the_joint_is_still_the_targets(overlap_stack, pair, 
     exact = sf.exact_joint(pair.target_dir, PROMPT, SamplingParams(temperature=1.0), LENGTH)
     observed = await _sample(overlap_stack, mode, gamma=1, extra=3, temperature=1.0)
     assert sum(observed.values()) == N and all(seq in exact for seq in observed)
-    stat, p, cells = merged_chi_square(observed, exact)
+    stat, p, cells = sf.merged_chi_square(observed, exact)
     assert p > ALPHA, f"chi-square {stat:.1f} on {cells} cells, p = {p:.2e}"
     assert _ahead("used") > used, f"no round used a proposal drafted ahead (wasted: {_ahead('wasted')})"
 
@@ -247,7 +226,7 @@ async def test_a_confidence_stopped_draft_keeps_the_joint(stack, pair, mode):
         stack, mode, gamma=3, extra=3, stats=stats, temperature=1.0, min_confidence=CONFIDENCE
     )
     assert sum(observed.values()) == N and all(seq in exact for seq in observed)
-    stat, p, cells = merged_chi_square(observed, exact)
+    stat, p, cells = sf.merged_chi_square(observed, exact)
     print(f"min_confidence {CONFIDENCE}: chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
     assert p > ALPHA, f"chi-square {stat:.1f} on {cells} cells, p = {p:.2e}"
     missing, rounds = _cut_proposals(stats)
@@ -283,7 +262,7 @@ async def test_the_same_test_rejects_a_draft_that_drops_its_unsure_token(stack, 
     exact = sf.exact_joint(pair.target_dir, PROMPT, SamplingParams(temperature=1.0), LENGTH)
     observed = await _sample(stack, "optimal", gamma=3, extra=3, temperature=1.0, min_confidence=CONFIDENCE)
     outside = [seq for seq in observed if seq not in exact]
-    stat, p, cells = merged_chi_square(observed, exact) if not outside else (float("inf"), 0.0, 0)
+    stat, p, cells = sf.merged_chi_square(observed, exact) if not outside else (float("inf"), 0.0, 0)
     print(f"draft dropping its unsure token: chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
     assert drop_unsure.count > 0.2 * N, f"only {drop_unsure.count} proposals lost a token"
     assert p < ALPHA

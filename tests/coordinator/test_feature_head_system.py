@@ -1,0 +1,157 @@
+"""The feature head through the whole system: exact, the default where served, and refused where not.
+
+A tiny pair with a head trained briefly on the target's own greedy text
+(``system_fixtures.tiny_head``), served by the draft tier, the target's features
+relayed by the coordinator (docs/design.md, "The feature head"). Greedy output
+is compared token for token with stock transformers ``generate()`` (the target
+alone); coupled sampling with the target's own Gumbel-max reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import pytest_asyncio
+import system_fixtures as sf
+from prometheus_client import REGISTRY
+
+from specserve import AsyncClient
+from specserve.v1 import common_pb2
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.system]
+
+FEATURE = common_pb2.PROPOSER_KIND_FEATURE
+PROMPTS = [[5, 17, 33, 2, 91, 14], [40, 41, 42, 43], [7] * 9, [100, 3, 250, 8, 19, 27, 64, 5]]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return sf.tiny_pair(tmp_path_factory, seed=3)
+
+
+@pytest.fixture(scope="module")
+def head_dir(pair, tmp_path_factory):
+    return sf.tiny_head(pair, tmp_path_factory, PROMPTS)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(pair, head_dir, redis_server):
+    async with sf.local_stack(
+        pair,
+        redis_server.url,
+        draft_overrides=sf.head_overrides(pair, head_dir),
+        coordinator_overrides={"max_batch_size": 8},
+    ) as s:
+        yield s
+
+
+def _proposed(proposer: str) -> float:
+    return REGISTRY.get_sample_value("specserve_coordinator_proposals_total", {"proposer": proposer}) or 0.0
+
+
+@pytest.mark.parametrize("gamma", [1, 4, None], ids=["gamma1", "gamma4", "adaptive"])
+async def test_greedy_with_the_head_is_the_target_alone(stack, pair, gamma):
+    """Greedy with proposer="feature" is token-identical to the target alone, and the head's proposals are
+    accepted (the features reach it: a head drafting blind would rarely match the trained continuation)."""
+    before = _proposed("model")
+    outs = await asyncio.gather(
+        *(sf.generate(stack.address, sf.request(p, max_new_tokens=24, gamma=gamma, proposer=FEATURE)) for p in PROMPTS)
+    )
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == sf.reference_greedy(pair.target_dir, prompt, 24)
+    if gamma is not None:
+        assert _proposed("model") > before, "the draft tier proposed"
+        accepted = sum(o.stats.accepted_tokens for o in outs)
+        proposed = sum(o.stats.proposed_tokens for o in outs)
+        assert proposed > 0 and accepted / proposed > 0.3, (accepted, proposed)
+
+
+async def test_the_head_is_the_default_request_where_the_draft_serves_it(stack, pair):
+    """A request that names no proposer drafts with the head (the coordinator's 'auto' default): its
+    acceptance matches an explicit proposer="feature" request's exactly (both greedy, same prompt)."""
+    prompt = PROMPTS[0]
+    default = await sf.generate(
+        stack.address, sf.request(prompt, max_new_tokens=24, gamma=3, proposer=common_pb2.PROPOSER_KIND_UNSPECIFIED)
+    )
+    explicit = await sf.generate(stack.address, sf.request(prompt, max_new_tokens=24, gamma=3, proposer=FEATURE))
+    model = await sf.generate(
+        stack.address, sf.request(prompt, max_new_tokens=24, gamma=3, proposer=common_pb2.PROPOSER_KIND_MODEL)
+    )
+    assert default.token_ids == explicit.token_ids == model.token_ids
+    assert (default.stats.accepted_tokens, default.stats.proposed_tokens) == (
+        explicit.stats.accepted_tokens,
+        explicit.stats.proposed_tokens,
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_coupled_mode_gives_the_same_text_with_the_head_as_with_the_token_draft(stack, pair, seed):
+    prompt = PROMPTS[1]
+    outs = [
+        await sf.generate(
+            stack.address,
+            sf.request(
+                prompt,
+                max_new_tokens=20,
+                temperature=0.7,
+                seed=seed,
+                gamma=3,
+                proposer=proposer,
+                ignore_eos=True,
+                sampling_mode=common_pb2.SAMPLING_MODE_COUPLED,
+            ),
+        )
+        for proposer in (FEATURE, common_pb2.PROPOSER_KIND_MODEL, common_pb2.PROPOSER_KIND_NGRAM)
+    ]
+    reference = sf.reference_coupled(pair.target_dir, prompt, 20, seed=seed, temperature=0.7)
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids == reference
+
+
+async def test_logprobs_with_the_head(stack, pair):
+    """Logprobs keep working with the head: one entry per token, the target's own values."""
+    prompt = PROMPTS[2]
+    want = sf.reference_greedy(pair.target_dir, prompt, 16, ignore_eos=True)
+    async with AsyncClient(stack.address) as client:
+        result = await client.generate(
+            prompt_token_ids=prompt,
+            max_new_tokens=16,
+            temperature=0,
+            ignore_eos=True,
+            gamma=2,
+            proposer="feature",
+            logprobs=True,
+            top_logprobs=3,
+        )
+    assert list(result.token_ids) == want
+    assert result.stats.accepted_tokens > 0
+    sf.check_logprobs(result.logprobs, want, sf.reference_logprobs(pair.target_dir, prompt, want), 3)
+
+
+async def test_eight_concurrent_streams_with_the_head_are_each_exact(stack, pair):
+    prompts = [[(11 * i + j) % 380 + 1 for j in range(5 + i)] for i in range(8)]
+    outs = await asyncio.gather(
+        *(sf.generate(stack.address, sf.request(p, max_new_tokens=20, gamma=4, proposer=FEATURE)) for p in prompts)
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == sf.reference_greedy(pair.target_dir, prompt, 20)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def headless(pair, redis_server):
+    async with sf.local_stack(pair, redis_server.url) as s:
+        yield s
+
+
+async def test_without_a_head_proposer_feature_is_refused_and_the_default_is_the_token_draft(headless, pair):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await sf.generate(headless.address, sf.request(PROMPTS[0], max_new_tokens=4, proposer=FEATURE))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "feature head" in info.value.details()
+    out = await sf.generate(
+        headless.address,
+        sf.request(PROMPTS[0], max_new_tokens=16, gamma=2, proposer=common_pb2.PROPOSER_KIND_UNSPECIFIED),
+    )
+    assert out.token_ids == sf.reference_greedy(pair.target_dir, PROMPTS[0], 16)
+    assert out.stats.proposed_tokens > 0
