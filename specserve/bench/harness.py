@@ -64,6 +64,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -84,10 +85,11 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TARGET = "smollm2-135m-instruct"  # registered names (specserve.engine.model_registry), or directories
 DEFAULT_DRAFT = "specserve-smollm2-draft"
 
-#: specserve modes: name -> (gamma or None for adaptive, proposer, hybrid lookup, min_confidence; None
-#: for the server's defaults: the lookup on, dynamic draft length at 0.4 under the adaptive policy and off at
-#: a fixed gamma). "specserve adaptive" is what a request that sets nothing gets.
-SPEC_MODES: dict[str, tuple[int | None, str, bool | None, float | None]] = {
+#: specserve modes: name -> (gamma or None for adaptive, proposer (None: the server's default, the feature
+#: head where the draft serves one), hybrid lookup, min_confidence; None for the server's defaults: the lookup
+#: on, dynamic draft length at 0.4 under the adaptive policy and off at a fixed gamma). "specserve adaptive"
+#: is what a request that sets nothing gets.
+SPEC_MODES: dict[str, tuple[int | None, str | None, bool | None, float | None]] = {
     "specserve gamma=0": (0, "model", None, None),
     "specserve gamma=1": (1, "model", None, None),
     "specserve gamma=2": (2, "model", None, None),
@@ -97,8 +99,13 @@ SPEC_MODES: dict[str, tuple[int | None, str, bool | None, float | None]] = {
     "specserve n-gram adaptive": (None, "ngram", None, None),
     "specserve adaptive, model only": (None, "model", False, None),
     "specserve adaptive, whole gamma": (None, "model", None, 0.0),
-    "specserve adaptive": (None, "model", None, None),
+    "specserve adaptive, token draft": (None, "model", None, None),
+    "specserve feature gamma=2": (2, "feature", None, None),
+    "specserve feature gamma=4": (4, "feature", None, None),
+    "specserve adaptive": (None, None, None, None),
 }
+#: The modes that need the draft tier to serve the feature head (left out where it does not).
+HEAD_MODES = frozenset(m for m, (_, proposer, _, _) in SPEC_MODES.items() if proposer == "feature")
 FIXED_GAMMAS = (1, 2, 4, 8)
 #: HF prompt-lookup baselines: name -> ``prompt_lookup_num_tokens``. 16 is the coordinator's default
 #: ``max_gamma``, the longest proposal the n-gram proposer may make (like for like); 8 as in earlier runs.
@@ -176,7 +183,7 @@ async def _spec_generate(
     temperature: float,
     seed: int,
     gamma: int | None,
-    proposer: str,
+    proposer: str | None,
     hybrid_lookup: bool | None = None,
     min_confidence: float | None = None,
 ) -> tuple[Run, list[tuple[float, int]]]:
@@ -237,6 +244,7 @@ async def single_stream(
     seed: int,
     stock_target=None,
     repeats: int = 1,
+    only: Sequence[str] | None = None,
 ) -> list[Run]:
     """Every (prompt set, prompt, temperature) through every mode, one after another, ``repeats`` times.
 
@@ -244,7 +252,8 @@ async def single_stream(
     so that over an even number of repeats every mode sits as often early as late in a prompt's turn
     and the machine's drift within a turn falls on the HF baselines and on specserve alike.
     ``stock_target``: the target with PyTorch's stock kernels where ``target`` has packed ones
-    (:mod:`specserve.engine.cpu_kernels`), run as one more baseline (:data:`HF_STOCK`).
+    (:mod:`specserve.engine.cpu_kernels`), run as one more baseline (:data:`HF_STOCK`). ``only``: run these
+    modes alone (None: every mode).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -252,6 +261,8 @@ async def single_stream(
     jobs = [(s, p, t) for s, ps in prompts.items() for p in ps for t in temperatures]
     modes = ["hf target-only", *([HF_STOCK] if stock_target is not None else []), "hf assisted"]
     modes += [*HF_LOOKUP, *SPEC_MODES]
+    if only is not None:
+        modes = [m for m in modes if m in only]
     bar = tqdm(total=repeats * len(jobs) * len(modes), desc="single stream", unit="gen")
     for repeat in range(repeats):
         for set_name, (name, token_ids), temp in jobs:
@@ -487,16 +498,63 @@ async def _process_stack(args):
         redis_url=args.redis_url,
         # "fastest" reaches here only from --only-load; a target timing its kernels runs without invariance.
         target_overrides={"metrics_port": metrics_port, "kernels": args.kernels, "invariant": args.kernels != "fastest"},
-        draft_overrides={"max_batch_size": args.draft_batch},
+        draft_overrides={"max_batch_size": args.draft_batch, **_head_overrides(args)},
         coordinator_overrides=_coordinator_overrides(args.draft_batch),
     )
     return stack, f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+def _head_overrides(args) -> dict[str, str]:
+    """The draft's feature head as ``--head`` names it ('auto': the default pair's head when the draft is the
+    default draft and the head is present; 'none': no head)."""
+    from specserve.engine import model_registry
+    from specserve.engine.models import resolve_model_path
+
+    head = args.head
+    if head == "auto":
+        source = model_registry.REGISTRY.get(model_registry.DEFAULT_HEAD)
+        default_draft = Path(resolve_model_path(DEFAULT_DRAFT, "draft")) == Path(args.draft)
+        head = model_registry.DEFAULT_HEAD if default_draft and source is not None and source.present() else "none"
+    return {"feature_head": head, "feature_head_target": str(args.target)} if head != "none" else {"feature_head": "none"}
 
 
 async def _warm_up(client) -> None:
     """One short generation per mode family."""
     for gamma in (0, 4, None):
         await _spec_generate(client, [1, 2, 3], 8, 0.0, 0, gamma, "model")
+    await _spec_generate(client, [1, 2, 3], 8, 0.0, 0, 4, None)  # the server's default proposer
+
+
+async def run_single_only(args) -> dict:
+    """``--only-single``: the single-stream table alone, for ``--single-modes`` (default: every mode), each
+    mode's median ms per token against gamma 0 through the same service and against HF assisted generation."""
+    torch.manual_seed(args.seed)
+    tokenizer, target, draft = load_pair(args.target, args.draft, kernels=args.kernels)
+    args.kernels = cpu_kernels.path_of(target)
+    names = args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer)
+    prompts = sampling_modes.load_prompt_sets(names, tokenizer, args.target, args.prompts, args.prompt_chars)
+    heads = _head_overrides(args).get("feature_head", "none") != "none"
+    only = [m for m in (args.single_modes or ["hf target-only", "hf assisted", *SPEC_MODES]) if heads or m not in HEAD_MODES]
+    stack, _ = await _process_stack(args)
+    try:
+        from specserve.client import AsyncClient
+
+        async with AsyncClient(stack.address, timeout=600) as client:
+            await _warm_up(client)
+            runs = await single_stream(
+                client, target, draft, prompts, args.temperatures, args.max_new_tokens, args.seed,
+                repeats=args.single_repeats, only=only,
+            )
+    finally:
+        await stack.stop()
+    return {
+        **_run_header(args),
+        "feature_head": heads,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "single_stream": summarize_single(runs),
+        "greedy_identity": greedy_identity(runs),
+        "runs": [asdict(r) | {"ms_per_token": r.ms_per_token} for r in runs],
+    }
 
 
 async def run_load_only(args) -> dict:
@@ -791,6 +849,23 @@ def main(argv: list[str] | None = None) -> int:
         help="measure every load point this many times, interleaved; the report gives medians",
     )
     parser.add_argument(
+        "--only-single",
+        action="store_true",
+        help="run only the single-stream table (of --single-modes); writes single.json and single.md",
+    )
+    parser.add_argument(
+        "--single-modes",
+        nargs="+",
+        default=None,
+        help="the single-stream modes to run (names as in the table; default: all)",
+    )
+    parser.add_argument(
+        "--head",
+        default="auto",
+        help="the draft's feature head: a registered name or directory, 'none', or 'auto' (the default pair's "
+        "head with the default draft)",
+    )
+    parser.add_argument(
         "--only-load",
         action="store_true",
         help="run only the load sweep (gamma 0, --load-fixed-gamma, adaptive); writes load.json, which the "
@@ -935,6 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.latency, run_latency, "latency", report.write_latency),
         (args.predicted_outputs, run_prediction, "prediction", report.write_prediction),
         (args.only_load, run_load_only, "load", report.write_load),
+        (args.only_single, run_single_only, "single", report.write_single),
         (args.draft_scaling, run_draft_scaling, "draft_scaling", report.write_draft_scaling),
     ]
     for chosen, run, name, write in separate:

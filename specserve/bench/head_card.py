@@ -2,7 +2,13 @@
 
 Run (the figures in ``specserve/models/specserve-smollm2-head/README.md`` come from this)::
 
-    python -m specserve.bench.head_card --json specserve/models/specserve-smollm2-head/card.json
+    python -m specserve.bench.head_card --json specserve/models/specserve-smollm2-head/card.json \
+        --readme specserve/models/specserve-smollm2-head/README.md --curve RUN_DIR [RUN_DIR ...]
+
+``--readme`` renders the card from the figures, the head's ``training_meta.json``
+and the data-size curve: the training runs ``--curve`` names (each a
+``scripts/train_feature_head.py train --fraction F`` run directory), their
+held-out acceptance against their answer tokens, drawn as ``data_size.png``.
 
 In float32 on the CPU, batch 1, on the held-out prompts of
 :mod:`specserve.bench.chat_prompts` (subjects never seen in training), the head
@@ -245,6 +251,166 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+#: Hidden sizes and the committed-token rate the wire cost is projected to (issue: 7B- and 70B-class targets).
+PROJECTED_HIDDEN = (4096, 8192)
+PROJECTED_TOKENS_PER_S = 10_000
+#: A GPU-like verify pass over gamma + 1 positions, as a multiple of one decode step (a projection).
+PROJECTED_VERIFY_COSTS = (1.05, 1.2)
+
+
+def curve_points(run_dirs: list[Path]) -> list[dict]:
+    """Per training run: its answer tokens and its last held-out evaluation (gamma-1 top-1 per kind)."""
+    points = []
+    for run in run_dirs:
+        meta = json.loads((run / "train_meta.json").read_text())
+        evals = [h["heldout"] for h in meta["history"] if "heldout" in h]
+        if not evals:
+            continue
+        last = evals[-1]
+        points.append(
+            {
+                "run": run.name,
+                "fraction": meta["fraction"],
+                "answer_tokens": meta["answer_tokens"],
+                "steps": meta["step"],
+                "seconds": round(meta["elapsed_s"]),
+                **{f"{kind}_top1": last[kind]["top1_per_step"][0] for kind in ("chat", "code") if kind in last},
+            }
+        )
+    return sorted(points, key=lambda p: p["answer_tokens"])
+
+
+def plot_curve(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for kind in ("chat", "code"):
+        xs = [p["answer_tokens"] for p in points if f"{kind}_top1" in p]
+        ys = [p[f"{kind}_top1"] for p in points if f"{kind}_top1" in p]
+        ax.plot(xs, ys, marker="o", label=f"held-out {kind}")
+    ax.axhline(0.55, color="grey", linestyle="--", linewidth=0.8, label="break-even here (0.55)")
+    ax.set_xscale("log")
+    ax.set_xlabel("training answer tokens")
+    ax.set_ylabel("gamma-1 acceptance (greedy)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.set_title("Feature head: held-out acceptance against data size", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def projections(card: dict) -> dict:
+    """Wire bytes at other hidden sizes, and the cost model's speedup for a GPU-like verify (projections)."""
+    per_token = statistics.mean(card[k]["greedy"][g]["feature_bytes_per_token"] for k in ("chat", "code")
+                                for g in card[k]["greedy"])
+    per_value = per_token / card["feature_row_bytes"]  # rows per committed token
+    wire_mb_s = {
+        str(h): per_value * h * wire.VALUE_BYTES * PROJECTED_TOKENS_PER_S / 1e6 for h in PROJECTED_HIDDEN
+    }
+    c = card["costs"]["head_over_target_step"]
+    speedup: dict = {}
+    for kind in ("chat", "code"):
+        for g, row in card[kind]["greedy"].items():
+            tokens = row["accepted_per_round"] + 1  # accepted draft tokens and the target's own
+            speedup.setdefault(kind, {})[str(g)] = {
+                str(v): tokens / (int(g) * c + v) for v in PROJECTED_VERIFY_COSTS
+            }
+    return {"rows_per_token": per_value, "wire_mb_per_s": wire_mb_s, "speedup": speedup}
+
+
+def render(card: dict, meta: dict | None, points: list[dict]) -> str:
+    """The model card (README.md) from the figures: nothing in it is typed by hand."""
+    proj = projections(card)
+    costs = card["costs"]
+    lines = [
+        "# specserve-smollm2-head",
+        "",
+        "The feature head of the default pair (target `smollm2-135m-instruct`): one decoder layer that drafts",
+        "from the target's own features, relayed by the coordinator (docs/design.md, \"The feature head\").",
+        "Its token table and output rows are the target's, read from the target's files when it loads.",
+        "",
+        f"Figures: `{card['command']}` ({card['when']}, float32, {card['machine']['threads']} threads).",
+        "",
+        "## Held-out acceptance",
+        "",
+        "Greedy (T = 0): rounds replayed on the target's greedy answers; T = 0.7: real speculative sampling.",
+        "",
+        "| set | T | gamma | acceptance per token | accepted per drafted round |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for kind in ("chat", "code"):
+        for label, table in (("0", card[kind]["greedy"]), ("0.7", card[kind]["t0.7"])):
+            for g, row in table.items():
+                lines.append(
+                    f"| {kind} | {label} | {g} | {row['acceptance']:.3f} | {row['accepted_per_round']:.2f} |"
+                )
+    lines += [
+        "",
+        f"{card['chat']['prompts']} held-out prompts per set (subjects never in training), up to "
+        f"{card['chat']['max_new_tokens']} tokens greedy; {card['chat']['t0.7_prompts']} prompts of "
+        f"{card['chat']['t0.7_max_new_tokens']} tokens at T = 0.7.",
+        "",
+        "## Cost",
+        "",
+        f"- A head draft step costs {costs['head_over_target_step']:.3f} of a target decode step "
+        f"({costs['head_step_ms']:.2f} ms against {costs['target_step_ms']:.2f} ms after "
+        f"{costs['context_tokens']} tokens, medians of {costs['steps']} interleaved steps).",
+        f"- On the wire: {proj['rows_per_token'] * card['feature_row_bytes']:.0f} bytes per committed token "
+        f"(float16 rows of {card['feature_row_bytes'] // wire.VALUE_BYTES} values, "
+        f"{proj['rows_per_token']:.2f} rows per committed token, measured over the greedy rounds).",
+        "- Projected for larger targets at 10,000 committed tokens/s: "
+        + ", ".join(f"hidden {h}: {mb:.0f} MB/s" for h, mb in proj["wire_mb_per_s"].items())
+        + " (a projection from the measured rows per token).",
+        "",
+        "## Projected speedup where a verify pass costs about a decode step (a projection, not a measurement)",
+        "",
+        "Tokens per round (accepted + 1, greedy, measured above) over `gamma x head step + verify`, with the",
+        "verify pass at 1.05 and 1.2 decode steps, as on a GPU; the head's cost ratio is this CPU's.",
+        "",
+        "| set | gamma | verify 1.05 | verify 1.2 |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for kind, table in proj["speedup"].items():
+        for g, by_cost in table.items():
+            lines.append(f"| {kind} | {g} | {by_cost['1.05']:.2f}x | {by_cost['1.2']:.2f}x |")
+    if points:
+        lines += [
+            "",
+            "## Data size",
+            "",
+            "![held-out acceptance against data size](data_size.png)",
+            "",
+            "| run | share of the data | answer tokens | steps | seconds | chat gamma-1 | code gamma-1 |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for p in points:
+            lines.append(
+                f"| {p['run']} | {p['fraction']:g} | {p['answer_tokens']:,} | {p['steps']} | {p['seconds']} | "
+                f"{p.get('chat_top1', float('nan')):.3f} | {p.get('code_top1', float('nan')):.3f} |"
+            )
+        lines += [
+            "",
+            "Held-out gamma-1 acceptance of the training script's own evaluation (greedy replay of the held-out",
+            "answers, top-1 equal to the target's token) at the end of each run; the runs had equal time budgets.",
+        ]
+    if meta is not None:
+        args = meta["args"]
+        lines += [
+            "",
+            "## Training",
+            "",
+            f"`scripts/train_feature_head.py train` on {meta['answer_tokens']:,} answer tokens of "
+            f"{meta['records']:,} target answers (`data/smollm2-answers/`, the first {args.get('shards')} shards "
+            f"of each phase), {meta['step']} steps of {args['batch_tokens']} tokens in {meta['elapsed_s'] / 60:.0f} "
+            f"minutes on this CPU, unrolled {args['unroll']} steps on its own outputs, learning rate {args['lr']}.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> dict:
     import sys
 
@@ -262,11 +428,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cost-steps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--readme", type=Path, default=None, help="render the model card here")
+    ap.add_argument("--curve", type=Path, nargs="*", default=[], help="training runs of the data-size curve")
+    ap.add_argument("--from-json", type=Path, default=None, help="render from these figures, measuring nothing")
     args = ap.parse_args(argv)
     args.argv = argv
-    result = run(args)
-    if args.json is not None:
+    result = json.loads(args.from_json.read_text()) if args.from_json else run(args)
+    if args.json is not None and args.from_json is None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.readme is not None:
+        meta_path = Path(result["head"]) / "training_meta.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
+        points = curve_points(args.curve)
+        if points:
+            plot_curve(points, args.readme.parent / "data_size.png")
+            result["curve"] = points
+        args.readme.write_text(render(result, meta, points))
+        print(f"wrote {args.readme}")
     return result
 
 

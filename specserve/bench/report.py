@@ -769,6 +769,40 @@ def write_load(run: dict, out: Path) -> Path:
     return _write_section(out, "load", load_section(run))
 
 
+def single_section(run: dict) -> list[str]:
+    """``single.json`` (``--only-single``) as Markdown lines: per prompt set and temperature, each mode's
+    median ms per committed token, its acceptance, and its speed over gamma 0 through the same service and
+    over HF assisted generation (each a ratio of medians over the same prompts and passes)."""
+    settings = run["settings"]
+    lines = [
+        "## Single stream, side by side",
+        "",
+        f"`{run['command']}` ({run.get('date_utc', '')}; {settings['prompts']} held-out prompts per set, "
+        f"{settings['max_new_tokens']} tokens, {settings['single_repeats']} interleaved passes; feature head "
+        f"served: {'yes' if run.get('feature_head') else 'no'})",
+        "",
+        "| set | mode | ms/token (median) | acceptance | vs gamma 0 | vs HF assisted |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for key, group in run["single_stream"].items():
+        zero = group.get("specserve gamma=0", {}).get("ms_per_token_median")
+        assisted = group.get("hf assisted", {}).get("ms_per_token_median")
+        for mode, row in group.items():
+            ms = row["ms_per_token_median"]
+            acc = "" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
+            vs0 = f"{zero / ms:.2f}x" if zero else ""
+            vsa = f"{assisted / ms:.2f}x" if assisted else ""
+            lines.append(f"| {key} | {mode} | {ms:.1f} | {acc} | {vs0} | {vsa} |")
+    identity = run["greedy_identity"]
+    lines += ["", f"Greedy runs token-identical to HF target-only: {identity['identical']} of {identity['total']}.", ""]
+    return lines
+
+
+def write_single(data: dict, out: Path) -> Path:
+    """``single.json``'s section alone, as ``<out>/single.md``."""
+    return _write_section(out, "single", single_section(data))
+
+
 def write_prediction(data: dict, out: Path) -> Path:
     """``prediction.json``'s section alone, as ``<out>/prediction.md``."""
     return _write_section(out, "prediction", prediction_section(data))
@@ -798,3 +832,5 @@ if __name__ == "__main__":
         write_latency(json.loads(latency_file.read_text()), folder, latency_file.stem)
     if (folder / "load.json").exists():
         write_load(json.loads((folder / "load.json").read_text()), folder)
+    if (folder / "single.json").exists():
+        write_single(json.loads((folder / "single.json").read_text()), folder)

@@ -72,7 +72,7 @@ def test_defaults_follow_openai_and_leave_server_choices_absent():
     assert not pb.sampling.HasField("top_p") and not pb.sampling.HasField("seed")
     assert not pb.sampling.HasField("repetition_penalty")
     assert pb.stop.max_new_tokens == 0, "chat: the server's default length"
-    assert not pb.speculation.HasField("gamma") and pb.speculation.proposer == common_pb2.PROPOSER_KIND_MODEL
+    assert not pb.speculation.HasField("gamma") and pb.speculation.proposer == common_pb2.PROPOSER_KIND_UNSPECIFIED  # the server's default
     assert not pb.speculation.HasField("min_confidence")
     assert completion().to_pb().stop.max_new_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS == 16
     assert completion(max_tokens=5).to_pb().stop.max_new_tokens == 5

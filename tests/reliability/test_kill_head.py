@@ -73,6 +73,7 @@ async def coordinator(workers, pair, redis_server):
             draft_endpoints=[d.address for d in workers["drafts"]],
             tokenizer=pair.target_dir,
             rpc_timeout_s=3.0,
+            keep_ended_sessions_s=600.0,  # the streams are compared with their logs afterwards
         )
     )
     yield app

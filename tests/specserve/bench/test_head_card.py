@@ -60,3 +60,48 @@ def test_sampled_rounds_commit_what_they_count(pair):
     )
     assert got["tokens"] >= 20 and got["rounds"] >= 1
     assert 0 <= got["accepted"] <= got["proposed"] <= 3 * got["rounds"]
+
+
+def _card() -> dict:
+    row = {"acceptance": 0.5, "accepted_per_round": 1.0, "proposed": 10, "rounds": 10, "feature_bytes_per_token": 1152.0}
+    kind = {
+        "prompts": 2,
+        "greedy_tokens": 20,
+        "max_new_tokens": 10,
+        "greedy": {"1": row, "2": {**row, "accepted_per_round": 1.5}},
+        "t0.7": {"1": {**row, "acceptance": 0.25}},
+        "t0.7_prompts": 1,
+        "t0.7_max_new_tokens": 8,
+    }
+    costs = {"target_step_ms": 10.0, "head_step_ms": 1.0, "head_over_target_step": 0.1, "context_tokens": 8, "steps": 4}
+    return {
+        "when": "now",
+        "machine": {"threads": 2},
+        "command": "python -m specserve.bench.head_card",
+        "head": "/nowhere",
+        "feature_row_bytes": 1152,
+        "costs": costs,
+        "chat": kind,
+        "code": kind,
+    }
+
+
+def test_the_projections_follow_the_cost_model():
+    proj = head_card.projections(_card())
+    assert proj["rows_per_token"] == 1.0
+    # one float16 row of 4096 values per token at 10,000 tokens/s
+    assert proj["wire_mb_per_s"]["4096"] == pytest.approx(4096 * 2 * 10_000 / 1e6)
+    # gamma 2: 2.5 tokens per round over 2 x 0.1 + 1.2 steps
+    assert proj["speedup"]["chat"]["2"]["1.2"] == pytest.approx(2.5 / 1.4)
+
+
+def test_the_card_renders_every_measured_row(tmp_path):
+    points = [
+        {"run": f"r{f}", "fraction": f, "answer_tokens": int(1000 * f), "steps": 5, "seconds": 60, "chat_top1": f / 2}
+        for f in (0.25, 0.5, 1.0)
+    ]
+    text = head_card.render(_card(), None, points)
+    assert text.count("| chat | 0 |") == 2 and text.count("| code | 0.7 |") == 1
+    assert "0.100 of a target decode step" in text and "| r0.5 | 0.5 | 500 |" in text
+    head_card.plot_curve(points, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 1000

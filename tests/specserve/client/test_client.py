@@ -233,7 +233,7 @@ def test_build_request_defaults_leave_server_choices_absent():
     assert not req.sampling.HasField("seed")
     assert not req.speculation.HasField("gamma") and not req.speculation.HasField("min_confidence")
     assert req.stop.max_new_tokens == 0
-    assert req.speculation.proposer == common_pb2.PROPOSER_KIND_MODEL
+    assert req.speculation.proposer == common_pb2.PROPOSER_KIND_UNSPECIFIED  # the server's default
     assert req.sampling.sampling_mode == common_pb2.SAMPLING_MODE_UNSPECIFIED  # the server's default
     assert not build_request("x", gamma="auto").speculation.HasField("gamma")
     assert build_request("x", gamma=0).speculation.HasField("gamma")
@@ -244,7 +244,7 @@ def test_build_request_defaults_leave_server_choices_absent():
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"proposer": "oracle"}, "proposer must be 'model' or 'ngram'"),
+        ({"proposer": "oracle"}, "proposer must be 'model', 'feature' or 'ngram'"),
         ({"sampling_mode": "exact"}, "sampling_mode must be 'optimal' or 'coupled'"),
         ({"gamma": -1}, "gamma must be"),
         ({"gamma": "many"}, "gamma must be"),
@@ -596,7 +596,7 @@ async def test_bad_requests_raise_invalid_argument_saying_what_to_fix(stack, kwa
 @module_loop
 async def test_unknown_proposer_is_refused_by_the_sdk_and_by_the_server(stack):
     async with AsyncClient(stack.address) as client:
-        with pytest.raises(errors.InvalidArgument, match="proposer must be 'model' or 'ngram'"):
+        with pytest.raises(errors.InvalidArgument, match="proposer must be 'model', 'feature' or 'ngram'"):
             await client.generate(PROMPT, proposer="oracle")
         # A proposer value the SDK cannot even name (as another client might send) reaches the server.
         from specserve.client import AsyncTokenStream
