@@ -14,8 +14,8 @@ machine):
   (:meth:`CostModel.verify_ns`), a local linearisation plus a step: ``v_m``
   is what a pass over more than one position costs beyond a one-token decode
   step. On a CPU that step is large (a single row runs matrix-vector kernels,
-  two rows or more run matrix-matrix ones: feeding 2 positions costs about
-  1.7x a step on the default target here, 9 positions about 2x), on an
+  two rows or more run matrix-matrix ones; docs/benchmarks/README.md, "Model
+  costs"), on an
   accelerator with spare parallelism ``v_m`` and ``v_p`` come out near 0;
 * **network round trip** of a call beyond the server's own time:
   ``R(k) = r0 + r1 * k`` with ``k`` draft distributions carried in the message;
@@ -25,9 +25,8 @@ machine):
   call) or not. Under load the two differ by about a pass: the sessions at
   gamma = 0 resume together and ride the next pass together, while one that
   goes to the draft first comes back after that pass has left and waits for
-  it to end (measured on the default pair at 0.5-4 requests/s: a median of
-  70-146 ms at a fixed gamma 1 against 1-3 ms at gamma 0,
-  ``docs/benchmarks``). No server time shows that cost; a model without it finds one more position nearly
+  it to end (docs/benchmarks/history.md, "Figures moved out of the code").
+  No server time shows that cost; a model without it finds one more position nearly
   free in a batch, and speculated where it lost. A drafted round is never
   taken to wait less than an undrafted one (see :meth:`CostModel.queue_ns`).
 
@@ -462,8 +461,8 @@ class CostModel:
         A drafted round is assumed to wait at least as long as an undrafted one: going to the draft
         first never shortens the wait. The two means are learnt from different rounds, often at
         different times (drafted ones mostly from probes); in a burst, undrafted rounds queued behind
-        prefills measured 400 ms where the last drafted ones had measured 75 ms, and the bare means
-        then made drafting look 3x cheaper than not drafting."""
+        prefills can wait far longer than the last drafted ones did, and the bare means then make
+        drafting look cheaper than not drafting (docs/benchmarks/history.md)."""
         cls = _size_class(batch_size)
         undrafted = self._queue.get((False, cls), 0.0)
         if not drafted:

@@ -20,8 +20,8 @@ when none has anything to offer (and the session drafts with the model).
   next tokens; when a committed token differs, the alignment is lost and is
   re-found like prompt lookup: the longest suffix of the completion (from
   ``max_n`` = 4 tokens down to ``min_n`` = 2: a single common token such as a
-  newline is too weak a clue, measured to triple the rejected tokens of a
-  half-wrong prediction) that occurs in the prediction, its first occurrence
+  newline is too weak a clue; docs/benchmarks/history.md, "Figures moved out
+  of the code") that occurs in the prediction, its first occurrence
   at or after the point where the alignment was lost (edits move forward
   through a file), else its latest one before. The prediction is indexed
   once (:class:`~specserve.core.ngram.NgramIndex`), so following the alignment

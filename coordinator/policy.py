@@ -168,8 +168,8 @@ class AdaptiveGamma(SpeculationPolicy):
       may fall to any lower rung at once. A proposer in the coordinator
       (``local_draft``) may go to any rung: it offers tokens only where its
       lookup matches, and a longer proposal costs it no draft time (on copied
-      code, climbing one rung per round ran 1.04x-1.44x slower per token than a
-      fixed gamma 8, going straight up 1.0x-1.1x).
+      code climbing one rung per round was slower than going straight up:
+      docs/benchmarks/history.md, "Figures moved out of the code").
     * **Cold start**: a session's first round uses the best rung not above
       ``initial_gamma`` (just ``initial_gamma`` while the cost model has no data),
       then climbs one rung per round at most. A session whose tracker starts

@@ -1,10 +1,9 @@
 """The target's verify-cost curve, measured once at start-up.
 
 A verify pass over ``k`` positions does not cost ``k`` times a decode step, nor
-the same: on an accelerator with spare parallelism it costs about a step
-(1.05-1.2x), on a CPU a pass over two positions or more runs matrix-matrix
-kernels and costs well over a step (about 1.7x on the default target on the
-development machine). Whether speculation pays at all turns on that shape, and
+the same: on an accelerator with spare parallelism it costs about a step,
+on a CPU a pass over two positions or more runs matrix-matrix kernels and
+costs well over a step (docs/benchmarks/README.md, "Model costs"). Whether speculation pays at all turns on that shape, and
 a coordinator whose only data is a session at one gamma cannot learn it (every
 round feeds the same number of positions). So the target measures it: one
 session's pass over a short context, feeding ``k = 1 .. max_gamma + 1``

@@ -114,8 +114,7 @@ _GOLDEN = _signed(0x9E3779B97F4A7C15)
 _MIX1 = _signed(0xBF58476D1CE4E5B9)
 _MIX2 = _signed(0x94D049BB133111EB)
 #: On the CPU, rows of noise computed at once: about 2**16 elements, so the int64 temporaries
-#: stay in cache (measured: 1.8x faster per row at a 49,152-token vocabulary than all rows at
-#: once). Other devices take every row in one pass (a few kernel launches in all).
+#: stay in cache (faster per row than all rows at once: docs/benchmarks/history.md). Other devices take every row in one pass (a few kernel launches in all).
 _CPU_BLOCK_ELEMENTS = 1 << 16
 
 

@@ -2,23 +2,22 @@
 
 On a CPU, PyTorch's stock ``F.linear`` runs a matrix-vector kernel for one
 row and MKL's ``sgemm`` for two or more. The verify pass feeds ``gamma + 1``
-positions, so it always takes the second, and measured on this project's
-2-core machine (float32, SmolLM2-135M's shapes, weights streamed from memory as
-in a real pass) ``sgemm`` reads the weights at about half the speed: 2 to 9
-rows cost 1.8x-2.1x one row, which is most of why a verify pass over k
-positions cost 1.7x-2x a decoding step. oneDNN's matmul with the weight
-reordered once, at load time, into its blocked layout
+positions, so it always takes the second, which on a CPU reads the weights
+more slowly than the one-row kernel: most of why a verify pass over k positions
+costs well over a decoding step. oneDNN's matmul with the weight reordered
+once, at load time, into its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, the layout ``torch.compile``'s
-CPU backend freezes weights into) reads the weights at full speed for any
-number of rows: 2 to 9 rows cost 1.0x-1.6x one row, and one row costs no more
-than the stock kernel (``python -m specserve.bench.kernels`` measures both, per shape and
-for the whole pass; docs/benchmarks/kernels.md).
+CPU backend freezes weights into) is meant to read the weights at full speed
+for any number of rows, and one row at no more than the stock kernel's cost
+(``python -m specserve.bench.kernels`` measures both, per shape and for the
+whole pass; the figures: docs/benchmarks/kernels.md and
+docs/benchmarks/history.md).
 
 Exactness. The kernel is a different order of float additions from the stock
 one, so logits differ from the stock path's in the last bits (about 1e-4 on the
 real target's logits), as the stock path's one-row and many-row kernels differ
 from each other. What the verify rule needs is that a position's logits do not
-depend on how many positions the pass holds: measured here, the packed kernel
+depend on how many positions the pass holds: on the CPUs tested, the packed kernel
 gives every row bitwise the same result whatever the number of rows (2-80) and
 wherever the row sits, and for one row too, except where ``in_features`` is
 above 1,024 (the MLP's down projection): there a lone row takes another kernel.
@@ -220,9 +219,8 @@ def use_faster_linears(
     path is timed at every ``k`` in ``positions`` (a decoding step and a verify pass), ``repeats`` times
     with the two paths alternating (a machine busy with something else slows both alike), after a round
     that warms both up; the path with the smaller sum of medians wins. Returns the path and each path's
-    sum in milliseconds. Which path is faster depends on the CPU: measured on the project's machines, the
-    packed one ran the default target's step 1.7x faster on one and 1.5x slower on another
-    (docs/benchmarks/kernels.md).
+    sum in milliseconds. Which path is faster depends on the CPU (docs/benchmarks/kernels.md,
+    docs/benchmarks/history.md).
     """
     if path_of(model) == "onednn":
         raise ValueError("the model's linears are packed already; time the paths on a freshly loaded model")

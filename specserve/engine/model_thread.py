@@ -43,8 +43,8 @@ class ModelThread:
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the thread and wait for it, from synchronous code (a worker's start-up:
         loading the model here too keeps every parallel torch region of the process on this one thread;
-        measured here, oneDNN's packed kernels ran 1.5x-2x slower on a thread other than the one that
-        first ran parallel torch work, ``specserve/engine/cpu_kernels.py``)."""
+        oneDNN's packed kernels run slower on a thread other than the one that first ran parallel torch
+        work, ``specserve/engine/cpu_kernels.py``; docs/benchmarks/history.md)."""
         ctx = contextvars.copy_context()
         return self._executor.submit(ctx.run, self._inside, fn, *args).result()
 
@@ -76,9 +76,9 @@ def serial_torch_off_the_model_thread() -> None:
     With libgomp (PyTorch's OpenMP on Linux) every thread that runs a parallel torch region gets a team
     of its own, and once a process holds more OpenMP threads than there are cores, libgomp stops letting
     any team's threads spin at their barriers: every parallel region of the model's passes then waits on
-    a futex. Measured on the default target (2 cores, packed kernels): a decoding step went from 23 ms to
-    33 ms, for the life of the process, after the first Verify call whose dense draft distributions the
-    event loop checked with torch (parallel over ``[gamma, vocab]``). Work on the event loop is small
+    a futex, for the life of the process (what that cost a decoding step: docs/benchmarks/history.md);
+    the first Verify call whose dense draft distributions the event loop checked with torch (parallel
+    over ``[gamma, vocab]``) did it. Work on the event loop is small
     (a request's checks and conversions); serial there, it never starts a second team. The model thread
     took its thread count when it first ran torch (loading the model), which this leaves alone.
     """

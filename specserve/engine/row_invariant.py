@@ -5,8 +5,8 @@ whether it is drafted alone or together with other sessions (docs/design.md,
 "Batched drafting"). A padded batched pass (:mod:`specserve.engine.batching`) equals
 the rows run alone only up to float rounding, for two reasons:
 
-* **Matrix multiplies pick their kernel by shape.** Measured here (MKL,
-  float32): row 0 of ``X @ W`` has one value when ``X`` has 1 row, another for
+* **Matrix multiplies pick their kernel by shape.** With MKL (float32),
+  row 0 of ``X @ W`` has one value when ``X`` has 1 row, another for
   2-8 rows and another from 9 rows on, and a row's value changes with its
   place in ``X``.
 * **Attention over padded keys** reduces over longer, shifted vectors.

@@ -129,8 +129,7 @@ class WorkerSettings(CommonSettings):
         "paths timed on the model as it loads, a step and a pass over 5 positions, and the faster kept, "
         "logged as kernels_timed; elsewhere stock), 'onednn' (weights prepacked for oneDNN, on a CPU: a pass "
         "over several positions costs little more than one), 'stock' (PyTorch's), 'auto' (onednn for "
-        "float32 on a CPU where PyTorch has it, else stock). Which is faster depends on the CPU: the packed "
-        "step was 1.7x faster on one of this project's machines and slower on another "
+        "float32 on a CPU where PyTorch has it, else stock). Which is faster depends on the CPU "
         "(docs/benchmarks/kernels.md).",
     )
     threads: int = Field(
@@ -200,8 +199,8 @@ class DraftSettings(WorkerSettings):
         description="Kernels of the drafting passes' linear layers: 'onednn' (weights prepacked for oneDNN, "
         "on a CPU: the rows of a pass go unpadded where the kernel's bits do not depend on the row count, so "
         "a lone session's step costs one row's matmul, not a 16-row block's), 'stock' (PyTorch's, in "
-        "16-row blocks), 'auto' (onednn for float32 on a CPU where PyTorch has it, else stock). Measured on "
-        "the default draft: 2.75 ms per drafted token with onednn, 7.40 with stock (docs/benchmarks/kernels.md).",
+        "16-row blocks), 'auto' (onednn for float32 on a CPU where PyTorch has it, else stock). What each costs "
+        "per drafted token: docs/benchmarks/kernels.md.",
     )
     max_batch_size: int = Field(
         32,
