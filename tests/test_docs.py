@@ -1,0 +1,125 @@
+"""The documentation against the repository: every link resolves, every path README and docs/internals.md
+name exists, README stays short and runs CI's own test command, and docs/internals.md's round walk names the
+files a round passes through.
+
+``tests/test_architecture.py`` checks the backquoted file names of docs/internals.md and the order of its
+walk; this module reads every path under a top-level folder, quoted or not, and the ``python -m`` modules.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+INTERNALS = ROOT / "docs" / "internals.md"
+DOCS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+#: The repository's top-level folders a document may name a path under.
+TOP = "coordinator draft_service target_service specserve protos deploy tests scripts docs models .ci".split()
+#: A path under one of them (``coordinator/rounds.py``, ``specserve/v1/``, ``models/specserve-demo-*``), not
+#: the tail of a longer path or a URL.
+PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(map(re.escape, TOP)) + r")/(?:[\w.*-]+/)*[\w.*-]*)")
+#: A module run with ``python -m`` from one of the packages.
+MODULE = re.compile(r"python3? -m ((?:coordinator|draft_service|target_service|specserve)(?:\.\w+)+)")
+#: A Markdown link's target.
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def named_paths(text: str) -> set[str]:
+    return {p.rstrip(".") for p in PATH.findall(text)}
+
+
+def exists(path: str) -> bool:
+    return any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()
+
+
+def module_exists(module: str) -> bool:
+    base = ROOT / module.replace(".", "/")
+    return base.with_suffix(".py").exists() or (base / "__main__.py").exists()
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.unit
+def test_the_path_pattern_reads_paths_and_nothing_else():
+    text = "`coordinator/rounds.py`, specserve/v1/ and models/specserve-demo-*; not a/coordinator/x.py or http://h/docs/x"
+    assert named_paths(text) == {"coordinator/rounds.py", "specserve/v1/", "models/specserve-demo-*"}
+    assert not exists("coordinator/no_such_module.py") and exists("models/specserve-demo-*")
+
+
+@pytest.mark.unit
+def test_internals_names_only_paths_and_modules_that_exist():
+    text = INTERNALS.read_text()
+    named = named_paths(text)
+    assert len(named) > 50
+    assert sorted(p for p in named if not exists(p)) == []
+    modules = MODULE.findall(text)
+    assert modules and [m for m in modules if not module_exists(m)] == []
+
+
+@pytest.mark.unit
+def test_the_round_walk_names_the_feature_head_where_proposals_and_verdicts_pass():
+    walk = INTERNALS.read_text().split("## One round, file by file", 1)[1].split("\n## ", 1)[0]
+    named = named_paths(walk)
+    for path in ("coordinator/feature_relay.py", "draft_service/feature_proposer.py", "specserve/engine/feature_head.py"):
+        assert path in named, f"docs/internals.md's round walk does not name {path}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_resolves(doc: Path):
+    """Every relative Markdown link of README and docs/ names a file that exists, and a heading of it."""
+    text = doc.read_text()
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # http(s), mailto
+            continue
+        path, _, fragment = target.partition("#")
+        file = (doc.parent / path) if path else doc
+        if not file.exists():
+            broken.append(target)
+        elif fragment and file.suffix == ".md":
+            headings = re.findall(r"^#+ (.*)$", file.read_text(), flags=re.M)
+            if fragment not in {anchor(h) for h in headings}:
+                broken.append(target)
+    assert broken == []
+
+
+@pytest.mark.unit
+def test_readme_names_only_paths_that_exist():
+    named = named_paths(README.read_text())
+    assert len(named) > 10
+    assert sorted(p for p in named if not exists(p)) == []
+
+
+@pytest.mark.unit
+def test_readme_is_read_in_two_minutes():
+    assert len(README.read_text().splitlines()) <= 150
+
+
+def ci_test_command() -> str:
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    (command,) = [line for line in lines if line.startswith("python3 -m pytest")]
+    return command
+
+
+@pytest.mark.unit
+def test_readme_runs_the_tests_as_ci_does():
+    """README's test command ends with exactly the command ``.ci/run`` runs, and the unit tier is that
+    command with ``-m unit``."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    commands = [line for block in blocks for line in block.splitlines()]
+    install_and_test = [c for c in commands if "pytest" in c]
+    assert len(install_and_test) == 1
+    ci = ci_test_command()
+    assert install_and_test[0].split(" && ")[-1] == ci
+    assert shlex.split(ci)[:3] == ["python3", "-m", "pytest"]
+    assert f"`{ci} -m unit`" in README.read_text()
