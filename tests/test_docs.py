@@ -25,7 +25,7 @@ TOP = "coordinator draft_service target_service specserve protos deploy tests sc
 #: the tail of a longer path or a URL.
 PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(map(re.escape, TOP)) + r")/(?:[\w.*-]+/)*[\w.*-]*)")
 #: A module run with ``python -m`` from one of the packages.
-MODULE = re.compile(r"python3? -m ((?:coordinator|draft_service|target_service|specserve)(?:\.\w+)+)")
+MODULE = re.compile(r"python3?\s+-m\s+((?:coordinator|draft_service|target_service|specserve)(?:\.\w+)+)")
 #: A Markdown link's target.
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
