@@ -42,7 +42,7 @@ async def stack(pair, head_dir, redis_server):
         pair,
         redis_server.url,
         draft_overrides=sf.head_overrides(pair, head_dir),
-        coordinator_overrides={"max_batch_size": 8},
+        coordinator_overrides={"max_batch_size": 8, "default_proposer": "auto"},
     ) as s:
         yield s
 
@@ -69,7 +69,7 @@ async def test_greedy_with_the_head_is_the_target_alone(stack, pair, gamma):
 
 
 async def test_the_head_is_the_default_request_where_the_draft_serves_it(stack, pair):
-    """A request that names no proposer drafts with the head (the coordinator's 'auto' default): its
+    """A request that names no proposer drafts with the head under ``default_proposer='auto'``: its
     acceptance matches an explicit proposer="feature" request's exactly (both greedy, same prompt)."""
     prompt = PROMPTS[0]
     default = await sf.generate(

@@ -74,6 +74,7 @@ async def coordinator(workers, pair, redis_server):
             tokenizer=pair.target_dir,
             rpc_timeout_s=3.0,
             keep_ended_sessions_s=600.0,  # the streams are compared with their logs afterwards
+            default_proposer="auto",
         )
     )
     yield app
