@@ -198,6 +198,29 @@ class RoleLauncher:
         self._stderr.close()
 
 
+async def start_test_coordinator(
+    tokenizer: Path, redis_url: str, *, targets: list[str], drafts: list[str], **settings: Any
+) -> Any:
+    """A coordinator in the test process over worker processes on loopback, keeping ended sessions' logs (the
+    streams are compared with them afterwards); ``settings`` override ``CoordinatorSettings``."""
+    from pydantic import SecretStr
+
+    from coordinator.server import start_coordinator
+    from specserve.runtime.config import CoordinatorSettings
+
+    return await start_coordinator(
+        CoordinatorSettings(
+            host="127.0.0.1",
+            port=0,
+            redis_url=SecretStr(redis_url),
+            target_endpoints=targets,
+            draft_endpoints=drafts,
+            tokenizer=tokenizer,
+            **{"keep_ended_sessions_s": 600.0, **settings},
+        )
+    )
+
+
 def worker_flags(model_dir: Path, redis_url: str, **extra: Any) -> dict[str, Any]:
     """Flags of a draft or target process: float32 on CPU (greedy identity), no warm-up."""
     return {

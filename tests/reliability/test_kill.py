@@ -35,18 +35,17 @@ import grpc
 import pytest
 import pytest_asyncio
 import system_fixtures as sf
-from pydantic import SecretStr
 from reliability_helpers import (
     Stream,
     assert_stream_is_log,
     fork_roles,
     start_role,
+    start_test_coordinator,
     wait_serving,
     worker_flags,
 )
 from waiting import wait_until
 
-from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2
 
@@ -98,19 +97,12 @@ def workers(request, pair, redis_server, tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def coordinator(workers, pair, redis_server):
-    from coordinator.server import start_coordinator
-
-    app = await start_coordinator(
-        CoordinatorSettings(
-            host="127.0.0.1",
-            port=0,
-            redis_url=SecretStr(redis_server.url),
-            target_endpoints=[t.address for t in workers["targets"]],
-            draft_endpoints=[workers["draft"].address],
-            tokenizer=pair.target_dir,
-            rpc_timeout_s=RPC_TIMEOUT_S,
-            keep_ended_sessions_s=600.0,  # the streams are compared with their logs afterwards
-        )
+    app = await start_test_coordinator(
+        pair.target_dir,
+        redis_server.url,
+        targets=[t.address for t in workers["targets"]],
+        drafts=[workers["draft"].address],
+        rpc_timeout_s=RPC_TIMEOUT_S,
     )
     yield app
     await app.stop(grace=1.0)

@@ -20,11 +20,15 @@ from collections import Counter
 import pytest
 import pytest_asyncio
 import system_fixtures as sf
-from pydantic import SecretStr
-from reliability_helpers import Stream, assert_stream_is_log, wait_serving, worker_flags
+from reliability_helpers import (
+    Stream,
+    assert_stream_is_log,
+    start_test_coordinator,
+    wait_serving,
+    worker_flags,
+)
 from waiting import wait_until
 
-from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2
 
@@ -62,20 +66,13 @@ def workers(role_launcher, pair, redis_server, tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def coordinator(workers, pair, redis_server):
-    from coordinator.server import start_coordinator
-
-    app = await start_coordinator(
-        CoordinatorSettings(
-            host="127.0.0.1",
-            port=0,
-            redis_url=SecretStr(redis_server.url),
-            target_endpoints=[workers["target"].address],
-            draft_endpoints=[d.address for d in workers["drafts"]],
-            tokenizer=pair.target_dir,
-            rpc_timeout_s=3.0,
-            keep_ended_sessions_s=600.0,  # the streams are compared with their logs afterwards
-            default_proposer="auto",
-        )
+    app = await start_test_coordinator(
+        pair.target_dir,
+        redis_server.url,
+        targets=[workers["target"].address],
+        drafts=[d.address for d in workers["drafts"]],
+        rpc_timeout_s=3.0,
+        default_proposer="auto",
     )
     yield app
     await app.stop(grace=1.0)
