@@ -518,6 +518,13 @@ def _head_overrides(args) -> dict[str, str]:
     return {"feature_head": head, "feature_head_target": str(args.target)} if head != "none" else {"feature_head": "none"}
 
 
+def _served_modes(args) -> list[str]:
+    """Every single-stream mode the stack under test can serve (the head's only where the draft serves one)."""
+    heads = _head_overrides(args).get("feature_head", "none") != "none"
+    modes = ["hf target-only", HF_STOCK, "hf assisted", *HF_LOOKUP, *SPEC_MODES]
+    return [m for m in modes if heads or m not in HEAD_MODES]
+
+
 async def _warm_up(client) -> None:
     """One short generation per mode family."""
     for gamma in (0, 4, None):
@@ -534,7 +541,7 @@ async def run_single_only(args) -> dict:
     names = args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer)
     prompts = sampling_modes.load_prompt_sets(names, tokenizer, args.target, args.prompts, args.prompt_chars)
     heads = _head_overrides(args).get("feature_head", "none") != "none"
-    only = [m for m in (args.single_modes or ["hf target-only", "hf assisted", *SPEC_MODES]) if heads or m not in HEAD_MODES]
+    only = [m for m in (args.single_modes or _served_modes(args)) if heads or m not in HEAD_MODES]
     stack, _ = await _process_stack(args)
     try:
         from specserve.client import AsyncClient
@@ -611,6 +618,7 @@ async def run_all(args) -> dict:
                 args.seed,
                 stock_target=stock_target,
                 repeats=args.single_repeats,
+                only=_served_modes(args),
             )
             summary = summarize_single(runs)
             first = next(

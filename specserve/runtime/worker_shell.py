@@ -20,6 +20,7 @@ worker has from its :class:`~specserve.runtime.config.WorkerSettings`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import structlog
@@ -67,10 +68,17 @@ def load_worker_model(
     )
 
 
+def _vocab_size(model_dir: Path) -> int | None:
+    import json
+
+    return json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+
+
 def load_worker_head(settings: DraftSettings, model: LoadedModel) -> FeatureHead | None:
     """The draft's feature head as ``settings`` name it (None: none), in ``model``'s device and dtype.
 
-    Unset, the default draft serves the default pair's head when it is present; 'none' serves without one.
+    Unset, the default draft serves the default pair's head when it is present and fits its vocabulary;
+    'none' serves without one.
     A head that does not fit the draft's vocabulary is refused (:class:`FailedPrecondition`)."""
     from specserve.engine import model_registry
     from specserve.engine.feature_head import load_feature_head
@@ -85,12 +93,10 @@ def load_worker_head(settings: DraftSettings, model: LoadedModel) -> FeatureHead
         if source is None or not source.present():
             return None
         spec = model_registry.DEFAULT_HEAD
-    head = load_feature_head(
-        model_registry.resolve_model(spec, progress=False),
-        target=settings.feature_head_target,
-        device=model.device,
-        dtype=model.model.dtype,
-    )
+    head_dir = Path(model_registry.resolve_model(spec, progress=False))
+    if settings.feature_head is None and _vocab_size(head_dir) != model.vocab_size:
+        return None  # the default pair's head serves only beside a draft of its vocabulary
+    head = load_feature_head(head_dir, target=settings.feature_head_target, device=model.device, dtype=model.model.dtype)
     if head.config.vocab_size != model.vocab_size:
         raise FailedPrecondition(
             f"the feature head covers {head.config.vocab_size} tokens, the draft's vocabulary {model.vocab_size}"
