@@ -67,16 +67,18 @@ async def address():
     await running.stop(0)
 
 
-async def _call(channel: grpc.aio.Channel, kind: str, metadata) -> list[bytes]:
-    """Call method ``kind`` with two request messages where it streams them; its replies."""
+async def _call(channel: grpc.aio.Channel, kind: str, metadata, messages=(b"x", b"y")) -> list[bytes]:
+    """Call method ``kind`` with ``messages`` where it streams its requests (``b"x"`` where it takes one); its
+    replies. A call the server refuses at its start is sent no messages: a message written after the refusal
+    can fail on the client's side first (INTERNAL, "Internal error from Core"), hiding the server's status."""
     method = f"/{SERVICE}/{kind}"
     if kind == "UnaryUnary":
         return [await channel.unary_unary(method)(b"x", metadata=metadata, timeout=60)]
     if kind == "UnaryStream":
         return [reply async for reply in channel.unary_stream(method)(b"x", metadata=metadata, timeout=60)]
     if kind == "StreamUnary":
-        return [await channel.stream_unary(method)(iter([b"x", b"y"]), metadata=metadata, timeout=60)]
-    call = channel.stream_stream(method)(iter([b"x", b"y"]), metadata=metadata, timeout=60)
+        return [await channel.stream_unary(method)(iter(messages), metadata=metadata, timeout=60)]
+    call = channel.stream_stream(method)(iter(messages), metadata=metadata, timeout=60)
     return [reply async for reply in call]
 
 
@@ -87,10 +89,10 @@ KINDS = ["UnaryUnary", "UnaryStream", "StreamUnary", "StreamStream"]
 async def test_every_handler_kind_needs_the_token(address, kind):
     async with grpc.aio.insecure_channel(address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as missing:
-            await _call(channel, kind, ())
+            await _call(channel, kind, (), messages=())
         assert missing.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.aio.AioRpcError) as wrong:
-            await _call(channel, kind, (("authorization", "Bearer guess"),))
+            await _call(channel, kind, (("authorization", "Bearer guess"),), messages=())
         assert wrong.value.code() == grpc.StatusCode.PERMISSION_DENIED
         replies = await _call(channel, kind, (("authorization", f"Bearer {TOKEN}"), ("x-request-id", "id-1")))
         assert replies and set(replies) == {b"id-1"}
