@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -196,6 +196,26 @@ class RoleLauncher:
             self._proc.kill()
             self._proc.wait()
         self._stderr.close()
+
+
+def role_starter(request: Any, tmp_path_factory: Any) -> Callable[[str, Mapping[str, Any]], RoleProcess]:
+    """How a test module starts ``specserve serve`` roles: forked from the pre-imported launcher
+    (``role_launcher``), or with ``SPECSERVE_TEST_FORK_ROLES=0`` as ``python -m specserve.launch.cli serve ...``."""
+    if fork_roles():
+        return request.getfixturevalue("role_launcher").start
+    log_dir = tmp_path_factory.mktemp("role-logs")
+    return lambda role, flags: start_role(role, flags, log_dir=log_dir)
+
+
+@contextlib.contextmanager
+def serving(roles: list[RoleProcess], *, timeout_s: float = 240) -> Iterator[list[RoleProcess]]:
+    """``roles`` once every one serves; stopped on exit."""
+    try:
+        wait_serving(roles, timeout_s=timeout_s)
+        yield roles
+    finally:
+        for role in roles:
+            role.stop()
 
 
 async def start_test_coordinator(

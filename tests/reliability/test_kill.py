@@ -39,6 +39,8 @@ from reliability_helpers import (
     Stream,
     assert_stream_is_log,
     fork_roles,
+    role_starter,
+    serving,
     start_role,
     start_test_coordinator,
     wait_serving,
@@ -71,28 +73,12 @@ def workers(request, pair, redis_server, tmp_path_factory):
     """{"targets": [RoleProcess, RoleProcess], "draft": RoleProcess}: ``specserve serve`` processes,
     forked from the pre-imported launcher (``role_launcher``), or with
     ``SPECSERVE_TEST_FORK_ROLES=0`` started as ``python -m specserve.launch.cli serve ...`` each."""
-    if fork_roles():
-        launcher = request.getfixturevalue("role_launcher")
-        start = launcher.start
-    else:
-        log_dir = tmp_path_factory.mktemp("role-logs")
-
-        def start(role, flags):
-            return start_role(role, flags, log_dir=log_dir)
-
-    roles = []
-    try:
-        common = {"shutdown_grace_s": 1}
-        targets = [
-            start("target", worker_flags(pair.target_dir, redis_server.url, **common)) for _ in range(2)
-        ]
-        draft = start("draft", worker_flags(pair.draft_dir, redis_server.url, **common))
-        roles = [*targets, draft]
-        wait_serving(roles, timeout_s=240)
+    start = role_starter(request, tmp_path_factory)
+    common = {"shutdown_grace_s": 1}
+    targets = [start("target", worker_flags(pair.target_dir, redis_server.url, **common)) for _ in range(2)]
+    draft = start("draft", worker_flags(pair.draft_dir, redis_server.url, **common))
+    with serving([*targets, draft]):
         yield {"targets": targets, "draft": draft}
-    finally:
-        for role in roles:
-            role.stop()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

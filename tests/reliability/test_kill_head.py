@@ -23,8 +23,9 @@ import system_fixtures as sf
 from reliability_helpers import (
     Stream,
     assert_stream_is_log,
+    role_starter,
+    serving,
     start_test_coordinator,
-    wait_serving,
     worker_flags,
 )
 from waiting import wait_until
@@ -45,23 +46,14 @@ def pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def workers(role_launcher, pair, redis_server, tmp_path_factory):
+def workers(request, pair, redis_server, tmp_path_factory):
     head = sf.tiny_head(pair, tmp_path_factory, PROMPTS, length=MAX_NEW + 8)
-    common = {"shutdown_grace_s": 1}
-    target = role_launcher.start("target", worker_flags(pair.target_dir, redis_server.url, **common))
-    drafts = [
-        role_launcher.start(
-            "draft", worker_flags(pair.draft_dir, redis_server.url, **common, **sf.head_overrides(pair, head))
-        )
-        for _ in range(2)
-    ]
-    roles = [target, *drafts]
-    try:
-        wait_serving(roles, timeout_s=240)
+    start = role_starter(request, tmp_path_factory)
+    common = {"shutdown_grace_s": 1, **sf.head_overrides(pair, head)}
+    target = start("target", worker_flags(pair.target_dir, redis_server.url, shutdown_grace_s=1))
+    drafts = [start("draft", worker_flags(pair.draft_dir, redis_server.url, **common)) for _ in range(2)]
+    with serving([target, *drafts]):
         yield {"target": target, "drafts": drafts}
-    finally:
-        for role in roles:
-            role.stop()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
