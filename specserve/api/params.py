@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specserve.api.constraints import Constraint
 from specserve.api.errors import InvalidArgument
 from specserve.v1 import common_pb2
 
@@ -78,7 +79,9 @@ class SamplingParams:
     ``sampling_mode`` (a key of :data:`SAMPLING_MODES`) is how a sampled token is
     decided when a draft proposed it: ``"optimal"`` (rejection sampling) or
     ``"coupled"`` (Gumbel-max with shared noise: the output does not depend on
-    the draft); greedy decoding is the same in both.
+    the draft); greedy decoding is the same in both. ``constraint``: structured output
+    (:class:`~specserve.api.constraints.Constraint`), masked before any other processing
+    (docs/design.md, "Constrained decoding"); None: unconstrained.
 
     The bounds (:data:`MIN_TEMPERATURE`, :data:`REPETITION_PENALTY_RANGE`) keep
     the processed logits finite, so no setting can turn a distribution into NaN.
@@ -91,6 +94,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int = 0
     sampling_mode: str = DEFAULT_SAMPLING_MODE
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
@@ -146,7 +150,14 @@ class SamplingParams:
             repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
             seed=pb.seed if pb.HasField("seed") else default_seed,
             sampling_mode=resolve_sampling_mode(pb.sampling_mode),
+            constraint=Constraint.from_pb(pb.constraint) if pb.HasField("constraint") else None,
         )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SamplingParams:
+        """From ``dataclasses.asdict`` of one (the JSON form the store records)."""
+        constraint = data.get("constraint")
+        return cls(**{**data, "constraint": Constraint.from_dict(constraint) if constraint else None})
 
     def to_pb(self) -> common_pb2.SamplingParams:
         return common_pb2.SamplingParams(
@@ -157,6 +168,7 @@ class SamplingParams:
             repetition_penalty=self.repetition_penalty,
             seed=self.seed,
             sampling_mode=SAMPLING_MODES[self.sampling_mode],
+            constraint=self.constraint.to_pb() if self.constraint is not None else None,
         )
 
 

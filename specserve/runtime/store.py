@@ -119,7 +119,7 @@ def _settings_from_fields(f: dict[str, bytes]) -> SessionSettings:
         stop["stop_strings"] = tuple(stop["stop_strings"])
         return SessionSettings(
             prompt_len=int(f["prompt_len"]),
-            sampling=SamplingParams(**json.loads(f["sampling"])),
+            sampling=SamplingParams.from_dict(json.loads(f["sampling"])),
             stop=StopConditions(**stop),
         )
     except InvalidArgument:
