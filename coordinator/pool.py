@@ -699,4 +699,5 @@ def _session_propose_request(
         stop_token_ids=session.stop.stop_token_ids,
         ignore_eos=session.stop.ignore_eos,
         stop_tokens_from=session.prompt_len + session.stop.min_new_tokens if session.stop.min_new_tokens else 0,
+        prompt_len=session.prompt_len,
     )

@@ -159,6 +159,7 @@ def propose_request(
     ignore_eos: bool = False,
     min_confidence: float = 0.0,
     stop_tokens_from: int = 0,
+    prompt_len: int = 0,
 ) -> draft_pb2.ProposeRequest:
     """The wire request for one session's proposal (sent alone or as an item of a ProposeBatch)."""
     return draft_pb2.ProposeRequest(
@@ -174,6 +175,7 @@ def propose_request(
         ignore_eos=ignore_eos,
         min_confidence=min_confidence,
         stop_tokens_from=stop_tokens_from,
+        prompt_len=prompt_len,
     )
 
 

@@ -191,6 +191,7 @@ class DraftEngine:
             features=call.features,
             features_reset=call.features_reset,
             stop_tokens_from=call.stop_tokens_from,
+            prompt_len=call.prompt_len,
         )
         return request, proposer
 

@@ -41,6 +41,7 @@ class ProposeCall:
     features: FeatureBlock | None = None  # the target's features the draft has not seen (feature proposer)
     features_reset: bool = False  # ... which start a fresh context
     stop_tokens_from: int = 0  # min_new_tokens: stop tokens masked for tokens drafted before this position
+    prompt_len: int = 0  # the session's prompt length (a constraint applies after it); 0: not sent
 
     @property
     def session_id(self) -> str:
@@ -81,11 +82,17 @@ class ProposeCall:
                 f"features reach position {features.stop - 1}; send only positions before the last committed "
                 f"token ({base.committed_len - 1})"
             )
+        sampling = SamplingParams.from_pb(pb.sampling, default_seed=pb.seed)
+        if sampling.constraint is not None and not 1 <= pb.prompt_len <= base.committed_len:
+            raise InvalidArgument(
+                f"prompt_len={pb.prompt_len} must be in [1, base.committed_len={base.committed_len}] with a "
+                "constraint (it applies to the tokens after the prompt)"
+            )
         return cls(
             base=base,
             start_position=pb.start_position,
             token_ids=tuple(int(t) for t in pb.token_ids),
-            sampling=SamplingParams.from_pb(pb.sampling, default_seed=pb.seed),
+            sampling=sampling,
             gamma=pb.gamma,
             proposer=proposer,
             draft_top_k=pb.draft_top_k,
@@ -96,6 +103,7 @@ class ProposeCall:
             features=features,
             features_reset=pb.features_reset,
             stop_tokens_from=pb.stop_tokens_from,
+            prompt_len=pb.prompt_len,
         )
 
 

@@ -13,7 +13,11 @@ optionally truncated to ``draft_top_k``; the vector it samples from is the one
 it ships (:func:`draft_distribution`). It drafts many sessions at once
 (:meth:`ModelProposer.propose_batch`): one forward pass per draft step for all
 of them, and a session drafted in a batch gets exactly what it gets alone (see
-the class). The n-gram proposer (prompt lookup) needs no model and runs in the
+the class). A constrained session's draft masks ``q`` with the same grammar as the target
+(:class:`~specserve.engine.grammar.SessionGrammars`, when the proposer has one): each drafted token
+keeps the completion inside the grammar, so fewer proposals are rejected; the target's
+own mask on ``p`` is what keeps the output exact, whatever the draft does.
+The n-gram proposer (prompt lookup) needs no model and runs in the
 coordinator (``coordinator/local_proposers.py``); a draft server refuses a
 Propose for it with FAILED_PRECONDITION (``draft_service/engine.py``).
 
@@ -50,6 +54,7 @@ from specserve.core.sampling import (
 )
 from specserve.engine import batching, row_invariant
 from specserve.engine.cpu_kernels import Kernels
+from specserve.engine.grammar import ConstraintMatcher, SessionGrammars, apply_masks
 from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len
 from specserve.v1 import common_pb2
 
@@ -89,6 +94,8 @@ class DraftRequest:
     #: whether they start a fresh context (``draft_service/feature_proposer.py``).
     features: FeatureBlock | None = None
     features_reset: bool = False
+    #: The session's prompt length: its constraint (``sampling.constraint``) applies to the tokens after it.
+    prompt_len: int = 0
 
 
 def draft_distribution(
@@ -192,6 +199,7 @@ class _Row:
     shipped: list[torch.Tensor] = field(default_factory=list)  # each [vocab] float32, sampled sessions only
     context: list[int] = field(default_factory=list)  # C + drafted so far (the repetition penalty reads it)
     confidence: float = 1.0  # the last drafted token's probability under the draft's distribution
+    matcher: ConstraintMatcher | None = None  # a constrained session's grammar state at C + drafted so far
 
     def done(self) -> bool:
         return (
@@ -220,6 +228,16 @@ def draw_step(rows: Sequence[_Row], last: torch.Tensor) -> list[int]:
     for b, row in enumerate(rows):
         if len(row.request.committed) + len(row.tokens) < row.request.stop_tokens_from:
             last = suppress_rows(last, b, row.request.stop_token_ids)
+    # A constrained row: its grammar's mask at C + drafted so far, before any processing (as the target).
+    constrained = [b for b, row in enumerate(rows) if row.matcher is not None]
+    if constrained:
+        last = last.clone()
+        for b in constrained:
+            matcher = rows[b].matcher
+            assert matcher is not None
+            bitmask = matcher.allocate(1)
+            matcher.fill_mask(bitmask, 0)
+            last[b : b + 1] = apply_masks(last[b : b + 1], bitmask)
     # Every row's argmax in one reduction (a row's max does not depend on the others'): a plain greedy
     # row's token; a NaN or +inf row has none, and fails the batch as its sampling would.
     argmax = greedy_tokens(last).tolist()  # [batch]
@@ -232,6 +250,8 @@ def draw_step(rows: Sequence[_Row], last: torch.Tensor) -> list[int]:
             token, q32, row.confidence = draw_token(last[b], row.request, base + len(row.tokens), row.context)
         row.tokens.append(token)
         row.context.append(token)
+        if row.matcher is not None and not row.matcher.accept(token):  # masked: only a bug gets here
+            raise InvalidArgument(f"the draft drew token {token}, which its session's constraint forbids")
         if q32 is not None:
             row.shipped.append(q32)
     return [b for b, row in enumerate(rows) if not row.done()]
@@ -284,9 +304,16 @@ class ModelProposer(Proposer):
     kind = common_pb2.PROPOSER_KIND_MODEL
 
     def __init__(
-        self, caches: SessionCacheStore, *, inline_catchup_max: int = 32, kernels: Kernels = "stock"
+        self,
+        caches: SessionCacheStore,
+        *,
+        inline_catchup_max: int = 32,
+        kernels: Kernels = "stock",
+        grammars: SessionGrammars | None = None,
     ) -> None:
         self.caches = caches
+        #: Constrained sessions' matchers (None: the draft does not mask q; the target's mask keeps exactness).
+        self.grammars = grammars
         self.inline_catchup_max = inline_catchup_max
         self.model = caches.model
         self.config = caches.model.config
@@ -324,6 +351,8 @@ class ModelProposer(Proposer):
                 raise
             for row in rows:
                 outcomes[row.index] = row.drafted()
+                if row.matcher is not None:  # the branch goes: the matcher holds C again
+                    row.matcher.rollback(len(row.tokens))
             self.caches.trim(protect=[row.request.session_id for row in rows])
         assert all(o is not None for o in outcomes)
         return outcomes  # type: ignore[return-value]
@@ -350,6 +379,12 @@ class ModelProposer(Proposer):
         if len(missing) - 1 > self.inline_catchup_max:
             self._prefill(cache, missing[:-1])
             missing = missing[-1:]
+        matcher = None
+        constraint = request.sampling.constraint
+        if constraint is not None and self.grammars is not None:
+            matcher = self.grammars.at(request.session_id, constraint, committed[request.prompt_len :])
+            if matcher.terminated:
+                return None  # the grammar is complete and its end drafted: nothing may follow
         return _Row(
             index=index,
             request=request,
@@ -358,6 +393,7 @@ class ModelProposer(Proposer):
             feed=missing,
             prefill=len(committed) - keep,
             context=list(committed),
+            matcher=matcher,
         )
 
     def _prefill(self, cache: SessionCache, token_ids: Sequence[int]) -> None:
@@ -404,6 +440,8 @@ class ModelProposer(Proposer):
             logits, grown = row_invariant.forward(self.model, packed)
 
     def release(self, session_id: str) -> bool:
+        if self.grammars is not None:
+            self.grammars.drop(session_id)
         if session_id not in self.caches:
             return False
         self.caches.release(session_id)

@@ -17,6 +17,7 @@ from draft_service.feature_proposer import FeatureProposer
 from draft_service.history import CommittedHistory
 from draft_service.proposers import ModelProposer, Proposer
 from draft_service.servicer import DraftServicer
+from specserve.engine.grammar import SessionGrammars
 from specserve.engine.kvcache import SessionCacheStore
 from specserve.engine.model_thread import ModelThread
 from specserve.engine.models import LoadedModel
@@ -51,7 +52,10 @@ def build_draft(settings: DraftSettings, *, model: LoadedModel | None = None) ->
         model = thread.call(load_worker_model, settings, "draft")
     caches = session_caches(model, settings)
     history = CommittedHistory(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s)
-    proposer = ModelProposer(caches, kernels=settings.kernels)
+    grammars = SessionGrammars(
+        model.tokenizer, model.vocab_size, model.eos_token_ids, max_sessions=settings.max_sessions
+    )
+    proposer = ModelProposer(caches, kernels=settings.kernels, grammars=grammars)
     proposers: dict[int, Proposer] = {proposer.kind: proposer}
     head = thread.call(load_worker_head, settings, model)
     if head is not None:

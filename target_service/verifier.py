@@ -44,8 +44,9 @@ One call (:meth:`Verifier.verify`) for a :class:`~target_service.messages.Verify
    (:mod:`specserve.engine.invariant`, the default) a position's logits are the same bits on every one
    of these paths, so none of these choices changes a verdict.
 3. Process the logits at every position exactly as target-only decoding would
-   (the stop tokens masked before ``min_new_tokens``,
-   :func:`specserve.core.sampling.suppress_tokens`; then
+   (a constrained session's grammar mask first: the tokens its constraint forbids after
+   ``C + x_1..x_{i-1}`` are -inf in row ``i``, :mod:`specserve.engine.grammar`; the stop tokens
+   masked before ``min_new_tokens``, :func:`specserve.core.sampling.suppress_tokens`; then
    :func:`specserve.core.sampling.logits_to_probs`) and decide with
    :func:`specserve.core.verification.verify_batch` (sampled sessions, randomness
    keyed by session seed and position), :func:`~specserve.core.verification.verify_coupled`
@@ -66,6 +67,10 @@ One call (:meth:`Verifier.verify`) for a :class:`~target_service.messages.Verify
 5. Leave each cache holding exactly the committed prefix without its pending
    token: the accepted draft tokens stay cached, the rest of the branch is
    cropped; on a conflict or error the branch is rolled back to ``C[:-1]``.
+   A constrained session's matcher does the same beside it: it walks the
+   proposal to fill the masks and steps back, then holds the committed tokens
+   (rolled back to ``C`` when the commit fails); one this replica never held is
+   rebuilt from ``C`` (docs/design.md, "Constrained decoding").
 
 Each item has its own fate. An item whose session cannot be loaded (unknown,
 or stored with settings that fail today's checks), whose cache cannot be
@@ -147,6 +152,7 @@ from specserve.core.sampling import (
 from specserve.core.verification import VerifyOutcome, verify_batch, verify_coupled, verify_greedy
 from specserve.engine import batching, invariant
 from specserve.engine.feature_head import FinalNormInput
+from specserve.engine.grammar import SessionGrammars, apply_masks
 from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len, features_of
 from specserve.engine.model_thread import ModelThread
 from specserve.engine.models import LoadedModel
@@ -243,6 +249,10 @@ class Verifier:
         self.inline_catchup_max = inline_catchup_max
         self.eos_token_ids = _eos_token_ids(model)
         self.max_positions = model.max_positions
+        #: Constrained sessions' matchers, beside their caches (built from the committed tokens when missing).
+        self.grammars = SessionGrammars(
+            model.tokenizer, model.vocab_size, self.eos_token_ids, max_sessions=2 * caches.max_sessions
+        )
         #: Each recent session's settings (immutable after create), most recently used last.
         self._settings: OrderedDict[str, SessionSettings] = OrderedDict()
         self._settings_max = 2 * caches.max_sessions
@@ -283,6 +293,7 @@ class Verifier:
         self.thread.check()
         self._settings.pop(session_id, None)
         self._known.pop(session_id, None)
+        self.grammars.drop(session_id)
         self.caches.release(session_id)
         self._update_cache_gauges()
 
@@ -544,6 +555,7 @@ class Verifier:
         for w in work:
             if w.error is None:
                 try:
+                    self._constrain(w)
                     self._suppress_stops(w)
                     if w.record.sampling.plain_greedy:
                         # Nothing processes a plain greedy row: its argmax is the one-hot's (finite rows only).
@@ -588,6 +600,18 @@ class Verifier:
         for w in work:
             if w.error is None:
                 w.verdict = self._verdict(w)
+
+    def _constrain(self, w: _Work) -> None:
+        """A constrained session: mask each row with its grammar state (row ``i`` after ``C + x_1..x_{i-1}``),
+        before any processing, as target-only constrained decoding would. The matcher walks the proposal and
+        steps back to ``C``; a proposed token the grammar refuses has probability 0 and is rejected."""
+        constraint = w.record.sampling.constraint
+        if constraint is None:
+            return
+        assert w.logits is not None
+        matcher = self.grammars.at(w.item.session_id, constraint, w.record.generated_token_ids)
+        masks = matcher.masks_along(w.item.proposal.token_ids)  # [gamma + 1, words]
+        w.logits = apply_masks(w.logits.clone(), masks)
 
     def _suppress_stops(self, w: _Work) -> None:
         """``min_new_tokens``: mask the stop tokens out of the rows that emit a token before the minimum
@@ -671,7 +695,15 @@ class Verifier:
         )
 
     def _settle(self, w: _Work, length: int) -> None:
-        """Leave ``w``'s cache holding its first ``length`` tokens, all committed."""
+        """Leave ``w``'s cache holding its first ``length`` tokens, all committed, and a constrained session's
+        matcher the generated tokens up to the pending one (``length + 1`` tokens of the log)."""
+        constraint = w.record.sampling.constraint
+        if constraint is not None and w.item.session_id in self.grammars:
+            log_tokens = w.record.token_ids + (w.verdict.committed_token_ids if w.verdict is not None else ())
+            try:
+                self.grammars.at(w.item.session_id, constraint, log_tokens[w.record.prompt_len : length + 1])
+            except InvalidArgument:  # dropped: rebuilt from the log when the session is next verified
+                log.warning("grammar_settle_failed", session_id=w.item.session_id)
         if w.cache is None:
             return
         w.cache.truncate(min(length, w.cache.seq_len))

@@ -376,3 +376,35 @@ def test_stop_tokens_are_masked_before_stop_tokens_from_and_drafted_after(draft_
         )
     )
     assert later.token_ids == (first,)  # not masked at its position: drafted, and drafting ends there
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_constrained_draft_proposes_inside_the_grammar_and_ships_q_without_mass_outside(draft_model, temperature):
+    """With the session's grammar the draft masks q: every drafted token keeps the completion in the grammar,
+    each shipped vector has no mass on a token the grammar forbids there, and the matcher is back at C."""
+    from specserve.api.constraints import Constraint
+    from specserve.engine.grammar import SessionGrammars, unpack
+
+    constraint = Constraint("regex", r"(def|class) [a-z]{2,8}\((a|b|self)?\):")
+    grammars = SessionGrammars(draft_model.tokenizer, draft_model.vocab_size, [0], max_sessions=4)
+    proposer = ModelProposer(_store(draft_model.model), grammars=grammars)
+    prefix = tuple(draft_model.tokenizer.encode("def "))
+    committed = PROMPT + prefix
+    sampling = SamplingParams(temperature=temperature, seed=4, constraint=constraint)
+    request = DraftRequest("g", committed, gamma=6, sampling=sampling, seed=4, prompt_len=len(PROMPT))
+    drafted = proposer.propose(request)
+    assert len(drafted.token_ids) >= 1
+    assert grammars.held("g") == prefix  # the branch is rolled back: the matcher holds C's generated tokens
+    check = grammars.engine.matcher(constraint)
+    check.sync(prefix)
+    for i, token in enumerate(drafted.token_ids):
+        bitmask = check.allocate(1)
+        check.fill_mask(bitmask, 0)
+        allowed = unpack(bitmask, draft_model.vocab_size)[0]
+        if drafted.probs_f32 is not None:
+            assert float(drafted.probs_f32[i][~allowed].abs().max()) == 0.0
+        assert check.accept(token), i
+    unmasked = ModelProposer(_store(draft_model.model)).propose(request)  # no grammar: the tokens of the free draft
+    free = grammars.engine.matcher(constraint)
+    free.sync(prefix)
+    assert not all(free.accept(t) for t in unmasked.token_ids)  # the tiny draft leaves the grammar unmasked
