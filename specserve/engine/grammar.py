@@ -6,7 +6,11 @@ The only module that imports xgrammar (docs/design.md, "Constrained decoding"). 
 LRU keyed by the constraint; a constraint that does not compile raises
 :class:`~specserve.api.errors.InvalidArgument` with the engine's message. JSON (``json_schema``,
 ``json_object``) is compiled without free whitespace (``, `` and ``: `` separators), so a key, its
-quotes and the punctuation around it are forced text.
+quotes and the punctuation around it are forced text. Two guards keep every output valid under its
+schema (docs/benchmarks/constraints.md): a schema using a keyword xgrammar compiles but does not
+enforce (:data:`UNENFORCED_KEYWORDS`) is refused naming it, and a length-bounded string without a
+``pattern`` or ``format`` is compiled as the pattern ``^.{m,n}$`` (xgrammar's plain length-bounded
+string admits raw control characters, mlc-ai/xgrammar#800).
 
 A :class:`ConstraintMatcher` is one session's position in its grammar. It holds the generated
 tokens it has consumed (:attr:`ConstraintMatcher.tokens`) and is brought to a session's committed
@@ -40,6 +44,16 @@ from specserve.api.errors import InvalidArgument
 DEFAULT_CACHE_SIZE = 256
 #: JSON is compiled with these separators and no other whitespace (the keys' punctuation is forced).
 JSON_SEPARATORS = (", ", ": ")
+
+#: Keywords xgrammar accepts but does not enforce: a schema using one is refused (its output could break it).
+UNENFORCED_KEYWORDS = frozenset(
+    {"not", "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas", "dependencies"}
+    | {"if", "then", "else", "unevaluatedProperties", "unevaluatedItems", "propertyNames"}
+)
+#: Keywords whose value is a map of names to subschemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+#: Keywords whose value is a subschema or a list of them.
+_SCHEMA_SLOTS = ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf", "allOf", "additionalItems")
 
 _ENGINE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -117,8 +131,9 @@ class GrammarEngine:
     def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
         kind = constraint.kind
         if kind == "json_schema":
+            schema = guard_schema(json.loads(constraint.text))
             return self._compiler.compile_json_schema(
-                constraint.text, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True
+                json.dumps(schema), any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True
             )
         if kind == "json_object":
             return self._compiler.compile_json_schema(
@@ -133,6 +148,33 @@ class GrammarEngine:
     def matcher(self, constraint: Constraint) -> ConstraintMatcher:
         """A fresh matcher at the start of ``constraint``'s grammar."""
         return ConstraintMatcher(self, constraint, self.compile(constraint))
+
+
+def guard_schema(schema: Any, path: str = "#") -> Any:
+    """``schema`` made safe for xgrammar: InvalidArgument naming a keyword it would not enforce (and where);
+    a length-bounded string without ``pattern`` / ``format`` / ``enum`` / ``const`` gets the pattern
+    ``^.{m,n}$``. Returns a new schema; the input is not changed."""
+    if not isinstance(schema, dict):
+        return schema
+    for key in sorted(UNENFORCED_KEYWORDS & schema.keys()):
+        raise InvalidArgument(f"json_schema keyword {key!r} at {path} is not supported (it would not be enforced)")
+    if schema.get("uniqueItems") is True:
+        raise InvalidArgument(f"json_schema keyword 'uniqueItems' at {path} is not supported (it would not be enforced)")
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: guard_schema(sub, f"{path}/{key}/{name}") for name, sub in out[key].items()}
+    for key in _SCHEMA_SLOTS:
+        value = out.get(key)
+        if isinstance(value, list):
+            out[key] = [guard_schema(sub, f"{path}/{key}/{i}") for i, sub in enumerate(value)]
+        elif isinstance(value, dict):
+            out[key] = guard_schema(value, f"{path}/{key}")
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & out.keys():
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = f"^.{{{low},{'' if high is None else int(high)}}}$"
+    return out
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:

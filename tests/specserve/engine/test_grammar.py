@@ -180,3 +180,27 @@ def test_the_default_pairs_tokenizer_forces_json_keys():
     for t in tokenizer.encode(forced):
         assert matcher.accept(t)
     assert tokenizer.eos_token_id not in allowed(matcher, 49152)
+
+
+def test_keywords_xgrammar_would_not_enforce_are_refused_naming_them(engine):
+    schema = {"type": "object", "properties": {"not": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}
+    with pytest.raises(InvalidArgument, match=r"'uniqueItems' at #/properties/not"):
+        engine.compile(Constraint("json_schema", json.dumps(schema)))
+    with pytest.raises(InvalidArgument, match=r"'if' at #/anyOf/1"):
+        engine.compile(Constraint("json_schema", json.dumps({"anyOf": [{"type": "integer"}, {"if": {}}]})))
+    engine.compile(Constraint("json_schema", json.dumps({"type": "object", "properties": {"not": {"type": "string"}}})))
+
+
+def test_a_length_bounded_string_admits_no_raw_control_character(engine, tokenizer):
+    """xgrammar's own length-bounded string lets U+0001 in (mlc-ai/xgrammar#800); the guard's pattern does not."""
+    constraint = Constraint("json_schema", json.dumps({"type": "string", "minLength": 1, "maxLength": 3}))
+    control = tokenizer.encode("\x01")
+    matcher = engine.matcher(constraint)
+    walk(matcher, tokenizer, '"')
+    assert not all(matcher.accept(t) for t in control)
+    matcher = engine.matcher(constraint)
+    walk(matcher, tokenizer, '"ab"')
+    assert EOS in allowed(matcher)
+    matcher = engine.matcher(constraint)
+    walk(matcher, tokenizer, '"')
+    assert tokenizer.encode('"')[0] not in allowed(matcher)  # minLength 1
