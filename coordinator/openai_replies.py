@@ -49,7 +49,8 @@ def usage(stats: Sequence[coordinator_pb2.GenerationStats]) -> dict[str, Any]:
 
     ``completion_tokens_details`` holds the Predicted Outputs counts (0 without a prediction):
     accepted, completion tokens the prediction predicted at their place; rejected, tokens drafted
-    from the prediction that were not committed.
+    from the prediction that were not committed. ``prompt_tokens_details.cached_tokens``: prompt
+    tokens the target did not prefill because its prefix cache held them (the fewest over the choices).
     """
     prompt = stats[0].prompt_tokens if stats else 0
     completion = sum(s.completion_tokens for s in stats)
@@ -57,6 +58,7 @@ def usage(stats: Sequence[coordinator_pb2.GenerationStats]) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": min((s.cached_tokens for s in stats), default=0)},
         "completion_tokens_details": {
             "accepted_prediction_tokens": sum(s.accepted_prediction_tokens for s in stats),
             "rejected_prediction_tokens": sum(s.rejected_prediction_tokens for s in stats),

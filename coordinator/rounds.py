@@ -217,6 +217,8 @@ class RoundLoop:
         _observe_stages(batched, proposed.network_ns)
         if batched.item.verdict is None:
             return await self._resync(batched.item.error)
+        if s.stats.rounds == 0:  # the verdict of the call that prefilled the prompt
+            s.stats.cached_tokens = min(batched.item.cached_tokens, s.prompt_len)
         if s.features is not None and batched.item.features is not None:
             s.features.add(batched.item.features)
         return self._apply(

@@ -58,6 +58,8 @@ class SessionStats:
     #: Of the proposed and accepted tokens, those an n-gram lookup in the coordinator drafted.
     lookup_proposed_tokens: int = 0
     lookup_accepted_tokens: int = 0
+    #: Prompt tokens the target did not prefill (its prefix cache held them), from the session's first verdict.
+    cached_tokens: int = 0
 
     def observe_round(self, *, proposed: int, accepted: int, lookup: bool = False) -> None:
         """One round: ``proposed`` draft tokens, ``accepted`` of them accepted; ``lookup``: drafted by an
@@ -239,6 +241,7 @@ class Session:
             forward_ns=s.forward_ns,
             lookup_proposed_tokens=s.lookup_proposed_tokens,
             lookup_accepted_tokens=s.lookup_accepted_tokens,
+            cached_tokens=s.cached_tokens,
             first_token_ns=s.first_token_ns,
             total_ns=time.perf_counter_ns() - self.start_ns,
             finish_reason=self.finish_reason,

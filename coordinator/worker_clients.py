@@ -95,6 +95,8 @@ class ItemReply:
     error: errors.SpecServeError | None
     #: The target's features the item asked for (``VerifyItem.features_from``), undecoded; None: none sent.
     features: FeatureBlock | None = None
+    #: Committed tokens the target took from its prefix cache in this call (``VerifyResult.cached_tokens``).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,9 @@ class VerifyReply:
 def item_reply_from_pb(pb: target_pb2.VerifyResult) -> ItemReply:
     if pb.WhichOneof("outcome") == "verdict":
         features = FeatureBlock.from_pb(pb.features) if pb.HasField("features") else None
-        return ItemReply(pb.session_id, Verdict.from_pb(pb.verdict), pb.replayed, None, features)
+        return ItemReply(
+            pb.session_id, Verdict.from_pb(pb.verdict), pb.replayed, None, features, pb.cached_tokens
+        )
     return ItemReply(pb.session_id, None, False, item_error(pb.error.code, pb.error.message))
 
 

@@ -353,6 +353,7 @@ class ModelProposer(Proposer):
                 outcomes[row.index] = row.drafted()
                 if row.matcher is not None:  # the branch goes: the matcher holds C again
                     row.matcher.rollback(len(row.tokens))
+                self.caches.share(row.cache)  # its whole committed blocks, for the sessions after it
             self.caches.trim(protect=[row.request.session_id for row in rows])
         assert all(o is not None for o in outcomes)
         return outcomes  # type: ignore[return-value]
@@ -372,6 +373,7 @@ class ModelProposer(Proposer):
         if gamma == 0:
             return None
         cache, _created = self.caches.get_or_create(request.session_id)
+        self.caches.attach(cache, committed, most=len(committed) - 1)  # a new cache starts from shared blocks
         keep = min(common_prefix_len(cache.tokens, committed), len(committed) - 1)
         cache.truncate(keep)
         cache.commit(cache.branch_len)

@@ -50,7 +50,7 @@ def build_draft(settings: DraftSettings, *, model: LoadedModel | None = None) ->
     thread = ModelThread("draft-model")
     if model is None:  # loaded on the model thread, where it runs
         model = thread.call(load_worker_model, settings, "draft")
-    caches = session_caches(model, settings)
+    caches = session_caches(model, settings, "draft")
     history = CommittedHistory(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s)
     grammars = SessionGrammars(
         model.tokenizer, model.vocab_size, model.eos_token_ids, max_sessions=settings.max_sessions
@@ -64,6 +64,7 @@ def build_draft(settings: DraftSettings, *, model: LoadedModel | None = None) ->
             max_sessions=settings.max_sessions,
             budget_bytes=settings.kv_budget_bytes,
             ttl_s=settings.session_ttl_s,
+            prefix_cache=False,  # the head's keys and values follow the target's features: kept per session
         )
         feature = FeatureProposer(head, head_caches, kernels=settings.kernels)
         proposers[feature.kind] = feature

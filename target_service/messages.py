@@ -162,13 +162,16 @@ class ItemResult:
     error: SpecServeError | None = None
     replayed: bool = False
     features: FeatureBlock | None = None  # what the item asked for (VerifyItem.features_from), when held
+    cached_tokens: int = 0  # committed tokens taken from the prefix cache instead of fed (VerifyResult)
 
     def __post_init__(self) -> None:
         if (self.verdict is None) == (self.error is None):
             raise ValueError("an ItemResult holds exactly one of verdict and error")
 
     def to_pb(self) -> target_pb2.VerifyResult:
-        pb = target_pb2.VerifyResult(session_id=self.session_id, replayed=self.replayed)
+        pb = target_pb2.VerifyResult(
+            session_id=self.session_id, replayed=self.replayed, cached_tokens=self.cached_tokens
+        )
         if self.verdict is not None:
             pb.verdict.CopyFrom(self.verdict.to_pb())
             if self.features is not None:

@@ -78,7 +78,7 @@ def build_target(
     owns_store = store is None
     if store is None:
         store = SessionStore.from_url(settings.redis_url.get_secret_value())
-    caches = session_caches(model, settings)
+    caches = session_caches(model, settings, "target")
     verifier = Verifier(model, caches, store, thread=thread)
     servicer = TargetServicer(
         verifier, model, max_gamma=settings.max_gamma, max_batch_size=settings.max_batch_size

@@ -183,6 +183,7 @@ class _Work:
     error: SpecServeError | None = None  # this item's own failure: nothing is committed for it
     steps: int = 1  # target steps taken for the item in this call (decode_steps)
     features: FeatureBlock | None = None  # what the item asked for (features_from), once its cache settled
+    cached: int = 0  # committed tokens this call attached from the prefix cache instead of feeding them
 
     @property
     def n(self) -> int:
@@ -449,6 +450,8 @@ class Verifier:
             going = [w for w in going if w.goes_on()]
         for w in work:
             w.features = self._features(w)
+            if w.cache is not None and w.error is None:
+                self.caches.share(w.cache)  # its whole committed blocks, for the sessions after it
         self.caches.trim(protect=[w.item.session_id for w in work])  # the caches grew: keep the budget
         self._update_cache_gauges()
         return forward_ns, positions
@@ -487,6 +490,8 @@ class Verifier:
             try:
                 cache, _created = self.caches.get_or_create(w.item.session_id)
                 committed = w.record.token_ids
+                if w.item.features_from is None:  # features are a session's own: a tracking cache feeds all
+                    w.cached = self.caches.attach(cache, committed, most=w.n - 1)
                 keep = min(common_prefix_len(cache.tokens, committed), w.n - 1)
                 if w.item.features_from is not None:  # positions without their features are fed again
                     cache.track_features()
@@ -748,7 +753,13 @@ class Verifier:
                     self._remember(w, verdict)
                 # A replayed verdict may differ from what this call settled on: no features with it.
                 results.append(
-                    ItemResult(sid, verdict=verdict, replayed=replayed, features=None if replayed else w.features)
+                    ItemResult(
+                        sid,
+                        verdict=verdict,
+                        replayed=replayed,
+                        features=None if replayed else w.features,
+                        cached_tokens=0 if replayed else w.cached,
+                    )
                 )
         if unexpected is not None:
             return results, list(work), unexpected

@@ -68,6 +68,8 @@ class GenerationStats:
     lookup_proposed_tokens: int = 0
     #: Of ``accepted_tokens``, those the lookup drafted.
     lookup_accepted_tokens: int = 0
+    #: Of ``prompt_tokens``, those the target did not prefill: its prefix cache held them.
+    cached_tokens: int = 0
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.GenerationStats) -> GenerationStats:
@@ -93,6 +95,7 @@ class GenerationStats:
             forward_ns=pb.forward_ns,
             lookup_proposed_tokens=pb.lookup_proposed_tokens,
             lookup_accepted_tokens=pb.lookup_accepted_tokens,
+            cached_tokens=pb.cached_tokens,
         )
 
     @property

@@ -52,6 +52,19 @@ least recently used first, and releases sessions idle longer than ``ttl_s``. An
 evicted or unknown session is simply rebuilt by ``reconcile`` from the committed
 tokens a request carries (re-prefill).
 
+The prefix cache
+----------------
+The store also shares committed KV between sessions (docs/design.md, "The prefix cache"). A session's
+cache is a chain of shared blocks (:class:`Block`: ``block_tokens`` committed tokens each, immutable,
+reference-counted) followed by its private tail (the committed tokens after its last whole block and its
+branch). :meth:`SessionCacheStore.share` turns each whole committed block of a session's private tail into
+a shared block (or points it at an identical one already held); :meth:`SessionCacheStore.attach` gives a
+new (empty) session the longest chain of held blocks that its committed tokens start with, so it feeds only
+the rest. A block is keyed by its parent block and its own tokens, so a chain is found only for exactly the
+tokens it was computed from. Blocks count in ``budget_bytes`` once however many sessions hold them; a block
+no session holds stays cached and is evicted least-recently-used, sessions and free blocks in one order;
+a block a session holds is never evicted (the session goes first).
+
 Not thread-safe: a worker runs all model work and every mutation of its store
 on its one :class:`~specserve.engine.model_thread.ModelThread` (docs/design.md,
 "Conventions").
@@ -62,11 +75,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from specserve.api.errors import FailedPrecondition, InvalidArgument, NotFound
 from specserve.engine.feature_head import FinalNormInput, target_features
@@ -93,6 +107,76 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+@dataclass(eq=False)
+class Block:
+    """``len(tokens)`` consecutive committed tokens' keys and values, shared by reference between sessions.
+
+    Immutable once made; ``refs`` counts the sessions whose cache starts with the chain ending here.
+    """
+
+    id: int  # unique in its store (0 is the root: no block)
+    parent: Block | None  # the block before it (None: it starts at position 0)
+    tokens: tuple[int, ...]
+    kv: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values), each [1, kv_heads, B, head_dim]
+    nbytes: int
+    start: int  # absolute position of its first token
+    refs: int = 0
+    last_used: float = 0.0
+    children: dict[tuple[int, ...], Block] = field(default_factory=dict)
+
+
+class SharedPrefixLayer(DynamicLayer):
+    """A full-attention cache layer whose first positions are shared blocks' keys and values.
+
+    ``keys`` / ``values`` hold the private tail only; :meth:`update` returns the whole sequence (the
+    shared blocks' tensors, then the tail) as attention needs it, a transient copy like
+    ``DynamicLayer``'s own concatenation.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix_k: list[torch.Tensor] = []  # per block [1, kv_heads, B, head_dim]
+        self.prefix_v: list[torch.Tensor] = []
+        self.prefix_len = 0
+
+    def tail_len(self) -> int:
+        return super().get_seq_length()
+
+    def get_seq_length(self) -> int:
+        return self.prefix_len + super().get_seq_length()
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().update(key_states, value_states)
+        if not self.prefix_k:
+            return keys, values
+        return torch.cat([*self.prefix_k, keys], dim=-2), torch.cat([*self.prefix_v, values], dim=-2)
+
+    def whole(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` of every position, each ``[1, kv_heads, seq_len, head_dim]`` (a copy when
+        shared blocks are part of it)."""
+        if not self.prefix_k:
+            return self.keys, self.values
+        ks, vs = list(self.prefix_k), list(self.prefix_v)
+        if self.tail_len():
+            ks.append(self.keys)
+            vs.append(self.values)
+        if len(ks) == 1:
+            return ks[0], vs[0]
+        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+
+    def set_tail(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+        """Replace the private tail (``None`` or zero positions: empty)."""
+        if keys is None or values is None or keys.shape[-2] == 0:
+            self.keys = self.values = None
+            self.is_initialized = False
+        else:
+            self.device = keys.device
+            self.keys, self.values = keys, values
+            self.is_initialized = True
+
+
 class SessionCache:
     """One session's KV cache (a transformers ``DynamicCache``) and the tokens whose KV it holds."""
 
@@ -107,6 +191,12 @@ class SessionCache:
         self.max_positions: int | None = int(limit) if limit else None
         self._device = next(model.parameters()).device
         self._cache = DynamicCache(config=model.config)
+        layers = list(self._cache.layers)
+        #: Whether the cache can hold shared blocks (every layer full attention, ``DynamicLayer``).
+        self.shareable = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+        if self.shareable:
+            self._cache.layers = [SharedPrefixLayer() for _ in layers]
+        self._blocks: list[Block] = []  # the shared blocks its first cached tokens are, in order
         self._tokens: list[int] = []
         self._committed = 0
         self._nbytes: int | None = 0  # KV bytes held; None: recount (after a change)
@@ -148,6 +238,16 @@ class SessionCache:
         return self._cache.get_seq_length()
 
     @property
+    def shared_len(self) -> int:
+        """Leading cached tokens held in shared blocks (the rest is this session's own)."""
+        return self._blocks[-1].start + len(self._blocks[-1].tokens) if self._blocks else 0
+
+    @property
+    def blocks(self) -> tuple[Block, ...]:
+        """The shared blocks this cache starts with, in order."""
+        return tuple(self._blocks)
+
+    @property
     def tracks_features(self) -> bool:
         """Whether the cache keeps its positions' features (:meth:`track_features`)."""
         return self._features is not None
@@ -179,8 +279,8 @@ class SessionCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys and values (and kept features) held (counted once per change: the store sums it
-        every round)."""
+        """Bytes of keys and values (and kept features) this session holds of its own, shared blocks not
+        included (counted once per change: the store sums it every round)."""
         if self._nbytes is None:
             total = 0 if self._features is None else self._features.numel() * self._features.element_size()
             for layer in self._cache.layers:
@@ -256,6 +356,8 @@ class SessionCache:
         """Keep only the first ``length`` cached tokens (committed ones included)."""
         if not 0 <= length <= len(self._tokens):
             raise InvalidArgument(f"cannot truncate to {length} tokens: the cache holds {len(self._tokens)}")
+        if length < self.shared_len:
+            self._cut_shared(length)
         remove = len(self._tokens) - length
         if remove:
             self._cache.crop(-remove)
@@ -270,6 +372,73 @@ class SessionCache:
     def reset(self) -> None:
         """Drop everything (as after an eviction)."""
         self.truncate(0)
+
+    # ------------------------------------------------------ shared blocks (the store's)
+
+    def _shared_layers(self) -> list[SharedPrefixLayer]:
+        return [layer for layer in self._cache.layers if isinstance(layer, SharedPrefixLayer)]
+
+    def _take_blocks(self, blocks: Sequence[Block]) -> None:
+        """Hold ``blocks``, the next shared blocks after :attr:`shared_len`: either the KV of cached tokens
+        (their private copy is dropped) or, on an empty cache, tokens attached from the store."""
+        if not blocks:
+            return
+        if not self.shareable:
+            raise FailedPrecondition("this model's cache layers cannot hold shared blocks")
+        start = self.shared_len
+        n = sum(len(b.tokens) for b in blocks)
+        attaching = start == len(self._tokens)
+        if not attaching and self._tokens[start : start + n] != [t for b in blocks for t in b.tokens]:
+            raise InvalidArgument("shared blocks must hold the cached tokens they replace")
+        for i, layer in enumerate(self._shared_layers()):
+            layer.prefix_k.extend(b.kv[i][0] for b in blocks)
+            layer.prefix_v.extend(b.kv[i][1] for b in blocks)
+            layer.prefix_len += n
+            tail = layer.tail_len()
+            if tail > n:  # the rest is copied so that the private storage of the shared part goes
+                layer.set_tail(layer.keys[..., n:, :].clone(), layer.values[..., n:, :].clone())
+            else:
+                layer.set_tail(None, None)
+        now = self._clock()
+        for b in blocks:
+            b.refs += 1
+            b.last_used = now
+        self._blocks.extend(blocks)
+        if attaching:
+            self._tokens.extend(t for b in blocks for t in b.tokens)
+            self._committed = len(self._tokens)
+        self._nbytes = None
+        self.touch()
+
+    def _cut_shared(self, length: int) -> None:
+        """Keep the shared blocks wholly within the first ``length`` tokens; the rest of the shared part
+        up to ``length`` is copied into the private tail (everything after ``length`` is dropped)."""
+        keep = 0
+        while keep < len(self._blocks) and self._blocks[keep].start + len(self._blocks[keep].tokens) <= length:
+            keep += 1
+        partial = length - (self._blocks[keep - 1].start + len(self._blocks[keep - 1].tokens) if keep else 0)
+        for i, layer in enumerate(self._shared_layers()):
+            del layer.prefix_k[keep:], layer.prefix_v[keep:]
+            layer.prefix_len = sum(len(b.tokens) for b in self._blocks[:keep])
+            if partial:
+                k, v = self._blocks[keep].kv[i]
+                layer.set_tail(k[..., :partial, :].clone(), v[..., :partial, :].clone())
+            else:
+                layer.set_tail(None, None)
+        self._drop_blocks(self._blocks[keep:])
+        del self._blocks[keep:]
+        del self._tokens[length:]
+        self._nbytes = None
+
+    def _drop_blocks(self, blocks: Sequence[Block]) -> None:
+        for b in reversed(blocks):
+            b.refs -= 1
+            b.last_used = max(b.last_used, self.last_used)
+
+    def detach(self) -> None:
+        """Stop holding shared blocks (the session leaves the store); they stay cached for others."""
+        self._drop_blocks(self._blocks)
+        self._blocks = []
 
     def reconcile(self, committed_tokens: Sequence[int], *, pending: bool = False) -> Reconciled:
         """Bring the cache in line with the committed tokens ``C`` (see the module docstring).
@@ -322,7 +491,10 @@ class SessionCache:
         """
         if not self._tokens:
             return []
-        return [(layer.keys, layer.values) for layer in self._full_attention_layers()]
+        layers = self._full_attention_layers()
+        if self._blocks:
+            return [layer.whole() for layer in self._shared_layers()]
+        return [(layer.keys, layer.values) for layer in layers]
 
     def append_kv(
         self,
@@ -356,7 +528,11 @@ class SessionCache:
         self._check_room(len(self._tokens), n)
         start = len(self._tokens)
         for i, (k, v) in enumerate(layer_kvs):
-            self._cache.update(k, v, i)
+            layer = self._cache.layers[i] if i < len(self._cache.layers) else None
+            if isinstance(layer, SharedPrefixLayer):
+                DynamicLayer.update(layer, k, v)  # the tail grows; no copy of the whole sequence
+            else:
+                self._cache.update(k, v, i)
         if features is not None:
             self._append_features(features, start)
         self._tokens.extend(int(t) for t in token_ids)
@@ -372,8 +548,19 @@ def features_of(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     return target_features(hidden, eps)
 
 
+@dataclass
+class PrefixStats:
+    """The prefix cache's counters since the store was made (vLLM's names: tokens, not requests)."""
+
+    queries: int = 0  # committed tokens of new (empty) caches looked up
+    hits: int = 0  # of those, tokens found in shared blocks (attached, not fed)
+    blocks_made: int = 0  # shared blocks created
+    blocks_evicted: int = 0  # shared blocks evicted for the budget
+
+
 class SessionCacheStore:
-    """The session caches of one service: LRU eviction by count and bytes, TTL release."""
+    """The session caches of one service and their shared blocks: LRU eviction by count and bytes,
+    TTL release (see the module docstring, "The prefix cache")."""
 
     def __init__(
         self,
@@ -382,6 +569,9 @@ class SessionCacheStore:
         max_sessions: int,
         budget_bytes: int,
         ttl_s: float,
+        prefix_cache: bool = True,
+        block_tokens: int = 16,
+        on_lookup: Callable[[int, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_sessions < 1:
@@ -390,12 +580,23 @@ class SessionCacheStore:
             raise ValueError(f"budget_bytes must be >= 1, got {budget_bytes}")
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.model = model
         self.max_sessions = max_sessions
         self.budget_bytes = budget_bytes
         self.ttl_s = ttl_s
+        #: Whether sessions share committed blocks (off: every session prefills its own).
+        self.prefix_cache = prefix_cache
+        self.block_tokens = block_tokens
+        self.stats = PrefixStats()
+        self._on_lookup = on_lookup  # (tokens queried, tokens hit) of each lookup, for the worker's metrics
         self._clock = clock
         self._sessions: OrderedDict[str, SessionCache] = OrderedDict()  # least recently used first
+        self._roots: dict[tuple[int, ...], Block] = {}  # blocks at position 0, by their tokens
+        self._blocks: dict[int, Block] = {}  # every shared block, by id
+        self._block_bytes = 0
+        self._next_id = 1
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -409,7 +610,17 @@ class SessionCacheStore:
 
     @property
     def total_bytes(self) -> int:
-        return sum(s.nbytes for s in self._sessions.values())
+        """KV bytes held: every session's own plus every shared block once."""
+        return sum(s.nbytes for s in self._sessions.values()) + self._block_bytes
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the shared blocks (held by sessions or free)."""
+        return self._block_bytes
+
+    @property
+    def block_count(self) -> int:
+        return len(self._blocks)
 
     def get(self, session_id: str) -> SessionCache | None:
         """The session's cache (marked most recently used), or ``None`` when unknown."""
@@ -420,7 +631,8 @@ class SessionCacheStore:
         return cache
 
     def get_or_create(self, session_id: str) -> tuple[SessionCache, bool]:
-        """The session's cache and whether it was just created (empty: rebuild by ``reconcile``)."""
+        """The session's cache and whether it was just created (empty: rebuild by ``reconcile``, after
+        :meth:`attach`)."""
         self.release_expired()
         cache = self.get(session_id)
         if cache is not None:
@@ -432,32 +644,139 @@ class SessionCacheStore:
         self.trim(protect=(session_id,))
         return cache, True
 
+    # ------------------------------------------------------------------ the prefix cache
+
+    def attach(self, cache: SessionCache, committed: Sequence[int], *, most: int) -> int:
+        """Give an empty ``cache`` the longest chain of shared blocks that ``committed`` starts with, at
+        most ``most`` tokens; returns how many tokens it attached (0 when the cache is not empty, the
+        prefix cache is off or nothing matches). Counted in :attr:`stats` when the cache was empty."""
+        if cache.seq_len or not self.prefix_cache or not cache.shareable:
+            return 0
+        b = self.block_tokens
+        chain: list[Block] = []
+        children = self._roots
+        pos = 0
+        while pos + b <= most:
+            block = children.get(tuple(int(t) for t in committed[pos : pos + b]))
+            if block is None:
+                break
+            chain.append(block)
+            children = block.children
+            pos += b
+        cache._take_blocks(chain)
+        self.stats.queries += len(committed)
+        self.stats.hits += pos
+        if self._on_lookup is not None:
+            self._on_lookup(len(committed), pos)
+        if pos:
+            log.debug("prefix_attached", session_id=cache.session_id, tokens=pos, queried=len(committed))
+        return pos
+
+    def share(self, cache: SessionCache) -> int:
+        """Make every whole block of ``cache``'s committed tokens shared (pointing it at an identical
+        block already held, or making one from the cache's own KV); returns the blocks it took."""
+        if not self.prefix_cache or not cache.shareable or cache.session_id not in self._sessions:
+            return 0
+        b = self.block_tokens
+        start = cache.shared_len
+        whole = (cache.committed_len - start) // b
+        if whole <= 0 or start % b:
+            return 0
+        tokens = cache.tokens
+        parent = cache.blocks[-1] if cache.blocks else None
+        layers = cache._shared_layers()
+        taken: list[Block] = []
+        for i in range(whole):
+            pos = start + i * b
+            key = tokens[pos : pos + b]
+            siblings = self._roots if parent is None else parent.children
+            block = siblings.get(key)
+            if block is None:
+                off = pos - start  # in the private tail
+                kv = tuple(
+                    (layer.keys[..., off : off + b, :].clone(), layer.values[..., off : off + b, :].clone())
+                    for layer in layers
+                )
+                nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+                block = Block(id=self._next_id, parent=parent, tokens=key, kv=kv, nbytes=nbytes, start=pos)
+                self._next_id += 1
+                siblings[key] = block
+                self._blocks[block.id] = block
+                self._block_bytes += nbytes
+                self.stats.blocks_made += 1
+            taken.append(block)
+            parent = block
+        cache._take_blocks(taken)
+        return len(taken)
+
+    def _evict_block(self, block: Block) -> int:
+        """Evict a free block and every block after it (free too: a holder holds the whole chain);
+        returns the bytes freed."""
+        freed = 0
+        for child in list(block.children.values()):
+            freed += self._evict_block(child)
+        siblings = self._roots if block.parent is None else block.parent.children
+        siblings.pop(block.tokens, None)
+        self._blocks.pop(block.id, None)
+        self._block_bytes -= block.nbytes
+        self.stats.blocks_evicted += 1
+        return freed + block.nbytes
+
+    # ------------------------------------------------------------------ eviction
+
     def release(self, session_id: str) -> None:
-        """Drop a session's cache; :class:`NotFound` when the store does not hold it."""
-        if self._sessions.pop(session_id, None) is None:
+        """Drop a session's cache; :class:`NotFound` when the store does not hold it. Its shared blocks
+        stay cached."""
+        cache = self._sessions.pop(session_id, None)
+        if cache is None:
             raise NotFound(f"session {session_id!r} has no cache here (never seen, released or evicted)")
+        cache.detach()
 
     def release_expired(self) -> list[str]:
         """Release sessions idle for longer than ``ttl_s``; return their ids."""
         now = self._clock()
         expired = [sid for sid, c in self._sessions.items() if now - c.last_used > self.ttl_s]
         for sid in expired:
-            del self._sessions[sid]
+            self._sessions.pop(sid).detach()
             log.info("session_released", session_id=sid, reason="ttl")
         return expired
 
     def trim(self, protect: Sequence[str] = ()) -> list[str]:
-        """Evict least recently used sessions (not in ``protect``) until the KV bytes fit the budget."""
+        """Evict until the KV bytes fit the budget: sessions (not in ``protect``) and free shared blocks,
+        least recently used first; returns the evicted sessions."""
         evicted: list[str] = []
         total = self.total_bytes
-        for sid in list(self._sessions):
-            if total <= self.budget_bytes:
+        if total <= self.budget_bytes:
+            return evicted
+
+        def order(block: Block) -> tuple[float, int]:
+            return (block.last_used, -block.start)  # the end of a chain before its start
+
+        free = sorted((blk for blk in self._blocks.values() if blk.refs == 0), key=order)
+        sessions = [sid for sid in self._sessions if sid not in protect]
+        fi = si = 0
+        while total > self.budget_bytes:
+            while fi < len(free) and free[fi].id not in self._blocks:
+                fi += 1  # evicted with a block before it
+            block = free[fi] if fi < len(free) else None
+            sid = sessions[si] if si < len(sessions) else None
+            if block is None and sid is None:
                 break
-            if sid in protect:
-                continue
-            total -= self._sessions[sid].nbytes
-            self._drop(sid, "kv_budget")
-            evicted.append(sid)
+            if sid is not None and (block is None or self._sessions[sid].last_used <= block.last_used):
+                cache = self._sessions[sid]
+                total -= cache.nbytes
+                held = cache.blocks
+                self._drop(sid, "kv_budget")
+                evicted.append(sid)
+                si += 1
+                newly = [blk for blk in held if blk.refs == 0]
+                if newly:
+                    free = sorted(free[fi:] + newly, key=order)
+                    fi = 0
+            else:
+                assert block is not None
+                total -= self._evict_block(block)
+                fi += 1
         if total > self.budget_bytes:
             log.warning(
                 "kv_budget_exceeded", bytes=total, budget_bytes=self.budget_bytes, protected=list(protect)
@@ -470,5 +789,5 @@ class SessionCacheStore:
         return sid
 
     def _drop(self, session_id: str, reason: str) -> None:
-        del self._sessions[session_id]
+        self._sessions.pop(session_id).detach()
         log.info("session_evicted", session_id=session_id, reason=reason)

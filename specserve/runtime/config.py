@@ -117,6 +117,17 @@ class WorkerSettings(CommonSettings):
     )
     kv_budget_bytes: int = Field(4 * 1024**3, ge=1, description="KV-cache memory budget before LRU eviction.")
     session_ttl_s: float = Field(600.0, gt=0, description="Idle sessions are released after this long.")
+    prefix_cache: bool = Field(
+        True,
+        description="Share committed KV between sessions that start with the same tokens (the prefix cache, "
+        "in kv_budget_bytes): a new session prefills only what no earlier one computed "
+        "(docs/operations.md, 'Sizing the prefix cache'). Off (--no-prefix-cache): every session prefills "
+        "its whole prompt.",
+    )
+    prefix_block_tokens: int = Field(
+        16, ge=1, le=4096, description="Tokens per shared block of the prefix cache (a prompt's last partial "
+        "block is never shared)."
+    )
     max_session_tokens: int = Field(
         32768,
         ge=1,

@@ -15,7 +15,7 @@ HorizontalPodAutoscalers scale on are documented in docs/deploy.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
@@ -72,6 +72,29 @@ PROMPT_TOKENS = Counter("specserve_coordinator_prompt_tokens", "Prompt tokens of
 REPLICA_FAILURES = Counter("specserve_coordinator_replica_failures", "Worker calls failed by tier.", ["tier"])
 
 
+# --- workers: the prefix cache (vLLM's names; counted in tokens as vLLM does) ---------------
+PREFIX_CACHE_QUERIES = Counter(
+    "specserve_prefix_cache_queries",
+    "Committed tokens of new session caches looked up in the prefix cache, by role (draft, target).",
+    ["role"],
+)
+PREFIX_CACHE_HITS = Counter(
+    "specserve_prefix_cache_hits",
+    "Of the tokens looked up, those the prefix cache held (attached, not prefilled), by role.",
+    ["role"],
+)
+
+
+def prefix_lookup_counter(role: str) -> Callable[[int, int], None]:
+    """A store's ``on_lookup``: count ``(queried, hit)`` tokens in the ``role``'s prefix-cache counters."""
+    queries, hits = PREFIX_CACHE_QUERIES.labels(role=role), PREFIX_CACHE_HITS.labels(role=role)
+
+    def observe(queried: int, hit: int) -> None:
+        queries.inc(queried)
+        hits.inc(hit)
+
+    return observe
+
 
 class VllmNames(Collector):
     """Metrics above exported again under vLLM's metric names (:attr:`ALIASES`).
@@ -91,6 +114,8 @@ class VllmNames(Collector):
         (COMMITTED_TOKENS, "vllm:generation_tokens"),
         (TIME_TO_FIRST_TOKEN, "vllm:time_to_first_token_seconds"),
         (INTER_TOKEN_LATENCY, "vllm:inter_token_latency_seconds"),
+        (PREFIX_CACHE_QUERIES, "vllm:prefix_cache_queries"),
+        (PREFIX_CACHE_HITS, "vllm:prefix_cache_hits"),
     )
 
     def collect(self) -> Iterator[Metric]:

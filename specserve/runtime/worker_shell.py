@@ -30,6 +30,7 @@ from specserve.engine.cpu_kernels import Kernels
 from specserve.engine.feature_head import FeatureHead
 from specserve.engine.kvcache import SessionCacheStore
 from specserve.engine.models import LoadedModel, load_model, resolve_model_path
+from specserve.runtime import metrics
 from specserve.runtime.config import DraftSettings, WorkerSettings
 from specserve.runtime.interceptors import BearerTokenInterceptor, ClientCertificateInterceptor
 from specserve.runtime.server import Registration, RunningServer, create_server
@@ -115,13 +116,17 @@ def caller_checks(settings: WorkerSettings) -> list[Any]:
     return checks
 
 
-def session_caches(model: LoadedModel, settings: WorkerSettings) -> SessionCacheStore:
-    """The replica's KV-cache store, limited as ``settings`` says."""
+def session_caches(model: LoadedModel, settings: WorkerSettings, role: str) -> SessionCacheStore:
+    """The replica's KV-cache store, limited as ``settings`` says, its prefix cache counted in the
+    ``role``'s ``prefix_cache_*`` metrics."""
     return SessionCacheStore(
         model.model,
         max_sessions=settings.max_sessions,
         budget_bytes=settings.kv_budget_bytes,
         ttl_s=settings.session_ttl_s,
+        prefix_cache=settings.prefix_cache,
+        block_tokens=settings.prefix_block_tokens,
+        on_lookup=metrics.prefix_lookup_counter(role),
     )
 
 

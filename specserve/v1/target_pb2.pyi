@@ -36,18 +36,20 @@ class ItemError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("session_id", "verdict", "error", "replayed", "features")
+    __slots__ = ("session_id", "verdict", "error", "replayed", "features", "cached_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     verdict: _common_pb2.Verdict
     error: ItemError
     replayed: bool
     features: _common_pb2.Features
-    def __init__(self, session_id: _Optional[str] = ..., verdict: _Optional[_Union[_common_pb2.Verdict, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., replayed: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., verdict: _Optional[_Union[_common_pb2.Verdict, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., replayed: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "verify_ns", "forward_ns", "positions_processed")

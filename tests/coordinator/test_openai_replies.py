@@ -60,11 +60,12 @@ def test_finish_reasons_map_to_stop_and_length():
 
 
 def test_usage_counts_the_prompt_once_and_every_completion():
-    got = usage([stats(completion_tokens=4), stats(completion_tokens=6)])
+    got = usage([stats(completion_tokens=4, cached_tokens=3), stats(completion_tokens=6, cached_tokens=2)])
     assert got == {
         "prompt_tokens": 5,
         "completion_tokens": 10,
         "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 2},  # the prompt tokens no choice prefilled
         "completion_tokens_details": {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
     }
 

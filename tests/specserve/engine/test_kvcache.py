@@ -280,3 +280,102 @@ def test_context_limit_is_refused_without_changing_the_cache(model):
     with pytest.raises(InvalidArgument, match="at most 512 positions"):
         cache.extend([1] * (513 - len(PROMPT)))
     assert_consistent(cache, PROMPT, len(PROMPT))
+
+
+# ---------------------------------------------------------------- the prefix cache (shared blocks)
+
+LONG = [(7 * i + 3) % 250 + 1 for i in range(37)]  # 4 whole blocks of 8 and 5 tokens more
+
+
+def _shared_store(model, **kwargs) -> SessionCacheStore:
+    args = {"max_sessions": 16, "budget_bytes": 10**9, "ttl_s": 60, "block_tokens": 8} | kwargs
+    return SessionCacheStore(model, **args)
+
+
+def test_attached_prefix_gives_the_logits_of_a_fresh_prefill(model):
+    store = _shared_store(model)
+    a, _ = store.get_or_create("a")
+    a.reconcile(LONG)
+    assert store.share(a) == 4 and a.shared_len == 32 and store.block_count == 4
+    b, _ = store.get_or_create("b")
+    turn2 = [*LONG, 9, 8, 7]
+    assert store.attach(b, turn2, most=len(turn2) - 1) == 32
+    assert b.tokens == tuple(LONG[:32]) and b.kv_len == 32 and b.committed_len == 32
+    r = b.reconcile(turn2)
+    assert (r.kept, r.fed) == (32, len(turn2) - 32)
+    torch.testing.assert_close(r.logits, fresh_logits(model, turn2)[-1], atol=ATOL, rtol=0)
+    # A verify-like branch on the attached cache, then rollback: the shared part is untouched.
+    logits = b.extend(BRANCH)
+    torch.testing.assert_close(logits, fresh_logits(model, turn2 + BRANCH)[-len(BRANCH) :], atol=ATOL, rtol=0)
+    b.rollback()
+    assert_consistent(b, turn2, len(turn2))
+    assert store.stats.queries == len(turn2) and store.stats.hits == 32
+
+
+def test_shared_blocks_count_once_and_layer_kv_is_the_whole_sequence(model):
+    store = _shared_store(model)
+    a, _ = store.get_or_create("a")
+    a.reconcile(LONG)
+    alone = store.total_bytes
+    store.share(a)
+    assert store.total_bytes == alone  # the KV moved from the session into blocks, not copied beside it
+    b, _ = store.get_or_create("b")
+    store.attach(b, LONG, most=len(LONG) - 1)
+    b.reconcile(LONG)
+    assert store.total_bytes < 2 * alone - store.shared_bytes // 2  # the 32 shared tokens are held once
+    for (ka, va), (kb, vb) in zip(a.layer_kv(), b.layer_kv(), strict=True):
+        assert ka.shape[2] == kb.shape[2] == len(LONG)
+        torch.testing.assert_close(kb, ka, atol=ATOL, rtol=0)
+        torch.testing.assert_close(vb, va, atol=ATOL, rtol=0)
+    # b shares a's blocks; sharing b again finds them (no new block).
+    made = store.stats.blocks_made
+    assert store.share(b) == 0 and store.stats.blocks_made == made
+
+
+def test_truncating_into_the_shared_part_keeps_the_cache_exact(model):
+    store = _shared_store(model)
+    a, _ = store.get_or_create("a")
+    a.reconcile(LONG)
+    store.share(a)
+    other = [*LONG[:20], 99, 98, 97, 96]  # diverges inside the third block
+    r = a.reconcile(other)
+    assert r.kept == 20 and a.shared_len == 16  # two whole blocks kept, four tokens copied to the tail
+    torch.testing.assert_close(r.logits, fresh_logits(model, other)[-1], atol=ATOL, rtol=0)
+    assert_consistent(a, other, len(other))
+    assert [blk.refs for blk in a.blocks] == [1, 1] and store.block_count == 4  # the other two stay, free
+
+
+def test_a_held_block_is_never_evicted_and_free_blocks_go_least_recently_used(model):
+    clock = FakeClock()
+    store = _shared_store(model, clock=clock)
+    a, _ = store.get_or_create("a")
+    a.reconcile(LONG)
+    store.share(a)
+    clock.now += 1
+    other = [(5 * i + 1) % 250 + 1 for i in range(37)]
+    b, _ = store.get_or_create("b")
+    b.reconcile(other)
+    store.share(b)
+    store.release("a")  # a's blocks stay cached, free
+    assert store.block_count == 8
+    clock.now += 1
+    store.budget_bytes = store.total_bytes - 1
+    assert store.trim(protect=("b",)) == []  # a free block of a's chain goes, b's are held
+    assert store.total_bytes <= store.budget_bytes
+    assert all(blk.refs == 1 for blk in b.blocks) and len(b.blocks) == 4
+    assert store.stats.blocks_evicted == 1  # the last block of a's chain first
+    c, _ = store.get_or_create("c")
+    assert store.attach(c, LONG, most=36) == 24  # the three blocks left of a's chain
+    # Below what b holds alone: everything else goes, b stays whole.
+    store.budget_bytes = 1
+    store.trim(protect=("b",))
+    assert store.session_ids() == ["b"] and len(b.blocks) == 4 and store.block_count == 4
+
+
+def test_the_prefix_cache_off_shares_nothing(model):
+    store = _shared_store(model, prefix_cache=False)
+    a, _ = store.get_or_create("a")
+    a.reconcile(LONG)
+    assert store.share(a) == 0 and store.block_count == 0
+    b, _ = store.get_or_create("b")
+    assert store.attach(b, LONG, most=36) == 0 and b.seq_len == 0
