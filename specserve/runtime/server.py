@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import inspect
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -130,7 +131,14 @@ async def _write(context: grpc.aio.ServicerContext, reply: Any, timeout_s: float
         await context.write(reply)
         return True
     try:
-        await asyncio.wait_for(context.write(reply), timeout_s)
+        # asyncio.timeout, not wait_for: the write runs in this task, so grpc's cancel of the call (the client
+        # left) arrives as CancelledError; wait_for would hand back the failed write's error instead (an
+        # ExecuteBatchError, logged as an internal error once per cancelled stream).
+        if sys.version_info >= (3, 11):
+            async with asyncio.timeout(timeout_s):
+                await context.write(reply)
+        else:  # pragma: no cover - Python 3.10
+            await asyncio.wait_for(context.write(reply), timeout_s)
     except asyncio.TimeoutError:
         return False
     return True

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from waiting import wait_until
 
 from specserve.api import errors
 from specserve.api.status import ERROR_CLASS_KEY, RETRY_AFTER_KEY, status_code_for
@@ -193,3 +197,58 @@ def test_tls_settings_are_checked():
         CommonSettings(tls_cert_file="/x.crt")
     with pytest.raises(ValidationError, match="mutual TLS"):
         CommonSettings(tls_ca_file="/ca.crt")
+
+
+STREAM_SERVICE = "test.Counter"
+
+
+class Counter:
+    """A servicer whose one stream writes a message every millisecond until the call ends."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+
+    async def Count(self, request: bytes, context):
+        try:
+            i = 0
+            while True:
+                yield str(i).encode()
+                i += 1
+                await asyncio.sleep(0.001)
+        finally:
+            self.closed.set()
+
+
+@pytest.mark.system
+async def test_a_stream_the_client_cancels_is_not_logged_as_a_bug():
+    """The writes after a client's cancel fail inside grpc; that is the client leaving, not an
+    internal error (found by the soak: one ``rpc_internal_error`` per cancelled stream)."""
+    counter = Counter()
+
+    def add(servicer: Counter, server) -> None:
+        handler = grpc.method_handlers_generic_handler(
+            STREAM_SERVICE, {"Count": grpc.unary_stream_rpc_method_handler(servicer.Count)}
+        )
+        server.add_generic_rpc_handlers((handler,))
+
+    server = await create_server(
+        CommonSettings(host="127.0.0.1", port=0),
+        [Registration(add, counter, STREAM_SERVICE)],
+        stream_idle_timeout_s=30.0,  # as the coordinator serves Generate
+    )
+    try:
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(20):
+                counter.closed.clear()
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                    call = channel.unary_stream(f"/{STREAM_SERVICE}/Count")(b"")
+                    seen = 0
+                    async for _reply in call:
+                        seen += 1
+                        if seen == 3:
+                            call.cancel()
+                            break
+                    await wait_until(counter.closed.is_set, timeout_s=10, what="the stream's clean-up")
+        assert [e for e in logs if e["log_level"] == "error"] == []
+    finally:
+        await server.stop(0)
