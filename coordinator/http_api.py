@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of the coordinator (FastAPI).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /version`` (``{"version": ...}``, as vLLM's) and ``GET /metrics``
+``GET /health``, ``GET /version`` (``{"version": ...}``, as vLLM's), ``GET /openapi.json``
+(:mod:`coordinator.openapi`) and ``GET /metrics``
 (the process's Prometheus registry, the metrics port's very series, vLLM's names
 included, where vLLM and SGLang serve them: tools such as aiperf look there). Each generation request goes through the same domain object
 as the gRPC servicer, in the same order: the body becomes one ``GenerateRequest``
@@ -58,6 +59,7 @@ from coordinator.openai_protocol import (
     parse_body,
 )
 from coordinator.openai_replies import ReplyBuilder, TokenStrings
+from coordinator.openapi import openapi_schema
 from coordinator.requests import GenerationRequest
 from specserve.api import errors
 from specserve.runtime.interceptors import (
@@ -351,7 +353,10 @@ async def _stream(choices: Choices, builder: ReplyBuilder) -> AsyncIterator[str]
 
 def create_app(server: OpenAIServer) -> FastAPI:
     """The FastAPI application serving :class:`OpenAIServer`'s routes."""
-    app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = lambda: openapi_schema(  # type: ignore[method-assign]
+        app, version=server.version, max_tokens=server.coordinator.settings.max_new_tokens_limit
+    )
 
     @app.exception_handler(errors.SpecServeError)
     async def domain_error(request: Request, exc: errors.SpecServeError) -> JSONResponse:

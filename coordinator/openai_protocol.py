@@ -237,9 +237,14 @@ class _OpenAIRequest(BaseModel):
     _unsupported: ClassVar[dict[str, tuple[Any, str]]] = {}
 
     # ---- checks -------------------------------------------------------------------------
+    @classmethod
+    def unsupported_fields(cls) -> dict[str, tuple[Any, str]]:
+        """The fields refused unless absent, null or at their default: name -> (default, why)."""
+        return {**_UNSUPPORTED_COMMON, **cls._unsupported}
+
     def check_supported(self) -> None:
         """Refuse (400, naming the field) what this server does not do yet."""
-        for name, (default, why) in {**_UNSUPPORTED_COMMON, **self._unsupported}.items():
+        for name, (default, why) in self.unsupported_fields().items():
             value = getattr(self, name)
             if value is not None and value != default:
                 shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
