@@ -32,6 +32,7 @@ from coordinator.admission import Admission, SessionRate
 from coordinator.chat import ChatMessage, TemplateOptions, chat_prompt_ids
 from coordinator.detokenize import IncrementalDetokenizer
 from coordinator.limits import Limits
+from coordinator.local_proposers import ForcedTextProposer
 from coordinator.policy import FixedGamma, SpeculationPolicy
 from coordinator.pool import WorkerPool
 from coordinator.requests import GenerationRequest
@@ -129,6 +130,7 @@ class Coordinator:
             rate=SessionRate(rate=settings.session_rate_per_client, burst=settings.session_burst_per_client),
         )
         self._cleanups: set[asyncio.Task] = set()
+        self._grammar: Any = None  # the grammar engine (specserve.engine.grammar), built at the first constraint
 
     async def parse(self, pb: coordinator_pb2.GenerateRequest) -> GenerationRequest:
         """Check a wire request against this server's limits, before any work (InvalidArgument says
@@ -223,6 +225,7 @@ class Coordinator:
             top_logprobs=r.top_logprobs,
             prediction=r.prediction_token_ids,
             lookup=r.speculation.hybrid_lookup,
+            forced=self._forced_text(r),
         )
         loop = RoundLoop(
             session,
@@ -234,6 +237,23 @@ class Coordinator:
             decode_steps=self.settings.decode_steps,
         )
         return session, loop
+
+    def _forced_text(self, request: GenerationRequest) -> ForcedTextProposer | None:
+        """A constrained request's forced-text proposer (None: no constraint), over the target's tokenizer."""
+        constraint = request.sampling.constraint
+        if constraint is None:
+            return None
+        matcher = self._grammar_engine().matcher(constraint)  # compiled once per constraint (the engine's cache)
+        return ForcedTextProposer(matcher, functools.partial(self.tokenizer.encode, add_special_tokens=False))
+
+    def _grammar_engine(self) -> Any:
+        """The grammar engine over the target's tokenizer, built at the first constraint."""
+        if self._grammar is None:
+            from specserve.engine.grammar import GrammarEngine  # xgrammar loads only where constraints come
+
+            eos = self.tokenizer.eos_token_id
+            self._grammar = GrammarEngine(self.tokenizer, self.vocab_size, [eos] if eos is not None else [])
+        return self._grammar
 
     async def _open(self, session: Session, request: GenerationRequest, lease: _Lease) -> None:
         """Create the session in Redis and take its lease."""

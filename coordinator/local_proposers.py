@@ -12,6 +12,9 @@ when none has anything to offer (and the session drafts with the model).
 * :class:`NgramProposer`: prompt lookup over the session's own tokens (prompt
   and completion), :class:`specserve.core.ngram.NgramIndex` kept per session, so a
   lookup costs a few dictionary reads.
+* :class:`ForcedTextProposer`: a constrained session's forced text (the
+  round loop chooses it beside the session's own proposer, with its own
+  acceptance, as it does the hybrid lookup).
 * :class:`PredictionProposer`: Predicted Outputs. The prediction is tokenized
   once per session (``coordinator/requests.py``) and indexed once. The
   proposer keeps an *alignment*: the index in the prediction of the
@@ -38,15 +41,15 @@ own token where it equals the prediction's next one, e.g. the bonus token);
 were not committed (rejected by verification, or cut by a stop): target work
 the prediction cost.
 
-Pure Python: no torch, no gRPC, no logging.
+Pure Python: no torch, no gRPC, no logging (the forced-text proposer's matcher is handed in).
 """
 
 from __future__ import annotations
 
 import abc
 from collections import deque
-from collections.abc import Iterable, Sequence
-from typing import ClassVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
 
 from specserve.core.ngram import NgramIndex
 
@@ -160,3 +163,42 @@ class PredictionProposer(LocalProposer):
     @property
     def ready(self) -> bool:
         return self._next is not None and self._next < len(self._prediction)
+
+
+class ForcedTextProposer(LocalProposer):
+    """Forced text drafted for free: where a constrained session's grammar allows one continuation only (a
+    JSON key and its punctuation, the end of an object), that continuation tokenised as the target would most
+    likely tokenise it (``encode``), and the end-of-sequence token after it when that is all the grammar then
+    allows (``ConstraintMatcher.forced_tokens``, :mod:`specserve.engine.grammar`).
+
+    The matcher follows the committed tokens (:meth:`observe`); the proposal is a point mass verified like
+    any other, so a guess the target tokenises otherwise is rejected and costs nothing but the positions it
+    filled. The round loop keeps this proposer's own acceptance (``coordinator/rounds.py``).
+    """
+
+    name = "forced"
+
+    def __init__(self, matcher: Any, encode: Callable[[str], Sequence[int]]) -> None:
+        self._matcher = matcher
+        self._encode = encode
+        self._forced: tuple[int, ...] | None = None  # the forced tokens at the committed tokens observed
+        self._lost = False  # a committed token left the grammar (no mask on p would allow it): offer nothing
+
+    def observe(self, new_tokens: Sequence[int]) -> None:
+        self._forced = None
+        for token in new_tokens:
+            if self._lost or not self._matcher.accept(int(token)):
+                self._lost = True
+                return
+
+    def _tokens(self) -> tuple[int, ...]:
+        if self._forced is None:
+            self._forced = () if self._lost else self._matcher.forced_tokens(self._encode)
+        return self._forced
+
+    def peek(self, gamma: int) -> tuple[int, ...]:
+        return self._tokens()[:gamma] if gamma > 0 else ()
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._tokens())

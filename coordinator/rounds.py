@@ -42,7 +42,7 @@ import structlog
 
 from coordinator.acceptance import AcceptanceTracker
 from coordinator.batcher import BatchedResult
-from coordinator.local_proposers import NgramProposer
+from coordinator.local_proposers import LocalProposer, NgramProposer
 from coordinator.policy import SpeculationPolicy
 from coordinator.pool import Verified, WorkerPool
 from coordinator.session import Session
@@ -123,6 +123,10 @@ class RoundLoop:
         #: The hybrid lookup has had a guess seen to match (in its shadow or in a round it drafted): it
         #: drafts no round before that, so a request whose text never repeats spends nothing on it.
         self._lookup_matched = False
+        #: The forced-text proposer's own acceptance (None: the session has no constraint). Forced text is
+        #: what the grammar allows alone, so the target's own tokens usually spell it: a confident prior,
+        #: and it learns from every round (the rounds it drafts, and its shadow in the others).
+        self.forced_acceptance = AcceptanceTracker(prior_alpha=0.9) if session.forced is not None else None
         self._fruitless = 0
         self._log = log.bind(session_id=session.session_id)
         pool.attach(session)
@@ -132,9 +136,13 @@ class RoundLoop:
         """The next round's gamma (see :meth:`_choose`)."""
         return self._choose()[0]
 
-    def _choose(self) -> tuple[int, bool]:
-        """``(gamma, from the lookup)``: the policy's choice for the next round, capped by the tokens left
-        and the server's largest gamma.
+    def _choose(self) -> tuple[int, LocalProposer | None]:
+        """``(gamma, the proposer in the coordinator chosen for the round)``: the policy's choice for the next
+        round, capped by the tokens left and the server's largest gamma.
+
+        A constrained session whose grammar forces text now (``Session.forced``) asks the policy first with
+        the forced-text proposer's own acceptance, as a proposer in the coordinator; a gamma above 0 there
+        drafts the round from the forced text.
 
         A session with a hybrid lookup (``Session.lookup``) asks the policy first with the lookup's own
         acceptance, as a proposer in the coordinator (no draft call), whenever the lookup has a match;
@@ -144,6 +152,15 @@ class RoundLoop:
         go to any rung (docs/design.md, "The hybrid lookup")."""
         s = self.session
         load = self.pool.load()
+        forced = s.forced
+        if forced is not None and self.forced_acceptance is not None and forced.ready:
+            zero_steps = self._steps(_NO_PROPOSAL)
+            gamma = self._capped(
+                self.policy.choose_gamma(self.forced_acceptance, load, local_draft=True, zero_steps=zero_steps)
+            )
+            if gamma > 0:
+                metrics.GAMMA_CHOSEN.observe(gamma)
+                return gamma, forced
         lookup = s.lookup
         if lookup is not None and self.lookup_acceptance is not None and self._lookup_matched and lookup.ready:
             zero_steps = self._steps(_NO_PROPOSAL)
@@ -152,10 +169,10 @@ class RoundLoop:
             )
             if gamma > 0:
                 metrics.GAMMA_CHOSEN.observe(gamma)
-                return gamma, True
+                return gamma, lookup
         gamma = self._capped(self.policy.choose_gamma(self.acceptance, load, local_draft=self.pool.drafts_locally(s)))
         metrics.GAMMA_CHOSEN.observe(gamma)
-        return gamma, False
+        return gamma, None
 
     def _capped(self, gamma: int) -> int:
         s = self.session
@@ -168,9 +185,11 @@ class RoundLoop:
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] != s.token_ids:  # the log moved otherwise (a resync): useless
             ahead = None
-        gamma, from_lookup = self._choose()
-        if from_lookup:
-            proposed = await self.pool.propose(s, gamma, lookup=s.lookup)
+        gamma, local = self._choose()
+        from_lookup = local is not None and local is s.lookup
+        from_forced = local is not None and local is s.forced
+        if local is not None:
+            proposed = await self.pool.propose(s, gamma, lookup=local)
         else:
             proposed = await self.pool.propose(s, gamma, ahead=ahead[1] if ahead else None)
         if ahead is not None and proposed.wall_ns == 0 and proposed.source == "model":
@@ -187,6 +206,10 @@ class RoundLoop:
             s.lookup.peek(len(proposed.proposal.token_ids) + steps)
             if s.lookup is not None and not from_lookup
             else ()
+        )
+        # The same for the forced text (what the grammar forced at the committed tokens).
+        forced_shadow = (
+            s.forced.peek(len(proposed.proposal.token_ids) + steps) if s.forced is not None and not from_forced else ()
         )
         item = target_pb2.VerifyItem(base=s.base.to_pb(), proposal=proposed.proposal, decode_steps=steps)
         if s.top_logprobs is not None:
@@ -228,6 +251,8 @@ class RoundLoop:
             lookup_shadow=lookup_shadow,
             from_lookup=from_lookup,
             lookup_drafted=proposed.source == NgramProposer.name,
+            forced_shadow=forced_shadow,
+            from_forced=from_forced,
         )
 
     def _steps(self, proposal: common_pb2.Proposal) -> int:
@@ -319,6 +344,8 @@ class RoundLoop:
         lookup_shadow: tuple[int, ...] = (),
         from_lookup: bool = False,
         lookup_drafted: bool = False,
+        forced_shadow: tuple[int, ...] = (),
+        from_forced: bool = False,
     ) -> Committed:
         """Advance the session by a committed (fresh or replayed) verdict; returns its new tokens.
 
@@ -329,14 +356,20 @@ class RoundLoop:
         ``from_lookup``: the round drafted from the hybrid lookup, so its tracker, not the
         session's, learns from the verdict (and the pooled acceptance, the draft model's, does not);
         ``lookup_drafted``: an n-gram lookup drafted the round (the hybrid lookup or the ``ngram``
-        proposer), for the stats."""
+        proposer), for the stats. ``forced_shadow`` and ``from_forced``: the same for the forced-text
+        proposer and its own tracker."""
         s = self.session
         verdict = result.verdict
         assert verdict is not None
         new = self._committed(verdict, s.apply_verdict(verdict))
-        s.stats.observe_round(proposed=proposed, accepted=verdict.accepted_count, lookup=lookup_drafted)
+        s.stats.observe_round(
+            proposed=proposed, accepted=verdict.accepted_count, lookup=lookup_drafted, forced=from_forced
+        )
         accepted = min(verdict.accepted_count, proposed)
-        if from_lookup:
+        if from_forced:
+            assert self.forced_acceptance is not None
+            self.forced_acceptance.observe(proposed=proposed, accepted=accepted)
+        elif from_lookup:
             self._lookup_learns(proposed=proposed, accepted=accepted)
         elif shadow and not proposed and verdict.committed_token_ids:
             self.acceptance.observe(**_shadow_outcome(shadow, verdict.committed_token_ids))
@@ -345,6 +378,8 @@ class RoundLoop:
             self.pool.observe_acceptance(self.speculation_key, proposed=proposed, accepted=accepted)
         if lookup_shadow and verdict.committed_token_ids:
             self._lookup_learns(**_shadow_outcome(lookup_shadow, verdict.committed_token_ids))
+        if forced_shadow and verdict.committed_token_ids and self.forced_acceptance is not None:
+            self.forced_acceptance.observe(**_shadow_outcome(forced_shadow, verdict.committed_token_ids))
         self._fruitless = 0
         _count_round(proposed, verdict.accepted_count, len(verdict.committed_token_ids))
         if result.replayed:

@@ -60,10 +60,13 @@ class SessionStats:
     lookup_accepted_tokens: int = 0
     #: Prompt tokens the target did not prefill (its prefix cache held them), from the session's first verdict.
     cached_tokens: int = 0
+    #: Of the proposed and accepted tokens, those a constrained session's forced text drafted.
+    forced_proposed_tokens: int = 0
+    forced_accepted_tokens: int = 0
 
-    def observe_round(self, *, proposed: int, accepted: int, lookup: bool = False) -> None:
+    def observe_round(self, *, proposed: int, accepted: int, lookup: bool = False, forced: bool = False) -> None:
         """One round: ``proposed`` draft tokens, ``accepted`` of them accepted; ``lookup``: drafted by an
-        n-gram lookup in the coordinator."""
+        n-gram lookup in the coordinator; ``forced``: drafted from the forced text."""
         self.rounds += 1
         if proposed:
             self.draft_rounds += 1
@@ -72,6 +75,9 @@ class SessionStats:
         if lookup:
             self.lookup_proposed_tokens += proposed
             self.lookup_accepted_tokens += accepted
+        if forced:
+            self.forced_proposed_tokens += proposed
+            self.forced_accepted_tokens += accepted
         if len(self.accepted_per_position) < proposed:
             self.accepted_per_position.extend([0] * (proposed - len(self.accepted_per_position)))
         for i in range(accepted):
@@ -93,9 +99,11 @@ class Session:
         top_logprobs: int | None = None,
         prediction: Sequence[int] | None = None,
         lookup: bool = False,
+        forced: LocalProposer | None = None,
     ) -> None:
         """``lookup``: keep a hybrid lookup (:attr:`lookup`) beside the draft model; only for a session that
-        drafts with the model and has no prediction (their proposers already run in the coordinator)."""
+        drafts with the model and has no prediction (their proposers already run in the coordinator).
+        ``forced``: a constrained session's forced-text proposer (:attr:`forced`)."""
         self.session_id = session_id
         self.prompt_len = len(prompt_token_ids)
         self.sampling = sampling
@@ -119,6 +127,9 @@ class Session:
         self.lookup: NgramProposer | None = (
             NgramProposer(prompt_token_ids) if lookup and not self.local_proposers else None
         )
+        #: A constrained session's forced text (``ForcedTextProposer``), which the round loop drafts from with
+        #: no call where the grammar allows one continuation only; None: the session has no constraint.
+        self.forced = forced
         #: The target's features on their way to the feature head (None: the session drafts with another proposer).
         self.features = FeatureRelay() if speculation.proposer == common_pb2.PROPOSER_KIND_FEATURE else None
         self.start_ns = time.perf_counter_ns() if start_ns is None else start_ns
@@ -204,6 +215,8 @@ class Session:
             proposer.observe(new)
         if self.lookup is not None:
             self.lookup.observe(new)
+        if self.forced is not None:
+            self.forced.observe(new)
         if finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self.finish_reason = finish_reason
             self.status = SessionStatus.FINISHED
@@ -242,6 +255,8 @@ class Session:
             lookup_proposed_tokens=s.lookup_proposed_tokens,
             lookup_accepted_tokens=s.lookup_accepted_tokens,
             cached_tokens=s.cached_tokens,
+            forced_proposed_tokens=s.forced_proposed_tokens,
+            forced_accepted_tokens=s.forced_accepted_tokens,
             first_token_ns=s.first_token_ns,
             total_ns=time.perf_counter_ns() - self.start_ns,
             finish_reason=self.finish_reason,

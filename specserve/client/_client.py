@@ -70,6 +70,10 @@ class GenerationStats:
     lookup_accepted_tokens: int = 0
     #: Of ``prompt_tokens``, those the target did not prefill: its prefix cache held them.
     cached_tokens: int = 0
+    #: Of ``proposed_tokens``, those a constrained request's forced text drafted (no draft call).
+    forced_proposed_tokens: int = 0
+    #: Of ``accepted_tokens``, those the forced text drafted.
+    forced_accepted_tokens: int = 0
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.GenerationStats) -> GenerationStats:
@@ -96,6 +100,8 @@ class GenerationStats:
             lookup_proposed_tokens=pb.lookup_proposed_tokens,
             lookup_accepted_tokens=pb.lookup_accepted_tokens,
             cached_tokens=pb.cached_tokens,
+            forced_proposed_tokens=pb.forced_proposed_tokens,
+            forced_accepted_tokens=pb.forced_accepted_tokens,
         )
 
     @property

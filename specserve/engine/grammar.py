@@ -30,7 +30,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,6 +272,35 @@ class ConstraintMatcher:
     def allocate(self, rows: int) -> torch.Tensor:
         """An all-zero packed mask of ``rows`` rows for this vocabulary: ``[rows, words]`` int32."""
         return xgr.allocate_token_bitmask(rows, self.engine.vocab_size)
+
+    def forced_tokens(self, encode: Callable[[str], Sequence[int]]) -> tuple[int, ...]:
+        """The forced continuation as tokens: ``encode`` of :meth:`forced_text` (as the target would most
+        likely tokenise it), cut before the first token the grammar refuses, then an end-of-sequence token
+        when that is all the grammar allows after it; nothing once terminated. The state is left unchanged."""
+        if self.terminated:
+            return ()
+        text = self.forced_text()
+        tokens = [int(t) for t in encode(text)] if text else []
+        kept = 0
+        for token in tokens:
+            if not self.accept(token):
+                break
+            kept += 1
+        out = tokens[:kept]
+        if kept == len(tokens) and self.only_stops_allowed():
+            out.append(self.engine.stop_token_ids[0])
+        self.rollback(kept)
+        return tuple(out)
+
+    def only_stops_allowed(self) -> bool:
+        """Whether the grammar is complete here and allows nothing but an end-of-sequence token."""
+        if self._matcher.is_terminated():
+            return True
+        bitmask = self.allocate(1)
+        self.fill_mask(bitmask, 0)
+        allowed = unpack(bitmask, self.engine.vocab_size)[0]
+        stops = list(self.engine.stop_token_ids)
+        return int(allowed.sum()) == len(stops) and bool(allowed[stops].all())
 
     def forced_text(self) -> str:
         """The longest text every continuation of the grammar starts with here ("" when there is a choice)."""

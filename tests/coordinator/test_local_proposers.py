@@ -110,3 +110,50 @@ def test_peeking_at_a_prediction_counts_nothing():
     proposer.observe([9])
     assert proposer.rejected_tokens == 0 and proposer.accepted_tokens == 0
     assert proposer.propose(2) == ()  # alignment lost at 9
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    import tiny_models
+
+    return tiny_models.make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_forced_text_is_proposed_as_the_tokenizer_spells_it_and_followed_along_the_log(tiny_tokenizer):
+    """A JSON schema's keys and punctuation are forced: the proposer offers their tokens (then EOS once the
+    object is closed), follows the committed tokens, and offers nothing where the model has a choice."""
+    import json
+
+    from coordinator.local_proposers import ForcedTextProposer
+    from specserve.api.constraints import Constraint
+    from specserve.engine.grammar import GrammarEngine
+
+    tok = tiny_tokenizer
+    engine = GrammarEngine(tok, 384, [0])
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "boolean"}}, "required": ["x", "y"]}
+    encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    forced = ForcedTextProposer(engine.matcher(Constraint("json_schema", json.dumps(schema))), encode)
+    assert forced.ready and forced.peek(32) == tuple(encode('{"x": '))
+    assert forced.peek(2) == tuple(encode('{"x": '))[:2]
+    forced.observe(encode('{"x": '))
+    assert not forced.ready and forced.peek(4) == ()  # the integer is the model's choice
+    forced.observe(encode("12"))
+    assert not forced.ready  # more digits, or the next key
+    forced.observe(encode(", "))
+    assert forced.peek(32) == tuple(encode('"y": '))
+    forced.observe(encode('"y": true'))
+    assert forced.peek(8) == (*encode("}"), 0)  # the object closes, and then the end is all that is allowed
+    forced.observe((*encode("}"), 0))
+    assert not forced.ready
+
+
+def test_a_committed_token_outside_the_grammar_stops_the_forced_text(tiny_tokenizer):
+    from coordinator.local_proposers import ForcedTextProposer
+    from specserve.api.constraints import Constraint
+    from specserve.engine.grammar import GrammarEngine
+
+    engine = GrammarEngine(tiny_tokenizer, 384, [0])
+    forced = ForcedTextProposer(engine.matcher(Constraint("regex", "abc[0-9]")), tiny_tokenizer.encode)
+    assert forced.ready
+    forced.observe(tiny_tokenizer.encode("x"))
+    assert not forced.ready and forced.peek(4) == ()
