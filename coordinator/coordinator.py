@@ -30,6 +30,7 @@ import structlog
 
 from coordinator.admission import Admission, SessionRate
 from coordinator.chat import ChatMessage, TemplateOptions, chat_prompt_ids
+from coordinator.constraint_compiler import ConstraintCompiler
 from coordinator.detokenize import IncrementalDetokenizer
 from coordinator.limits import Limits
 from coordinator.local_proposers import ForcedTextProposer
@@ -90,6 +91,14 @@ def default_proposer(setting: str, feature_head: bool) -> int:
     return common_pb2.PROPOSER_KIND_MODEL
 
 
+def _grammar_engine(tokenizer: Any, vocab_size: int) -> Any:
+    """The grammar engine over the target's tokenizer (built on a compiling thread, at the first constraint)."""
+    from specserve.engine.grammar import GrammarEngine  # xgrammar loads only where constraints come
+
+    eos = tokenizer.eos_token_id
+    return GrammarEngine(tokenizer, vocab_size, [eos] if eos is not None else [])
+
+
 class Coordinator:
     """Sessions, the round loop and its workers, for one coordinator process.
 
@@ -130,12 +139,18 @@ class Coordinator:
             rate=SessionRate(rate=settings.session_rate_per_client, burst=settings.session_burst_per_client),
         )
         self._cleanups: set[asyncio.Task] = set()
-        self._grammar: Any = None  # the grammar engine (specserve.engine.grammar), built at the first constraint
+        #: Compiles each request's constraint before its session opens (coordinator/constraint_compiler.py).
+        self.constraints = ConstraintCompiler(
+            functools.partial(_grammar_engine, tokenizer, self.vocab_size),
+            timeout_s=settings.constraint_compile_timeout_s,
+            threads=settings.constraint_compile_threads,
+            cache_size=settings.constraint_cache_size,
+        )
 
     async def parse(self, pb: coordinator_pb2.GenerateRequest) -> GenerationRequest:
         """Check a wire request against this server's limits, before any work (InvalidArgument says
         what to fix); a text prompt is tokenized off the event loop once its size is known to fit."""
-        return await GenerationRequest.from_pb(
+        request = await GenerationRequest.from_pb(
             pb,
             settings=self.settings,
             tokenize=self.tokenize,
@@ -146,6 +161,9 @@ class Coordinator:
             default_proposer=self.default_proposer,
             feature_head=self.feature_head,
         )
+        if request.sampling.constraint is not None:
+            await self.constraints.compile(request.sampling.constraint)
+        return request
 
     async def tokenize(self, text: str) -> tuple[int, ...]:
         """The prompt's token ids, computed on the tokenizer threads."""
@@ -243,17 +261,9 @@ class Coordinator:
         constraint = request.sampling.constraint
         if constraint is None:
             return None
-        matcher = self._grammar_engine().matcher(constraint)  # compiled once per constraint (the engine's cache)
+        # parse() compiled it off the event loop: the engine's cache holds it.
+        matcher = self.constraints.engine().matcher(constraint)
         return ForcedTextProposer(matcher, functools.partial(self.tokenizer.encode, add_special_tokens=False))
-
-    def _grammar_engine(self) -> Any:
-        """The grammar engine over the target's tokenizer, built at the first constraint."""
-        if self._grammar is None:
-            from specserve.engine.grammar import GrammarEngine  # xgrammar loads only where constraints come
-
-            eos = self.tokenizer.eos_token_id
-            self._grammar = GrammarEngine(self.tokenizer, self.vocab_size, [eos] if eos is not None else [])
-        return self._grammar
 
     async def _open(self, session: Session, request: GenerationRequest, lease: _Lease) -> None:
         """Create the session in Redis and take its lease."""
@@ -323,6 +333,7 @@ class Coordinator:
         await self.pool.close()
         await self.store.close()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.constraints.close()
 
 
 class _Lease:

@@ -14,6 +14,12 @@ carries those of its own tokens. They cover every committed token, the ones of
 a stop string included (the tokens ``usage`` counts). :class:`TokenStrings`
 gives each token's text and exact bytes.
 
+A forced tool call (``ReplyOptions.tool_call``, coordinator/structured_outputs.py) makes a chat
+choice's text one OpenAI tool call: ``message.tool_calls`` with ``content`` null, or streamed as
+``delta.tool_calls`` (the first with the call's id and function name, then pieces of its
+``arguments``); ``finish_reason`` is ``tool_calls`` when the output is complete, ``length`` when
+``max_tokens`` ran out first (the arguments then end where the output did).
+
 Extension: every reply carries ``speculation`` (:func:`speculation_report`),
 the per-request figures shaped like vLLM's spec-decode metrics, for the whole
 request at the top level and for each choice in the choice (non-streamed), or
@@ -29,6 +35,7 @@ from typing import Any, Literal
 
 from coordinator.coordinator import Chunk, Finished
 from coordinator.openai_protocol import ReplyOptions
+from coordinator.structured_outputs import ToolCallText
 from specserve.api.params import PositionLogprobs
 from specserve.v1 import common_pb2, coordinator_pb2
 
@@ -39,9 +46,12 @@ _STOPPED = (
 )
 
 
-def finish_reason(stats: coordinator_pb2.GenerationStats) -> str:
-    """OpenAI's ``finish_reason``: ``stop`` (EOS, a stop token or string) or ``length``."""
-    return "stop" if stats.finish_reason in _STOPPED else "length"
+def finish_reason(stats: coordinator_pb2.GenerationStats, *, tool_call: bool = False) -> str:
+    """OpenAI's ``finish_reason``: ``stop`` (EOS, a stop token or string; ``tool_calls`` for a tool call) or
+    ``length``."""
+    if stats.finish_reason not in _STOPPED:
+        return "length"
+    return "tool_calls" if tool_call else "stop"
 
 
 def usage(stats: Sequence[coordinator_pb2.GenerationStats]) -> dict[str, Any]:
@@ -237,6 +247,9 @@ class ReplyBuilder:
         self._offsets = [0] * n  # characters of token text before each choice's next logprobs (completions)
         self._stats: list[coordinator_pb2.GenerationStats | None] = [None] * n
         self._started = [False] * n
+        shape = getattr(options, "tool_call", None) if kind == "chat" else None
+        #: Each choice's text as a tool call (None: text replies).
+        self._calls = [ToolCallText(shape) for _ in range(n)] if shape is not None else None
 
     @property
     def finished(self) -> bool:
@@ -262,10 +275,17 @@ class ReplyBuilder:
         return body
 
     def _delta(
-        self, index: int, text: str | None, finish: str | None = None, logprobs: dict[str, Any] | None = None
+        self,
+        index: int,
+        text: str | None,
+        finish: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         if self.kind == "chat":
-            delta = {} if text is None else {"content": text}
+            delta: dict[str, Any] = {} if text is None else {"content": text}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
@@ -285,7 +305,8 @@ class ReplyBuilder:
         if not self._started[index]:
             self._started[index] = True
             if self.kind == "chat":
-                role = {"index": index, "delta": {"role": "assistant", "content": ""}}
+                content = None if self._calls is not None else ""
+                role = {"index": index, "delta": {"role": "assistant", "content": content}}
                 out.append(self._chunk({**role, "logprobs": None, "finish_reason": None}))
         trimmer = self._trimmers[index]
         if isinstance(event, Chunk):
@@ -295,18 +316,35 @@ class ReplyBuilder:
                 self._texts[index].append(text)
             self._logprobs[index].extend(event.logprobs)
             logprobs = self._render_logprobs(index, event.logprobs) if event.logprobs else None
-            if text or logprobs is not None:  # a chunk's logprobs go out with it, its text held back or not
-                out.append(self._chunk(self._delta(index, text, logprobs=logprobs)))
+            calls = self._calls[index].push(text) if self._calls is not None and text else None
+            if self._calls is not None:
+                text = None  # the text goes out as the tool call's arguments
+            if text or calls or logprobs is not None:  # a chunk's logprobs go out with it, its text held back or not
+                out.append(self._chunk(self._delta(index, text, logprobs=logprobs, tool_calls=calls)))
             return out
         stats = event.stats
         self._stats[index] = stats
         rest = trimmer.finish(stats)
         if rest:
             self._texts[index].append(rest)
-            out.append(self._chunk(self._delta(index, rest)))
-        last = self._delta(index, None, finish_reason(stats))
+        calls: list[dict[str, Any]] = []
+        if self._calls is not None:
+            stopped = stats.finish_reason in _STOPPED
+            calls = self._calls[index].push(rest) if rest else []
+            more, rest = self._calls[index].finish(stopped)
+            calls += more
+        if rest or calls:
+            out.append(self._chunk(self._delta(index, rest or None, tool_calls=calls)))
+        last = self._delta(index, None, finish_reason(stats, tool_call=self._is_call(index)))
         out.append(self._chunk({**last, "speculation": speculation_report([stats])}))
         return out
+
+    def _is_call(self, index: int) -> bool:
+        """Choice ``index`` is a tool call whose function is known."""
+        if self._calls is None:
+            return False
+        message = self._calls[index].message(self.text(index), stopped=True)
+        return "tool_calls" in message
 
     def _all_stats(self) -> list[coordinator_pb2.GenerationStats]:
         return [s for s in self._stats if s is not None]
@@ -333,14 +371,18 @@ class ReplyBuilder:
         for i, stats in enumerate(self._stats):
             assert stats is not None, "reply() before every choice finished"
             choice: dict[str, Any] = {"index": i}
-            if self.kind == "chat":
+            if self._calls is not None:
+                choice["message"] = self._calls[i].message(self.text(i), stats.finish_reason in _STOPPED)
+            elif self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": self.text(i)}
             else:
                 choice["text"] = self.text(i)
             self._offsets[i] = 0
             logprobs = self._render_logprobs(i, self._logprobs[i])
             choice.update(
-                logprobs=logprobs, finish_reason=finish_reason(stats), speculation=speculation_report([stats])
+                logprobs=logprobs,
+                finish_reason=finish_reason(stats, tool_call=self._is_call(i)),
+                speculation=speculation_report([stats]),
             )
             choices.append(choice)
         stats_all = self._all_stats()

@@ -23,7 +23,11 @@ valid example) and the tokenizer of ``--target``:
   control characters in strings) and validate against its schema (the
   ``jsonschema`` package), match its regex (``re.fullmatch``) or be one of its
   choices. A uniform walk reaches the corners of a grammar that a model rarely
-  does, so an engine that lets an invalid output through shows up here;
+  does, so an engine that lets an invalid output through shows up here.
+  ``--byte-walks`` more walks draw among the allowed single-byte tokens (where
+  there are any), which probes how an engine treats UTF-8: a walk's output is
+  checked as bytes, and bytes that are not UTF-8 (an overlong form, a surrogate)
+  are invalid;
 * **unenforceable keywords**: schemas with ``not``, ``uniqueItems`` and the
   like (``unenforceable.json``): whether the engine refuses the schema, or
   compiles it and then lets outputs through that the schema rejects.
@@ -186,6 +190,48 @@ class LLGuidance:
         return bool(matcher.is_stopped())
 
 
+class Shipped:
+    """What specserve ships (``specserve.engine.grammar.GrammarEngine``): xgrammar behind its guards, timed
+    without its cache."""
+
+    name = "specserve"
+
+    def __init__(self, tokenizer, vocab_size: int, threads: int) -> None:
+        from specserve.engine.grammar import GrammarEngine
+
+        started = time.perf_counter()
+        eos = tokenizer.eos_token_id
+        self._engine = GrammarEngine(tokenizer, vocab_size, [eos], cache_size=0, max_threads=threads)
+        self.setup_s = time.perf_counter() - started
+        self.version = "xgrammar " + _version("xgrammar") + " + specserve.engine.grammar"
+
+    def compile(self, case: Case) -> Any:
+        from specserve.api.constraints import Constraint
+
+        if case.kind == "json_schema":
+            constraint = Constraint("json_schema", json.dumps(case.value))
+        elif case.kind == "regex":
+            constraint = Constraint("regex", case.value)
+        else:
+            constraint = Constraint("choice", tuple(case.value))
+        return constraint, self._engine.compile(constraint)
+
+    def matcher(self, compiled: Any) -> Any:
+        from specserve.engine.grammar import ConstraintMatcher
+
+        constraint, grammar = compiled
+        return ConstraintMatcher(self._engine, constraint, grammar)
+
+    def fill(self, matcher: Any, bitmask: np.ndarray) -> None:
+        matcher.fill_mask(bitmask, 0)
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        return bool(matcher.accept(token))
+
+    def stopped(self, matcher: Any) -> bool:
+        return bool(matcher.terminated)
+
+
 def _version(package: str) -> str:
     from importlib.metadata import version
 
@@ -209,7 +255,9 @@ def _cpu_timed(fn, *args) -> tuple[Any, float]:
     return _timed(fn, *args, clock=time.thread_time)
 
 
-def measure_case(engines: list, case: Case, tokenizer, vocab_size: int, args, rng: random.Random) -> dict:
+def measure_case(
+    engines: list, case: Case, tokenizer, vocab: Vocabulary, vocab_size: int, args, rng: random.Random
+) -> dict:
     """One constraint on every engine: compile, first mask, mask per token along the example, walks."""
     words = (vocab_size + 31) // 32
     tokens = tokenizer.encode(case.example, add_special_tokens=False)
@@ -248,40 +296,78 @@ def measure_case(engines: list, case: Case, tokenizer, vocab_size: int, args, rn
             result["mask_us_median"] = 1e6 * statistics.median(times)
             result["mask_us_mean"] = 1e6 * statistics.fmean(times)
             result["mask_us_p99"] = 1e6 * times[min(len(times) - 1, int(0.99 * len(times)))]
-        result.update(_walks(engine, compiled[engine.name], case, tokenizer, vocab_size, args, rng))
+        result.update(_walks(engine, compiled[engine.name], case, vocab, vocab_size, args, rng))
     return row
 
 
-def _walks(engine, compiled: Any, case: Case, tokenizer, vocab_size: int, args, rng: random.Random) -> dict:
-    """``args.walks`` uniform walks under the mask: how many stopped, how many of those are valid."""
+class Vocabulary:
+    """The tokenizer's exact bytes per token (llguidance's table), to check a walk's output as bytes."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        import llguidance.hf
+
+        self._table = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self._special = set(tokenizer.all_special_ids)
+        lengths = [
+            len(self._table.decode_bytes([t])) if t not in self._special else 0 for t in range(vocab_size)
+        ]
+        #: Tokens of exactly one byte: a byte walk draws among these where the mask allows any.
+        self.single_byte = np.array([n == 1 for n in lengths])
+
+    def text(self, tokens: list[int]) -> str | None:
+        """The tokens' bytes (special tokens left out) as UTF-8 text; None when they are not UTF-8."""
+        try:
+            return self._table.decode_bytes([t for t in tokens if t not in self._special]).decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
+
+def _walks(
+    engine, compiled: Any, case: Case, vocab: Vocabulary, vocab_size: int, args, rng: random.Random
+) -> dict:
+    """Walks under the mask: ``args.walks`` drawing uniformly among the allowed tokens, ``args.byte_walks``
+    among the allowed single-byte tokens where there are any (they probe how the engine treats UTF-8);
+    how many stopped, and how many of those are valid (UTF-8, and valid under the constraint)."""
     words = (vocab_size + 31) // 32
-    stopped = valid = 0
-    invalid_examples: list[str] = []
-    eos = set(tokenizer.all_special_ids)
-    for _ in range(args.walks):
-        matcher = engine.matcher(compiled)
-        bitmask = np.zeros((1, words), dtype=np.int32)
-        out: list[int] = []
-        for _ in range(args.max_walk):
-            if engine.stopped(matcher):
-                break
-            engine.fill(matcher, bitmask)
-            allowed = _allowed(bitmask, vocab_size)
-            if len(allowed) == 0:
-                break
-            token = int(allowed[rng.randrange(len(allowed))])
-            if not engine.accept(matcher, token):
-                break
-            out.append(token)
-        if not engine.stopped(matcher):
-            continue
-        stopped += 1
-        text = tokenizer.decode([t for t in out if t not in eos])
-        if case.valid(text):
-            valid += 1
-        elif len(invalid_examples) < 2:
-            invalid_examples.append(text[:160])
-    return {"walks": args.walks, "stopped": stopped, "valid": valid, "invalid_examples": invalid_examples}
+    result: dict[str, Any] = {"invalid_examples": []}
+    for kind, count in (("", args.walks), ("byte_", args.byte_walks)):
+        stopped = valid = not_utf8 = 0
+        for _ in range(count):
+            matcher = engine.matcher(compiled)
+            bitmask = np.zeros((1, words), dtype=np.int32)
+            out: list[int] = []
+            for _ in range(args.max_walk):
+                if engine.stopped(matcher):
+                    break
+                engine.fill(matcher, bitmask)
+                allowed = _allowed(bitmask, vocab_size)
+                if kind and vocab.single_byte[allowed].any():
+                    allowed = allowed[vocab.single_byte[allowed]]
+                if len(allowed) == 0:
+                    break
+                token = int(allowed[rng.randrange(len(allowed))])
+                if not engine.accept(matcher, token):
+                    break
+                out.append(token)
+            if not engine.stopped(matcher):
+                continue
+            stopped += 1
+            text = vocab.text(out)
+            not_utf8 += text is None
+            if text is not None and case.valid(text):
+                valid += 1
+            elif len(result["invalid_examples"]) < 2:
+                shown = text if text is not None else repr(vocab._table.decode_bytes(out))
+                result["invalid_examples"].append(("not UTF-8: " if text is None else "") + shown[:160])
+        result.update(
+            {
+                f"{kind}walks": count,
+                f"{kind}stopped": stopped,
+                f"{kind}valid": valid,
+                f"{kind}not_utf8": not_utf8,
+            }
+        )
+    return result
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -292,7 +378,12 @@ def measure(args: argparse.Namespace) -> dict:
     path = resolve_model_path(args.target, "target")
     tokenizer = AutoTokenizer.from_pretrained(path)
     vocab_size = args.vocab_size or len(tokenizer)
-    engines = [XGrammar(tokenizer, vocab_size, args.threads), LLGuidance(tokenizer, vocab_size, args.threads)]
+    engines = [
+        XGrammar(tokenizer, vocab_size, args.threads),
+        LLGuidance(tokenizer, vocab_size, args.threads),
+        Shipped(tokenizer, vocab_size, args.threads),
+    ]
+    vocab = Vocabulary(tokenizer, vocab_size)
     cases = load_set(Path(args.set))
     rng = random.Random(args.seed)
     unenforceable = [
@@ -308,11 +399,11 @@ def measure(args: argparse.Namespace) -> dict:
             except Exception as exc:
                 row[engine.name] = {"refused": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
                 continue
-            row[engine.name] = _walks(engine, grammar, case, tokenizer, vocab_size, args, rng)
+            row[engine.name] = _walks(engine, grammar, case, vocab, vocab_size, args, rng)
         refusals.append(row)
     rows = []
     for case in cases:
-        rows.append(measure_case(engines, case, tokenizer, vocab_size, args, rng))
+        rows.append(measure_case(engines, case, tokenizer, vocab, vocab_size, args, rng))
         print(
             f"{case.kind:12s} {case.name:28s} "
             + "  ".join(
@@ -328,6 +419,7 @@ def measure(args: argparse.Namespace) -> dict:
         "vocab_size": vocab_size,
         "repeats": args.repeats,
         "walks": args.walks,
+        "byte_walks": args.byte_walks,
         "max_walk": args.max_walk,
         "engines": {e.name: {"version": e.version, "tokenizer_setup_ms": 1e3 * e.setup_s} for e in engines},
         "cases": rows,
@@ -354,6 +446,10 @@ def _summary(data: dict, engine: str, kind: str | None = None) -> dict[str, floa
         "stopped": sum(r.get("stopped", 0) for r in ok),
         "valid": sum(r.get("valid", 0) for r in ok),
         "walks": sum(r.get("walks", 0) for r in ok),
+        "byte_stopped": sum(r.get("byte_stopped", 0) for r in ok),
+        "byte_valid": sum(r.get("byte_valid", 0) for r in ok),
+        "byte_walks": sum(r.get("byte_walks", 0) for r in ok),
+        "not_utf8": sum(r.get("not_utf8", 0) + r.get("byte_not_utf8", 0) for r in ok),
         "refused_examples": sum(1 for r in ok if r.get("example_refused")),
     }
 
@@ -377,11 +473,14 @@ def render(data: dict) -> str:
         f"Compile: a cold compile, median of {data['repeats']}. Mask: the next-token bitmask at each position of the "
         f"example's tokens, {data['repeats']} passes, in the thread's CPU time; median over positions, the mean of the constraints' means, and the worst constraint's 99th percentile. "
         f"Walks: {data['walks']} per constraint, each token drawn uniformly among those the mask allows, at most "
-        f"{data['max_walk']} tokens; 'valid' counts the stopped walks whose text parses strictly and validates.",
+        f"{data['max_walk']} tokens; byte walks: {data.get('byte_walks', 0)} per constraint, drawn among the allowed "
+        "single-byte tokens where there are any; 'valid' counts the stopped walks whose bytes are UTF-8 and whose "
+        "text parses strictly and validates.",
         "",
         "| engine | kind | constraints | compile errors | compile ms (median / max) | first mask ms (median) "
-        "| mask µs per token (median / mean / worst p99) | walks stopped | stopped walks valid | examples refused |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| mask µs per token (median / mean / worst p99) | walks: valid of stopped of all | byte walks: valid of stopped of all "
+        "| outputs not UTF-8 | examples refused |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for engine in engines:
         for kind in (None, "json_schema", "regex", "choice"):
@@ -389,8 +488,8 @@ def render(data: dict) -> str:
             lines.append(
                 f"| {engine} | {kind or 'all'} | {s['cases']} | {s['errors']} | {s['compile_ms_median']:.2f} / "
                 f"{s['compile_ms_max']:.1f} | {s['first_mask_ms_median']:.2f} | {s['mask_us_median']:.0f} / "
-                f"{s['mask_us_mean']:.0f} / {s['mask_us_p99_max']:.0f} | {s['stopped']} of {s['walks']} | {s['valid']} of {s['stopped']} "
-                f"| {s['refused_examples']} |"
+                f"{s['mask_us_mean']:.0f} / {s['mask_us_p99_max']:.0f} | {s['valid']} of {s['stopped']} of {s['walks']} | "
+                f"{s['byte_valid']} of {s['byte_stopped']} of {s['byte_walks']} | {s['not_utf8']} | {s['refused_examples']} |"
             )
     lines += [
         "",
@@ -413,7 +512,7 @@ def render(data: dict) -> str:
                 cells.append(f"error: {r['error'][:60]} | | ")
                 continue
             cells.append(
-                f"{r['compile_ms']:.2f} | {r.get('mask_us_median', float('nan')):.0f} / {r.get('mask_us_mean', float('nan')):.0f} | {r['valid']} of {r['stopped']}"
+                f"{r['compile_ms']:.2f} | {r.get('mask_us_median', float('nan')):.0f} / {r.get('mask_us_mean', float('nan')):.0f} | {r['valid']} of {r['stopped']}, bytes {r['byte_valid']} of {r['byte_stopped']}"
                 + (" (example refused)" if r.get("example_refused") else "")
             )
         lines.append(
@@ -435,7 +534,10 @@ def render(data: dict) -> str:
             if "refused" in r:
                 cells.append("refused: " + r["refused"].replace("|", "\\|")[:90])
             else:
-                cells.append(f"compiled; {r['valid']} of {r['stopped']} stopped walks valid")
+                cells.append(
+                    f"compiled; {r['valid']} of {r['stopped']} stopped walks valid, "
+                    f"byte walks {r['byte_valid']} of {r['byte_stopped']}"
+                )
         lines.append(f"| `{row['name']}` | " + " | ".join(cells) + " |")
     invalid = [
         (row["name"], engine, text)
@@ -464,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=5, help="cold compiles and example passes per constraint"
     )
     parser.add_argument("--walks", type=int, default=20, help="uniform walks under the mask per constraint")
+    parser.add_argument(
+        "--byte-walks", type=int, default=20, help="walks among the allowed single-byte tokens per constraint"
+    )
     parser.add_argument("--max-walk", type=int, default=256, help="tokens at most per walk")
     parser.add_argument("--threads", type=int, default=2, help="xgrammar compiler threads")
     parser.add_argument("--seed", type=int, default=0)

@@ -317,6 +317,11 @@ class CoordinatorSettings(CommonSettings):
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings one request may send.")
     max_stop_string_chars: int = Field(128, ge=1, description="Longest stop string, in characters.")
     max_stop_token_ids: int = Field(64, ge=0, description="Most stop token ids one request may send.")
+    constraint_compile_timeout_s: float = Field(
+        10.0, gt=0, description="Longest a request's constraint may take to compile; longer is refused."
+    )
+    constraint_compile_threads: int = Field(2, ge=1, description="Threads compiling constraints, off the event loop.")
+    constraint_cache_size: int = Field(256, ge=1, description="Compiled constraints kept (most recently used).")
     max_sessions: int = Field(512, ge=1, description="Concurrent sessions in total.")
     max_sessions_per_client: int = Field(
         64, ge=1, description="Concurrent sessions per authenticated client."

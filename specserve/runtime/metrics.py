@@ -69,6 +69,16 @@ VERIFY_BATCH_SIZE = Histogram(
     "specserve_coordinator_verify_batch_size", "Sessions per Verify call.", buckets=_SMALL_COUNT_BUCKETS
 )
 PROMPT_TOKENS = Counter("specserve_coordinator_prompt_tokens", "Prompt tokens of the sessions started.")
+CONSTRAINT_COMPILES = Counter(
+    "specserve_coordinator_constraint_compiles",
+    "Constraints of requests by outcome: cached, compiled, invalid (does not compile), timeout.",
+    ["outcome"],
+)
+CONSTRAINT_COMPILE_SECONDS = Histogram(
+    "specserve_coordinator_constraint_compile_seconds",
+    "Seconds one constraint took to compile (cache misses that compiled).",
+    buckets=_LATENCY_BUCKETS_S,
+)
 REPLICA_FAILURES = Counter("specserve_coordinator_replica_failures", "Worker calls failed by tier.", ["tier"])
 
 

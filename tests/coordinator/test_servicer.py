@@ -4,6 +4,7 @@ server keeps serving others (real coordinator, target and draft servers on loopb
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -37,6 +38,13 @@ def _with(req, mutate):
     return req
 
 
+def _constrained(**kind) -> coordinator_pb2.GenerateRequest:
+    """A request under a constraint (``Constraint`` fields, e.g. ``regex="a(b"``)."""
+    req = sf.request([1, 2])
+    req.sampling.constraint.CopyFrom(common_pb2.Constraint(**kind))
+    return req
+
+
 BAD = {
     "no prompt": (_no_prompt, "prompt is empty"),
     "empty text": (lambda: sf.request(""), "prompt is empty"),
@@ -54,6 +62,17 @@ BAD = {
     "min_confidence of one": (lambda: sf.request([1, 2], min_confidence=1.0), "must be in [0, 1)"),
     "negative min_confidence": (lambda: sf.request([1, 2], min_confidence=-0.1), "must be in [0, 1)"),
     "NaN min_confidence": (lambda: sf.request([1, 2], min_confidence=float("nan")), "must be in [0, 1)"),
+    # A constraint is compiled before the session opens (coordinator/constraint_compiler.py).
+    "regex that does not compile": (lambda: _constrained(regex="a(b"), "the regex constraint does not compile"),
+    "schema of an unknown type": (lambda: _constrained(json_schema='{"type": "strin"}'), "strin"),
+    "schema that is not JSON": (lambda: _constrained(json_schema="{"), "json_schema is not valid JSON"),
+    "schema keyword not enforced": (lambda: _constrained(json_schema='{"uniqueItems": true}'), "uniqueItems"),
+    "grammar with an undefined rule": (lambda: _constrained(grammar='root ::= "a" | b'), "not defined"),
+    "schema over the size limit": (
+        lambda: _constrained(json_schema=json.dumps({"description": "x" * 70_000})),
+        "at most 65536 are accepted",
+    ),
+    "empty choice list": (lambda: _constrained(choice=common_pb2.ChoiceList()), "at least one string"),
 }
 
 
@@ -104,3 +123,12 @@ async def test_stop_string_ends_the_generation_and_cuts_the_text(stack, pair):
     assert out.stats.finish_reason == common_pb2.FINISH_REASON_STOP_STRING
     assert out.text == text[: text.index(stop) + len(stop)]
     assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) < len(full.token_ids)
+
+
+async def test_a_constraint_that_cannot_finish_within_max_new_tokens_ends_with_length(stack, pair):
+    """As OpenAI: the output is the constrained prefix it had reached, the finish ``length``."""
+    req = _constrained(regex="[a-z]{40}")
+    req.stop.max_new_tokens = 3
+    out = await sf.generate(stack.address, req)
+    assert out.stats.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(out.token_ids) == 3
+    assert out.text and all("a" <= c <= "z" for c in out.text)

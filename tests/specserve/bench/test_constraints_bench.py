@@ -1,4 +1,4 @@
-"""The validity set (tests/data/constraints) and specserve.bench.constraints.
+"""The validity set (tests/data/constraints) and specserve.bench.constraints (xgrammar, llguidance and specserve's engine).
 
 The set: its sizes and shapes as issue 41 asks (at least 30 JSON schemas of varied shape, 10 regexes,
 5 choice lists), every schema a valid draft 2020-12 schema and every example valid under its constraint
@@ -100,20 +100,23 @@ def test_the_bench_measures_both_engines_on_the_tiny_tokenizer(tmp_path_factory,
         "2",
         "--walks",
         "3",
+        "--byte-walks",
+        "2",
         "--out",
         str(tmp_path),
     ]
     assert bench.main(argv) == 0
     data = json.loads((tmp_path / "constraint_engines.json").read_text())
-    assert set(data["engines"]) == {"xgrammar", "llguidance"}
+    assert set(data["engines"]) == {"xgrammar", "llguidance", "specserve"}
     assert [row["kind"] for row in data["cases"]] == ["json_schema", "json_schema", "regex", "choice"]
     for row in data["cases"]:
-        for engine in ("xgrammar", "llguidance"):
+        for engine in ("xgrammar", "llguidance", "specserve"):
             result = row[engine]
             assert "error" not in result and not result.get("example_refused"), (row["name"], engine, result)
             assert result["compile_ms"] > 0 and result["mask_us_median"] >= 0
             assert result["walks"] == 3 and 0 <= result["valid"] <= result["stopped"] <= 3
+            assert result["byte_walks"] == 2 and 0 <= result["byte_valid"] <= result["byte_stopped"] <= 2
     assert data["unenforceable"][0]["name"] == "not"
-    assert "refused" in data["unenforceable"][0]["llguidance"]
+    assert "refused" in data["unenforceable"][0]["llguidance"] and "refused" in data["unenforceable"][0]["specserve"]
     report = (tmp_path / "constraint_engines.md").read_text()
     assert "| xgrammar | all | 4 |" in report and "## Keywords a mask does not enforce" in report
