@@ -1,24 +1,29 @@
 """target_service.verifier with a constrained session: the grammar's mask on p at every verified position.
 
 Greedy verdicts, round after round and whatever is proposed (nothing, an unmasked draft's greedy tokens,
-tokens the grammar refuses), commit exactly Hugging Face ``generate()`` with a logits processor that masks
-with the same engine; the matcher holds the committed tokens after a rejection and after a lost
-compare-and-set, and a replica that never saw the session rebuilds it from the log.
+tokens the grammar refuses), and several target steps per call, commit exactly Hugging Face ``generate()``
+with a logits processor that masks with the same engine; coupled verdicts are Gumbel-max of the masked
+target; the matcher holds the committed tokens after a rejection and after a lost compare-and-set, and a
+replica that never saw the session rebuilds it from the log.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
-from target_helpers import greedy_continuation, make_verifier, new_session, verify_one
+from target_helpers import fresh_logits, greedy_continuation, item, make_verifier, new_session, verify_one
 from transformers import LogitsProcessorList
 
 from specserve.api.constraints import Constraint
-from specserve.api.params import SamplingParams, StopConditions
-from specserve.engine.grammar import GrammarEngine, GrammarLogitsProcessor
+from specserve.api.params import SamplingParams, StopConditions, Verdict
+from specserve.core.rng import gumbel_noise
+from specserve.core.sampling import logits_to_probs
+from specserve.engine.grammar import GrammarEngine, GrammarLogitsProcessor, apply_masks
 from specserve.engine.models import LoadedModel
+from target_service.messages import VerifyBatch
 
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 11)
 EOS = 0
@@ -131,4 +136,97 @@ async def test_eos_is_allowed_only_where_the_grammar_is_complete(target, store):
             break
         assert (await verify_one(verifier, record)).error is None
     assert target.tokenizer.decode(record.generated_token_ids) == "import os<|endoftext|>"
+    verifier.close()
+
+
+async def test_several_target_steps_in_one_call_follow_the_grammar(target, store):
+    """gamma = 0 items asking for 4 target steps per call (``decode_steps``): each step masks with the state
+    the steps before it left; the log is target-alone constrained decoding."""
+    constraint = CONSTRAINTS["json_schema"]
+    params = SamplingParams(temperature=0.0, constraint=constraint)
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT, params, StopConditions(max_new_tokens=24))
+    while not record.finished:
+        result = await verifier.verify(VerifyBatch(items=(dataclasses.replace(item(record), decode_steps=4),)))
+        assert result.results[0].error is None
+        record = await store.load(record.session_id)
+    assert list(record.generated_token_ids) == reference(target, PROMPT, constraint, 24)
+    verifier.close()
+
+
+async def test_coupled_constrained_tokens_are_gumbel_max_of_the_masked_target(target, draft, store):
+    """The coupled mode under a grammar: every committed token is ``argmax(log p_j + G_j)`` of the target's
+    masked distribution (fresh prefills, the grammar's mask at the prefix, noise of (seed, j)), whatever the
+    unmasked draft proposed."""
+    constraint = CONSTRAINTS["regex"]
+    params = SamplingParams(temperature=0.9, seed=13, sampling_mode="coupled", constraint=constraint)
+    engine = GrammarEngine(target.tokenizer, target.vocab_size, [EOS])
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT, params, StopConditions(max_new_tokens=20))
+
+    def masked_gumbel(seq) -> int:
+        matcher = engine.matcher(constraint)
+        matcher.sync(seq[len(PROMPT) :])
+        logits = apply_masks(fresh_logits(target, seq)[-1:].clone(), matcher.masks_along(()))
+        probs = logits_to_probs(logits, params, None)[0]
+        return int(torch.argmax(probs.log() + gumbel_noise([params.seed], [len(seq)], target.vocab_size)[0]))
+
+    while not record.finished:
+        proposal = greedy_continuation(draft, record.token_ids, 3)
+        result = await verify_one(verifier, record, proposal)
+        assert result.error is None, result.error
+        seq = list(record.token_ids)
+        for token in result.verdict.committed_token_ids:
+            assert token == masked_gumbel(seq)
+            seq.append(token)
+        record = await store.load(record.session_id)
+    engine.matcher(constraint).sync(record.generated_token_ids)
+    verifier.close()
+
+
+class RivalStore:
+    """The session store with a rival writer that commits the target-alone constrained token first, once."""
+
+    def __init__(self, store, token: int):
+        self._store = store
+        self.token = token
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    async def commit(self, session_id, base_version, verdict):
+        if self.token is not None:
+            length = verdict.committed_len - len(verdict.committed_token_ids)
+            rival = Verdict(
+                accepted_count=0,
+                committed_token_ids=(self.token,),
+                bonus=False,
+                new_version=base_version + 1,
+                committed_len=length + 1,
+            )
+            self.token = None
+            await self._store.commit(session_id, base_version, rival)
+        return await self._store.commit(session_id, base_version, verdict)
+
+
+async def test_a_lost_compare_and_set_rolls_the_matcher_back_to_the_log(target, store):
+    """Another writer commits first (ours comes back as a replay of its verdict): this replica's matcher,
+    advanced optimistically by its own verdict, goes back to the prefix the round started from (as its
+    cache does), and the next rounds, which bring it to the log, are target-alone constrained decoding."""
+    constraint = CONSTRAINTS["json_schema"]
+    params = SamplingParams(temperature=0.0, constraint=constraint)
+    expected = reference(target, PROMPT, constraint, 24)
+    record = await new_session(store, PROMPT, params, StopConditions(max_new_tokens=24))
+    verifier = make_verifier(target, RivalStore(store, expected[0]))
+    wrong = [(expected[0] + 1) % target.vocab_size] * 2  # rejected: our verdict commits expected[0] too, late
+    result = await verify_one(verifier, record, wrong)
+    assert result.replayed
+    assert verifier.grammars.held(record.session_id) == ()  # rolled back: our own verdict was not committed
+    record = await store.load(record.session_id)
+    assert record.generated_token_ids == (expected[0],)
+    verifier.store = store
+    while not record.finished:
+        assert (await verify_one(verifier, record, greedy_continuation(target, record.token_ids, 2))).error is None
+        record = await store.load(record.session_id)
+    assert list(record.generated_token_ids) == expected
     verifier.close()
