@@ -82,7 +82,7 @@ from coordinator.batcher import BatchedResult, ProposeBatcher, VerifyBatcher
 from coordinator.cost_model import CostModel
 from coordinator.local_proposers import LocalProposer
 from coordinator.policy import LoadSnapshot
-from coordinator.routing import ReplicaSet
+from coordinator.routing import ReplicaSet, prefix_key
 from coordinator.session import Session
 from coordinator.worker_clients import ProposeReply, WorkerClients, propose_request
 from specserve.api import errors
@@ -149,6 +149,10 @@ class _Binding:
     drafts_used: set[str] = field(default_factory=set)
     targets_used: set[str] = field(default_factory=set)
     inflight: set[asyncio.Task] = field(default_factory=set)
+    #: The session's replica orders, fixed when it first asks (routing by prefix, bounded load).
+    targets: tuple[str, ...] | None = None
+    drafts: tuple[str, ...] | None = None
+    homed: bool = False  # counted in the load of its orders' first replicas
 
 
 class WorkerPool:
@@ -217,6 +221,8 @@ class WorkerPool:
         self._verifying: set[str] = set()
         self._per_draft = dict.fromkeys(settings.draft_endpoints, 0)
         self._recent_batch = 1.0  # decaying mean Verify batch size
+        #: Sessions whose order starts at each replica (the load that routing bounds), per tier.
+        self._homes: dict[str, int] = dict.fromkeys([*settings.target_endpoints, *settings.draft_endpoints], 0)
 
     # ---- sessions ------------------------------------------------------------------------
     def attach(self, session: Session) -> None:
@@ -232,8 +238,46 @@ class WorkerPool:
         if binding is not None and binding.attached:
             binding.attached = False
             self._active -= 1
+        if binding is not None:
+            self._home(binding, -1)
         self._bind(session.session_id, None)
         self._bind_draft(session.session_id, None)
+
+    # ---- routing ---------------------------------------------------------------------------
+    def _orders(self, session: Session) -> _Binding:
+        """The session's binding with its target and draft orders, fixed on first use: the replicas its
+        prompt's first tokens hash to, load bounded (``coordinator/routing.py``)."""
+        binding = self._binding(session.session_id)
+        if binding.targets is None:
+            key = prefix_key(session.token_ids[: session.prompt_len], self.settings.route_prefix_tokens)
+            key = key or session.session_id
+            factor, slack = self.settings.route_load_factor, self.settings.route_load_slack
+            binding.targets = self.targets.order(key, self._homes, factor=factor, slack=slack)
+            binding.drafts = self.drafts.order(key, self._homes, factor=factor, slack=slack)
+            self._home(binding, +1)
+        return binding
+
+    def target_for(self, session: Session) -> str | None:
+        """The first target replica of the session's order that is not backing off."""
+        return self.targets.first_up(self._orders(session).targets or ())
+
+    def draft_for(self, session: Session) -> str | None:
+        """The first draft replica of the session's order that is not backing off."""
+        return self.drafts.first_up(self._orders(session).drafts or ())
+
+    def draft_of(self, session_id: str) -> str | None:
+        """The first draft replica of a routed session's order that is not backing off (None: not routed)."""
+        binding = self._bindings.get(session_id)
+        return None if binding is None or binding.drafts is None else self.drafts.first_up(binding.drafts)
+
+    def _home(self, binding: _Binding, step: int) -> None:
+        """Count the session in (+1) or out of (-1) the load of its orders' first replicas, once."""
+        if binding.homed == (step > 0):
+            return
+        binding.homed = step > 0
+        for order in (binding.targets, binding.drafts):
+            if order:
+                self._homes[order[0]] += step
 
     @property
     def active_sessions(self) -> int:
@@ -294,7 +338,7 @@ class WorkerPool:
         target replica first: that replica's next batch waits for its item.
         """
         sid = session.session_id
-        self._bind(sid, self.targets.choose(sid))
+        self._bind(sid, self.target_for(session))
         if gamma > 0 and lookup is not None:
             self._bind_draft(sid, None)
             return self._propose_locally((lookup,), gamma) or Proposed(common_pb2.Proposal())
@@ -311,7 +355,7 @@ class WorkerPool:
                 self._bind_draft(sid, None)
                 metrics.PROPOSALS.labels(proposer="model").inc()
                 return Proposed(_first(ahead, gamma), source="model")
-        endpoint = self.drafts.choose(sid) if gamma > 0 else None
+        endpoint = self.draft_for(session) if gamma > 0 else None
         batched = endpoint is not None and self._batched(session, endpoint)
         self._bind_draft(sid, endpoint if batched else None)
         if endpoint is None:  # gamma 0, or every draft replica is backing off
@@ -362,7 +406,7 @@ class WorkerPool:
             session.features is not None  # the head needs the target's features of the round in flight
             or endpoint is None
             or endpoint not in self.draft_clients
-            or self.drafts.choose(session.session_id) != endpoint
+            or self.draft_for(session) != endpoint
         ):
             return None
         start, tokens = session.unseen_by_draft(endpoint)
@@ -463,7 +507,7 @@ class WorkerPool:
         attempt = 0
         waited_s = 0.0
         while attempt < self.settings.max_verify_attempts:
-            endpoint = self.targets.choose(sid)
+            endpoint = self.target_for(session)
             if endpoint is None:
                 # Every replica is backing off: wait (without spending an attempt) until a breaker
                 # lets a call through, so a replica that recovers within its back-off is used.
@@ -647,6 +691,7 @@ class WorkerPool:
         binding = self._bindings.pop(sid, None)
         if binding is None:
             return
+        self._home(binding, -1)
         if binding.inflight:
             await asyncio.wait(set(binding.inflight), timeout=wait_s)
         calls = [self.draft_clients[ep].release(sid) for ep in binding.drafts_used]

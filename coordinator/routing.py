@@ -1,9 +1,19 @@
 """Where a session's work goes: consistent hashing over replicas, failure marking, back-off.
 
 Sessions are sticky to a target replica (their KV cache lives there) and, for
-the same reason, to a draft replica. :class:`HashRing` maps a session id to an
+the same reason, to a draft replica. :class:`HashRing` maps a key to an
 ordered list of endpoints (its preference list); :class:`ReplicaSet` walks that
-list and skips replicas marked down. A replica marked down stays skipped for a
+list and skips replicas marked down.
+
+The key is the session's prompt prefix (:func:`prefix_key`: its first tokens),
+so the turns of one conversation, which each resend the history, go where the
+earlier turns left their prefix cache (docs/design.md, "Routing by prefix").
+:meth:`ReplicaSet.order` bounds the load (Mirrokni et al., "Consistent hashing
+with bounded loads", 2018): a replica that already holds more than its share of
+this coordinator's sessions (beyond an absolute slack) is passed over for the next of the key's list, so
+a prompt prefix many sessions share (a system prompt) does not pile them on one
+replica. Coordinators agree without talking: the ring is a function of the
+endpoints and the key alone; only the load bound reads local counts. A replica marked down stays skipped for a
 back-off period, after which it is tried again; the back-off doubles on each
 consecutive failure up to a cap (a simple circuit breaker). Removing one of n
 replicas moves only the sessions that lived on it (consistent hashing).
@@ -15,8 +25,9 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -26,6 +37,15 @@ log = structlog.get_logger(__name__)
 
 def _hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+def prefix_key(token_ids: Sequence[int], tokens: int) -> str | None:
+    """The routing key of a prompt: a hash of its first ``tokens`` token ids (all of them when shorter);
+    None when ``tokens`` is 0 (route by session id)."""
+    if tokens <= 0:
+        return None
+    head = ",".join(str(int(t)) for t in token_ids[:tokens])
+    return "prefix:" + hashlib.blake2b(head.encode(), digest_size=16).hexdigest()
 
 
 class HashRing:
@@ -102,10 +122,28 @@ class ReplicaSet:
         """The first endpoint of ``key``'s preference list that is not backing off."""
         if self._ring is None:
             return None
-        for ep in self._ring.preference(key):
+        return self.first_up(self._ring.preference(key))
+
+    def first_up(self, order: Sequence[str]) -> str | None:
+        """The first endpoint of ``order`` that is not backing off."""
+        for ep in order:
             if self.is_up(ep):
                 return ep
         return None
+
+    def order(self, key: str, loads: Mapping[str, int], *, factor: float, slack: int = 0) -> tuple[str, ...]:
+        """``key``'s preference list with the first endpoint that is up and under the load bound moved to
+        the front: ``loads[ep]`` sessions already there, bound ``ceil(factor * (sum + 1) / up) + slack``
+        (``slack``: an absolute imbalance tolerated first, as the SGLang router's ``balance_abs_threshold``)."""
+        if self._ring is None:
+            return ()
+        preference = self._ring.preference(key)
+        up = [ep for ep in preference if self.is_up(ep)]
+        if not up:
+            return tuple(preference)
+        bound = math.ceil(factor * (sum(loads.get(ep, 0) for ep in up) + 1) / len(up)) + slack
+        home = next((ep for ep in up if loads.get(ep, 0) < bound), up[0])
+        return (home, *(ep for ep in preference if ep != home))
 
     def mark_failed(self, endpoint: str) -> float:
         """Open ``endpoint``'s breaker; returns the back-off in seconds."""

@@ -435,6 +435,26 @@ class CoordinatorSettings(CommonSettings):
         0.5, gt=0, description="A failed target replica is skipped this long; doubles per failure in a row."
     )
     target_max_backoff_s: float = Field(10.0, gt=0, description="Cap of the target replicas' back-off.")
+    route_prefix_tokens: int = Field(
+        64,
+        ge=0,
+        description="A session goes to the target and draft replicas its prompt's first this-many tokens hash to "
+        "(where an earlier turn of the conversation left its prefix cache); 0: by session id "
+        "(docs/design.md, 'Routing by prefix').",
+    )
+    route_load_factor: float = Field(
+        1.25,
+        ge=1.0,
+        description="Bounded load: a replica this coordinator already gives more than this times its fair "
+        "share of sessions, plus route_load_slack, is passed over for the next one of the session's order.",
+    )
+    route_load_slack: int = Field(
+        8,
+        ge=0,
+        description="Sessions a replica may hold beyond route_load_factor times its fair share before new "
+        "sessions whose prefix hashes to it go to the next replica (a conversation stays where its cache is "
+        "until the imbalance is this large).",
+    )
 
     insecure: bool = Field(
         False,

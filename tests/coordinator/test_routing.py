@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.routing import HashRing, ReplicaSet
+from coordinator.routing import HashRing, ReplicaSet, prefix_key
 
 pytestmark = pytest.mark.unit
 
@@ -82,3 +82,40 @@ def test_all_down_gives_none_and_empty_set_gives_none():
         replicas.mark_failed(ep)
     assert replicas.choose("k") is None
     assert ReplicaSet([]).choose("k") is None
+
+
+def test_prefix_key_is_the_first_tokens_only():
+    turn1 = list(range(1, 80))
+    turn2 = [*turn1, 500, 501, *range(200, 260)]
+    assert prefix_key(turn1, 64) == prefix_key(turn2, 64)  # later turns resend the history: same key
+    assert prefix_key(turn1, 64) != prefix_key([2, *turn1[1:]], 64)
+    assert prefix_key(turn1[:10], 64) != prefix_key(
+        turn1, 64
+    )  # a prompt shorter than the key hashes what it has
+    assert prefix_key(turn1, 0) is None
+
+
+def test_two_coordinators_order_a_prefix_alike_and_failover_walks_the_order():
+    a, b = ReplicaSet(EPS), ReplicaSet(list(reversed(EPS)))
+    for key in KEYS[:50]:
+        assert a.order(key, {}, factor=1.25) == b.order(key, {}, factor=1.25)
+    clock = FakeClock()
+    rs = ReplicaSet(EPS, clock=clock)
+    order = rs.order("k", {}, factor=1.25)
+    rs.mark_failed(order[0])
+    assert rs.first_up(order) == order[1]
+
+
+def test_bounded_load_passes_over_a_replica_with_more_than_its_share():
+    rs = ReplicaSet(EPS)
+    preference = list(rs.order("shared-system-prompt", {}, factor=1.25))
+    loads: dict[str, int] = {}
+    homes = []
+    for _ in range(40):  # forty sessions with one key: spread, none over ceil(1.25 * n / 4)
+        home = rs.order("shared-system-prompt", loads, factor=1.25)[0]
+        loads[home] = loads.get(home, 0) + 1
+        homes.append(home)
+    assert homes[0] == preference[0]
+    assert max(loads.values()) <= -(-1.25 * 40 // 4) and len(loads) == len(EPS)
+    # Without load the key's own first replica.
+    assert rs.order("shared-system-prompt", dict.fromkeys(EPS, 3), factor=1.25)[0] == preference[0]

@@ -318,7 +318,8 @@ async def pool_of_fakes(
         target_max_backoff_s=60,
         draft_backoff_s=60,
         draft_max_backoff_s=60,
-        **settings,
+        # Homes follow the session id, unbounded: the tests pick a session's home by its id (new_session).
+        **{"route_prefix_tokens": 0, "route_load_factor": 1e6, **settings},
     )
     clients = WorkerClients(drafts=fake_drafts, targets=fake_targets)
     pool = WorkerPool(

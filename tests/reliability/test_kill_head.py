@@ -94,7 +94,7 @@ async def test_kill_9_of_a_head_replica_mid_stream(coordinator, workers, store, 
 
     await wait_until(started, timeout_s=90, what="4 tokens each", poll_s=0.01)
     # The replica each running session drafts on (the pool's routing), and the one most of them use.
-    on = {sid: pool.drafts.choose(sid) for sid in seen}
+    on = {sid: pool.draft_of(sid) for sid in seen}
     victim_address = Counter(on.values()).most_common(1)[0][0]
     victim = next(d for d in workers["drafts"] if d.address == victim_address)
     victim.kill()
