@@ -16,8 +16,10 @@ extensions ``top_k`` (-1 or 0 disables it, as in vLLM), ``min_p``, ``repetition_
 go to ``SamplingParams``; ``max_tokens`` / ``max_completion_tokens`` (completions default
 to 16 as OpenAI's do; chat to the server's ``default_max_new_tokens``), ``stop``,
 ``ignore_eos``, ``stop_token_ids`` and ``min_tokens`` to ``StopConditions``; ``n`` is ``n``
-independent sessions; ``speculation`` is ``SpeculationParams``; ``logprobs`` /
-``top_logprobs`` and ``prediction`` their ``GenerateRequest`` fields. What only shapes the
+independent sessions; ``speculation`` is ``SpeculationParams`` (and ``sampling_mode``); ``logprobs`` /
+``top_logprobs`` and ``prediction`` their ``GenerateRequest`` fields. All of them meet in one
+:class:`~specserve.api.params.GenerationParams` (:meth:`~_OpenAIRequest.params`), which checks them and
+writes the wire message. What only shapes the
 reply (``stream_options``, ``include_stop_str_in_output``, whether logprobs are rendered)
 is :class:`ReplyOptions`.
 
@@ -46,8 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from coordinator.chat import RESERVED_TEMPLATE_NAMES
 from coordinator.requests import random_seed
 from specserve.api.errors import InvalidArgument
-from specserve.api.params import MAX_TOP_LOGPROBS, REPETITION_PENALTY_RANGE
-from specserve.v1 import common_pb2, coordinator_pb2
+from specserve.api.params import MAX_TOP_LOGPROBS, REPETITION_PENALTY_RANGE, GenerationParams
+from specserve.v1 import coordinator_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -57,14 +59,6 @@ _UINT64 = 2**64
 _UINT32 = 2**32
 #: The largest finite float32, the wire's type of the sampling settings.
 _FLOAT32_MAX = 3.4028234663852886e38
-
-_PROPOSERS = {
-    None: common_pb2.PROPOSER_KIND_UNSPECIFIED,
-    "model": common_pb2.PROPOSER_KIND_MODEL,
-    "feature": common_pb2.PROPOSER_KIND_FEATURE,
-    "ngram": common_pb2.PROPOSER_KIND_NGRAM,
-}
-
 
 def bad_param(param: str | None, message: str, code: str = "invalid_value") -> InvalidArgument:
     """An :class:`InvalidArgument` that names the offending request field (OpenAI's ``param``)."""
@@ -133,6 +127,7 @@ class SpeculationOptions(BaseModel):
     draft_top_k: int = Field(0, ge=0, lt=_UINT32)
     hybrid_lookup: bool | None = None
     min_confidence: float | None = Field(None, ge=0.0, lt=1.0)
+    sampling_mode: Literal["optimal", "coupled"] | None = None  # None: the server's default (optimal)
 
 
 def _text_parts(content: str | list[dict[str, Any]], param: str) -> str:
@@ -291,47 +286,40 @@ class _OpenAIRequest(BaseModel):
     def prompt_pb(self, pb: coordinator_pb2.GenerateRequest) -> None:
         raise NotImplementedError
 
-    def to_pb(self, choice: int = 0) -> coordinator_pb2.GenerateRequest:
-        """The ``GenerateRequest`` of choice ``choice`` (its seed is ``seed + choice``)."""
-        sampling = common_pb2.SamplingParams(
+    def params(self, choice: int = 0) -> GenerationParams:
+        """The :class:`GenerationParams` of choice ``choice`` (its seed is ``seed + choice``): where each of
+        its fields comes from in the body. A value they refuse is a 400 naming the field."""
+        spec = self.speculation or SpeculationOptions()
+        top = self.top_logprobs_wanted()
+        return GenerationParams(
+            max_new_tokens=self.max_new_tokens() or None,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_k=max(self.top_k or 0, 0),
+            top_p=1.0 if self.top_p is None else self.top_p,
             min_p=self.min_p or 0.0,
-        )
-        if self.top_p is not None:
-            sampling.top_p = self.top_p
-        if self.repetition_penalty is not None:
-            sampling.repetition_penalty = self.repetition_penalty
-        if self.seed is not None:
-            sampling.seed = (self.seed + choice) % _UINT64
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        spec = self.speculation or SpeculationOptions()
-        speculation = coordinator_pb2.SpeculationParams(
-            proposer=_PROPOSERS[spec.proposer],
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=None if self.seed is None else (self.seed + choice) % _UINT64,
+            stop=self.stop_strings,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            min_new_tokens=self.min_tokens,
+            gamma=spec.gamma,
+            proposer=spec.proposer,
             draft_top_k=spec.draft_top_k,
+            sampling_mode=spec.sampling_mode,
+            logprobs=top is not None,
+            top_logprobs=top or 0,
+            prediction=None
+            if self.prediction is None
+            else _text_parts(self.prediction.content, "prediction.content"),
             hybrid_lookup=spec.hybrid_lookup,
             min_confidence=spec.min_confidence,
+            keep_special_tokens=not self.skip_special_tokens,
         )
-        if isinstance(spec.gamma, int):
-            speculation.gamma = spec.gamma
-        pb = coordinator_pb2.GenerateRequest(
-            sampling=sampling,
-            stop=common_pb2.StopConditions(
-                max_new_tokens=self.max_new_tokens(),
-                stop_token_ids=list(self.stop_token_ids or ()),
-                stop_strings=stops,
-                ignore_eos=self.ignore_eos,
-                min_new_tokens=self.min_tokens,
-            ),
-            speculation=speculation,
-        )
-        top = self.top_logprobs_wanted()
-        if top is not None:
-            pb.logprobs.top_logprobs = top
-            pb.logprobs.SetInParent()
-        if self.prediction is not None:
-            pb.prediction.text = _text_parts(self.prediction.content, "prediction.content")
-        pb.keep_special_tokens = not self.skip_special_tokens
+
+    def to_pb(self, choice: int = 0) -> coordinator_pb2.GenerateRequest:
+        """The ``GenerateRequest`` of choice ``choice`` (its seed is ``seed + choice``)."""
+        pb = self.params(choice).to_pb()
         self.prompt_pb(pb)
         return pb
 

@@ -25,13 +25,7 @@ from dataclasses import dataclass, replace
 
 from coordinator.chat import ChatMessage, TemplateOptions, messages_from_pb
 from specserve.api.errors import FailedPrecondition, InvalidArgument
-from specserve.api.params import (
-    SamplingParams,
-    StopConditions,
-    check_min_confidence,
-    check_top_logprobs,
-    resolve_proposer,
-)
+from specserve.api.params import PROPOSER_KINDS, GenerationParams, SamplingParams, StopConditions
 from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import common_pb2, coordinator_pb2
 
@@ -100,16 +94,17 @@ class GenerationRequest:
 
         ``default_proposer``: the proposer of a request that names none; ``feature_head``: whether the
         draft tier serves the feature head (a request for it is refused otherwise)."""
-        if pb.stop.max_new_tokens > settings.max_new_tokens_limit:
+        params = GenerationParams.from_pb(pb)  # every check that needs no server limit
+        if params.max_new_tokens is not None and params.max_new_tokens > settings.max_new_tokens_limit:
             raise InvalidArgument(
-                f"max_new_tokens={pb.stop.max_new_tokens} is above this server's limit of "
+                f"max_new_tokens={params.max_new_tokens} is above this server's limit of "
                 f"{settings.max_new_tokens_limit}; ask for at most {settings.max_new_tokens_limit}"
             )
-        _check_stop_lists(pb.stop, settings, vocab_size)
-        sampling = SamplingParams.from_pb(pb.sampling, default_seed=random_seed())
-        stop = StopConditions.from_pb(pb.stop, default_max_new_tokens=settings.default_max_new_tokens)
-        speculation = _speculation_from_pb(
-            pb.speculation,
+        _check_stop_lists(params, settings, vocab_size)
+        sampling = params.sampling_params(default_seed=random_seed())
+        stop = params.stop_conditions(default_max_new_tokens=settings.default_max_new_tokens)
+        speculation = _speculation(
+            params,
             max_gamma=max_gamma,
             vocab_size=vocab_size,
             hybrid_lookup=settings.hybrid_lookup,
@@ -117,7 +112,7 @@ class GenerationRequest:
             default_proposer=default_proposer,
             feature_head=feature_head,
         )
-        top_logprobs = check_top_logprobs(pb.logprobs.top_logprobs) if pb.HasField("logprobs") else None
+        top_logprobs = params.top_logprobs if params.logprobs else None
         prompt = await _prompt(
             pb, settings=settings, tokenize=tokenize, render_chat=render_chat, vocab_size=vocab_size
         )
@@ -135,7 +130,7 @@ class GenerationRequest:
                 )
             if stop.max_new_tokens > room:  # generate up to the context, then finish with `length`
                 stop = replace(stop, max_new_tokens=room, min_new_tokens=min(stop.min_new_tokens, room))
-        prediction = await _prediction_from_pb(pb, settings=settings, tokenize=tokenize, vocab_size=vocab_size)
+        prediction = await _prediction(params, settings=settings, tokenize=tokenize, vocab_size=vocab_size)
         return cls(
             prompt_token_ids=prompt,
             sampling=sampling,
@@ -143,25 +138,24 @@ class GenerationRequest:
             speculation=speculation,
             top_logprobs=top_logprobs,
             prediction_token_ids=prediction,
-            keep_special_tokens=pb.keep_special_tokens,
+            keep_special_tokens=params.keep_special_tokens,
         )
 
 
-async def _prediction_from_pb(
-    pb: coordinator_pb2.GenerateRequest, *, settings: CoordinatorSettings, tokenize: Tokenize, vocab_size: int
+async def _prediction(
+    params: GenerationParams, *, settings: CoordinatorSettings, tokenize: Tokenize, vocab_size: int
 ) -> tuple[int, ...] | None:
     """The prediction's tokens (Predicted Outputs), tokenized once, off the event loop; None when the
     request has none. A prediction is held to the prompt's limits (``max_prompt_bytes`` before it is
     tokenized, ``max_prompt_tokens`` after); an empty one is no prediction.
     """
-    if not pb.HasField("prediction"):
+    if params.prediction is None:
         return None
-    which = pb.prediction.WhichOneof("content")
-    if which == "text":
-        _check_bytes("the prediction", len(pb.prediction.text.encode("utf-8")), settings)
-        ids = tuple(await tokenize(pb.prediction.text)) if pb.prediction.text else ()
+    if isinstance(params.prediction, str):
+        _check_bytes("the prediction", len(params.prediction.encode("utf-8")), settings)
+        ids = tuple(await tokenize(params.prediction)) if params.prediction else ()
     else:
-        ids = tuple(pb.prediction.tokens.token_ids)
+        ids = tuple(params.prediction)
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise InvalidArgument(
@@ -175,23 +169,23 @@ async def _prediction_from_pb(
     return ids or None
 
 
-def _check_stop_lists(pb, settings: CoordinatorSettings, vocab_size: int) -> None:
-    """Count and length of the stop lists, before anything is built from them."""
-    if len(pb.stop_strings) > settings.max_stop_strings:
+def _check_stop_lists(params: GenerationParams, settings: CoordinatorSettings, vocab_size: int) -> None:
+    """Count and length of the stop lists against the server's limits."""
+    if len(params.stop) > settings.max_stop_strings:
         raise InvalidArgument(
-            f"{len(pb.stop_strings)} stop strings; this server accepts at most {settings.max_stop_strings}"
+            f"{len(params.stop)} stop strings; this server accepts at most {settings.max_stop_strings}"
         )
-    longest = max((len(s) for s in pb.stop_strings), default=0)
+    longest = max((len(s) for s in params.stop), default=0)
     if longest > settings.max_stop_string_chars:
         raise InvalidArgument(
             f"a stop string has {longest} characters; this server accepts at most "
             f"{settings.max_stop_string_chars} per stop string"
         )
-    if len(pb.stop_token_ids) > settings.max_stop_token_ids:
+    if len(params.stop_token_ids) > settings.max_stop_token_ids:
         raise InvalidArgument(
-            f"{len(pb.stop_token_ids)} stop token ids; this server accepts at most {settings.max_stop_token_ids}"
+            f"{len(params.stop_token_ids)} stop token ids; this server accepts at most {settings.max_stop_token_ids}"
         )
-    bad = [t for t in pb.stop_token_ids if t >= vocab_size]
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise InvalidArgument(f"stop token id {bad[0]} is outside the vocabulary of {vocab_size} tokens")
 
@@ -245,8 +239,8 @@ def _check_bytes(what: str, size: int, settings: CoordinatorSettings) -> None:
         )
 
 
-def _speculation_from_pb(
-    pb: coordinator_pb2.SpeculationParams,
+def _speculation(
+    params: GenerationParams,
     *,
     max_gamma: int,
     vocab_size: int,
@@ -254,37 +248,36 @@ def _speculation_from_pb(
     min_confidence: float = 0.0,
     default_proposer: int = common_pb2.PROPOSER_KIND_MODEL,
     feature_head: bool = False,
-):
-    """The request's speculation, checked (``hybrid_lookup``, ``min_confidence``: the server's defaults for
-    them under the automatic policy; ``default_proposer``, ``feature_head``: see ``GenerationRequest.from_pb``)."""
-    proposer = resolve_proposer(pb.proposer, default_proposer)
+) -> SpeculationSettings:
+    """The request's speculation against the server's limits and defaults (``hybrid_lookup``,
+    ``min_confidence``: the server's settings for them under the automatic policy; ``default_proposer``,
+    ``feature_head``: see ``GenerationRequest.from_pb``)."""
+    proposer = default_proposer if params.proposer is None else PROPOSER_KINDS[params.proposer]
     if proposer == common_pb2.PROPOSER_KIND_FEATURE and not feature_head:
         raise FailedPrecondition(
             "proposer 'feature' needs the feature head, and this server's draft replicas do not serve one "
             "(start them with --feature-head); use proposer 'model' or leave it unset"
         )
-    gamma: int | None = None
-    if pb.HasField("gamma"):
-        gamma = pb.gamma
-        if gamma > max_gamma:
-            raise InvalidArgument(
-                f"gamma={gamma} is above this server's maximum of {max_gamma}; "
-                f"ask for 0..{max_gamma} or leave gamma unset for automatic"
-            )
-    if pb.draft_top_k > vocab_size:
+    gamma = params.gamma
+    if gamma is not None and gamma > max_gamma:
         raise InvalidArgument(
-            f"draft_top_k={pb.draft_top_k} exceeds the vocabulary size {vocab_size}; use 0 (off) or a smaller k"
+            f"gamma={gamma} is above this server's maximum of {max_gamma}; "
+            f"ask for 0..{max_gamma} or leave gamma unset for automatic"
         )
-    lookup = pb.hybrid_lookup if pb.HasField("hybrid_lookup") else hybrid_lookup
+    if params.draft_top_k > vocab_size:
+        raise InvalidArgument(
+            f"draft_top_k={params.draft_top_k} exceeds the vocabulary size {vocab_size}; use 0 (off) or a smaller k"
+        )
+    lookup = hybrid_lookup if params.hybrid_lookup is None else params.hybrid_lookup
     model = proposer in (common_pb2.PROPOSER_KIND_MODEL, common_pb2.PROPOSER_KIND_FEATURE)  # a draft tier proposer
-    if pb.HasField("min_confidence"):
-        confidence = check_min_confidence(pb.min_confidence)
+    if params.min_confidence is not None:
+        confidence = params.min_confidence
     else:
         confidence = min_confidence if gamma is None else 0.0
     return SpeculationSettings(
         gamma=gamma,
         proposer=proposer,
-        draft_top_k=pb.draft_top_k,
+        draft_top_k=params.draft_top_k,
         hybrid_lookup=lookup and gamma is None and model,
         min_confidence=confidence if model else 0.0,
     )

@@ -1,5 +1,6 @@
-"""Domain objects for what a request asks: sampling settings and mode, stop conditions, the proposer,
-log probabilities.
+"""Domain objects for what a request asks: :class:`GenerationParams` (the one definition of a request's
+knobs), and the sampling settings and mode, stop conditions, proposer and log probabilities the servers
+act on.
 
 Pure Python (no torch): the coordinator, both workers and the SDK share them.
 Each checks itself on construction and raises :class:`~specserve.api.errors.InvalidArgument`
@@ -9,11 +10,14 @@ saying what to fix; ``from_pb`` / ``to_pb`` convert at the wire boundary.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from argparse import BooleanOptionalAction
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 from specserve.api.constraints import Constraint
 from specserve.api.errors import InvalidArgument
-from specserve.v1 import common_pb2
+from specserve.v1 import common_pb2, coordinator_pb2
 
 #: The one proposer table: the SDK's name of each ``ProposerKind`` a draft can run.
 PROPOSER_KINDS: dict[str, common_pb2.ProposerKind] = {
@@ -376,4 +380,262 @@ class Verdict:
             committed_len=self.committed_len,
             finish_reason=self.finish_reason,
             logprobs=[p.to_pb() for p in self.logprobs],
+        )
+
+
+# --------------------------------------------------------------------------- one request's knobs
+
+
+def _check_uint(name: str, value: object, bits: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**bits:
+        raise InvalidArgument(f"{name} must be an integer in [0, 2**{bits}), got {value!r}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{name} must be a number, got {value!r}")
+
+
+def _knob(default: Any, help: str, **cli: Any) -> Any:
+    """A :class:`GenerationParams` field: ``help`` documents it (the SDK, ``specserve generate --help``);
+    ``cli`` holds its ``argparse`` options (``flag`` renames it, ``cli=None`` keeps it off the command line)."""
+    return field(default=default, metadata={"help": help, "cli": cli.get("cli", cli)})
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A request's sampling, stop and speculation settings: the one definition (issue 44).
+
+    The SDK's ``generate`` / ``stream`` / ``chat`` take these fields as keyword arguments
+    (their signatures are generated from this class), ``specserve generate`` as flags,
+    the HTTP API maps its body onto them (coordinator/openai_protocol.py), and the
+    coordinator reads them from the wire with :meth:`from_pb`. Construction checks
+    every value that needs no server limit and raises
+    :class:`~specserve.api.errors.InvalidArgument` naming it; the server's limits
+    (``max_new_tokens``, ``gamma``, the vocabulary) are checked by the coordinator
+    (coordinator/requests.py). ``None`` leaves a setting to the server.
+
+    Sampling follows Hugging Face ``generate()``: ``temperature`` 0 is greedy; ``top_k`` 0,
+    ``top_p`` 1, ``min_p`` 0 and ``repetition_penalty`` 1 disable those. ``sampling_mode``
+    decides what a seed fixes: both modes sample exactly from the target; with ``"optimal"``
+    the text for a seed also depends on the draft's proposals (it repeats only under the same
+    fixed ``gamma``, ``proposer`` and draft), with ``"coupled"`` (Gumbel-max with shared noise)
+    the same seed gives the same text whatever the gamma, proposer, draft, batch or failover,
+    at some cost in accepted draft tokens (docs/design.md, "Two sampling modes").
+
+    ``logprobs=True``: each token's log probability under the target's processed
+    distribution (the request's own logits processing; for greedy requests the repetition
+    penalty then a softmax at temperature 1) and the ``top_logprobs`` (0..20) most likely
+    alternatives. ``prediction`` (Predicted Outputs): text or token ids the completion is
+    expected to largely repeat; the server drafts from it and verifies every drafted token,
+    so the output is unchanged, only the speed. ``hybrid_lookup`` and ``min_confidence``
+    change the speed only, never the output (docs/design.md).
+    """
+
+    max_new_tokens: int | None = _knob(None, "most tokens to generate (None: the server's default)", type=int)
+    temperature: float = _knob(1.0, "softmax temperature; 0 is greedy", type=float)
+    top_k: int = _knob(0, "keep the k most likely tokens (0: off)", type=int)
+    top_p: float = _knob(1.0, "nucleus sampling mass in (0, 1] (1: off)", type=float)
+    min_p: float = _knob(0.0, "drop tokens below min_p times the most likely one's probability (0: off)", type=float)
+    repetition_penalty: float = _knob(1.0, "CTRL repetition penalty in [0.01, 100] (1: off)", type=float)
+    seed: int | None = _knob(None, "seed of a sampled completion (None: the server picks one, reported in the stats)", type=int)
+    stop: str | Sequence[str] = _knob((), "stop strings (included in the completion)", action="append")
+    stop_token_ids: Sequence[int] = _knob(
+        (), "token ids that end the completion", flag="--stop-token-id", type=int, action="append"
+    )
+    ignore_eos: bool = _knob(False, "keep generating past the end-of-sequence token", action="store_true")
+    min_new_tokens: int = _knob(
+        0, "fewest tokens to generate: until then EOS and stop_token_ids are masked (not with stop strings)", type=int
+    )
+    gamma: int | Literal["auto"] | None = _knob(
+        None, "draft tokens per round, or 'auto' (None: the server's policy)", metavar="N|auto"
+    )
+    proposer: Literal["model", "feature", "ngram"] | None = _knob(
+        None,
+        "feature: the feature head; model: the token draft; ngram: prompt lookup (None: the server's default)",
+        choices=sorted(PROPOSER_KINDS),
+    )
+    draft_top_k: int = _knob(0, "the draft truncates its distribution to k tokens (0: off; exactness kept)", type=int)
+    sampling_mode: Literal["optimal", "coupled"] | None = _knob(
+        None,
+        "optimal: rejection sampling, most tokens accepted; coupled: a seed gives the same text whatever the "
+        "gamma, proposer or draft (None: the server's default, optimal)",
+        choices=sorted(SAMPLING_MODES),
+    )
+    logprobs: bool = _knob(False, "report each token's log probability", cli=None)
+    top_logprobs: int = _knob(0, "alternatives listed per token with logprobs, 0..20", cli=None)
+    prediction: str | Sequence[int] | None = _knob(
+        None, "Predicted Outputs: text or token ids the completion is expected to repeat", cli=None
+    )
+    hybrid_lookup: bool | None = _knob(
+        None,
+        "with gamma auto and the model proposer, also draft copied text from a prompt lookup "
+        "(None: the server's setting, on)",
+        action=BooleanOptionalAction,
+    )
+    min_confidence: float | None = _knob(
+        None,
+        "dynamic draft length: the draft ends a proposal after a token it drafted with probability below "
+        "this, in [0, 1) (None: the server's setting with gamma auto, 0 with a fixed gamma)",
+        type=float,
+    )
+    keep_special_tokens: bool = _knob(
+        False, "the text keeps the special tokens (EOS, chat markers)", action="store_true"
+    )
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise the convenient forms once, here
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+            raise InvalidArgument(f"stop must be a string or a list of strings, got {self.stop!r}")
+        set_(self, "stop", tuple(stop))
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise InvalidArgument(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        for tok in ids:
+            _check_uint("stop_token_ids", tok, 32)
+        set_(self, "stop_token_ids", tuple(ids))
+        if self.gamma == "auto":
+            set_(self, "gamma", None)
+        if self.gamma is not None and (isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 0):
+            raise InvalidArgument(f"gamma must be 'auto' (or None) or an integer >= 0, got {self.gamma!r}")
+        if self.gamma is not None:
+            _check_uint("gamma", self.gamma, 32)
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            if isinstance(self.prediction, bytes) or not isinstance(self.prediction, Sequence):
+                raise InvalidArgument(
+                    f"prediction must be text (str) or token ids, got {type(self.prediction).__name__}"
+                )
+            for predicted in self.prediction:
+                _check_uint("prediction token ids", predicted, 32)
+            set_(self, "prediction", tuple(self.prediction))
+        for name in ("top_k", "draft_top_k", "min_new_tokens", "top_logprobs"):
+            _check_uint(name, getattr(self, name), 32)
+        if self.max_new_tokens is not None:
+            _check_uint("max_new_tokens", self.max_new_tokens, 32)
+        if self.seed is not None:
+            _check_uint("seed", self.seed, 64)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            _check_number(name, getattr(self, name))
+        if self.proposer is not None and self.proposer not in PROPOSER_KINDS:
+            raise InvalidArgument(f"proposer must be one of {sorted(PROPOSER_KINDS)} (or None), got {self.proposer!r}")
+        if self.sampling_mode is not None and self.sampling_mode not in SAMPLING_MODES:
+            raise InvalidArgument(
+                f"sampling_mode must be one of {sorted(SAMPLING_MODES)} (or None), got {self.sampling_mode!r}"
+            )
+        if self.min_confidence is not None:
+            _check_number("min_confidence", self.min_confidence)
+            check_min_confidence(self.min_confidence)
+        check_top_logprobs(self.top_logprobs)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidArgument("top_logprobs needs logprobs=True")
+        self.sampling_params(default_seed=0)  # SamplingParams' and StopConditions' own checks
+        self.stop_conditions(default_max_new_tokens=max(1, self.min_new_tokens))
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields as keyword arguments of the SDK's methods (``client.generate(prompt, **p.as_kwargs())``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    # ---- what the servers act on --------------------------------------------------------
+    def sampling_params(self, *, default_seed: int) -> SamplingParams:
+        """The sampling settings, ``default_seed`` where the request sets none."""
+        return SamplingParams(
+            temperature=float(self.temperature),
+            top_k=self.top_k,
+            top_p=float(self.top_p),
+            min_p=float(self.min_p),
+            repetition_penalty=float(self.repetition_penalty),
+            seed=default_seed if self.seed is None else self.seed,
+            sampling_mode=self.sampling_mode or DEFAULT_SAMPLING_MODE,
+        )
+
+    def stop_conditions(self, *, default_max_new_tokens: int) -> StopConditions:
+        """The stop conditions, ``default_max_new_tokens`` where the request sets none."""
+        return StopConditions(
+            max_new_tokens=self.max_new_tokens or default_max_new_tokens,
+            stop_token_ids=tuple(self.stop_token_ids),
+            stop_strings=tuple(self.stop),
+            ignore_eos=self.ignore_eos,
+            min_new_tokens=self.min_new_tokens,
+        )
+
+    # ---- the wire -----------------------------------------------------------------------
+    def to_pb(self) -> coordinator_pb2.GenerateRequest:
+        """A ``GenerateRequest`` with these settings and no prompt (the caller sets it)."""
+        request = coordinator_pb2.GenerateRequest(
+            sampling=common_pb2.SamplingParams(
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=None if self.top_p == 1.0 else self.top_p,  # absent: off
+                min_p=self.min_p,
+                repetition_penalty=None if self.repetition_penalty == 1.0 else self.repetition_penalty,
+                seed=self.seed,
+                sampling_mode=SAMPLING_MODES[self.sampling_mode]
+                if self.sampling_mode is not None
+                else common_pb2.SAMPLING_MODE_UNSPECIFIED,
+            ),
+            stop=common_pb2.StopConditions(
+                max_new_tokens=self.max_new_tokens or 0,
+                stop_token_ids=list(self.stop_token_ids),
+                stop_strings=list(self.stop),
+                ignore_eos=self.ignore_eos,
+                min_new_tokens=self.min_new_tokens,
+            ),
+            speculation=coordinator_pb2.SpeculationParams(
+                gamma=self.gamma if isinstance(self.gamma, int) else None,  # "auto" was made None
+                proposer=PROPOSER_KINDS[self.proposer]
+                if self.proposer is not None
+                else common_pb2.PROPOSER_KIND_UNSPECIFIED,
+                draft_top_k=self.draft_top_k,
+                hybrid_lookup=self.hybrid_lookup,
+                min_confidence=self.min_confidence,
+            ),
+            keep_special_tokens=self.keep_special_tokens,
+        )
+        if self.logprobs:
+            request.logprobs.top_logprobs = self.top_logprobs
+            request.logprobs.SetInParent()
+        if isinstance(self.prediction, str):
+            request.prediction.text = self.prediction
+        elif self.prediction is not None:
+            request.prediction.tokens.token_ids.extend(self.prediction)
+            request.prediction.tokens.SetInParent()
+        return request
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.GenerateRequest) -> GenerationParams:
+        """The settings of a ``GenerateRequest``, checked; absent fields are None (the server's choice)."""
+        sampling, stop, spec = pb.sampling, pb.stop, pb.speculation
+        proposer = None
+        if spec.proposer != common_pb2.PROPOSER_KIND_UNSPECIFIED:
+            kind = resolve_proposer(spec.proposer)
+            proposer = next(name for name, value in PROPOSER_KINDS.items() if value == kind)
+        prediction: str | tuple[int, ...] | None = None
+        if pb.HasField("prediction"):
+            which = pb.prediction.WhichOneof("content")
+            prediction = pb.prediction.text if which == "text" else tuple(pb.prediction.tokens.token_ids)
+        return cls(
+            max_new_tokens=stop.max_new_tokens or None,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0,
+            seed=sampling.seed if sampling.HasField("seed") else None,
+            stop=tuple(stop.stop_strings),
+            stop_token_ids=tuple(stop.stop_token_ids),
+            ignore_eos=stop.ignore_eos,
+            min_new_tokens=stop.min_new_tokens,
+            gamma=spec.gamma if spec.HasField("gamma") else None,
+            proposer=proposer,  # type: ignore[arg-type]
+            draft_top_k=spec.draft_top_k,
+            sampling_mode=None
+            if sampling.sampling_mode == common_pb2.SAMPLING_MODE_UNSPECIFIED
+            else resolve_sampling_mode(sampling.sampling_mode),  # type: ignore[arg-type]
+            logprobs=pb.HasField("logprobs"),
+            top_logprobs=pb.logprobs.top_logprobs,
+            prediction=prediction,
+            hybrid_lookup=spec.hybrid_lookup if spec.HasField("hybrid_lookup") else None,
+            min_confidence=spec.min_confidence if spec.HasField("min_confidence") else None,
+            keep_special_tokens=pb.keep_special_tokens,
         )

@@ -46,10 +46,13 @@ early, or calling ``.cancel()``, cancels the request on the server.
 Errors. Every failure is a :class:`specserve.api.errors.SpecServeError` subclass chosen
 by the gRPC status code (:data:`ERRORS_BY_CODE`, from :mod:`specserve.api.status`; a
 more specific class when the server names one in the ``specserve-error`` trailing metadata), carrying the
-server's message and raised ``from`` the ``grpc.RpcError``. Arguments that cannot
-even be encoded (an unknown proposer, a negative gamma) raise
-:class:`~specserve.api.errors.InvalidArgument` before any call; everything else
-(temperature, top-p, limits) is checked by the server, the single authority.
+server's message and raised ``from`` the ``grpc.RpcError``. The keyword arguments of
+``generate``, ``stream``, ``chat`` and ``stream_chat`` are the fields of
+:class:`~specserve.api.params.GenerationParams` (one definition; the methods are generated
+from it), checked when the call builds them: a bad value (an unknown proposer, a negative
+gamma, a temperature below 0) raises :class:`~specserve.api.errors.InvalidArgument` before
+any call; the server's own limits (``max_new_tokens``, ``gamma``, prompt length) are checked
+by the server.
 
 Retries. A call that fails with UNAVAILABLE *before any message arrived* is
 retried up to ``retries`` times with exponential backoff (``backoff`` seconds,
@@ -59,19 +62,18 @@ token has arrived a request is never re-sent, so output is never duplicated.
 ``timeout`` is the deadline of each attempt.
 """
 
-from specserve.api.params import PositionLogprobs, TokenLogprob
+from specserve.api.params import GenerationParams, PositionLogprobs, TokenLogprob
 from specserve.api.status import ERROR_CLASS_KEY, ERRORS_BY_CODE, error_from_rpc
 from specserve.client._client import (
     AsyncClient,
     AsyncTokenStream,
-    ChatMessages,
     Client,
     GenerateResult,
     GenerationStats,
     StreamChunk,
     TokenStream,
-    build_request,
 )
+from specserve.client._request import ChatMessages, build_request
 
 __all__ = [
     "ERRORS_BY_CODE",
@@ -81,6 +83,7 @@ __all__ = [
     "ChatMessages",
     "Client",
     "GenerateResult",
+    "GenerationParams",
     "GenerationStats",
     "PositionLogprobs",
     "StreamChunk",

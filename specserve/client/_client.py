@@ -6,20 +6,17 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 
 from specserve.api import errors
-from specserve.api.params import PROPOSER_KINDS, SAMPLING_MODES, PositionLogprobs
+from specserve.api.params import PositionLogprobs
 from specserve.api.status import error_from_rpc
+from specserve.client._methods import AsyncClientMethods, ClientMethods
 from specserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-
-#: A conversation for :meth:`Client.chat`: ``{"role": ..., "content": ...}`` mappings (or
-#: ``(role, content)`` pairs), oldest first.
-ChatMessages = Sequence[Mapping[str, str] | tuple[str, str]]
 
 _FINISH_REASONS = {
     common_pb2.FINISH_REASON_UNSPECIFIED: "unspecified",
@@ -202,146 +199,6 @@ class GenerateResult:
         return self.stats.finish_reason
 
 
-# --------------------------------------------------------------------------- request building
-
-
-def build_request(
-    prompt: str | None = None,
-    *,
-    prompt_token_ids: Sequence[int] | None = None,
-    messages: ChatMessages | None = None,
-    max_new_tokens: int | None = None,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    ignore_eos: bool = False,
-    min_new_tokens: int = 0,
-    gamma: int | Literal["auto"] | None = None,
-    proposer: Literal["model", "feature", "ngram"] | None = None,
-    draft_top_k: int = 0,
-    sampling_mode: Literal["optimal", "coupled"] | None = None,
-    logprobs: bool = False,
-    top_logprobs: int = 0,
-    prediction: str | Sequence[int] | None = None,
-    hybrid_lookup: bool | None = None,
-    min_confidence: float | None = None,
-) -> coordinator_pb2.GenerateRequest:
-    """The ``GenerateRequest`` for :meth:`Client.generate`'s arguments (see there).
-
-    Raises :class:`~specserve.api.errors.InvalidArgument` only for what cannot be encoded
-    at all; value ranges are the server's to check.
-    """
-    if sum(p is not None for p in (prompt, prompt_token_ids, messages)) != 1:
-        raise errors.InvalidArgument("pass exactly one of prompt (text), prompt_token_ids or messages (chat)")
-    if proposer is not None and proposer not in PROPOSER_KINDS:
-        raise errors.InvalidArgument(f"proposer must be 'model', 'feature' or 'ngram', got {proposer!r}")
-    if sampling_mode is not None and sampling_mode not in SAMPLING_MODES:
-        raise errors.InvalidArgument(f"sampling_mode must be 'optimal' or 'coupled', got {sampling_mode!r}")
-    _check_uint("top_k", top_k, 32)
-    _check_uint("draft_top_k", draft_top_k, 32)
-    _check_uint("max_new_tokens", max_new_tokens or 0, 32)
-    _check_uint("min_new_tokens", min_new_tokens, 32)
-    if seed is not None:
-        _check_uint("seed", seed, 64)
-    _check_uint("top_logprobs", top_logprobs, 32)
-    if top_logprobs and not logprobs:
-        raise errors.InvalidArgument("top_logprobs needs logprobs=True")
-    if isinstance(stop, str):
-        stop = [stop]
-    for tok in [*(prompt_token_ids or ()), *(stop_token_ids or ())]:
-        _check_uint("token ids", tok, 32)
-
-    request = coordinator_pb2.GenerateRequest(
-        sampling=common_pb2.SamplingParams(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            sampling_mode=SAMPLING_MODES[sampling_mode]
-            if sampling_mode is not None
-            else common_pb2.SAMPLING_MODE_UNSPECIFIED,
-        ),
-        stop=common_pb2.StopConditions(
-            max_new_tokens=max_new_tokens or 0,
-            stop_token_ids=list(stop_token_ids or ()),
-            stop_strings=list(stop or ()),
-            ignore_eos=ignore_eos,
-            min_new_tokens=min_new_tokens,
-        ),
-        speculation=coordinator_pb2.SpeculationParams(
-            proposer=PROPOSER_KINDS[proposer] if proposer is not None else common_pb2.PROPOSER_KIND_UNSPECIFIED,
-            draft_top_k=draft_top_k,
-            hybrid_lookup=hybrid_lookup,
-            min_confidence=min_confidence,
-        ),
-    )
-    if logprobs:
-        request.logprobs.top_logprobs = top_logprobs
-        request.logprobs.SetInParent()
-    if prediction is not None:
-        if isinstance(prediction, str):
-            request.prediction.text = prediction
-        elif isinstance(prediction, Sequence) and not isinstance(prediction, (str, bytes)):
-            for tok in prediction:
-                _check_uint("prediction token ids", tok, 32)
-            request.prediction.tokens.token_ids.extend(prediction)
-            request.prediction.tokens.SetInParent()
-        else:
-            raise errors.InvalidArgument(
-                f"prediction must be text (str) or token ids, got {type(prediction).__name__}"
-            )
-    if gamma is not None and gamma != "auto":
-        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
-            raise errors.InvalidArgument(f"gamma must be 'auto' (or None) or an integer >= 0, got {gamma!r}")
-        request.speculation.gamma = gamma
-    if prompt is not None:
-        if not isinstance(prompt, str):
-            raise errors.InvalidArgument(f"prompt must be a str, got {type(prompt).__name__}")
-        request.text = prompt
-    elif messages is not None:
-        request.chat.messages.extend(_chat_message(m) for m in _message_list(messages))
-        request.chat.SetInParent()  # an empty conversation is still "chat" (the server refuses it)
-    else:
-        request.tokens.token_ids.extend(prompt_token_ids or ())
-        request.tokens.SetInParent()  # an empty list is still "tokens" (the server refuses it)
-    return request
-
-
-def _message_list(messages: Any) -> list[Any]:
-    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
-        raise errors.InvalidArgument(
-            "messages must be a list of {'role': ..., 'content': ...} mappings, "
-            f"got {type(messages).__name__}"
-        )
-    return list(messages)
-
-
-def _chat_message(message: Any) -> coordinator_pb2.ChatMessage:
-    if isinstance(message, Mapping):
-        role, content = message.get("role"), message.get("content")
-    elif isinstance(message, tuple) and len(message) == 2:
-        role, content = message
-    else:
-        role = content = None
-    if not isinstance(role, str) or not isinstance(content, str):
-        raise errors.InvalidArgument(
-            f"each chat message must be {{'role': str, 'content': str}} (or a (role, content) pair), got {message!r}"
-        )
-    return coordinator_pb2.ChatMessage(role=role, content=content)
-
-
-def _check_uint(name: str, value: Any, bits: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**bits:
-        raise errors.InvalidArgument(f"{name} must be an integer in [0, 2**{bits}), got {value!r}")
-
-
 # --------------------------------------------------------------------------- channels
 
 
@@ -498,7 +355,7 @@ class TokenStream(_StreamBase, Iterator[StreamChunk]):
         self.close()
 
 
-class Client:
+class Client(ClientMethods):
     """Blocking client of a specserve coordinator.
 
     Args:
@@ -551,133 +408,11 @@ class Client:
     def address(self) -> str:
         return self._cfg.address
 
-    def stream(self, prompt: str | None = None, **kwargs: Any) -> TokenStream:
-        """Start a generation and return its :class:`TokenStream` (same arguments as :meth:`generate`).
+    def _open(self, request: coordinator_pb2.GenerateRequest) -> TokenStream:
+        return TokenStream(self, request)
 
-        Example::
-
-            stream = client.stream("for i in range(", max_new_tokens=16)
-            for chunk in stream:
-                print(chunk.text, end="")
-            print(stream.stats.accepted_tokens, "draft tokens accepted")
-        """
-        return TokenStream(self, build_request(prompt, **kwargs))
-
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        max_new_tokens: int | None = None,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        min_new_tokens: int = 0,
-        gamma: int | Literal["auto"] | None = None,
-        proposer: Literal["model", "feature", "ngram"] | None = None,
-        draft_top_k: int = 0,
-        sampling_mode: Literal["optimal", "coupled"] | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        prediction: str | Sequence[int] | None = None,
-        hybrid_lookup: bool | None = None,
-        min_confidence: float | None = None,
-    ) -> GenerateResult:
-        """Generate a completion of ``prompt`` (text) or ``prompt_token_ids``.
-
-        Sampling follows Hugging Face ``generate()``: ``temperature`` 0 is greedy;
-        ``top_k`` 0, ``top_p`` 1, ``min_p`` 0 and ``repetition_penalty`` 1 disable
-        those. ``seed`` (None: the server picks and reports it in ``stats.seed``)
-        makes a sampled completion reproducible. ``max_new_tokens`` None is the
-        server's default. ``stop`` strings and ``stop_token_ids`` end the
-        completion (included in it). ``min_new_tokens`` (vLLM's ``min_tokens``): until
-        that many tokens are generated, EOS (unless ``ignore_eos``) and ``stop_token_ids``
-        are masked out of the distribution, as Hugging Face's ``min_new_tokens`` masks EOS
-        (not with ``stop`` strings; at most ``max_new_tokens``). ``gamma``: draft tokens per round, or
-        ``"auto"``/None for the server's policy; ``proposer``: ``"feature"`` (the
-        feature head, reading the target's features), ``"model"`` (the token draft),
-        ``"ngram"`` (prompt lookup), or None for the server's default (the feature
-        head where the draft tier serves one); ``draft_top_k`` > 0 truncates
-        the draft's distribution (the output distribution stays exact).
-
-        ``sampling_mode`` (None: the server's default, ``"optimal"``) decides
-        what a seed fixes. Both modes sample exactly from the target. With
-        ``"optimal"`` the text for a seed also depends on the draft's proposals,
-        so it repeats only under the same fixed ``gamma``, ``proposer`` and
-        draft (the adaptive policy and draft faults change the schedule). With
-        ``"coupled"`` (Gumbel-max with shared noise) the same seed gives the
-        same text whatever the gamma, proposer, draft, batch or failover, at
-        some cost in accepted draft tokens. Greedy decoding is the same in both.
-
-        ``logprobs=True``: ``result.logprobs`` (and each chunk's) holds, per token, its
-        log probability under the target's processed distribution at that position and
-        the ``top_logprobs`` (0..20) most likely alternatives. Processed means the
-        request's own logits processing (temperature, top-k, top-p, min-p, repetition
-        penalty), so a token removed by top-k has no entry; for greedy requests, the
-        repetition penalty then a softmax at temperature 1.
-
-        ``prediction`` (Predicted Outputs): text (or token ids) the completion is
-        expected to largely repeat, e.g. the file being edited. The server drafts from
-        it where the completion follows it and verifies every drafted token exactly, so
-        the output is the same as without it; only the speed changes. With
-        ``proposer="model"`` the draft model drafts where the prediction has nothing to
-        offer, with ``"ngram"`` the prompt lookup. ``stats.accepted_prediction_tokens``
-        and ``stats.rejected_prediction_tokens`` count how it went.
-
-        ``hybrid_lookup`` (None: the server's setting, on by default): with the automatic
-        policy and ``proposer="model"``, the server also drafts from an n-gram lookup over
-        the session's own tokens where the completion copies earlier text and the lookup's
-        measured acceptance makes that pay, with no draft call; ``False`` drafts from the
-        model alone. ``stats.lookup_proposed_tokens`` and ``stats.lookup_accepted_tokens``
-        count the lookup's share.
-
-        ``min_confidence`` (dynamic draft length; None: the server's setting under the
-        automatic policy, 0.4 by default, and 0 with a fixed ``gamma``): the draft model
-        ends a round's proposal after a token it drafted with probability below this, in
-        [0, 1), so ``gamma`` becomes a cap; 0 drafts the whole ``gamma``. The output is
-        the same at any value; only the speed changes.
-
-        Example::
-
-            result = client.generate("def add(a, b):", max_new_tokens=16, temperature=0, gamma=4)
-            print(result.text, result.finish_reason, result.stats.acceptance_rate)
-        """
-        kwargs = dict(locals())
-        del kwargs["self"], kwargs["prompt"]
-        stream = self.stream(prompt, **kwargs)
+    def _finish(self, stream: TokenStream) -> GenerateResult:
         with stream:
-            for _ in stream:
-                pass
-        return stream.result
-
-    def stream_chat(self, messages: ChatMessages, **kwargs: Any) -> TokenStream:
-        """Start the assistant's reply to ``messages``; returns its :class:`TokenStream`.
-
-        Sampling and speculation arguments as :meth:`generate`. The server renders the
-        conversation with the target model's chat template (a model without one is refused
-        with :class:`~specserve.api.errors.FailedPrecondition`).
-
-        Example::
-
-            messages = [{"role": "user", "content": "Name a prime."}]
-            for chunk in client.stream_chat(messages, max_new_tokens=16):
-                print(chunk.text, end="")
-        """
-        return TokenStream(self, build_request(messages=messages, **kwargs))
-
-    def chat(self, messages: ChatMessages, **kwargs: Any) -> GenerateResult:
-        """The assistant's reply to ``messages`` (``{"role", "content"}`` mappings, oldest first).
-
-        Arguments as :meth:`generate`; ``result.text`` is the reply. Keep a conversation going by
-        appending ``{"role": "assistant", "content": result.text}`` and the next user message.
-        """
-        with self.stream_chat(messages, **kwargs) as stream:
             for _ in stream:
                 pass
         return stream.result
@@ -748,7 +483,7 @@ class AsyncTokenStream(_StreamBase, AsyncIterator[StreamChunk]):
         await self.aclose()
 
 
-class AsyncClient:
+class AsyncClient(AsyncClientMethods):
     """asyncio client of a specserve coordinator; same arguments as :class:`Client`.
 
     The channel is opened on first use inside the running event loop.
@@ -793,24 +528,11 @@ class AsyncClient:
             self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
         return self._stub
 
-    def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncTokenStream:
-        """Start a generation; returns an :class:`AsyncTokenStream` (arguments as :meth:`Client.generate`)."""
-        return AsyncTokenStream(self, build_request(prompt, **kwargs))
+    def _open(self, request: coordinator_pb2.GenerateRequest) -> AsyncTokenStream:
+        return AsyncTokenStream(self, request)
 
-    async def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
-        """Generate a completion; arguments and result as :meth:`Client.generate`."""
-        async with self.stream(prompt, **kwargs) as stream:
-            async for _ in stream:
-                pass
-        return stream.result
-
-    def stream_chat(self, messages: ChatMessages, **kwargs: Any) -> AsyncTokenStream:
-        """Start the assistant's reply to ``messages``; as :meth:`Client.stream_chat`."""
-        return AsyncTokenStream(self, build_request(messages=messages, **kwargs))
-
-    async def chat(self, messages: ChatMessages, **kwargs: Any) -> GenerateResult:
-        """The assistant's reply to ``messages``; as :meth:`Client.chat`."""
-        async with self.stream_chat(messages, **kwargs) as stream:
+    async def _finish(self, stream: AsyncTokenStream) -> GenerateResult:
+        async with stream:
             async for _ in stream:
                 pass
         return stream.result

@@ -267,23 +267,18 @@ def _client(args: argparse.Namespace) -> Any:
     )  # fmt: skip
 
 
-def _request_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Sampling, stop and speculation arguments of ``generate`` / ``chat`` for the SDK."""
-    return dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
-        gamma=_parse_gamma(args.gamma), proposer=args.proposer, draft_top_k=args.draft_top_k,
-        sampling_mode=args.sampling_mode, hybrid_lookup=args.hybrid_lookup,
-        min_confidence=args.min_confidence,
-    )  # fmt: skip
+def _request_params(args: argparse.Namespace) -> Any:
+    """The :class:`~specserve.api.params.GenerationParams` the ``generate`` / ``chat`` flags set."""
+    from specserve.api.params import GenerationParams
+
+    return GenerationParams(**{f.name: getattr(args, f.name) for f in _cli_knobs()})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.system and not args.chat:
         raise CliError("--system needs --chat (a system message is part of a conversation)")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    request = _request_kwargs(args)
+    request = _request_params(args).as_kwargs()
     with _client(args) as client:
         if args.chat:
             messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -332,7 +327,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """An interactive conversation: each line is a user message; the reply streams to stdout."""
     from specserve.api.errors import InvalidArgument
 
-    request = _request_kwargs(args)
+    request = _request_params(args).as_kwargs()
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
     interactive = sys.stdin.isatty()
@@ -442,44 +437,40 @@ def _add_sampling_mode_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _gamma_flag(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 0, got {value!r}") from None
+
+
+#: Flag value parsers beside the ones ``GenerationParams`` names.
+_FLAG_TYPES = {"gamma": _gamma_flag}
+
+
+def _cli_knobs() -> list[Any]:
+    """The ``GenerationParams`` fields that are flags of ``generate`` and ``chat`` (``cli`` not None)."""
+    from dataclasses import fields
+
+    from specserve.api.params import GenerationParams
+
+    return [f for f in fields(GenerationParams) if f.metadata["cli"] is not None]
+
+
 def _request_flags() -> argparse.ArgumentParser:
     """Flags ``generate`` and ``chat`` share: where to connect, sampling, stops, speculation."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator host:port")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the server's")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--stop-token-id", type=int, action="append", default=None, help="(repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--gamma", default="auto", help="draft tokens per round, or 'auto'")
-    p.add_argument(
-        "--proposer",
-        choices=["feature", "model", "ngram"],
-        default=None,
-        help="feature: the feature head; model: the token draft; ngram: prompt lookup (default: the server's)",
-    )
-    p.add_argument("--draft-top-k", type=int, default=0)
-    p.add_argument(
-        "--hybrid-lookup",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="with --gamma auto and the model proposer, also draft copied text from a prompt lookup "
-        "(default: the server's setting, on)",
-    )
-    p.add_argument(
-        "--min-confidence",
-        type=float,
-        default=None,
-        help="dynamic draft length: the draft ends a proposal after a token it drafted with probability "
-        "below this, in [0, 1) (default: the server's setting with --gamma auto, 0.4; 0 drafts the whole "
-        "gamma)",
-    )
-    _add_sampling_mode_flag(p)
+    for knob in _cli_knobs():  # one flag per GenerationParams field (its help and argparse options)
+        options = dict(knob.metadata["cli"])
+        flag = options.pop("flag", "--" + knob.name.replace("_", "-"))
+        options.setdefault("type", _FLAG_TYPES.get(knob.name))
+        if options.get("action") in ("store_true", argparse.BooleanOptionalAction):
+            options.pop("type")
+        default = None if options.get("action") == "append" else knob.default  # argparse appends to a list
+        p.add_argument(flag, dest=knob.name, default=default, help=knob.metadata["help"], **options)
     p.add_argument(
         "--token", default=os.environ.get("SPECSERVE_TOKEN"), help="bearer token [env SPECSERVE_TOKEN]"
     )

@@ -1,7 +1,7 @@
 """Dynamic draft length (``SpeculationParams.min_confidence``): the draft ends a round's proposal after a
 token it drafted with probability below the threshold, so ``gamma`` is a cap.
 
-* Parsing (``coordinator.requests._speculation_from_pb``): the server's setting applies to the automatic
+* Parsing (``GenerationParams.from_pb`` then ``coordinator.requests._speculation``): the server's setting applies to the automatic
   policy with the model proposer; a fixed gamma drafts the whole gamma unless the request asks; the n-gram
   proposer has no confidence; values outside [0, 1) are refused (the servicer's bad-input table too).
 * The whole system (real Redis, gRPC servers on loopback, the tiny float32 pair): greedy output is the
@@ -15,16 +15,18 @@ from __future__ import annotations
 import pytest
 import system_fixtures as sf
 
-from coordinator.requests import _speculation_from_pb
+from coordinator.requests import _speculation
 from specserve.api.errors import InvalidArgument
+from specserve.api.params import GenerationParams
 from specserve.v1 import common_pb2, coordinator_pb2
 
 MODEL, NGRAM = common_pb2.PROPOSER_KIND_MODEL, common_pb2.PROPOSER_KIND_NGRAM
 
 
 def parse(server_default: float = 0.4, **fields) -> float:
-    pb = coordinator_pb2.SpeculationParams(**fields)
-    return _speculation_from_pb(pb, max_gamma=16, vocab_size=384, min_confidence=server_default).min_confidence
+    pb = coordinator_pb2.GenerateRequest(speculation=coordinator_pb2.SpeculationParams(**fields))
+    params = GenerationParams.from_pb(pb)
+    return _speculation(params, max_gamma=16, vocab_size=384, min_confidence=server_default).min_confidence
 
 
 @pytest.mark.unit

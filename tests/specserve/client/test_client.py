@@ -20,7 +20,7 @@ import pytest_asyncio
 
 from specserve import AsyncClient, Client
 from specserve.api import errors
-from specserve.client import ERROR_CLASS_KEY, ERRORS_BY_CODE, build_request, error_from_rpc
+from specserve.client import ERROR_CLASS_KEY, ERRORS_BY_CODE, GenerationParams, build_request, error_from_rpc
 from specserve.runtime.config import CommonSettings
 from specserve.runtime.server import Registration, create_server
 from specserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -193,6 +193,7 @@ def test_a_named_class_wider_than_the_code_is_not_trusted():
 def test_build_request_maps_every_argument():
     req = build_request(
         "hello",
+        params=GenerationParams(
         max_new_tokens=12,
         temperature=0.7,
         top_k=5,
@@ -203,12 +204,12 @@ def test_build_request_maps_every_argument():
         stop="\n\n",
         stop_token_ids=[3, 4],
         ignore_eos=True,
-        min_new_tokens=6,
         gamma=4,
         proposer="ngram",
         draft_top_k=8,
         sampling_mode="coupled",
         min_confidence=0.25,
+        ),
     )
     assert req.WhichOneof("prompt") == "text" and req.text == "hello"
     s = req.sampling
@@ -216,13 +217,14 @@ def test_build_request_maps_every_argument():
     assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
     assert s.min_p == pytest.approx(0.05) and s.repetition_penalty == pytest.approx(1.2)
     assert list(req.stop.stop_strings) == ["\n\n"] and list(req.stop.stop_token_ids) == [3, 4]
-    assert req.stop.max_new_tokens == 12 and req.stop.ignore_eos and req.stop.min_new_tokens == 6
+    assert req.stop.max_new_tokens == 12 and req.stop.ignore_eos
+    assert build_request("x", params=GenerationParams(min_new_tokens=6)).stop.min_new_tokens == 6
     assert req.speculation.gamma == 4 and req.speculation.draft_top_k == 8
     assert req.speculation.min_confidence == pytest.approx(0.25)
     assert req.speculation.proposer == common_pb2.PROPOSER_KIND_NGRAM
     assert s.sampling_mode == common_pb2.SAMPLING_MODE_COUPLED
     assert (
-        build_request("x", sampling_mode="optimal").sampling.sampling_mode == common_pb2.SAMPLING_MODE_OPTIMAL
+        build_request("x", params=GenerationParams(sampling_mode="optimal")).sampling.sampling_mode == common_pb2.SAMPLING_MODE_OPTIMAL
     )
 
 
@@ -235,8 +237,8 @@ def test_build_request_defaults_leave_server_choices_absent():
     assert req.stop.max_new_tokens == 0
     assert req.speculation.proposer == common_pb2.PROPOSER_KIND_UNSPECIFIED  # the server's default
     assert req.sampling.sampling_mode == common_pb2.SAMPLING_MODE_UNSPECIFIED  # the server's default
-    assert not build_request("x", gamma="auto").speculation.HasField("gamma")
-    assert build_request("x", gamma=0).speculation.HasField("gamma")
+    assert not build_request("x", params=GenerationParams(gamma="auto")).speculation.HasField("gamma")
+    assert build_request("x", params=GenerationParams(gamma=0)).speculation.HasField("gamma")
     assert build_request(prompt_token_ids=[]).WhichOneof("prompt") == "tokens"
 
 
@@ -244,19 +246,30 @@ def test_build_request_defaults_leave_server_choices_absent():
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"proposer": "oracle"}, "proposer must be 'model', 'feature' or 'ngram'"),
-        ({"sampling_mode": "exact"}, "sampling_mode must be 'optimal' or 'coupled'"),
+        ({"proposer": "oracle"}, r"proposer must be one of \['feature', 'model', 'ngram'\]"),
+        ({"sampling_mode": "exact"}, r"sampling_mode must be one of \['coupled', 'optimal'\]"),
         ({"gamma": -1}, "gamma must be"),
         ({"gamma": "many"}, "gamma must be"),
         ({"top_k": -3}, "top_k must be an integer"),
         ({"seed": -1}, "seed must be an integer"),
-        ({"stop_token_ids": [-1]}, "token ids"),
-        ({"prompt_token_ids": [1]}, "exactly one of prompt"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids must be an integer"),
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"temperature": "hot"}, "temperature must be a number"),
+        ({"top_logprobs": 2}, "top_logprobs needs logprobs=True"),
+        ({"min_confidence": 1.0}, r"must be in \[0, 1\)"),
     ],
 )
-def test_unencodable_arguments_raise_invalid_argument_before_any_call(kwargs, needle):
+def test_bad_settings_raise_invalid_argument_before_any_call(kwargs, needle):
     with pytest.raises(errors.InvalidArgument, match=needle):
-        build_request("text", **kwargs)
+        GenerationParams(**kwargs)
+    with pytest.raises(errors.InvalidArgument, match=needle), Client("127.0.0.1:1") as client:
+        client.stream("text", **kwargs)  # the same check, before any call (nothing listens on port 1)
+
+
+@pytest.mark.unit
+def test_two_prompts_are_refused():
+    with pytest.raises(errors.InvalidArgument, match="exactly one of prompt"):
+        build_request("text", prompt_token_ids=[1])
 
 
 @pytest.mark.unit
@@ -268,7 +281,8 @@ def test_no_prompt_at_all_is_refused():
 @pytest.mark.unit
 def test_build_request_carries_chat_messages_in_order():
     req = build_request(
-        messages=[{"role": "system", "content": "be brief"}, ("user", "hi")], max_new_tokens=3
+        messages=[{"role": "system", "content": "be brief"}, ("user", "hi")],
+        params=GenerationParams(max_new_tokens=3),
     )
     assert req.WhichOneof("prompt") == "chat"
     assert [(m.role, m.content) for m in req.chat.messages] == [("system", "be brief"), ("user", "hi")]
@@ -569,23 +583,35 @@ async def test_token_ids_prompt_ngram_proposer_and_seed_echo(stack, session_stor
         assert await logged_completion(session_store, result.stats.session_id) == result.token_ids
 
 
+def _wire(prompt: str, **sampling: float) -> coordinator_pb2.GenerateRequest:
+    """A request as another client might send it: the SDK's own checks do not stand in the way."""
+    request = build_request(prompt)
+    for name, value in sampling.items():
+        setattr(request.sampling, name, value)
+    return request
+
+
 @module_loop
 @pytest.mark.parametrize(
-    ("kwargs", "needle"),
+    ("request_pb", "needle"),
     [
-        ({"prompt": ""}, "prompt is empty"),
-        ({"prompt_token_ids": []}, "prompt is empty"),
-        ({"prompt": "x", "temperature": -1.0}, "temperature must be >= 0"),
-        ({"prompt": "x", "top_p": 0.0}, "top_p must be in (0, 1]"),
-        ({"prompt": "x", "top_p": 1.5}, "top_p must be in (0, 1]"),
-        ({"prompt": "x", "max_new_tokens": 100_000}, "above this server's limit"),
+        (build_request(""), "prompt is empty"),
+        (build_request(prompt_token_ids=[]), "prompt is empty"),
+        (_wire("x", temperature=-1.0), "temperature must be >= 0"),
+        (_wire("x", top_p=0.0), "top_p must be in (0, 1]"),
+        (_wire("x", top_p=1.5), "top_p must be in (0, 1]"),
+        (build_request("x", params=GenerationParams(max_new_tokens=100_000)), "above this server's limit"),
     ],
 )
-async def test_bad_requests_raise_invalid_argument_saying_what_to_fix(stack, kwargs, needle):
+async def test_bad_requests_raise_invalid_argument_saying_what_to_fix(stack, request_pb, needle):
+    from specserve.client import AsyncTokenStream
+
     async with AsyncClient(stack.address) as client:
         good = asyncio.ensure_future(client.generate(PROMPT, max_new_tokens=6, temperature=0))
         with pytest.raises(errors.InvalidArgument) as info:
-            await client.generate(**kwargs)
+            async with AsyncTokenStream(client, request_pb) as stream:
+                async for _ in stream:
+                    pass
         assert needle in info.value.message
         assert info.value.status_code == grpc.StatusCode.INVALID_ARGUMENT
         # The server keeps serving: a concurrent request and a later one both finish.
@@ -596,12 +622,12 @@ async def test_bad_requests_raise_invalid_argument_saying_what_to_fix(stack, kwa
 @module_loop
 async def test_unknown_proposer_is_refused_by_the_sdk_and_by_the_server(stack):
     async with AsyncClient(stack.address) as client:
-        with pytest.raises(errors.InvalidArgument, match="proposer must be 'model', 'feature' or 'ngram'"):
+        with pytest.raises(errors.InvalidArgument, match=r"proposer must be one of \['feature', 'model', 'ngram'\]"):
             await client.generate(PROMPT, proposer="oracle")
         # A proposer value the SDK cannot even name (as another client might send) reaches the server.
         from specserve.client import AsyncTokenStream
 
-        request = build_request(PROMPT, max_new_tokens=4)
+        request = build_request(PROMPT, params=GenerationParams(max_new_tokens=4))
         request.speculation.proposer = 7
         with pytest.raises(errors.InvalidArgument, match="proposer"):
             async with AsyncTokenStream(client, request) as stream:

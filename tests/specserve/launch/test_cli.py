@@ -561,7 +561,7 @@ def test_request_flags_reach_the_sdk_including_the_draft_length_threshold():
     the threshold is left to the server."""
     parser = cli.build_parser()
     args = parser.parse_args(["generate", "hi", "--gamma", "3", "--min-confidence", "0.3", "--no-hybrid-lookup"])
-    kwargs = cli._request_kwargs(args)
-    assert kwargs["gamma"] == 3 and kwargs["min_confidence"] == pytest.approx(0.3)
-    assert kwargs["hybrid_lookup"] is False
-    assert cli._request_kwargs(parser.parse_args(["generate", "hi"]))["min_confidence"] is None
+    params = cli._request_params(args)
+    assert params.gamma == 3 and params.min_confidence == pytest.approx(0.3)
+    assert params.hybrid_lookup is False
+    assert cli._request_params(parser.parse_args(["generate", "hi"])).min_confidence is None
