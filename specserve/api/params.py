@@ -482,6 +482,12 @@ class GenerationParams:
     keep_special_tokens: bool = _knob(
         False, "the text keeps the special tokens (EOS, chat markers)", action="store_true"
     )
+    constraint: Constraint | None = _knob(  # noqa: RUF009 (a field(), as every knob)
+        None,
+        "structured output: the completion matches this JSON schema, regex, choice or grammar "
+        "(docs/design.md, \"Constrained decoding\")",
+        cli=None,
+    )
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise the convenient forms once, here
@@ -523,6 +529,8 @@ class GenerationParams:
             raise InvalidArgument(
                 f"sampling_mode must be one of {sorted(SAMPLING_MODES)} (or None), got {self.sampling_mode!r}"
             )
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidArgument(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
         if self.min_confidence is not None:
             _check_number("min_confidence", self.min_confidence)
             check_min_confidence(self.min_confidence)
@@ -547,6 +555,7 @@ class GenerationParams:
             repetition_penalty=float(self.repetition_penalty),
             seed=default_seed if self.seed is None else self.seed,
             sampling_mode=self.sampling_mode or DEFAULT_SAMPLING_MODE,
+            constraint=self.constraint,
         )
 
     def stop_conditions(self, *, default_max_new_tokens: int) -> StopConditions:
@@ -592,6 +601,8 @@ class GenerationParams:
             ),
             keep_special_tokens=self.keep_special_tokens,
         )
+        if self.constraint is not None:
+            request.sampling.constraint.CopyFrom(self.constraint.to_pb())
         if self.logprobs:
             request.logprobs.top_logprobs = self.top_logprobs
             request.logprobs.SetInParent()
@@ -638,4 +649,5 @@ class GenerationParams:
             hybrid_lookup=spec.hybrid_lookup if spec.HasField("hybrid_lookup") else None,
             min_confidence=spec.min_confidence if spec.HasField("min_confidence") else None,
             keep_special_tokens=pb.keep_special_tokens,
+            constraint=Constraint.from_pb(sampling.constraint) if sampling.HasField("constraint") else None,
         )

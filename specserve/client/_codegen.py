@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
+from specserve.api.constraints import Constraint
 from specserve.api.params import GenerationParams
 from specserve.client._request import ChatMessages, build_request
 from specserve.v1 import coordinator_pb2

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
+from specserve.api.constraints import Constraint
 from specserve.api.params import GenerationParams
 from specserve.client._request import ChatMessages, build_request
 from specserve.v1 import coordinator_pb2
@@ -56,6 +57,7 @@ class ClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        constraint: Constraint | None = None,
     ) -> TokenStream:
         """Start a generation of ``prompt`` (text) or ``prompt_token_ids``; returns its :class:`TokenStream`.
 
@@ -87,6 +89,7 @@ class ClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                constraint=constraint,
             ),
         )
         return self._open(request)
@@ -117,6 +120,7 @@ class ClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        constraint: Constraint | None = None,
     ) -> GenerateResult:
         """Generate a completion of ``prompt`` (text) or ``prompt_token_ids``; the whole
         :class:`GenerateResult`.
@@ -149,6 +153,7 @@ class ClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                constraint=constraint,
             ),
         )
         return self._finish(self._open(request))
@@ -178,6 +183,7 @@ class ClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        constraint: Constraint | None = None,
     ) -> TokenStream:
         """Start the assistant's reply to ``messages`` (``{"role", "content"}`` mappings, oldest first);
         returns its :class:`TokenStream`.
@@ -209,6 +215,7 @@ class ClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                constraint=constraint,
             ),
         )
         return self._open(request)
@@ -238,6 +245,7 @@ class ClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        constraint: Constraint | None = None,
     ) -> GenerateResult:
         """The assistant's reply to ``messages`` (``{"role", "content"}`` mappings, oldest first).
 
@@ -268,6 +276,7 @@ class ClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                constraint=constraint,
             ),
         )
         return self._finish(self._open(request))
@@ -308,6 +317,7 @@ class AsyncClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        constraint: Constraint | None = None,
     ) -> AsyncTokenStream:
         """Start a generation; returns an :class:`AsyncTokenStream` (as :meth:`Client.stream`).
 
@@ -339,6 +349,7 @@ class AsyncClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                constraint=constraint,
             ),
         )
         return self._open(request)
@@ -369,6 +380,7 @@ class AsyncClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        constraint: Constraint | None = None,
     ) -> GenerateResult:
         """Generate a completion; as :meth:`Client.generate`.
 
@@ -400,6 +412,7 @@ class AsyncClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                constraint=constraint,
             ),
         )
         return await self._finish(self._open(request))
@@ -429,6 +442,7 @@ class AsyncClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        constraint: Constraint | None = None,
     ) -> AsyncTokenStream:
         """Start the assistant's reply to ``messages``; as :meth:`Client.stream_chat`.
 
@@ -459,6 +473,7 @@ class AsyncClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                constraint=constraint,
             ),
         )
         return self._open(request)
@@ -488,6 +503,7 @@ class AsyncClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        constraint: Constraint | None = None,
     ) -> GenerateResult:
         """The assistant's reply to ``messages``; as :meth:`Client.chat`.
 
@@ -518,6 +534,7 @@ class AsyncClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                constraint=constraint,
             ),
         )
         return await self._finish(self._open(request))

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from coordinator.openai_protocol import ChatCompletionRequest, parse_body
+from specserve.api.constraints import Constraint
 from specserve.api.errors import InvalidArgument
 from specserve.api.params import GenerationParams
 from specserve.client import AsyncClient, Client, _codegen
@@ -45,9 +46,12 @@ FULL = GenerationParams(
     hybrid_lookup=False,
     min_confidence=0.25,
     keep_special_tokens=True,
+    constraint=Constraint("regex", "[a-z]+"),
 )
 #: What ``FULL`` cannot hold beside it (``min_new_tokens`` is refused with stop strings).
-MINIMUM = GenerationParams(min_new_tokens=2, stop_token_ids=(9,), prediction=(1, 2, 3))
+MINIMUM = GenerationParams(
+    min_new_tokens=2, stop_token_ids=(9,), prediction=(1, 2, 3), constraint=Constraint("choice", ("yes", "no"))
+)
 VARIANTS = [FULL, MINIMUM]
 
 
@@ -146,8 +150,8 @@ async def test_each_sdk_method_sends_every_field(cls, name, params):
 # --------------------------------------------------------------------------- the CLI
 
 #: Fields ``specserve generate`` / ``chat`` leave out: they print text and statistics, not logprobs,
-#: and take no prediction.
-NOT_ON_THE_CLI = {"logprobs", "top_logprobs", "prediction"}
+#: and take no prediction or constraint.
+NOT_ON_THE_CLI = {"logprobs", "top_logprobs", "prediction", "constraint"}
 
 
 def argv_for(params: GenerationParams) -> list[str]:
@@ -178,7 +182,7 @@ def test_every_field_but_the_named_ones_is_a_flag():
 @pytest.mark.parametrize("params", VARIANTS, ids=["full", "minimum"])
 def test_the_cli_flags_carry_every_field(params):
     args = cli.build_parser().parse_args(["generate", "hi", *argv_for(params)])
-    expected = dataclasses.replace(params, logprobs=False, top_logprobs=0, prediction=None)
+    expected = dataclasses.replace(params, **{name: getattr(GenerationParams(), name) for name in NOT_ON_THE_CLI})
     assert cli._request_params(args) == expected
 
 
@@ -212,14 +216,20 @@ FULL_BODY = {
 }
 
 
+#: Fields no HTTP body reaches yet: ``constraint`` (structured outputs map ``response_format`` onto it,
+#: issue 41).
+NOT_OVER_HTTP = {"constraint"}
+
+
 def test_the_http_body_carries_every_field():
     body = parse_body(ChatCompletionRequest, FULL_BODY)
     body.check_supported()
-    assert GenerationParams.from_pb(body.to_pb()) == FULL
+    assert GenerationParams.from_pb(body.to_pb()) == dataclasses.replace(FULL, constraint=None)
     minimum = parse_body(ChatCompletionRequest, {**FULL_BODY, "min_tokens": 2, "stop": None})
     assert GenerationParams.from_pb(minimum.to_pb()).min_new_tokens == 2
     # Prediction token ids are the one form HTTP lacks (OpenAI's prediction is text).
-    assert moved(GenerationParams.from_pb(body.to_pb())) | {"min_new_tokens"} == {f.name for f in FIELDS}
+    reached = moved(GenerationParams.from_pb(body.to_pb())) | {"min_new_tokens"}
+    assert reached == {f.name for f in FIELDS} - NOT_OVER_HTTP
 
 
 def test_a_bad_setting_over_http_is_the_same_refusal():
