@@ -93,7 +93,7 @@ def default_proposer(setting: str, feature_head: bool) -> int:
 
 def _grammar_engine(tokenizer: Any, vocab_size: int) -> Any:
     """The grammar engine over the target's tokenizer (built on a compiling thread, at the first constraint)."""
-    from specserve.engine.grammar import GrammarEngine  # xgrammar loads only where constraints come
+    from specserve.engine.grammar import GrammarEngine  # the grammar engine loads only where constraints come
 
     eos = tokenizer.eos_token_id
     return GrammarEngine(tokenizer, vocab_size, [eos] if eos is not None else [])

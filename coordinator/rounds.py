@@ -125,8 +125,12 @@ class RoundLoop:
         self._lookup_matched = False
         #: The forced-text proposer's own acceptance (None: the session has no constraint). Forced text is
         #: what the grammar allows alone, so the target's own tokens usually spell it: a confident prior,
-        #: and it learns from every round (the rounds it drafts, and its shadow in the others).
+        #: and it learns from every round (the rounds it drafts, and its shadow in the others). Its
+        #: proposals cost no draft call, so it opens at the best rung for that prior (``warm_start``), as a
+        #: session of a proposer in the coordinator does, and falls at once where the guess is wrong.
         self.forced_acceptance = AcceptanceTracker(prior_alpha=0.9) if session.forced is not None else None
+        if self.forced_acceptance is not None:
+            self.forced_acceptance.warm_start = True
         self._fruitless = 0
         self._log = log.bind(session_id=session.session_id)
         pool.attach(session)

