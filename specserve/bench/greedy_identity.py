@@ -1,0 +1,238 @@
+"""Greedy output through the whole system against stock Hugging Face ``generate()``, prompt by prompt.
+
+Run (docs/benchmarks/invariance.md, "Greedy identity, the default pair", comes from it)::
+
+    python -m specserve.bench.greedy_identity --n 200 --max-new-tokens 32 --out DIR
+
+The held-out chat and code prompts of :mod:`specserve.bench.chat_prompts` (code first, then chat, ``--n``
+in all), each rendered with the target's chat template into token ids. The reference is the target loaded
+by plain transformers in float32 (stock kernels and attention: code this project did not write),
+``generate(do_sample=False)``, EOS ignored, batch 1. The system is one ``specserve serve`` process per role
+(:func:`specserve.launch.local.start_process_stack`: coordinator, target on its defaults, the model draft),
+float32 on CPU, and every prompt is sent as token ids, greedy, EOS ignored, in each configuration:
+
+* ``alone``: one request at a time, the automatic speculation policy;
+* ``batched``: ``--concurrency`` requests at a time (each beside seven others), the automatic policy;
+* ``gamma0``, ``gamma1``, ``gamma4``: ``--concurrency`` at a time at that fixed gamma.
+
+A reply that differs is recorded with its first differing position and, at that position, the gap between
+the reference's two largest logits (a near-tie shows as a tiny gap). ``OUT/greedy_identity.json`` is
+rewritten after each configuration; ``OUT/greedy_identity.md`` is the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIGS = {  # name -> (requests at a time, gamma; None: the automatic policy)
+    "batched": (8, None),
+    "gamma4": (8, 4),
+    "gamma1": (8, 1),
+    "gamma0": (8, 0),
+    "alone": (1, None),
+}
+
+
+def prompts(tokenizer: Any, n: int) -> list[tuple[str, list[int]]]:
+    """``n`` held-out prompts (code, then chat) as (name, token ids of the rendered conversation)."""
+    from specserve.bench.chat_prompts import heldout_prompts
+
+    chosen = [*heldout_prompts("code"), *heldout_prompts("chat")][:n]
+    if len(chosen) < n:
+        raise SystemExit(f"only {len(chosen)} held-out prompts exist; ask for at most that many")
+    out = []
+    for p in chosen:
+        text = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False)
+        out.append((p.name, tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+def references(model: Any, items: list[tuple[str, list[int]]], max_new: int) -> list[list[int]]:
+    """Stock ``generate()`` of each prompt: greedy, float32, EOS ignored, batch 1."""
+    from tqdm import tqdm
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=None, pad_token_id=0)
+    out = []
+    for _, ids in tqdm(items, desc="reference generate()", file=sys.stderr):
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            y = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
+        out.append(y[0, len(ids) :].tolist())
+    return out
+
+
+def top2_gap(model: Any, ids: list[int]) -> float:
+    """The reference's largest logit minus its second largest, for the position after ``ids``."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+async def run_config(address: str, items, max_new: int, concurrency: int, gamma: int | None) -> list[list[int]]:
+    import grpc
+
+    from specserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(stub, ids: list[int]) -> list[int]:
+        request = coordinator_pb2.GenerateRequest(
+            sampling=common_pb2.SamplingParams(temperature=0.0),
+            stop=common_pb2.StopConditions(max_new_tokens=max_new, ignore_eos=True),
+            speculation=coordinator_pb2.SpeculationParams(proposer=common_pb2.PROPOSER_KIND_MODEL),
+        )
+        if gamma is not None:
+            request.speculation.gamma = gamma
+        request.tokens.token_ids.extend(ids)
+        tokens: list[int] = []
+        async with limit:
+            async for reply in stub.Generate(request, timeout=1800):
+                if reply.WhichOneof("event") == "chunk":
+                    tokens.extend(reply.chunk.token_ids)
+        return tokens
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        return list(await asyncio.gather(*(one(stub, ids) for _, ids in items)))
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+async def measure(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specserve.engine.models import resolve_model_path
+    from specserve.launch.local import start_process_stack
+    from specserve.launch.redis_server import private_redis
+
+    target = resolve_model_path(args.target, "target")
+    draft = resolve_model_path(args.draft, "draft")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    items = prompts(tokenizer, args.n)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cached = out / "references.json"  # a rerun into the same folder reuses the references it computed
+    key = {"target": target, "prompts": [ids for _, ids in items], "max_new_tokens": args.max_new_tokens}
+    t0 = time.time()
+    if cached.exists() and json.loads(cached.read_text())["key"] == key:
+        refs = json.loads(cached.read_text())["references"]
+    else:
+        refs = references(model, items, args.max_new_tokens)
+        cached.write_text(json.dumps({"key": key, "references": refs}))
+    data: dict[str, Any] = {
+        "command": "python -m specserve.bench.greedy_identity " + " ".join(sys.argv[1:]),
+        "when_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.platform()}, torch {torch.__version__}",
+        "target": target,
+        "draft": draft,
+        "n": len(items),
+        "max_new_tokens": args.max_new_tokens,
+        "reference_s": round(time.time() - t0, 1),
+        "configs": {},
+    }
+    with private_redis(None) as redis_url:
+        stack = await start_process_stack(
+            target_model=target,
+            draft_model=draft,
+            redis_url=redis_url,
+            device="cpu",
+            dtype="float32",
+            coordinator_overrides={"max_sessions_per_client": 1000, "session_rate_per_client": 1e9},
+            target_overrides={"warmup": False},  # warm-up only times; the kernel path is a setting
+            draft_overrides={"warmup": False},
+            start_timeout_s=1800.0,  # a busy machine
+        )
+        try:
+            for name in args.configs.split(","):
+                concurrency, gamma = CONFIGS[name]
+                started = time.time()
+                got = await run_config(stack.address, items, args.max_new_tokens, concurrency, gamma)
+                differ = []
+                for (prompt_name, ids), want, have in zip(items, refs, got, strict=True):
+                    if have != want:
+                        at = _first_difference(have, want)
+                        gap = top2_gap(model, ids + want[:at]) if at < len(want) else None
+                        differ.append({"prompt": prompt_name, "position": at, "reference_top2_gap": gap})
+                data["configs"][name] = {
+                    "concurrency": concurrency,
+                    "gamma": "auto" if gamma is None else gamma,
+                    "identical": len(items) - len(differ),
+                    "tokens": sum(len(g) for g in got),
+                    "seconds": round(time.time() - started, 1),
+                    "differ": differ,
+                }
+                (out / "greedy_identity.json").write_text(json.dumps(data, indent=1))
+                print(name, data["configs"][name]["identical"], "of", len(items), file=sys.stderr)
+        finally:
+            await stack.stop(grace=2.0)
+    (out / "greedy_identity.md").write_text(render(data))
+    return data
+
+
+def render(data: dict) -> str:
+    lines = [
+        "## Greedy identity, the default pair",
+        "",
+        f"Measured {data['when_utc']} ({data['machine']}); one run of:",
+        "",
+        "```",
+        data["command"],
+        "```",
+        "",
+        f"{data['n']} held-out chat and code prompts (`specserve/bench/chat_prompts.py`), "
+        f"{data['max_new_tokens']} tokens each (EOS ignored), through the system (one `specserve serve` process "
+        "per role, float32 on CPU, the target on its defaults, the model draft) against stock transformers "
+        "`generate(do_sample=False)` of the target in float32, batch 1:",
+        "",
+        "| configuration | requests at a time | gamma | token-identical | seconds |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, c in data["configs"].items():
+        lines.append(
+            f"| {name} | {c['concurrency']} | {c['gamma']} | **{c['identical']} of {data['n']}** | {c['seconds']} |"
+        )
+    differ = [(name, d) for name, c in data["configs"].items() for d in c["differ"]]
+    if differ:
+        lines += ["", "Replies that differ (the reference's gap between its two largest logits where they part):", ""]
+        lines += ["| configuration | prompt | first differing token | top-2 logit gap |", "| --- | --- | --- | --- |"]
+        for name, d in differ:
+            gap = "-" if d["reference_top2_gap"] is None else f"{d['reference_top2_gap']:.2e}"
+            lines.append(f"| {name} | `{d['prompt']}` | {d['position']} | {gap} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specserve.bench.harness import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=200, help="held-out prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="a registered model name or a directory")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="a registered model name or a directory")
+    parser.add_argument("--out", default="greedy-identity-out")
+    args = parser.parse_args(argv)
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown configurations {sorted(unknown)}")
+    data = asyncio.run(measure(args))
+    print(render(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
