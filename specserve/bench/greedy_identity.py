@@ -15,9 +15,11 @@ float32 on CPU, and every prompt is sent as token ids, greedy, EOS ignored, in e
 * ``batched``: ``--concurrency`` requests at a time (each beside seven others), the automatic policy;
 * ``gamma0``, ``gamma1``, ``gamma4``: ``--concurrency`` at a time at that fixed gamma.
 
-A reply that differs is recorded with its first differing position and, at that position, the gap between
-the reference's two largest logits (a near-tie shows as a tiny gap). ``OUT/greedy_identity.json`` is
-rewritten after each configuration; ``OUT/greedy_identity.md`` is the report.
+The prompts go in chunks of eight (the references, then every configuration on them), so a run stopped early
+still has complete results for the prompts it did. A reply that differs is recorded with its first differing
+position and, at that position, the gap between the reference's two largest logits (a near-tie shows as a
+tiny gap). ``OUT/greedy_identity.json`` and ``OUT/greedy_identity.md`` (the report) are rewritten after each
+chunk.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+CHUNK = 8  # prompts per step: one batch of eight
 
 CONFIGS = {  # name -> (requests at a time, gamma; None: the automatic policy)
     "batched": (8, None),
@@ -79,7 +83,9 @@ def top2_gap(model: Any, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-async def run_config(address: str, items, max_new: int, concurrency: int, gamma: int | None) -> list[list[int]]:
+async def run_config(
+    address: str, items, max_new: int, concurrency: int, gamma: int | None
+) -> list[list[int]]:
     import grpc
 
     from specserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -123,16 +129,6 @@ async def measure(args: argparse.Namespace) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(target)
     items = prompts(tokenizer, args.n)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cached = out / "references.json"  # a rerun into the same folder reuses the references it computed
-    key = {"target": target, "prompts": [ids for _, ids in items], "max_new_tokens": args.max_new_tokens}
-    t0 = time.time()
-    if cached.exists() and json.loads(cached.read_text())["key"] == key:
-        refs = json.loads(cached.read_text())["references"]
-    else:
-        refs = references(model, items, args.max_new_tokens)
-        cached.write_text(json.dumps({"key": key, "references": refs}))
     data: dict[str, Any] = {
         "command": "python -m specserve.bench.greedy_identity " + " ".join(sys.argv[1:]),
         "when_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -140,10 +136,23 @@ async def measure(args: argparse.Namespace) -> dict:
         "target": target,
         "draft": draft,
         "n": len(items),
+        "done": 0,
         "max_new_tokens": args.max_new_tokens,
-        "reference_s": round(time.time() - t0, 1),
-        "configs": {},
+        "reference_s": 0.0,
+        "configs": {
+            name: {
+                "concurrency": CONFIGS[name][0],
+                "gamma": "auto" if CONFIGS[name][1] is None else CONFIGS[name][1],
+                "identical": 0,
+                "tokens": 0,
+                "seconds": 0.0,
+                "differ": [],
+            }
+            for name in args.configs.split(",")
+        },
     }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     with private_redis(None) as redis_url:
         stack = await start_process_stack(
             target_model=target,
@@ -157,26 +166,31 @@ async def measure(args: argparse.Namespace) -> dict:
             start_timeout_s=1800.0,  # a busy machine
         )
         try:
-            for name in args.configs.split(","):
-                concurrency, gamma = CONFIGS[name]
-                started = time.time()
-                got = await run_config(stack.address, items, args.max_new_tokens, concurrency, gamma)
-                differ = []
-                for (prompt_name, ids), want, have in zip(items, refs, got, strict=True):
-                    if have != want:
+            # In chunks of CHUNK prompts: the references, then every configuration; the JSON after each chunk
+            # holds complete results for the prompts done so far.
+            for first in range(0, len(items), CHUNK):
+                chunk = items[first : first + CHUNK]
+                t0 = time.time()
+                refs = references(model, chunk, args.max_new_tokens)
+                data["reference_s"] = round(data["reference_s"] + time.time() - t0, 1)
+                for name, c in data["configs"].items():
+                    concurrency, gamma = CONFIGS[name]
+                    started = time.time()
+                    got = await run_config(stack.address, chunk, args.max_new_tokens, concurrency, gamma)
+                    for (prompt_name, ids), want, have in zip(chunk, refs, got, strict=True):
+                        if have == want:
+                            c["identical"] += 1
+                            continue
                         at = _first_difference(have, want)
                         gap = top2_gap(model, ids + want[:at]) if at < len(want) else None
-                        differ.append({"prompt": prompt_name, "position": at, "reference_top2_gap": gap})
-                data["configs"][name] = {
-                    "concurrency": concurrency,
-                    "gamma": "auto" if gamma is None else gamma,
-                    "identical": len(items) - len(differ),
-                    "tokens": sum(len(g) for g in got),
-                    "seconds": round(time.time() - started, 1),
-                    "differ": differ,
-                }
+                        c["differ"].append({"prompt": prompt_name, "position": at, "reference_top2_gap": gap})
+                    c["tokens"] += sum(len(g) for g in got)
+                    c["seconds"] = round(c["seconds"] + time.time() - started, 1)
+                data["done"] += len(chunk)
                 (out / "greedy_identity.json").write_text(json.dumps(data, indent=1))
-                print(name, data["configs"][name]["identical"], "of", len(items), file=sys.stderr)
+                (out / "greedy_identity.md").write_text(render(data))
+                summary = {name: c["identical"] for name, c in data["configs"].items()}
+                print(f"{data['done']} prompts: identical {summary}", file=sys.stderr, flush=True)
         finally:
             await stack.stop(grace=2.0)
     (out / "greedy_identity.md").write_text(render(data))
@@ -193,22 +207,34 @@ def render(data: dict) -> str:
         data["command"],
         "```",
         "",
-        f"{data['n']} held-out chat and code prompts (`specserve/bench/chat_prompts.py`), "
+        f"{data['done']} held-out chat and code prompts (`specserve/bench/chat_prompts.py`), "
         f"{data['max_new_tokens']} tokens each (EOS ignored), through the system (one `specserve serve` process "
         "per role, float32 on CPU, the target on its defaults, the model draft) against stock transformers "
         "`generate(do_sample=False)` of the target in float32, batch 1:",
         "",
+        *(
+            [f"(The run was stopped after {data['done']} of the {data['n']} prompts it was asked for.)", ""]
+            if data["done"] < data["n"]
+            else []
+        ),
         "| configuration | requests at a time | gamma | token-identical | seconds |",
         "| --- | --- | --- | --- | --- |",
     ]
     for name, c in data["configs"].items():
         lines.append(
-            f"| {name} | {c['concurrency']} | {c['gamma']} | **{c['identical']} of {data['n']}** | {c['seconds']} |"
+            f"| {name} | {c['concurrency']} | {c['gamma']} | **{c['identical']} of {data['done']}** | {c['seconds']} |"
         )
     differ = [(name, d) for name, c in data["configs"].items() for d in c["differ"]]
     if differ:
-        lines += ["", "Replies that differ (the reference's gap between its two largest logits where they part):", ""]
-        lines += ["| configuration | prompt | first differing token | top-2 logit gap |", "| --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "Replies that differ (the reference's gap between its two largest logits where they part):",
+            "",
+        ]
+        lines += [
+            "| configuration | prompt | first differing token | top-2 logit gap |",
+            "| --- | --- | --- | --- |",
+        ]
         for name, d in differ:
             gap = "-" if d["reference_top2_gap"] is None else f"{d['reference_top2_gap']:.2e}"
             lines.append(f"| {name} | `{d['prompt']}` | {d['position']} | {gap} |")
@@ -221,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=200, help="held-out prompts")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}"
+    )
     parser.add_argument("--target", default=DEFAULT_TARGET, help="a registered model name or a directory")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="a registered model name or a directory")
     parser.add_argument("--out", default="greedy-identity-out")

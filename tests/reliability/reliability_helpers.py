@@ -130,10 +130,10 @@ def _child_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def start_role(role: str, flags: Mapping[str, Any], *, log_dir: Path) -> RoleProcess:
-    """Start ``python -m specserve.launch.cli serve ROLE`` on a free loopback port with ``flags``
-    (``{"redis_url": ..., "model": ...}``)."""
-    port = free_port()
+def start_role(role: str, flags: Mapping[str, Any], *, log_dir: Path, port: int | None = None) -> RoleProcess:
+    """Start ``python -m specserve.launch.cli serve ROLE`` on ``port`` (default: a free loopback port) with
+    ``flags`` (``{"redis_url": ..., "model": ...}``)."""
+    port = port or free_port()
     args = [sys.executable, "-m", "specserve.launch.cli", *serve_argv(role, port, flags)]
     log_path = log_dir / f"{role}-{port}.log"
     with open(log_path, "wb") as log_file:
@@ -177,10 +177,13 @@ class RoleLauncher:
                 )
             self._ready = True
 
-    def start(self, role: str, flags: Mapping[str, Any]) -> RoleProcess:
+    def start(self, role: str, flags: Mapping[str, Any], port: int | None = None) -> RoleProcess:
+        """``serve ROLE`` on ``port`` (default: a free one; a killed role's port to restart it there)."""
         self._wait_ready()
-        port = free_port()
+        port = port or free_port()
         log_path = self.log_dir / f"{role}-{port}.log"
+        if log_path.exists():
+            log_path = self.log_dir / f"{role}-{port}-{free_port()}.log"
         request = {"argv": serve_argv(role, port, flags), "log": str(log_path)}
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
@@ -198,13 +201,13 @@ class RoleLauncher:
         self._stderr.close()
 
 
-def role_starter(request: Any, tmp_path_factory: Any) -> Callable[[str, Mapping[str, Any]], RoleProcess]:
+def role_starter(request: Any, tmp_path_factory: Any) -> Callable[..., RoleProcess]:
     """How a test module starts ``specserve serve`` roles: forked from the pre-imported launcher
     (``role_launcher``), or with ``SPECSERVE_TEST_FORK_ROLES=0`` as ``python -m specserve.launch.cli serve ...``."""
     if fork_roles():
         return request.getfixturevalue("role_launcher").start
     log_dir = tmp_path_factory.mktemp("role-logs")
-    return lambda role, flags: start_role(role, flags, log_dir=log_dir)
+    return lambda role, flags, port=None: start_role(role, flags, log_dir=log_dir, port=port)
 
 
 @contextlib.contextmanager
