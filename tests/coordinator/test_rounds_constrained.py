@@ -10,8 +10,9 @@ tiny float32 models with a real byte-level BPE tokenizer (docs/design.md, "Const
   each), through the real stack with the model draft at gamma 2 and the forced-text proposer; the joint
   of the completion's tokens is compared with the masked target distribution computed by enumeration
   (each prefix's target logits masked by the grammar there, then ``logits_to_probs``) by a Pearson
-  chi-square test, cells of expected count < 5 merged, alpha = 0.001. The same test rejects a target that
-  does not mask p (the draft alone masks q): it samples outside the grammar.
+  chi-square test, cells of expected count < 5 merged, alpha = 0.001. It passes with a draft that does not
+  mask q as well (exactness does not depend on the draft's mask), and rejects a target that does not mask
+  p (the draft alone masks q): that samples outside the grammar.
 """
 
 from __future__ import annotations
@@ -184,6 +185,20 @@ async def test_the_joint_at_t07_is_the_masked_target_distribution(stack, exact):
     print(f"chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
     assert p > ALPHA, f"chi-square {stat:.1f} on {cells} cells, p = {p:.2e}"
     assert _forced_proposals() > forced_before  # the forced text drafted (e.g. "es" after "y")
+
+
+async def test_an_unmasked_draft_keeps_the_joint(stack, exact, monkeypatch):
+    """The draft's grammar switched off (its proposals leave the grammar and are rejected there): the same
+    test passes, as exactness rests on the target's mask alone."""
+    prompt, joint = exact
+    proposer = stack.draft.engine.proposers[MODEL]
+    monkeypatch.setattr(proposer, "grammars", None)
+    observed = await sample_choice(stack, prompt)
+    outside = [seq for seq in observed if seq not in joint]
+    assert not outside, f"sampled completions the masked target gives probability 0: {outside}"
+    stat, p, cells = sf.merged_chi_square(observed, joint)
+    print(f"unmasked draft: chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
+    assert p > ALPHA, f"chi-square {stat:.1f} on {cells} cells, p = {p:.2e}"
 
 
 async def test_the_same_test_rejects_a_target_that_does_not_mask_p(stack, exact, monkeypatch):
