@@ -3,7 +3,7 @@ place (:mod:`specserve.engine.attention`), what a pass over k positions costs, a
 
 Run (one run, one machine; docs/benchmarks/attention.md comes from it)::
 
-    python -m specserve.bench.attention --out docs/benchmarks
+    specserve bench attention --out docs/benchmarks
 
 Two copies of the target in this process, on the same linear kernels
 (``--kernels``, the target service's path), one on transformers' SDPA attention
@@ -21,18 +21,18 @@ and one on :func:`specserve.engine.attention.grouped_sdpa`:
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from specserve.bench import markdown as md
 from specserve.bench.costs import random_context, time_pass
-from specserve.bench.harness import DEFAULT_TARGET, _run_header
-from specserve.bench.kernels import add_pass_arguments, greedy_outputs, write_report
+from specserve.bench.kernels import greedy_outputs
+from specserve.bench.options import AttentionOptions
 from specserve.bench.pair import forward, prefilled
+from specserve.bench.runner import Header
 
 COPIES = ("sdpa", "grouped")
 
@@ -57,7 +57,7 @@ def _same_bits(models: dict, context: list[int], k: int) -> bool:
     return torch.equal(logits[0], logits[1])
 
 
-def measure(args: argparse.Namespace) -> dict:
+def measure(args: AttentionOptions) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     loaded = _copies(args.target, args.kernels)
@@ -88,7 +88,7 @@ def measure(args: argparse.Namespace) -> dict:
     models = {name: m.model for name, m in loaded.items()}
     greedy = greedy_outputs(models, loaded["sdpa"].tokenizer, args.prompts, args.max_new_tokens)
     return {
-        **_run_header(args),
+        **Header.of(args).to_json(),
         "kernels": args.kernels,
         "settings": {"pairs": args.pairs, "threads": args.threads},
         "pass_ms": passes,
@@ -108,8 +108,7 @@ def render(data: dict) -> str:
         f"{data['machine']['torch']}), target `{Path(data['target']).name}` in float32, linear kernels "
         f"`{data['kernels']}`; one run of:",
         "",
-        f"```\n{data['command']}\n```",
-        "",
+        *md.command_block(data["command"]),
         "One target pass over k new positions after the context, warm KV cache, batch 1: "
         f"{s['pairs']} pairs of timings per k, one pass of each copy back to back, the order alternating; ms "
         "are medians, 'grouped / SDPA' the median of the pairs' ratios (slow drift cancels out of a pair). A "
@@ -120,39 +119,22 @@ def render(data: dict) -> str:
     ]
     for length, per in data["pass_ms"].items():
         sdpa, grouped = per["sdpa"], per["grouped"]
-        lines += [
-            f"## Context {length} tokens",
-            "",
-            "| k | transformers' SDPA ms | grouped in place ms | grouped / SDPA | same bits |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for k in sdpa:
-            bits = "yes" if data["same_bits"][length][k] else "**no**"
-            ratio = data["pair_ratio"][length][k]
-            lines.append(f"| {k} | {sdpa[k]:.1f} | {grouped[k]:.1f} | {ratio:.3f} | {bits} |")
-        lines.append("")
-    same = sum(g["identical"] for g in data["greedy"])
-    lines += [
-        f"Greedy output, HF `generate()` of {len(data['greedy'])} held-out chat and code prompts, "
-        f"{data['max_new_tokens']} tokens each (EOS ignored): **{same} of {len(data['greedy'])} token-identical** "
-        "between the two copies.",
-        "",
-    ]
+        header = ("k", "transformers' SDPA ms", "grouped in place ms", "grouped / SDPA", "same bits")
+        cells = [
+            (k, f"{sdpa[k]:.1f}", f"{grouped[k]:.1f}", f"{data['pair_ratio'][length][k]:.3f}",
+             "yes" if data["same_bits"][length][k] else "**no**")
+            for k in sdpa
+        ]  # fmt: skip
+        lines += [f"## Context {length} tokens", "", *md.table(header, cells), ""]
+    _, greedy = md.greedy_line(data["greedy"], data["max_new_tokens"], "")
+    lines += [greedy + " between the two copies.", ""]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.attention", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--kernels", default="onednn", choices=["stock", "onednn"])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--pairs", type=int, default=30, help="pairs of timings (one pass of each copy) per k")
-    add_pass_arguments(parser, prompts=3, max_new_tokens=48)
-    args = parser.parse_args(argv)
-    args.command = "python -m specserve.bench.attention " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_report(args.out, "attention", render=render, data=measure(args))
+def main(opts: AttentionOptions) -> int:
+    """``specserve bench attention``: ``<out>/attention.json`` and ``attention.md``."""
+    opts.threads = opts.threads or torch.get_num_threads()
+    data = measure(opts)
+    print(render(data))
+    md.write(opts.out, "attention", render(data), data)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

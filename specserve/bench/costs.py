@@ -17,14 +17,13 @@ The speculation bound these costs predict is the coordinator's own cost model
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, replace
 
 import torch
 
 from coordinator.cost_model import predicted_speedup as cost_model_speedup
 from specserve.bench.pair import forward, prefilled
+from specserve.bench.timing import Laps
 
 
 @dataclass
@@ -50,15 +49,14 @@ def random_context(model, length: int):
 def time_pass(model, cache, k: int, repeats: int, *, warmup: int = 3) -> float:
     """ms of one pass over ``k`` new positions after ``cache`` (left as it was): the median of ``repeats``
     timings after ``warmup`` untimed ones."""
-    times = []
+    laps = Laps(warmup)
     ids = torch.randint(0, model.config.vocab_size, (k,)).tolist()
     with torch.inference_mode():
-        for _ in range(repeats + warmup):
-            start = time.perf_counter()
-            forward(model, ids, cache)
-            times.append(time.perf_counter() - start)
+        for _ in laps.rounds(repeats):
+            with laps.time("pass"):
+                forward(model, ids, cache)
             cache.crop(-k)
-    return 1000.0 * statistics.median(times[warmup:])
+    return laps.median_ms("pass")
 
 
 def time_draft_after_target(target, t_cache, draft, d_cache, repeats: int, draft_threads: int) -> float:
@@ -68,21 +66,20 @@ def time_draft_after_target(target, t_cache, draft, d_cache, repeats: int, draft
     threads = torch.get_num_threads()
     t_ids = torch.randint(0, target.config.vocab_size, (1,)).tolist()
     d_ids = torch.randint(0, draft.config.vocab_size, (1,)).tolist()
-    times = []
+    laps = Laps(warmup=3)
     with torch.inference_mode():
         try:
-            for _ in range(repeats + 3):
+            for _ in laps.rounds(repeats):
                 forward(target, t_ids, t_cache)
                 t_cache.crop(-1)
                 torch.set_num_threads(draft_threads)
-                start = time.perf_counter()
-                forward(draft, d_ids, d_cache)
-                times.append(time.perf_counter() - start)
+                with laps.time("draft"):
+                    forward(draft, d_ids, d_cache)
                 d_cache.crop(-1)
                 torch.set_num_threads(threads)
         finally:
             torch.set_num_threads(threads)
-    return 1000.0 * statistics.median(times[3:])
+    return laps.median_ms("draft")
 
 
 def measure_costs(

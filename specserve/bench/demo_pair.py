@@ -2,7 +2,7 @@
 
 Run::
 
-    python -m specserve.bench.demo_pair --target models/specserve-demo-target --draft models/specserve-demo-draft
+    specserve bench demo-pair --target models/specserve-demo-target --draft models/specserve-demo-draft
 
 Everything runs in float32, batch 1, on the CPU (``--threads``, default 2). It
 measures, on the held-out files named in ``<target>/heldout_files.json``:
@@ -26,23 +26,21 @@ It prints a table and writes JSON (``--json``).
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
 import platform
-import statistics
-import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
+from specserve.bench.options import DemoPairOptions
 from specserve.bench.pair import forward as _fwd
 from specserve.bench.pair import load_pair
 from specserve.bench.prompts import heldout_files
+from specserve.bench.timing import Laps, Stopwatch
 
 
 def heldout_texts(model_dir: str | Path) -> list[tuple[str, str]]:
@@ -186,25 +184,19 @@ def step_costs(target, draft, gamma: int, context: int, steps: int, warmup: int,
     _fwd(target, ids, tc)
     _fwd(draft, ids, dc)
     tok = torch.randint(0, target.config.vocab_size, (steps + warmup, gamma + 1), generator=g).tolist()
-    t_step, d_step, t_verify = [], [], []
-    for i in range(steps + warmup):
-        t0 = time.perf_counter()
-        _fwd(draft, tok[i][:1], dc)
-        t1 = time.perf_counter()
-        _fwd(target, tok[i][:1], tc)
-        t2 = time.perf_counter()
-        _fwd(target, tok[i], tc)
-        t3 = time.perf_counter()
+    laps = Laps(warmup)
+    for i in laps.rounds(steps):
+        with laps.time("draft"):
+            _fwd(draft, tok[i][:1], dc)
+        with laps.time("target"):
+            _fwd(target, tok[i][:1], tc)
+        with laps.time("verify"):
+            _fwd(target, tok[i], tc)
         tc.crop(-(gamma + 1))
-        if i >= warmup:
-            d_step.append(t1 - t0)
-            t_step.append(t2 - t1)
-            t_verify.append(t3 - t2)
-    ms = lambda xs: 1000 * statistics.median(xs)  # noqa: E731
     out = {
-        "target_step_ms": ms(t_step),
-        "draft_step_ms": ms(d_step),
-        f"target_verify_{gamma + 1}_ms": ms(t_verify),
+        "target_step_ms": laps.median_ms("target"),
+        "draft_step_ms": laps.median_ms("draft"),
+        f"target_verify_{gamma + 1}_ms": laps.median_ms("verify"),
         "steps": steps,
         "warmup": warmup,
         "context_tokens": context,
@@ -220,13 +212,12 @@ def greedy_acceptance(target, draft, prompts, gamma: int, max_new: int, eos_id: 
     t_spec = t_ref = 0.0
     per_prompt = []
     for rel, p in prompts:
-        t0 = time.perf_counter()
-        ref = target_greedy(target, p, max_new, eos_id)
-        t1 = time.perf_counter()
-        new, st = speculative_greedy(target, draft, p, max_new, gamma, eos_id)
-        t2 = time.perf_counter()
-        t_ref += t1 - t0
-        t_spec += t2 - t1
+        with Stopwatch() as ref_sw:
+            ref = target_greedy(target, p, max_new, eos_id)
+        with Stopwatch() as spec_sw:
+            new, st = speculative_greedy(target, draft, p, max_new, gamma, eos_id)
+        t_ref += ref_sw.seconds
+        t_spec += spec_sw.seconds
         same = new == ref
         mismatches += not same
         proposed += st["proposed"]
@@ -259,33 +250,19 @@ def greedy_acceptance(target, draft, prompts, gamma: int, max_new: int, eos_id: 
     }
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="models/specserve-demo-target")
-    ap.add_argument("--draft", default="models/specserve-demo-draft")
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts for (a)")
-    ap.add_argument("--prompt-len", type=int, default=96)
-    ap.add_argument("--max-new", type=int, default=96)
-    ap.add_argument("--windows", type=int, default=32, help="held-out windows for (b), (c)")
-    ap.add_argument("--window-len", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=200, help="timed decode steps for (d)")
-    ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--context", type=int, default=128, help="KV cache length before timing (d)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default="demo_pair_bench.json", help="where to write the JSON results")
-    args = ap.parse_args(argv)
+def main(args: DemoPairOptions) -> int:
+    """``specserve bench demo-pair``: the figures, printed and written to ``--json``."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    t0 = time.perf_counter()
-    tok, target, draft = load_pair(args.target, args.draft)
-    load_s = time.perf_counter() - t0
+    with Stopwatch() as load_sw:
+        tok, target, draft = load_pair(args.target, args.draft)
+    load_s = load_sw.seconds
     texts = heldout_texts(args.target)
     prompts = prompts_from(texts, tok, args.prompts, args.prompt_len, args.max_new)
 
     res: dict = {
-        "command": "python -m specserve.bench.demo_pair " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": args.command,
         "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}), "
         f"torch {torch.__version__}, {args.threads} threads, float32, batch 1",
@@ -297,7 +274,7 @@ def main(argv=None) -> dict:
         "load_s": load_s,
         "heldout_files": len(texts),
         "prompt_len": args.prompt_len,
-        "args": vars(args),
+        "args": args.settings(),
     }
     res["greedy"] = greedy_acceptance(target, draft, prompts, args.gamma, args.max_new, tok.eos_token_id)
     res["teacher_forced"] = teacher_forced(target, draft, texts, tok, args.windows, args.window_len)
@@ -347,10 +324,6 @@ def main(argv=None) -> dict:
     for name, val, note in rows:
         print(f"{name:<{w}}  {val:>14}  {note}")
     print("requirements:", res["requirements"])
-    Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    args.json.write_text(json.dumps(res, indent=2) + "\n")
     print("wrote", args.json)
-    return res
-
-
-if __name__ == "__main__":
-    main()
+    return 0

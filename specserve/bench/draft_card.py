@@ -2,7 +2,7 @@
 
 Run (the figures in ``specserve/models/specserve-smollm2-draft/README.md`` come from this)::
 
-    python -m specserve.bench.draft_card --json specserve/models/specserve-smollm2-draft/card.json
+    specserve bench draft-card --json specserve/models/specserve-smollm2-draft/card.json
 
 In float32 on the CPU (``--threads``, default 2), batch 1, on the held-out
 prompts of :mod:`specserve.bench.chat_prompts` (subjects never seen in training), chat
@@ -30,20 +30,19 @@ template applied:
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import platform
-import statistics
-import time
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import specserve.engine.draft_model  # noqa: F401  (registers the draft's model type)
 from specserve.api.params import SamplingParams
+from specserve.bench import markdown as md
 from specserve.bench.chat_prompts import heldout_prompts
+from specserve.bench.options import DraftCardOptions
+from specserve.bench.timing import Laps
 from specserve.core.proposal import DraftProposal
 from specserve.core.rng import Purpose, uniform
 from specserve.core.sampling import check_distribution, logits_to_probs, sample_from
@@ -174,37 +173,30 @@ def step_costs(target, draft, *, context: int, steps: int, warmup: int, max_k: i
     tc, dc = DynamicCache(config=target.config), DynamicCache(config=draft.config)
     _fwd(target, ids, tc)
     _fwd(draft, ids, dc)
-    d_step: list[float] = []
-    passes: dict[int, list[float]] = {k: [] for k in range(1, max_k + 1)}
-    for i in range(steps + warmup):
+    laps = Laps(warmup)
+    ks = range(1, max_k + 1)
+    for _ in laps.rounds(steps):
         toks = torch.randint(0, vocab, (max_k,), generator=g).tolist()
-        t0 = time.perf_counter()
-        _fwd(draft, toks[:1], dc)
-        t1 = time.perf_counter()
+        with laps.time("draft"):
+            _fwd(draft, toks[:1], dc)
         dc.crop(-1)
-        for k in range(1, max_k + 1):
-            s = time.perf_counter()
-            _fwd(target, toks[:k], tc)
-            e = time.perf_counter()
+        for k in ks:
+            with laps.time(str(k)):
+                _fwd(target, toks[:k], tc)
             tc.crop(-k)
-            if i >= warmup:
-                passes[k].append(e - s)
-        if i >= warmup:
-            d_step.append(t1 - t0)
-    ms = lambda xs: 1000 * statistics.median(xs)  # noqa: E731
-    target_step = ms(passes[1])
+    target_step, draft_step = laps.median_ms("1"), laps.median_ms("draft")
     return {
         "target_step_ms": target_step,
-        "draft_step_ms": ms(d_step),
-        "target_over_draft_step": target_step / ms(d_step),
-        "verify_k_over_target_step": {k: ms(v) / target_step for k, v in passes.items()},
-        "verify_k_ms": {k: ms(v) for k, v in passes.items()},
+        "draft_step_ms": draft_step,
+        "target_over_draft_step": target_step / draft_step,
+        "verify_k_over_target_step": {k: laps.median_ms(str(k)) / target_step for k in ks},
+        "verify_k_ms": {k: laps.median_ms(str(k)) for k in ks},
         "context_tokens": context,
         "steps": steps,
     }
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: DraftCardOptions) -> dict:
     from specserve.engine.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
@@ -220,7 +212,7 @@ def run(args: argparse.Namespace) -> dict:
         "target": str(target_dir),
         "draft": str(draft_dir),
         "dtype": "float32",
-        "command": "python -m specserve.bench.draft_card " + " ".join(args.argv),
+        "command": args.command,
     }
     result["costs"] = step_costs(target, draft, context=args.context, steps=args.cost_steps, warmup=5)
     print(json.dumps(result["costs"], indent=1), flush=True)
@@ -294,13 +286,12 @@ def render_card(card: dict, meta: dict, name: str = "specserve-smollm2-draft") -
         f"  {first['top1_agreement']:.3f} -> {last['top1_agreement']:.3f}; the head covers {meta['heldout_top1_coverage']:.1%}",
         "  of the target's held-out top-1 tokens (the cap on agreement).",
         "",
-        "| step | minutes | held-out loss | held-out KL | held-out top-1 agreement |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for h in history:
-        lines.append(
-            f"| {h['step']} | {h['time_s'] / 60:.0f} | {h['loss']:.3f} | {h['kl']:.3f} | {h['top1_agreement']:.3f} |"
-        )
+        *md.table(
+            ("step", "minutes", "held-out loss", "held-out KL", "held-out top-1 agreement"),
+            ((h["step"], f"{h['time_s'] / 60:.0f}", f"{h['loss']:.3f}", f"{h['kl']:.3f}", f"{h['top1_agreement']:.3f}")
+             for h in history),
+        ),
+    ]  # fmt: skip
     lines += [
         "",
         "## Acceptance and cost (held-out prompts, float32, batch 1)",
@@ -310,18 +301,18 @@ def render_card(card: dict, meta: dict, name: str = "specserve-smollm2-draft") -
         "exactly on the target's greedy continuation, T=0.7 rounds are real speculative sampling with",
         "specserve's own sampler and verifier.",
         "",
-        "| gamma | chat, T=0 | code, T=0 | chat, T=0.7 | code, T=0.7 |",
-        "| --- | --- | --- | --- | --- |",
     ]
 
     def acc(kind: str, mode: str, g: str) -> str:
         row = card[kind][mode].get(g)
         return f"{row['acceptance']:.3f}" if row else "-"
 
-    for g in sorted({*card["chat"]["greedy"], *card["chat"]["t0.7"]}, key=int):
-        lines.append(
-            f"| {g} | {acc('chat', 'greedy', g)} | {acc('code', 'greedy', g)} | {acc('chat', 't0.7', g)} | {acc('code', 't0.7', g)} |"
-        )
+    gammas = sorted({*card["chat"]["greedy"], *card["chat"]["t0.7"]}, key=int)
+    lines += md.table(
+        ("gamma", "chat, T=0", "code, T=0", "chat, T=0.7", "code, T=0.7"),
+        ((g, acc("chat", "greedy", g), acc("code", "greedy", g), acc("chat", "t0.7", g), acc("code", "t0.7", g))
+         for g in gammas),
+    )  # fmt: skip
     c, k = card["chat"], card["code"]
     lines += [
         "",
@@ -355,49 +346,23 @@ def render_card(card: dict, meta: dict, name: str = "specserve-smollm2-draft") -
         f"python scripts/distill_draft.py train --steps {meta['step']} --lr {args['lr']}   # resumable",
         "python scripts/distill_draft.py export",
         f"{card['command']}",
-        "python -m specserve.bench.draft_card --render specserve/models/specserve-smollm2-draft   # this README",
+        "specserve bench draft-card --render specserve/models/specserve-smollm2-draft   # this README",
         "```",
         "",
     ]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=None, help="default: the registered default target")
-    ap.add_argument("--draft", default=None, help="default: the registered default draft")
-    ap.add_argument("--prompts", type=int, default=40, help="held-out prompts per set (greedy)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--sampled-prompts", type=int, default=12)
-    ap.add_argument("--sampled-tokens", type=int, default=64)
-    ap.add_argument("--sampled-gammas", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--cost-steps", type=int, default=40)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument(
-        "--render",
-        type=Path,
-        default=None,
-        metavar="DRAFT_DIR",
-        help="measure nothing: write DRAFT_DIR/README.md from DRAFT_DIR/card.json and training_meta.json",
-    )
-    args = ap.parse_args(argv)
-    args.argv = argv
-    if args.render is not None:
-        card = json.loads((args.render / "card.json").read_text())
-        meta = json.loads((args.render / "training_meta.json").read_text())
-        (args.render / "README.md").write_text(render_card(card, meta, args.render.name))
-        print(f"wrote {args.render / 'README.md'}")
-        return card
-    result = run(args)
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    return result
-
-
-if __name__ == "__main__":
-    main()
+def main(opts: DraftCardOptions) -> int:
+    """``specserve bench draft-card``: the figures (to ``--json``), or with ``--render DRAFT_DIR`` the model
+    card from them."""
+    if opts.render is not None:
+        card = json.loads((opts.render / "card.json").read_text())
+        meta = json.loads((opts.render / "training_meta.json").read_text())
+        path = md.write(opts.render, "README", render_card(card, meta, opts.render.name))
+        print(f"wrote {path}")
+        return 0
+    result = run(opts)
+    if opts.json is not None:
+        md.write_json(opts.json, result)
+    return 0

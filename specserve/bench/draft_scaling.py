@@ -1,6 +1,6 @@
 """How the draft tier scales with concurrent sessions, with draft batching on and off.
 
-``python -m specserve.bench.harness --draft-scaling`` (or ``specserve bench --draft-scaling``)
+``specserve bench draft-scaling``
 starts a stack like ``specserve up`` (one process per role, as in a deployment,
 so the draft, the target and the coordinator share no GIL) once per setting:
 
@@ -12,7 +12,7 @@ so the draft, the target and the coordinator share no GIL) once per setting:
   another on the draft's model thread (the tier before batching).
 
 For each count of concurrent sessions (1, 2, 4, 8, 16, 32 by default) it runs
-that many generations at once (greedy, a fixed gamma, ``--scaling-max-new-tokens``
+that many generations at once (greedy, a fixed gamma, ``--max-new-tokens``
 tokens each, EOS ignored, held-out code prompts) and reads from the
 ``GenerationStats`` every client gets: draft ms per round (``draft_ns /
 rounds``: the Propose call as the round saw it, batching wait included),
@@ -20,7 +20,7 @@ verify ms per round (``verify_ns / rounds``) and queue ms per round; and
 the throughput, committed tokens over the wall-clock time of the whole group.
 The draft's batches and the proposals they held come from its ``/metrics``
 (``specserve_draft_batch_size``'s count and sum). Each point is measured
-``--scaling-repeats`` times after one warm-up group;
+``--repeats`` times after one warm-up group;
 the JSON keeps every repeat, the table their medians.
 
 Writes ``<out>/draft_scaling.json``, and ``specserve.bench.report`` renders it as
@@ -31,10 +31,16 @@ the full report whenever that is rendered.
 from __future__ import annotations
 
 import asyncio
+import platform
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specserve.bench.options import DraftScalingOptions
+from specserve.bench.timing import Stopwatch, timed_stream
 
 SESSIONS = (1, 2, 4, 8, 16, 32)
 
@@ -70,13 +76,11 @@ async def _group(client, prompts: list[list[int]], n: int, gamma: int, max_new: 
             ignore_eos=True,
             gamma=gamma,
         )
-        async for _ in stream:
-            pass
-        return stream.stats
+        return (await timed_stream(stream)).stats
 
-    start = time.perf_counter()
-    results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
-    return time.perf_counter() - start, results
+    with Stopwatch() as sw:
+        results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+    return sw.seconds, results
 
 
 def _draft_batches(metrics_url: str) -> tuple[int, int]:
@@ -202,3 +206,37 @@ def summarize(runs: list[ScalingRun]) -> list[dict]:
 
 def to_json(runs: list[ScalingRun], settings: dict) -> dict:
     return {"settings": settings, "runs": [asdict(r) for r in runs], "summary": summarize(runs)}
+
+
+async def measure_for(opts: DraftScalingOptions) -> dict:
+    """``specserve bench draft-scaling``: every point on 8 held-out code prompts, with the run's settings."""
+    from transformers import AutoTokenizer
+
+    from specserve.bench.runner import code_prompts_for, now_utc, stack_of
+
+    tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
+    named, heldout_ok = code_prompts_for(opts, tokenizer, 8)
+    sessions = tuple(opts.sessions)
+    with tqdm(total=2 * len(sessions) * opts.repeats, desc="draft scaling", unit="point") as bar:
+        runs = await measure(
+            **stack_of(opts),
+            prompts=[ids for _, ids in named],
+            sessions=sessions,
+            progress=bar.update,
+            **opts.pick("gamma", "max_new_tokens", "repeats", "draft_batch"),
+        )
+    settings = {
+        "command": opts.command,
+        "date_utc": now_utc(),
+        "platform": platform.platform(),
+        "cpus": torch.get_num_threads(),
+        "target": opts.target,
+        "draft": opts.draft,
+        "heldout_prompts": heldout_ok,
+        "sessions": list(sessions),
+        "gamma": opts.gamma,
+        "max_new_tokens": opts.max_new_tokens,
+        "repeats": opts.repeats,
+        "draft_batch": opts.draft_batch,
+    }
+    return to_json(runs, settings)

@@ -1,117 +1,80 @@
-"""The benchmark harness: every figure of the report from one run on one machine.
+"""The harness's modes through the stack under test: single stream, the load sweep and the full run.
 
-``python -m specserve.bench.harness`` (or ``specserve bench``) measures, side by side:
+``specserve bench all`` (:func:`bench_all`) measures, side by side, every figure of the report
+(docs/benchmarks/README.md) in one run on one machine:
 
-1. **Single stream** on held-out prompt sets (``--prompt-sets``; for a chat
-   pair such as the default SmolLM2 pair: held-out chat questions, held-out code
-   requests, and ``copy``, requests whose answer repeats code given in the
-   prompt), greedy and temperature 0.7: Hugging Face ``generate()`` of the
-   target alone, Hugging Face assisted generation (``assistant_model=`` the
-   draft), Hugging Face prompt-lookup decoding (``prompt_lookup_num_tokens=8``),
-   and specserve through the whole gRPC path with gamma = 0, fixed gamma in
-   {1, 2, 4, 8}, the n-gram proposer and the adaptive policy (with the draft
-   model, and with the n-gram proposer). Wall-clock per committed token, time
-   to first token.
-2. **Under load**: open-loop Poisson arrivals at several rates for gamma = 0,
-   the best fixed gamma and adaptive: throughput, TTFT and inter-token latency
-   p50/p99, queue delay, target forward passes and positions (the accelerator
-   work), accepted tokens and wasted proposals.
-3. **The bound**: the cost model's predicted speedup per gamma from the
-   measured acceptance and measured draft / verify costs, and measured /
-   predicted as the implementation's efficiency.
-4. **Sampling modes** (``--sampling-modes``): acceptance and ms/token of the
-   coupled mode against the optimal one at temperatures 0.7 and 1.0, and the
-   verdict on the default (:mod:`specserve.bench.sampling_modes`).
-   ``--only-sampling-modes`` runs this phase alone and writes
-   ``<out>/sampling_modes.json`` and ``<out>/sampling_modes.md`` instead::
+1. **Single stream** on held-out prompt sets (``--prompt-sets``; for a chat pair such as the default SmolLM2
+   pair: held-out chat questions, held-out code requests, and ``copy``, requests whose answer repeats code
+   given in the prompt), greedy and temperature 0.7: Hugging Face ``generate()`` of the target alone, Hugging
+   Face assisted generation (``assistant_model=`` the draft), Hugging Face prompt-lookup decoding, and
+   specserve through the whole gRPC path in every mode of :mod:`specserve.bench.modes`. Wall-clock per
+   committed token, time to first token.
+2. **Under load**: open-loop Poisson arrivals at several rates for gamma = 0, the best fixed gamma and
+   adaptive: throughput, TTFT and inter-token latency p50/p99, queue delay, target forward passes and
+   positions (the accelerator work), accepted tokens and wasted proposals. Every point is measured
+   ``--load-repeats`` times, interleaved (:func:`load_sweep`).
+3. **The bound**: the cost model's predicted speedup per gamma from the measured acceptance and measured
+   draft / verify costs, and measured / predicted as the implementation's efficiency
+   (:mod:`specserve.bench.report`).
 
-       specserve bench --only-sampling-modes --target DIR --draft DIR --out DIR
+``specserve bench single`` and ``specserve bench load`` run the first and the second alone, into
+``single.json`` and ``load.json`` (the report's load section then comes from the latter).
 
-Raw figures go to ``<out>/bench.json``; ``specserve.bench.report`` renders the Markdown
-report and the PNG plots from that file.
-
-``--predicted-outputs`` runs another mode instead (``specserve/bench/prediction.py``):
-ms per token with a prediction equal to the greedy continuation (and sent as
-text, and half wrong) against gamma = 0, into ``<out>/prediction.json`` and
-``prediction.md``; the full report renders the section too once the JSON is
-there.
-
-``--only-load`` runs the load sweep alone (gamma = 0, ``--load-fixed-gamma``
-and adaptive on the first prompt set) into ``<out>/load.json``; the report's
-load section, plots and checks then come from that file, with its own command.
-Every load point is measured ``--load-repeats`` times, interleaved (see
-:func:`load_sweep`), and the report gives the medians and, per rate, adaptive's
-throughput over gamma = 0's within each repeat.
-
-``--draft-scaling`` runs another mode instead (``specserve/bench/draft_scaling.py``):
-draft and verify ms per round and throughput for 1..32 concurrent sessions,
-with the draft's batching on and off, into ``<out>/draft_scaling.json``,
-``draft_scaling.md`` and ``draft_scaling.png``; the full report renders the
-section too once the JSON is there.
-
-The stack the harness starts admits as many sessions as a load point sends
-(no per-client cap), verifies up to 32 sessions per call and drafts up to
-``--draft-batch`` per pass (1: no draft batching).
+The stack the harness starts admits as many sessions as a load point sends (no per-client cap), verifies up
+to 32 sessions per call and drafts up to ``--draft-batch`` per pass (1: no draft batching).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
-import json
-import platform
 import statistics
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from specserve.bench import sampling_modes
-from specserve.bench.costs import measure_costs
-from specserve.bench.pair import ignore_eos, load_pair
+from specserve.bench import report, sampling_modes
+from specserve.bench.costs import Costs, measure_costs
+from specserve.bench.modes import (
+    BY_NAME,
+    FIXED_GAMMAS,
+    GAMMA0,
+    HEAD_MODES,
+    HF_ASSISTED,
+    HF_LOOKUP,
+    HF_STOCK,
+    HF_TARGET,
+    LOAD_ADAPTIVE,
+    SINGLE_MODES,
+    SpecMode,
+    fixed,
+    load_modes,
+)
+from specserve.bench.options import (
+    DEFAULT_DRAFT,
+    DraftScalingOptions,
+    FullOptions,
+    LatencyOptions,
+    LoadOptions,
+    PredictionOptions,
+    PromptOptions,
+    SamplingModesOptions,
+    SingleOptions,
+    StackOptions,
+)
+from specserve.bench.pair import hf_generate, load_pair
 from specserve.bench.prom import scrape
-from specserve.bench.prompts import code_prompts, heldout_files
+from specserve.bench.prompts import default_prompt_sets, heldout_files, load_prompt_sets
+from specserve.bench.runner import Header, run_mode
+from specserve.bench.timing import Stopwatch, timed_stream
 from specserve.engine import cpu_kernels
 from specserve.launch.local import COLOCATED_DRAFT_THREADS
 from specserve.runtime.config import CoordinatorSettings
-
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TARGET = "smollm2-135m-instruct"  # registered names (specserve.engine.model_registry), or directories
-DEFAULT_DRAFT = "specserve-smollm2-draft"
-
-#: specserve modes: name -> (gamma or None for adaptive, proposer (None: the server's default, the feature
-#: head where the draft serves one), hybrid lookup, min_confidence; None for the server's defaults: the lookup
-#: on, dynamic draft length at 0.4 under the adaptive policy and off at a fixed gamma). "specserve adaptive"
-#: is what a request that sets nothing gets.
-SPEC_MODES: dict[str, tuple[int | None, str | None, bool | None, float | None]] = {
-    "specserve gamma=0": (0, "model", None, None),
-    "specserve gamma=1": (1, "model", None, None),
-    "specserve gamma=2": (2, "model", None, None),
-    "specserve gamma=4": (4, "model", None, None),
-    "specserve gamma=8": (8, "model", None, None),
-    "specserve n-gram gamma=4": (4, "ngram", None, None),
-    "specserve n-gram adaptive": (None, "ngram", None, None),
-    "specserve adaptive, model only": (None, "model", False, None),
-    "specserve adaptive, whole gamma": (None, "model", None, 0.0),
-    "specserve adaptive, token draft": (None, "model", None, None),
-    "specserve feature gamma=2": (2, "feature", None, None),
-    "specserve feature gamma=4": (4, "feature", None, None),
-    "specserve adaptive": (None, None, None, None),
-}
-#: The modes that need the draft tier to serve the feature head (left out where it does not).
-HEAD_MODES = frozenset(m for m, (_, proposer, _, _) in SPEC_MODES.items() if proposer == "feature")
-FIXED_GAMMAS = (1, 2, 4, 8)
-#: HF prompt-lookup baselines: name -> ``prompt_lookup_num_tokens``. 16 is the coordinator's default
-#: ``max_gamma``, the longest proposal the n-gram proposer may make (like for like); 8 as in earlier runs.
-HF_LOOKUP: dict[str, int] = {"hf prompt lookup (8)": 8, "hf prompt lookup (16)": 16}
-#: HF target-only with PyTorch's stock linear kernels, beside the baselines on the target's kernel path.
-HF_STOCK = "hf target-only (stock kernels)"
 
 
 @dataclass
@@ -139,7 +102,7 @@ class Run:
     #: Of ``proposed`` and ``accepted``, the tokens an n-gram lookup in the coordinator drafted.
     lookup_proposed: int = 0
     lookup_accepted: int = 0
-    #: Which pass over the prompts this run belongs to (``--single-repeats``), from 0.
+    #: Which pass over the prompts this run belongs to (``--single-repeats``, ``--repeats``), from 0.
     repeat: int = 0
 
     @property
@@ -151,25 +114,12 @@ class Run:
 
 
 def _hf_generate(
-    model, ids: torch.Tensor, max_new: int, temperature: float, seed: int, assistant=None, lookup: int = 0
+    model, ids: list[int], max_new: int, temperature: float, seed: int, assistant=None, lookup: int = 0
 ) -> Run:
-    kwargs = {
-        "max_new_tokens": max_new,
-        "do_sample": temperature > 0,
-        **ignore_eos(model),  # as specserve's ignore_eos runs
-    }
-    if temperature > 0:
-        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
-    if assistant is not None:
-        kwargs["assistant_model"] = assistant
+    extra = {"assistant_model": assistant} if assistant is not None else {}
     if lookup:
-        kwargs["prompt_lookup_num_tokens"] = lookup
-    torch.manual_seed(seed)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    total = time.perf_counter() - start
-    new = out[0, ids.shape[1] :].tolist()
+        extra["prompt_lookup_num_tokens"] = lookup
+    new, total = hf_generate(model, ids, max_new, temperature, seed, **extra)
     return Run("", "", "", temperature, len(new), total, float("nan"), token_ids=new)
 
 
@@ -177,45 +127,27 @@ def _hf_generate(
 
 
 async def _spec_generate(
-    client,
-    ids: list[int],
-    max_new: int,
-    temperature: float,
-    seed: int,
-    gamma: int | None,
-    proposer: str | None,
-    hybrid_lookup: bool | None = None,
-    min_confidence: float | None = None,
+    client, ids: list[int], max_new: int, temperature: float, seed: int, mode: SpecMode
 ) -> tuple[Run, list[tuple[float, int]]]:
-    """One streamed generation; returns the run and (arrival time, size) of each chunk."""
+    """One streamed generation in ``mode``; returns the run and (arrival time, size) of each chunk."""
     stream = client.stream(
         prompt_token_ids=ids,
         max_new_tokens=max_new,
         temperature=temperature,
         seed=seed,
         ignore_eos=True,
-        gamma=gamma,
-        proposer=proposer,
-        hybrid_lookup=hybrid_lookup,
-        min_confidence=min_confidence,
+        **mode.request(),
     )
-    start = time.perf_counter()
-    stamps: list[tuple[float, int]] = []  # (arrival time, tokens in the chunk)
-    tokens: list[int] = []
-    async for chunk in stream:
-        if chunk.token_ids:
-            stamps.append((time.perf_counter() - start, len(chunk.token_ids)))
-            tokens.extend(chunk.token_ids)
-    total = time.perf_counter() - start
-    stats = stream.stats
+    streamed = await timed_stream(stream)
+    stats, tokens = streamed.stats, streamed.token_ids
     run = Run(
         "",
         "",
         "",
         temperature,
         len(tokens),
-        total,
-        stamps[0][0] if stamps else float("nan"),
+        streamed.seconds,
+        streamed.first_token_s,
         queue_s=stats.queue_ns / 1e9,
         proposed=stats.proposed_tokens,
         accepted=stats.accepted_tokens,
@@ -228,7 +160,7 @@ async def _spec_generate(
         lookup_proposed=stats.lookup_proposed_tokens,
         lookup_accepted=stats.lookup_accepted_tokens,
     )
-    return run, stamps
+    return run, streamed.stamps
 
 
 # --------------------------------------------------------------------------- phases
@@ -259,28 +191,23 @@ async def single_stream(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     runs: list[Run] = []
     jobs = [(s, p, t) for s, ps in prompts.items() for p in ps for t in temperatures]
-    modes = ["hf target-only", *([HF_STOCK] if stock_target is not None else []), "hf assisted"]
-    modes += [*HF_LOOKUP, *SPEC_MODES]
+    modes = [m for m in SINGLE_MODES if m != HF_STOCK or stock_target is not None]
     if only is not None:
         modes = [m for m in modes if m in only]
     bar = tqdm(total=repeats * len(jobs) * len(modes), desc="single stream", unit="gen")
     for repeat in range(repeats):
         for set_name, (name, token_ids), temp in jobs:
-            ids = torch.tensor([token_ids])
             for mode in modes if repeat % 2 == 0 else modes[::-1]:
-                if mode == "hf target-only":
-                    run = _hf_generate(target, ids, max_new, temp, seed)
+                if mode == HF_TARGET:
+                    run = _hf_generate(target, token_ids, max_new, temp, seed)
                 elif mode == HF_STOCK:
-                    run = _hf_generate(stock_target, ids, max_new, temp, seed)
-                elif mode == "hf assisted":
-                    run = _hf_generate(target, ids, max_new, temp, seed, assistant=draft)
+                    run = _hf_generate(stock_target, token_ids, max_new, temp, seed)
+                elif mode == HF_ASSISTED:
+                    run = _hf_generate(target, token_ids, max_new, temp, seed, assistant=draft)
                 elif mode in HF_LOOKUP:
-                    run = _hf_generate(target, ids, max_new, temp, seed, lookup=HF_LOOKUP[mode])
+                    run = _hf_generate(target, token_ids, max_new, temp, seed, lookup=HF_LOOKUP[mode])
                 else:
-                    gamma, proposer, lookup, confidence = SPEC_MODES[mode]
-                    run, _ = await _spec_generate(
-                        client, token_ids, max_new, temp, seed, gamma, proposer, lookup, confidence
-                    )
+                    run, _ = await _spec_generate(client, token_ids, max_new, temp, seed, BY_NAME[mode])
                 run.mode, run.prompt_set, run.prompt, run.repeat = mode, set_name, name, repeat
                 runs.append(run)
                 bar.update()
@@ -318,8 +245,7 @@ async def load_point(
     duration_s: float,
     max_new: int,
     temperature: float,
-    gamma: int | None,
-    mode: str,
+    mode: SpecMode,
     seed: int,
     metrics_url: str,
     repeat: int = 0,
@@ -334,21 +260,20 @@ async def load_point(
     positions0 = scrape(metrics_url, "specserve_target_positions_processed_total")
     passes0 = scrape(metrics_url, "specserve_target_forward_seconds_count")
     results: list[tuple[Run, list[tuple[float, int]]] | BaseException] = []
-    start = time.perf_counter()
+    clock = Stopwatch()
 
     async def one(i: int, at: float):
-        await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
+        await asyncio.sleep(max(0.0, at - clock.elapsed()))
         try:
             results.append(
-                await _spec_generate(
-                    client, prompts[i % len(prompts)], max_new, temperature, seed + i, gamma, "model"
-                )
+                await _spec_generate(client, prompts[i % len(prompts)], max_new, temperature, seed + i, mode)
             )
         except Exception as exc:  # counted, reported
             results.append(exc)
 
-    await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
-    elapsed = time.perf_counter() - start
+    with clock:
+        await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
+    elapsed = clock.seconds
     ok = [r for r in results if not isinstance(r, BaseException)]
     ttft = [r.first_token_s for r, _ in ok]
     # Inter-token latency as a reader sees it: a chunk's gap since the previous
@@ -363,7 +288,7 @@ async def load_point(
         return float(np.percentile(xs, p)) if xs else float("nan")
 
     return LoadPoint(
-        mode=mode,
+        mode=mode.name,
         rate_rps=rate,
         requests=len(arrivals),
         completed=len(ok),
@@ -385,30 +310,41 @@ async def load_point(
     )
 
 
+@dataclass
+class Sweep:
+    """A load sweep's settings: the arrival rates (requests/s), seconds of arrivals per point, tokens per
+    request, the times every point is measured, and the seed of the arrivals and requests."""
+
+    rates: list[float]
+    duration_s: float
+    max_new_tokens: int
+    repeats: int
+    seed: int
+
+
 async def load_sweep(
-    client, prompts: list[list[int]], modes: list[tuple[str, int | None]], args, metrics_url: str
+    client, prompts: list[list[int]], modes: list[SpecMode], sweep: Sweep, metrics_url: str
 ) -> list[LoadPoint]:
-    """Every (rate, mode) point ``args.load_repeats`` times, interleaved: each repeat sweeps the rates,
+    """Every (rate, mode) point ``sweep.repeats`` times, interleaved: each repeat sweeps the rates,
     and at each rate runs the modes one after another, starting from a different mode each time, so that
     the machine's drift between minutes falls on every mode alike. A point's arrivals (the Poisson
     schedule, its seed) are the same for every mode and repeat; only the machine's noise differs."""
     points: list[LoadPoint] = []
-    bar = tqdm(total=args.load_repeats * len(modes) * len(args.rates), desc="load sweep", unit="point")
-    for repeat in range(args.load_repeats):
-        for i, rate in enumerate(args.rates):
+    bar = tqdm(total=sweep.repeats * len(modes) * len(sweep.rates), desc="load sweep", unit="point")
+    for repeat in range(sweep.repeats):
+        for i, rate in enumerate(sweep.rates):
             shift = (repeat + i) % len(modes)
-            for mode, gamma in modes[shift:] + modes[:shift]:
+            for mode in modes[shift:] + modes[:shift]:
                 points.append(
                     await load_point(
                         client,
                         prompts,
                         rate,
-                        args.load_duration_s,
-                        args.load_max_new_tokens,
+                        sweep.duration_s,
+                        sweep.max_new_tokens,
                         0.0,
-                        gamma,
                         mode,
-                        args.seed,
+                        sweep.seed,
                         metrics_url,
                         repeat,
                     )
@@ -418,73 +354,166 @@ async def load_sweep(
     return points
 
 
-# --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- summaries
 
 
-def summarize_single(runs: list[Run]) -> dict:
+@dataclass
+class ModeSummary:
+    """One mode's single-stream figures over a (prompt set, temperature): ms per committed token (median and
+    quartiles over prompts and passes), acceptance (accepted / proposed draft tokens) and tokens per round
+    (None where the mode proposes nothing), and the runs they are over."""
+
+    ms_per_token_median: float
+    ms_per_token_q1: float
+    ms_per_token_q3: float
+    acceptance: float | None
+    tokens_per_round: float | None
+    n: int
+
+    @classmethod
+    def of(cls, runs: list[Run]) -> ModeSummary:
+        xs = [r.ms_per_token for r in runs]
+        proposed, rounds = sum(r.proposed for r in runs), sum(r.rounds for r in runs)
+        return cls(
+            ms_per_token_median=statistics.median(xs),
+            ms_per_token_q1=float(np.percentile(xs, 25)),
+            ms_per_token_q3=float(np.percentile(xs, 75)),
+            acceptance=sum(r.accepted for r in runs) / proposed if proposed else None,
+            tokens_per_round=sum(r.tokens for r in runs) / rounds if rounds else None,
+            n=len(xs),
+        )
+
+
+#: ``"<prompt set> T=<temperature>"`` -> mode -> its summary, in the order the modes ran.
+SingleSummary = dict[str, dict[str, ModeSummary]]
+
+
+def summarize_single(runs: list[Run]) -> SingleSummary:
     """Medians and quartiles of ms/token per (prompt set, temperature, mode)."""
-    out: dict = {}
-    keys = sorted({(r.prompt_set, r.temperature) for r in runs})
-    for set_name, temp in keys:
+    out: SingleSummary = {}
+    for set_name, temp in sorted({(r.prompt_set, r.temperature) for r in runs}):
         group = {}
         for mode in dict.fromkeys(r.mode for r in runs):
-            xs = [
-                r.ms_per_token
-                for r in runs
-                if (r.prompt_set, r.temperature, r.mode) == (set_name, temp, mode)
-            ]
-            if not xs:
-                continue
             sel = [r for r in runs if (r.prompt_set, r.temperature, r.mode) == (set_name, temp, mode)]
-            proposed = sum(r.proposed for r in sel)
-            group[mode] = {
-                "ms_per_token_median": statistics.median(xs),
-                "ms_per_token_q1": float(np.percentile(xs, 25)),
-                "ms_per_token_q3": float(np.percentile(xs, 75)),
-                "acceptance": (sum(r.accepted for r in sel) / proposed) if proposed else None,
-                "tokens_per_round": (sum(r.tokens for r in sel) / sum(r.rounds for r in sel))
-                if sum(r.rounds for r in sel)
-                else None,
-                "n": len(xs),
-            }
+            if sel:
+                group[mode] = ModeSummary.of(sel)
         out[f"{set_name} T={temp:g}"] = group
     return out
 
 
-def greedy_identity(runs: list[Run]) -> dict:
-    """Greedy specserve runs token-identical to HF target-only on the same prompt (same kernels), and
-    to HF target-only with the stock kernels where that baseline ran."""
+@dataclass
+class GreedyIdentity:
+    """Greedy specserve runs token-identical to HF target-only on the same prompt (same kernels), of all, and
+    to HF target-only with the stock kernels where that baseline ran (None where it did not)."""
 
-    def reference(mode: str) -> dict:
-        return {(r.prompt_set, r.prompt): r.token_ids for r in runs if r.mode == mode and r.temperature == 0}
+    identical: int
+    total: int
+    identical_to_stock_kernels: int | None = None
 
-    ref, stock = reference("hf target-only"), reference(HF_STOCK)
-    spec = [r for r in runs if r.temperature == 0 and r.mode.startswith("specserve")]
-    out = {
-        "identical": sum(r.token_ids == ref.get((r.prompt_set, r.prompt)) for r in spec),
-        "total": len(spec),
-    }
-    if stock:
-        out["identical_to_stock_kernels"] = sum(r.token_ids == stock.get((r.prompt_set, r.prompt)) for r in spec)
-    return out
+    @classmethod
+    def of(cls, runs: list[Run]) -> GreedyIdentity:
+        def reference(mode: str) -> dict:
+            return {(r.prompt_set, r.prompt): r.token_ids for r in runs if r.mode == mode and r.temperature == 0}
 
+        ref, stock = reference(HF_TARGET), reference(HF_STOCK)
+        spec = [r for r in runs if r.temperature == 0 and r.mode in BY_NAME]
+        same = sum(r.token_ids == ref.get((r.prompt_set, r.prompt)) for r in spec)
+        to_stock = sum(r.token_ids == stock.get((r.prompt_set, r.prompt)) for r in spec) if stock else None
+        return cls(same, len(spec), to_stock)
 
-#: The A/A control of the load sweep (``--load-control``): gamma = 0 measured a second time.
-LOAD_CONTROL = "specserve gamma=0 (again)"
-
-
-def _load_modes(args, fixed_gamma: int) -> list[tuple[str, int | None]]:
-    """The load sweep's modes: gamma 0, a fixed gamma, adaptive, and with ``--load-control`` gamma 0 again,
-    whose ratio to the first is what the machine's noise alone does to a pair of points."""
-    modes: list[tuple[str, int | None]] = [
-        ("specserve gamma=0", 0),
-        (f"specserve gamma={fixed_gamma}", fixed_gamma),
-        ("specserve adaptive", None),
-    ]
-    return modes + ([(LOAD_CONTROL, 0)] if args.load_control else [])
+    def to_json(self) -> dict[str, int]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-async def _process_stack(args):
+def _runs_json(runs: list[Run]) -> list[dict[str, Any]]:
+    return [asdict(r) | {"ms_per_token": r.ms_per_token} for r in runs]
+
+
+def _single_json(summary: SingleSummary) -> dict[str, dict[str, dict[str, Any]]]:
+    return {key: {mode: asdict(s) for mode, s in group.items()} for key, group in summary.items()}
+
+
+@dataclass
+class SingleRun:
+    """``single.json``: the single-stream table alone (``specserve bench single``)."""
+
+    header: Header
+    feature_head: bool
+    settings: dict[str, Any]
+    single_stream: SingleSummary
+    greedy_identity: GreedyIdentity
+    runs: list[Run]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.header.to_json(),
+            "feature_head": self.feature_head,
+            "settings": self.settings,
+            "single_stream": _single_json(self.single_stream),
+            "greedy_identity": self.greedy_identity.to_json(),
+            "runs": _runs_json(self.runs),
+        }
+
+
+@dataclass
+class LoadRun:
+    """``load.json``: the load sweep alone (``specserve bench load``) on one prompt set."""
+
+    header: Header
+    prompt_set: str
+    settings: dict[str, Any]
+    load: list[LoadPoint]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.header.to_json(),
+            "prompt_set": self.prompt_set,
+            "settings": self.settings,
+            "load": [asdict(p) for p in self.load],
+        }
+
+
+@dataclass
+class FullRun:
+    """``bench.json``: every figure of the report from one run (``specserve bench all``)."""
+
+    header: Header
+    kernels: str
+    attention: str
+    decode_steps: int
+    heldout_prompts: bool
+    settings: dict[str, Any]
+    costs: Costs
+    single_stream: SingleSummary
+    greedy_identity: GreedyIdentity
+    runs: list[Run]
+    best_fixed_gamma: int
+    load: list[LoadPoint]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "command": self.header.command,
+            "date_utc": self.header.date_utc,
+            "machine": asdict(self.header.machine),
+            "models": {"target": self.header.target, "draft": self.header.draft},
+            "kernels": self.kernels,
+            "attention": self.attention,
+            "decode_steps": self.decode_steps,
+            "heldout_prompts": self.heldout_prompts,
+            "settings": self.settings,
+            "costs": asdict(self.costs),
+            "single_stream": _single_json(self.single_stream),
+            "greedy_identity": self.greedy_identity.to_json(),
+            "runs": _runs_json(self.runs),
+            "best_fixed_gamma": self.best_fixed_gamma,
+            "load": [asdict(p) for p in self.load],
+        }
+
+
+# --------------------------------------------------------------------------- the stack under test
+
+
+async def _process_stack(opts: StackOptions):
     """The stack under test, one process per role as in production and in ``specserve up`` (the roles
     share no GIL with each other or with the HF baselines, which run here while the stack waits), and
     the URL of the target's ``/metrics``, which load points read."""
@@ -493,195 +522,40 @@ async def _process_stack(args):
 
     metrics_port = free_port()
     stack = await start_process_stack(
-        target_model=str(args.target),
-        draft_model=str(args.draft),
-        redis_url=args.redis_url,
-        # "fastest" reaches here only from --only-load; a target timing its kernels runs without invariance.
-        target_overrides={"metrics_port": metrics_port, "kernels": args.kernels, "invariant": args.kernels != "fastest"},
-        draft_overrides={"max_batch_size": args.draft_batch, **_head_overrides(args)},
-        coordinator_overrides=_coordinator_overrides(args.draft_batch),
+        target_model=opts.target,
+        draft_model=opts.draft,
+        redis_url=opts.redis_url,
+        # "fastest" reaches here only from `load`, which loads no baselines: a target timing its kernels runs
+        # without invariance.
+        target_overrides={"metrics_port": metrics_port, "kernels": opts.kernels, "invariant": opts.kernels != "fastest"},
+        draft_overrides={"max_batch_size": opts.draft_batch, **_head_overrides(opts)},
+        coordinator_overrides=_coordinator_overrides(opts.draft_batch),
     )
     return stack, f"http://127.0.0.1:{metrics_port}/metrics"
 
 
-def _head_overrides(args) -> dict[str, str]:
+def _head_overrides(opts: StackOptions) -> dict[str, str]:
     """The draft's feature head as ``--head`` names it ('auto': the default pair's head when the draft is the
     default draft and the head is present; 'none': no head)."""
     from specserve.engine import model_registry
     from specserve.engine.models import resolve_model_path
 
-    head = args.head
+    head = opts.head
     if head == "auto":
         source = model_registry.REGISTRY.get(model_registry.DEFAULT_HEAD)
-        default_draft = Path(resolve_model_path(DEFAULT_DRAFT, "draft")) == Path(args.draft)
+        default_draft = Path(resolve_model_path(DEFAULT_DRAFT, "draft")) == Path(opts.draft)
         head = model_registry.DEFAULT_HEAD if default_draft and source is not None and source.present() else "none"
-    return {"feature_head": head, "feature_head_target": str(args.target)} if head != "none" else {"feature_head": "none"}
+    return {"feature_head": head, "feature_head_target": opts.target} if head != "none" else {"feature_head": "none"}
 
 
-def _served_modes(args) -> list[str]:
+def _serves_head(opts: StackOptions) -> bool:
+    return _head_overrides(opts)["feature_head"] != "none"
+
+
+def _served_modes(opts: StackOptions) -> list[str]:
     """Every single-stream mode the stack under test can serve (the head's only where the draft serves one)."""
-    heads = _head_overrides(args).get("feature_head", "none") != "none"
-    modes = ["hf target-only", HF_STOCK, "hf assisted", *HF_LOOKUP, *SPEC_MODES]
-    return [m for m in modes if heads or m not in HEAD_MODES]
-
-
-async def _warm_up(client) -> None:
-    """One short generation per mode family."""
-    for gamma in (0, 4, None):
-        await _spec_generate(client, [1, 2, 3], 8, 0.0, 0, gamma, "model")
-    await _spec_generate(client, [1, 2, 3], 8, 0.0, 0, 4, None)  # the server's default proposer
-
-
-async def run_single_only(args) -> dict:
-    """``--only-single``: the single-stream table alone, for ``--single-modes`` (default: every mode), each
-    mode's median ms per token against gamma 0 through the same service and against HF assisted generation."""
-    torch.manual_seed(args.seed)
-    tokenizer, target, draft = load_pair(args.target, args.draft, kernels=args.kernels)
-    args.kernels = cpu_kernels.path_of(target)
-    names = args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer)
-    prompts = sampling_modes.load_prompt_sets(names, tokenizer, args.target, args.prompts, args.prompt_chars)
-    heads = _head_overrides(args).get("feature_head", "none") != "none"
-    only = [m for m in (args.single_modes or _served_modes(args)) if heads or m not in HEAD_MODES]
-    stack, _ = await _process_stack(args)
-    try:
-        from specserve.client import AsyncClient
-
-        async with AsyncClient(stack.address, timeout=600) as client:
-            await _warm_up(client)
-            runs = await single_stream(
-                client, target, draft, prompts, args.temperatures, args.max_new_tokens, args.seed,
-                repeats=args.single_repeats, only=only,
-            )
-    finally:
-        await stack.stop()
-    return {
-        **_run_header(args),
-        "feature_head": heads,
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "single_stream": summarize_single(runs),
-        "greedy_identity": greedy_identity(runs),
-        "runs": [asdict(r) | {"ms_per_token": r.ms_per_token} for r in runs],
-    }
-
-
-async def run_load_only(args) -> dict:
-    """``--only-load``: the load sweep alone (gamma 0, ``--load-fixed-gamma``, adaptive) on the first
-    prompt set, for ``<out>/load.json``."""
-    from transformers import AutoTokenizer
-
-    from specserve.client import AsyncClient
-
-    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    first = (args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer))[0]
-    named = sampling_modes.load_prompt_sets([first], tokenizer, args.target, args.prompts, args.prompt_chars)
-    modes = _load_modes(args, args.load_fixed_gamma)
-    stack, metrics_url = await _process_stack(args)
-    try:
-        async with AsyncClient(stack.address, timeout=600) as client:
-            await _warm_up(client)
-            load = await load_sweep(client, [ids for _, ids in named[first]], modes, args, metrics_url)
-    finally:
-        await stack.stop()
-    return {
-        **_run_header(args),
-        "prompt_set": first,
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "load": [asdict(p) for p in load],
-    }
-
-
-async def run_all(args) -> dict:
-    from specserve.client import AsyncClient
-
-    torch.manual_seed(args.seed)
-    tokenizer, target, draft = load_pair(args.target, args.draft, kernels=args.kernels)
-    kernels = cpu_kernels.path_of(target)
-    args.kernels = kernels  # "fastest" timed here: the service's target runs the path HF runs
-    stock_target = load_pair(args.target, args.draft)[1] if kernels == "onednn" else None
-
-    names = args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer, copy=True)
-    prompts = sampling_modes.load_prompt_sets(names, tokenizer, args.target, args.prompts, args.prompt_chars)
-    heldout_ok = all(n in ("chat", "chat-code", "copy") for n in names) or heldout_files(args.target)[1]
-    costs = measure_costs(target, draft, repeats=args.cost_repeats, draft_threads=COLOCATED_DRAFT_THREADS)
-
-    stack, metrics_url = await _process_stack(args)
-    try:
-        async with AsyncClient(stack.address, timeout=600) as client:
-            await _warm_up(client)
-            runs = await single_stream(
-                client,
-                target,
-                draft,
-                prompts,
-                args.temperatures,
-                args.max_new_tokens,
-                args.seed,
-                stock_target=stock_target,
-                repeats=args.single_repeats,
-                only=_served_modes(args),
-            )
-            summary = summarize_single(runs)
-            first = next(
-                iter(prompts)
-            )  # the fixed gamma for the load sweep: the best on the first set, greedy
-            greedy_code = summary.get(f"{first} T=0", {})
-            best_fixed = min(
-                FIXED_GAMMAS,
-                key=lambda g: greedy_code.get(f"specserve gamma={g}", {}).get(
-                    "ms_per_token_median", float("inf")
-                ),
-            )
-            load_prompts = [ids for _, ids in prompts[first]]
-            modes = _load_modes(args, best_fixed)
-            load = await load_sweep(client, load_prompts, modes, args, metrics_url)
-            comparison = (
-                await sampling_modes.run_phase(client, tokenizer, args) if args.sampling_modes else None
-            )
-    finally:
-        await stack.stop()
-
-    return {
-        "command": args.command,
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "machine": _machine(),
-        "models": {"target": str(args.target), "draft": str(args.draft)},
-        "kernels": kernels,
-        "attention": target.config._attn_implementation,  # the workers' (specserve.engine.attention), here and there
-        "decode_steps": CoordinatorSettings.model_fields["decode_steps"].default,
-        "heldout_prompts": heldout_ok,
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "costs": asdict(costs),
-        "single_stream": summary,
-        "greedy_identity": greedy_identity(runs),
-        "runs": [asdict(r) | {"ms_per_token": r.ms_per_token} for r in runs],
-        "best_fixed_gamma": best_fixed,
-        "load": [asdict(p) for p in load],
-        **({"sampling_modes": comparison} if comparison is not None else {}),
-    }
-
-
-def _run_header(args) -> dict:
-    """What every benchmark's JSON starts with: the command, when, the machine, the pair (the target
-    alone for a benchmark without a draft)."""
-    header = {
-        "command": args.command,
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "machine": _machine(),
-        "target": str(args.target),
-    }
-    if getattr(args, "draft", None) is not None:
-        header["draft"] = str(args.draft)
-    return header
-
-
-def _machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor(),
-        "cpus": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
+    heads = _serves_head(opts)
+    return [m for m in SINGLE_MODES if heads or m not in HEAD_MODES]
 
 
 def _coordinator_overrides(draft_batch: int) -> dict:
@@ -694,353 +568,162 @@ def _coordinator_overrides(draft_batch: int) -> dict:
     }
 
 
-def _code_prompts(args, tokenizer, n: int) -> tuple[list[tuple[str, list[int]]], bool]:
-    """``n`` held-out code prompts as (name, token ids), and whether they are held out: the held-out
-    code requests through the chat template for a chat pair, else cuts of held-out stdlib files."""
-    if getattr(tokenizer, "chat_template", None):
-        return sampling_modes.load_prompt_sets(["chat-code"], tokenizer, args.target, n, args.prompt_chars)[
-            "chat-code"
-        ], True
-    files, heldout_ok = heldout_files(args.target)
-    return [
-        (p.name, tokenizer(p.text).input_ids) for p in code_prompts(files, n, max_chars=args.prompt_chars)
-    ], heldout_ok
+async def _warm_up(client) -> None:
+    """One short generation per mode family."""
+    for mode in (GAMMA0, fixed(4), LOAD_ADAPTIVE, SpecMode("warm-up", 4, None)):  # the last: the server's proposer
+        await _spec_generate(client, [1, 2, 3], 8, 0.0, 0, mode)
 
 
-async def run_draft_scaling(args) -> dict:
+def _prompt_sets(opts: PromptOptions, tokenizer, *, copy: bool = False) -> dict[str, list[tuple[str, list[int]]]]:
+    names = opts.prompt_sets or default_prompt_sets(tokenizer, copy=copy)
+    return load_prompt_sets(names, tokenizer, opts.target, opts.prompts, opts.prompt_chars)
+
+
+# --------------------------------------------------------------------------- the subcommands
+
+
+async def measure_single(opts: SingleOptions) -> dict[str, Any]:
+    """The single-stream table alone, for ``--modes`` (default: every mode the stack serves), each mode's
+    median ms per token against gamma 0 through the same service and against HF assisted generation."""
+    from specserve.client import AsyncClient
+
+    torch.manual_seed(opts.seed)
+    tokenizer, target, draft = load_pair(opts.target, opts.draft, kernels=opts.kernels)
+    opts.kernels = cpu_kernels.path_of(target)
+    prompts = _prompt_sets(opts, tokenizer)
+    heads = _serves_head(opts)
+    only = [m for m in (opts.modes or _served_modes(opts)) if heads or m not in HEAD_MODES]
+    stack, _ = await _process_stack(opts)
+    try:
+        async with AsyncClient(stack.address, timeout=600) as client:
+            await _warm_up(client)
+            runs = await single_stream(
+                client, target, draft, prompts, opts.temperatures, opts.max_new_tokens, opts.seed,
+                repeats=opts.repeats, only=only,
+            )  # fmt: skip
+    finally:
+        await stack.stop()
+    return SingleRun(
+        Header.of(opts), heads, opts.settings(), summarize_single(runs), GreedyIdentity.of(runs), runs
+    ).to_json()
+
+
+async def measure_load(opts: LoadOptions) -> dict[str, Any]:
+    """The load sweep alone (gamma 0, ``--fixed-gamma``, adaptive) on the first prompt set."""
     from transformers import AutoTokenizer
 
-    from specserve.bench.draft_scaling import measure, to_json
+    from specserve.client import AsyncClient
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    named, heldout_ok = _code_prompts(args, tokenizer, 8)
-    prompts = [ids for _, ids in named]
-    sessions = tuple(args.sessions)
-    bar = tqdm(total=2 * len(sessions) * args.scaling_repeats, desc="draft scaling", unit="point")
-    runs = await measure(
-        target=args.target,
-        draft=args.draft,
-        redis_url=args.redis_url,
-        prompts=prompts,
-        sessions=sessions,
-        gamma=args.scaling_gamma,
-        max_new_tokens=args.scaling_max_new_tokens,
-        repeats=args.scaling_repeats,
-        draft_batch=args.draft_batch if args.draft_batch > 1 else 32,
-        progress=bar.update,
-    )
-    bar.close()
-    settings = {
-        "command": args.command,
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "platform": platform.platform(),
-        "cpus": torch.get_num_threads(),
-        "target": str(args.target),
-        "draft": str(args.draft),
-        "heldout_prompts": heldout_ok,
-        "sessions": list(sessions),
-        "gamma": args.scaling_gamma,
-        "max_new_tokens": args.scaling_max_new_tokens,
-        "repeats": args.scaling_repeats,
-        "draft_batch": args.draft_batch if args.draft_batch > 1 else 32,
-    }
-    return to_json(runs, settings)
+    tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
+    first = (opts.prompt_sets or default_prompt_sets(tokenizer))[0]
+    named = load_prompt_sets([first], tokenizer, opts.target, opts.prompts, opts.prompt_chars)
+    sweep = Sweep(opts.rates, opts.duration_s, opts.max_new_tokens, opts.repeats, opts.seed)
+    stack, metrics_url = await _process_stack(opts)
+    try:
+        async with AsyncClient(stack.address, timeout=600) as client:
+            await _warm_up(client)
+            modes = load_modes(opts.fixed_gamma, opts.control)
+            load = await load_sweep(client, [ids for _, ids in named[first]], modes, sweep, metrics_url)
+    finally:
+        await stack.stop()
+    return LoadRun(Header.of(opts), first, opts.settings(), load).to_json()
 
 
-async def run_latency(args) -> dict:
-    from transformers import AutoTokenizer
+async def measure_all(opts: FullOptions) -> dict[str, Any]:
+    """Single stream on every prompt set, the model costs, then the load sweep at the fixed gamma fastest
+    on the first set (greedy)."""
+    from specserve.client import AsyncClient
 
-    from specserve.bench.latency import measure, tier_cpus, to_json
+    torch.manual_seed(opts.seed)
+    tokenizer, target, draft = load_pair(opts.target, opts.draft, kernels=opts.kernels)
+    opts.kernels = cpu_kernels.path_of(target)  # "fastest" timed here: the service's target runs the path HF runs
+    stock_target = load_pair(opts.target, opts.draft)[1] if opts.kernels == "onednn" else None
+    prompts = _prompt_sets(opts, tokenizer, copy=True)
+    heldout_ok = all(n in ("chat", "chat-code", "copy") for n in prompts) or heldout_files(Path(opts.target))[1]
+    costs = measure_costs(target, draft, repeats=opts.cost_repeats, draft_threads=COLOCATED_DRAFT_THREADS)
+    sweep = Sweep(opts.rates, opts.load_duration_s, opts.load_max_new_tokens, opts.load_repeats, opts.seed)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    sets = args.prompt_sets or sampling_modes.default_prompt_sets(tokenizer)
-    prompts = sampling_modes.load_prompt_sets(
-        sets[:1], tokenizer, args.target, args.latency_prompts, args.prompt_chars
-    )
-    prompts_list = next(iter(prompts.values()))
-    total = len(args.latency_sides) * len(args.rtts_ms) * 5 * len(prompts_list) * args.latency_repeats
-    bar = tqdm(total=total, desc="latency", unit="gen")
-    cpus = tier_cpus(args.latency_cores == "separate")
-    runs = await measure(
-        target=args.target,
-        draft=args.draft,
-        redis_url=args.redis_url,
-        prompts=prompts_list,
-        rtts_ms=tuple(args.rtts_ms),
-        sides=tuple(args.latency_sides),
-        fixed_gamma=args.latency_gamma,
-        max_new_tokens=args.latency_max_new_tokens,
-        repeats=args.latency_repeats,
-        cpus=cpus,
-        progress=bar.update,
-    )
-    bar.close()
-    settings = {
-        **_run_header(args),
-        "prompt_set": next(iter(prompts)),
-        "prompts": len(prompts_list),
-        "rtts_ms": list(args.rtts_ms),
-        "sides": list(args.latency_sides),
-        "max_new_tokens": args.latency_max_new_tokens,
-        "fixed_gamma": args.latency_gamma,
-        "repeats": args.latency_repeats,
-        "cpus": None if cpus is None else {role: sorted(c) for role, c in cpus.items()},
-    }
-    return to_json(runs, settings)
-
-
-async def run_prediction(args) -> dict:
-    from transformers import AutoTokenizer
-
-    from specserve.bench.prediction import measure, to_json
-
-    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    prompts, heldout_ok = _code_prompts(args, tokenizer, args.prediction_prompts)
-    bar = tqdm(total=5 * len(prompts) * args.prediction_repeats, desc="predicted outputs", unit="gen")
-    runs, gamma = await measure(
-        target=args.target,
-        draft=args.draft,
-        redis_url=args.redis_url,
-        prompts=prompts,
-        tokenizer=tokenizer,
-        max_new_tokens=args.prediction_max_new_tokens,
-        block=args.prediction_block,
-        repeats=args.prediction_repeats,
-        progress=bar.update,
-    )
-    bar.close()
-    settings = {
-        **_run_header(args),
-        "heldout_prompts": heldout_ok,
-        "prompts": len(prompts),
-        "max_new_tokens": args.prediction_max_new_tokens,
-        "block": args.prediction_block,
-        "repeats": args.prediction_repeats,
-        "fixed_gamma": gamma,
-    }
-    return to_json(runs, settings)
+    stack, metrics_url = await _process_stack(opts)
+    try:
+        async with AsyncClient(stack.address, timeout=600) as client:
+            await _warm_up(client)
+            runs = await single_stream(
+                client, target, draft, prompts, opts.temperatures, opts.max_new_tokens, opts.seed,
+                stock_target=stock_target, repeats=opts.single_repeats, only=_served_modes(opts),
+            )  # fmt: skip
+            summary = summarize_single(runs)
+            greedy_first = summary.get(f"{next(iter(prompts))} T=0", {})  # the load sweep's fixed gamma
+            best_fixed = min(
+                FIXED_GAMMAS,
+                key=lambda g: s.ms_per_token_median if (s := greedy_first.get(fixed(g).name)) else float("inf"),
+            )
+            load_prompts = [ids for _, ids in next(iter(prompts.values()))]
+            load = await load_sweep(client, load_prompts, load_modes(best_fixed, opts.load_control), sweep, metrics_url)
+    finally:
+        await stack.stop()
+    return FullRun(
+        header=Header.of(opts),
+        kernels=opts.kernels,
+        attention=target.config._attn_implementation,  # the workers' (specserve.engine.attention), here and there
+        decode_steps=CoordinatorSettings.model_fields["decode_steps"].default,
+        heldout_prompts=heldout_ok,
+        settings=opts.settings(),
+        costs=costs,
+        single_stream=summary,
+        greedy_identity=GreedyIdentity.of(runs),
+        runs=runs,
+        best_fixed_gamma=best_fixed,
+        load=load,
+    ).to_json()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specserve bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="a registered model name or a directory")
-    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="a registered model name or a directory")
-    parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
-    parser.add_argument(
-        "--prompt-sets",
-        nargs="+",
-        choices=sampling_modes.PROMPT_SETS,
-        default=None,
-        help="held-out prompt sets (default: chat chat-code copy with a chat template, else code prose)",
-    )
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per set")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument(
-        "--single-repeats",
-        type=int,
-        default=1,
-        help="passes over the single-stream prompts, every other one with the modes in the reverse order "
-        "(medians are over prompts and passes)",
-    )
-    parser.add_argument(
-        "--prompt-chars", type=int, default=600, help="characters of each prompt (code, prose)"
-    )
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
-    parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0, 16.0])
-    parser.add_argument("--load-duration-s", type=float, default=15.0)
-    parser.add_argument("--load-max-new-tokens", type=int, default=64)
-    parser.add_argument(
-        "--load-repeats",
-        type=int,
-        default=3,
-        help="measure every load point this many times, interleaved; the report gives medians",
-    )
-    parser.add_argument(
-        "--only-single",
-        action="store_true",
-        help="run only the single-stream table (of --single-modes); writes single.json and single.md",
-    )
-    parser.add_argument(
-        "--single-modes",
-        nargs="+",
-        default=None,
-        help="the single-stream modes to run (names as in the table; default: all)",
-    )
-    parser.add_argument(
-        "--head",
-        default="auto",
-        help="the draft's feature head: a registered name or directory, 'none', or 'auto' (the default pair's "
-        "head with the default draft)",
-    )
-    parser.add_argument(
-        "--only-load",
-        action="store_true",
-        help="run only the load sweep (gamma 0, --load-fixed-gamma, adaptive); writes load.json, which the "
-        "report's load section and checks then use",
-    )
-    parser.add_argument("--load-fixed-gamma", type=int, default=4, help="the fixed gamma of --only-load")
-    parser.add_argument(
-        "--load-control",
-        action="store_true",
-        help="measure gamma 0 twice at every load point (an A/A control: the spread of its ratio is the noise "
-        "a comparison of two modes has to clear)",
-    )
-    parser.add_argument("--cost-repeats", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--kernels",
-        choices=("fastest", "auto", "stock", "onednn"),
-        default="auto",
-        help="the target's linear-layer kernels (specserve/engine/cpu_kernels.py), in the target service (with "
-        "its default invariant passes) and in the Hugging Face baselines (stock transformers) alike; auto (the "
-        "target's default): packed where it applies; fastest: both paths timed here as the pair loads and the "
-        "faster one given to the service too (--only-load, which loads no baselines: the service times them "
-        "itself, with invariance off); where the path is onednn, HF target-only with the stock kernels runs too",
-    )
-    lat = parser.add_argument_group("network latency between the tiers (specserve/bench/latency.py)")
-    lat.add_argument(
-        "--latency",
-        action="store_true",
-        help="run only the latency mode: RTTs injected to the draft, then to the target; writes latency.json",
-    )
-    lat.add_argument("--rtts-ms", type=float, nargs="+", default=[0.0, 2.0, 10.0])
-    lat.add_argument("--latency-prompts", type=int, default=3, help="held-out prompts (the first set)")
-    lat.add_argument("--latency-max-new-tokens", type=int, default=64)
-    lat.add_argument(
-        "--latency-gamma",
-        type=int,
-        default=1,
-        help="the fixed gamma run with and without overlap (a round drafted ahead is used only when every "
-        "proposed token is accepted and the bonus token guessed: about alpha^gamma x P(guess))",
-    )
-    lat.add_argument(
-        "--latency-repeats", type=int, default=2, help="times each setting runs each prompt, interleaved"
-    )
-    lat.add_argument(
-        "--latency-sides",
-        nargs="+",
-        choices=("draft", "target"),
-        default=["draft", "target"],
-        help="the tiers put behind the delay, one after the other",
-    )
-    lat.add_argument(
-        "--latency-cores",
-        choices=("separate", "shared"),
-        default="separate",
-        help="separate: the draft tier and the coordinator on the first CPU, the target on the others (tiers "
-        "on machines of their own; needs 2 CPUs); shared: every role on every core",
-    )
-    modes = parser.add_argument_group("sampling modes (coupled against optimal, specserve/bench/sampling_modes.py)")
-    modes.add_argument("--sampling-modes", action="store_true", help="add the sampling-mode comparison")
-    modes.add_argument(
-        "--only-sampling-modes",
-        action="store_true",
-        help="run only the comparison; writes sampling_modes.json and sampling_modes.md to --out",
-    )
-    modes.add_argument(
-        "--mode-prompt-sets",
-        nargs="+",
-        choices=sampling_modes.PROMPT_SETS,
-        default=None,
-        help="held-out prompt sets (default: chat chat-code with a chat template, else code prose)",
-    )
-    modes.add_argument("--mode-prompts", type=int, default=8, help="prompts per set")
-    modes.add_argument(
-        "--mode-temperatures", type=float, nargs="+", default=list(sampling_modes.TEMPERATURES)
-    )
-    modes.add_argument(
-        "--mode-gammas", nargs="+", default=list(sampling_modes.GAMMAS), help="'auto' (adaptive) or integers"
-    )
-    modes.add_argument("--mode-max-new-tokens", type=int, default=128)
-    parser.add_argument(
-        "--draft-batch", type=int, default=32, help="sessions the draft drafts per pass (1: batching off)"
-    )
-    parser.add_argument(
-        "--draft-scaling",
-        action="store_true",
-        help="run only the draft-scaling mode: 1..32 concurrent sessions, draft batching on and off",
-    )
-    predicted = parser.add_argument_group("Predicted Outputs (specserve/bench/prediction.py)")
-    predicted.add_argument(
-        "--predicted-outputs",
-        action="store_true",
-        help="run only the Predicted Outputs mode: a prediction equal to the greedy continuation (and half "
-        "wrong) against gamma = 0; writes prediction.json and prediction.md to --out",
-    )
-    predicted.add_argument("--prediction-prompts", type=int, default=4, help="held-out code prompts")
-    predicted.add_argument("--prediction-max-new-tokens", type=int, default=128)
-    predicted.add_argument(
-        "--prediction-block", type=int, default=16, help="half-wrong: every other block of this many tokens"
-    )
-    predicted.add_argument("--prediction-repeats", type=int, default=1)
-    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--scaling-gamma", type=int, default=4)
-    parser.add_argument("--scaling-max-new-tokens", type=int, default=48)
-    parser.add_argument("--scaling-repeats", type=int, default=1)
-    args = parser.parse_args(argv)
-    args.command = " ".join(["python -m specserve.bench.harness", *(sys.argv[1:] if argv is None else argv)])
-    for g in args.mode_gammas:
-        if g != "auto" and not g.isdigit():
-            parser.error(f"--mode-gammas takes 'auto' or integers >= 0, got {g!r}")
-    if args.draft_batch < 1:
-        parser.error("--draft-batch must be >= 1")
-    if args.load_repeats < 1:
-        parser.error("--load-repeats must be >= 1")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    from specserve.engine.models import resolve_model_path
+def bench_all(opts: FullOptions) -> int:
+    """``specserve bench all``: ``bench.json`` and the whole report, ``README.md`` (an earlier ``load`` run's
+    files go: this run's sweep supersedes them)."""
 
-    # A registered name (fetched once into the cache), a directory or a hub id: from here on, a directory.
-    args.target = Path(resolve_model_path(str(args.target), "target"))
-    args.draft = Path(resolve_model_path(str(args.draft), "draft"))
+    def write(data: dict[str, Any], out: Path) -> Path:
+        for older in ("load.json", "load.md"):
+            (out / older).unlink(missing_ok=True)
+        return report.write_report(data, out)
 
-    from specserve.bench import report
-    from specserve.launch.redis_server import private_redis
-    from specserve.runtime.logs import configure_logging
-
-    configure_logging("console", "warning")  # per-round debug events would be timed too
-
-    async def go(run):
-        with private_redis(args.redis_url) as url:
-            args.redis_url = url
-            if args.only_sampling_modes:
-                return {
-                    "command": args.command,
-                    "machine": _machine(),
-                    **await sampling_modes.run_only(args),
-                }
-            return await run(args)
-
-    # A mode of its own writes <name>.json and its section alone as <name>.md; README.md is left alone
-    # (it may carry analysis added by hand): the next full run or `python -m specserve.bench.report <out>` renders
-    # the section into it.
-    separate = [
-        (args.latency, run_latency, "latency", report.write_latency),
-        (args.predicted_outputs, run_prediction, "prediction", report.write_prediction),
-        (args.only_load, run_load_only, "load", report.write_load),
-        (args.only_single, run_single_only, "single", report.write_single),
-        (args.draft_scaling, run_draft_scaling, "draft_scaling", report.write_draft_scaling),
-    ]
-    for chosen, run, name, write in separate:
-        if chosen:
-            data = asyncio.run(go(run))
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
-            print(f"wrote {args.out / f'{name}.json'} and {write(data, args.out)}")
-            return 0
-    data = asyncio.run(go(run_all))
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.only_sampling_modes:
-        for path in sampling_modes.write(data, args.out):
-            print(f"wrote {path}")
-        return 0
-    (args.out / "bench.json").write_text(json.dumps(data, indent=1) + "\n")
-    for older in ("load.json", "load.md"):  # this run's own sweep supersedes an --only-load run's
-        (args.out / older).unlink(missing_ok=True)
-    report.write_report(data, args.out)
-    print(f"wrote {args.out / 'bench.json'} and {args.out / 'README.md'}")
-    return 0
+    return run_mode(opts, measure_all, "bench", write)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# A subcommand of its own writes <name>.json and its section alone as <name>.md; README.md is left alone (it may
+# carry analysis added by hand): the next `all` run or `specserve bench report` renders the section into it.
+
+
+def bench_single(opts: SingleOptions) -> int:
+    """``specserve bench single``: ``single.json`` and ``single.md``."""
+    return run_mode(opts, measure_single, "single", report.write_single)
+
+
+def bench_load(opts: LoadOptions) -> int:
+    """``specserve bench load``: ``load.json`` and ``load.md``."""
+    return run_mode(opts, measure_load, "load", report.write_load)
+
+
+def bench_latency(opts: LatencyOptions) -> int:
+    """``specserve bench latency``: ``<name>.json`` and ``<name>.md`` (specserve/bench/latency.py)."""
+    from specserve.bench.latency import measure_for
+
+    return run_mode(opts, measure_for, opts.name, lambda data, out: report.write_latency(data, out, opts.name))
+
+
+def bench_draft_scaling(opts: DraftScalingOptions) -> int:
+    """``specserve bench draft-scaling``: ``draft_scaling.json``, ``.md`` and ``.png``."""
+    from specserve.bench.draft_scaling import measure_for
+
+    return run_mode(opts, measure_for, "draft_scaling", report.write_draft_scaling)
+
+
+def bench_prediction(opts: PredictionOptions) -> int:
+    """``specserve bench prediction``: ``prediction.json`` and ``prediction.md``."""
+    from specserve.bench.prediction import measure_for
+
+    return run_mode(opts, measure_for, "prediction", report.write_prediction)
+
+
+def bench_sampling_modes(opts: SamplingModesOptions) -> int:
+    """``specserve bench sampling-modes``: ``sampling_modes.json`` and ``sampling_modes.md``."""
+    return run_mode(opts, sampling_modes.measure_alone, "sampling_modes", sampling_modes.write)

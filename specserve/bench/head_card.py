@@ -2,7 +2,7 @@
 
 Run (the figures in ``specserve/models/specserve-smollm2-head/README.md`` come from this)::
 
-    python -m specserve.bench.head_card --json specserve/models/specserve-smollm2-head/card.json \
+    specserve bench head-card --json specserve/models/specserve-smollm2-head/card.json \
         --readme specserve/models/specserve-smollm2-head/README.md --curve RUN_DIR [RUN_DIR ...]
 
 ``--readme`` renders the card from the figures, the head's ``training_meta.json``
@@ -32,12 +32,10 @@ from the target's features, as the service relays them:
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -46,16 +44,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from draft_service.feature_proposer import FeatureProposer
 from draft_service.proposers import DraftRequest
 from specserve.api.params import SamplingParams
+from specserve.bench import markdown as md
 from specserve.bench.chat_prompts import heldout_prompts
 from specserve.bench.draft_card import _prompt_ids, target_greedy
+from specserve.bench.options import HeadCardOptions
+from specserve.bench.timing import Laps
 from specserve.core import features as wire
 from specserve.core.proposal import DraftProposal
 from specserve.core.sampling import logits_to_probs
 from specserve.core.verification import verify_batch
 from specserve.engine.feature_head import FeatureHead, FinalNormInput, load_feature_head
 from specserve.engine.kvcache import SessionCacheStore, features_of
-
-GAMMAS = (1, 2, 3, 4, 6, 8)
 
 
 def _proposer(head: FeatureHead) -> FeatureProposer:
@@ -158,21 +157,17 @@ def step_costs(target, head: FeatureHead, *, context: int, steps: int, warmup: i
     target(input_ids=ids[None], cache=tc, use_cache=True)
     feats = torch.randn(1, context, head.config.hidden_size, generator=g)
     head(ids[None], feats, position_ids=torch.arange(context)[None], cache=hc)
-    t_ms, h_ms = [], []
-    for i in range(steps + warmup):
+    laps = Laps(warmup)
+    for _ in laps.rounds(steps):
         tok = torch.randint(0, vocab, (1, 1), generator=g)
-        t0 = time.perf_counter()
-        target(input_ids=tok, cache=tc, use_cache=True)
-        t1 = time.perf_counter()
-        step = head(tok, feats[:, :1], position_ids=torch.tensor([[context]]), cache=hc)
-        head.scatter(step.logits)
-        t2 = time.perf_counter()
+        with laps.time("target"):
+            target(input_ids=tok, cache=tc, use_cache=True)
+        with laps.time("head"):
+            step = head(tok, feats[:, :1], position_ids=torch.tensor([[context]]), cache=hc)
+            head.scatter(step.logits)
         tc.crop(-1)
         hc.crop(-1)
-        if i >= warmup:
-            t_ms.append(1000 * (t1 - t0))
-            h_ms.append(1000 * (t2 - t1))
-    target_step, head_step = statistics.median(t_ms), statistics.median(h_ms)
+    target_step, head_step = laps.median_ms("target"), laps.median_ms("head")
     return {
         "target_step_ms": target_step,
         "head_step_ms": head_step,
@@ -182,7 +177,7 @@ def step_costs(target, head: FeatureHead, *, context: int, steps: int, warmup: i
     }
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: HeadCardOptions) -> dict:
     from specserve.engine.model_registry import DEFAULT_HEAD, resolve_model
     from specserve.engine.models import resolve_model_path
 
@@ -201,7 +196,7 @@ def run(args: argparse.Namespace) -> dict:
         "target": str(target_dir),
         "head": str(head_dir),
         "dtype": "float32",
-        "command": "python -m specserve.bench.head_card " + " ".join(args.argv),
+        "command": args.command,
         "feature_row_bytes": row_bytes,
     }
     result["costs"] = step_costs(target, head, context=args.context, steps=args.cost_steps)
@@ -339,15 +334,15 @@ def render(card: dict, meta: dict | None, points: list[dict]) -> str:
         "",
         "Greedy (T = 0): rounds replayed on the target's greedy answers; T = 0.7: real speculative sampling.",
         "",
-        "| set | T | gamma | acceptance per token | accepted per drafted round |",
-        "| --- | --- | ---: | ---: | ---: |",
-    ]
-    for kind in ("chat", "code"):
-        for label, table in (("0", card[kind]["greedy"]), ("0.7", card[kind]["t0.7"])):
-            for g, row in table.items():
-                lines.append(
-                    f"| {kind} | {label} | {g} | {row['acceptance']:.3f} | {row['accepted_per_round']:.2f} |"
-                )
+        *md.table(
+            ("set", "T", "gamma", "acceptance per token", "accepted per drafted round"),
+            ((kind, label, g, f"{row['acceptance']:.3f}", f"{row['accepted_per_round']:.2f}")
+             for kind in ("chat", "code")
+             for label, table in (("0", card[kind]["greedy"]), ("0.7", card[kind]["t0.7"]))
+             for g, row in table.items()),
+            align=[md.LEFT, md.LEFT, md.RIGHT, md.RIGHT, md.RIGHT],
+        ),
+    ]  # fmt: skip
     lines += [
         "",
         f"{card['chat']['prompts']} held-out prompts per set (subjects never in training), up to "
@@ -371,12 +366,13 @@ def render(card: dict, meta: dict | None, points: list[dict]) -> str:
         "Tokens per round (accepted + 1, greedy, measured above) over `gamma x head step + verify`, with the",
         "verify pass at 1.05 and 1.2 decode steps, as on a GPU; the head's cost ratio is this CPU's.",
         "",
-        "| set | gamma | verify 1.05 | verify 1.2 |",
-        "| --- | ---: | ---: | ---: |",
-    ]
-    for kind, table in proj["speedup"].items():
-        for g, by_cost in table.items():
-            lines.append(f"| {kind} | {g} | {by_cost['1.05']:.2f}x | {by_cost['1.2']:.2f}x |")
+        *md.table(
+            ("set", "gamma", "verify 1.05", "verify 1.2"),
+            ((kind, g, f"{by_cost['1.05']:.2f}x", f"{by_cost['1.2']:.2f}x")
+             for kind, table in proj["speedup"].items() for g, by_cost in table.items()),
+            align=[md.LEFT, md.RIGHT, md.RIGHT, md.RIGHT],
+        ),
+    ]  # fmt: skip
     if points:
         lines += [
             "",
@@ -384,14 +380,14 @@ def render(card: dict, meta: dict | None, points: list[dict]) -> str:
             "",
             "![held-out acceptance against data size](data_size.png)",
             "",
-            "| run | share of the data | answer tokens | steps | seconds | chat gamma-1 | code gamma-1 |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for p in points:
-            lines.append(
-                f"| {p['run']} | {p['fraction']:g} | {p['answer_tokens']:,} | {p['steps']} | {p['seconds']} | "
-                f"{p.get('chat_top1', float('nan')):.3f} | {p.get('code_top1', float('nan')):.3f} |"
-            )
+            *md.table(
+                ("run", "share of the data", "answer tokens", "steps", "seconds", "chat gamma-1", "code gamma-1"),
+                ((p["run"], f"{p['fraction']:g}", f"{p['answer_tokens']:,}", p["steps"], p["seconds"],
+                  f"{p.get('chat_top1', float('nan')):.3f}", f"{p.get('code_top1', float('nan')):.3f}")
+                 for p in points),
+                align=[md.LEFT, *[md.RIGHT] * 6],
+            ),
+        ]  # fmt: skip
         lines += [
             "",
             "Held-out gamma-1 acceptance of the training script's own evaluation (greedy replay of the held-out",
@@ -413,42 +409,19 @@ def render(card: dict, meta: dict | None, points: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> dict:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=None, help="default: the registered default target")
-    ap.add_argument("--head", default=None, help="a head directory or registered name (default: the default head)")
-    ap.add_argument("--prompts", type=int, default=40, help="held-out prompts per set (greedy)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--gammas", type=int, nargs="+", default=list(GAMMAS))
-    ap.add_argument("--sampled-prompts", type=int, default=12)
-    ap.add_argument("--sampled-tokens", type=int, default=64)
-    ap.add_argument("--sampled-gammas", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--cost-steps", type=int, default=40)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--readme", type=Path, default=None, help="render the model card here")
-    ap.add_argument("--curve", type=Path, nargs="*", default=[], help="training runs of the data-size curve")
-    ap.add_argument("--from-json", type=Path, default=None, help="render from these figures, measuring nothing")
-    args = ap.parse_args(argv)
-    args.argv = argv
-    result = json.loads(args.from_json.read_text()) if args.from_json else run(args)
-    if args.json is not None and args.from_json is None:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    if args.readme is not None:
+def main(opts: HeadCardOptions) -> int:
+    """``specserve bench head-card``: the figures (to ``--json``; ``--from-json`` takes them instead of
+    measuring) and with ``--readme`` the model card, with the data-size curve of the ``--curve`` runs."""
+    result = json.loads(opts.from_json.read_text()) if opts.from_json else run(opts)
+    if opts.json is not None and opts.from_json is None:
+        md.write_json(opts.json, result)
+    if opts.readme is not None:
         meta_path = Path(result["head"]) / "training_meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
-        points = curve_points(args.curve)
+        points = curve_points(opts.curve)
         if points:
-            plot_curve(points, args.readme.parent / "data_size.png")
+            plot_curve(points, opts.readme.parent / "data_size.png")
             result["curve"] = points
-        args.readme.write_text(render(result, meta, points))
-        print(f"wrote {args.readme}")
-    return result
-
-
-if __name__ == "__main__":
-    main()
+        opts.readme.write_text(render(result, meta, points))
+        print(f"wrote {opts.readme}")
+    return 0

@@ -2,7 +2,7 @@
 
 Run (one run, one machine; docs/benchmarks/invariance.md comes from it)::
 
-    python -m specserve.bench.invariance --out docs/benchmarks
+    specserve bench invariance --out docs/benchmarks
 
 Copies of the target in this process, for each linear kernel path of
 ``--kernels``: the stock passes (:func:`specserve.engine.models.load_model`,
@@ -27,9 +27,7 @@ transformers' attention) and invariant ones (:func:`specserve.engine.invariant.p
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -37,10 +35,13 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from specserve.bench import markdown as md
 from specserve.bench.costs import random_context
-from specserve.bench.harness import DEFAULT_TARGET, _run_header
-from specserve.bench.kernels import greedy_outputs, write_report
+from specserve.bench.kernels import greedy_outputs
+from specserve.bench.options import InvarianceOptions
 from specserve.bench.pair import forward, prefilled
+from specserve.bench.runner import Header
+from specserve.bench.timing import Stopwatch
 
 PASSES = ("stock", "invariant")
 
@@ -79,23 +80,20 @@ def _positions_agree(model, context: list[int], k: int) -> bool:
 def _time_pass(model, cache, k: int, clock) -> float:
     """ms by ``clock`` (ns) of one pass over ``k`` random positions after ``cache`` (left as it was)."""
     ids = torch.randint(0, model.config.vocab_size, (k,)).tolist()
-    with torch.inference_mode():
-        start = clock()
+    with torch.inference_mode(), Stopwatch(clock) as sw:
         forward(model, ids, cache)
-        elapsed = clock() - start
     cache.crop(-k)
-    return elapsed / 1e6
+    return 1000.0 * sw.seconds
 
 
 def _time_prefill(model, ids: list[int], clock) -> float:
     """ms by ``clock`` (ns) of a prefill of ``ids`` into a new cache, the logits of the last position only."""
-    with torch.inference_mode():
-        start = clock()
+    with torch.inference_mode(), Stopwatch(clock) as sw:
         model(input_ids=torch.tensor([ids]), cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
-        return (clock() - start) / 1e6
+    return 1000.0 * sw.seconds
 
 
-def measure(args: argparse.Namespace) -> dict:
+def measure(args: InvarianceOptions) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     clock = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
@@ -147,7 +145,7 @@ def measure(args: argparse.Namespace) -> dict:
         same[kernels] = {name: _positions_agree(model, context, max(ks)) for name, model in models.items()}
         del models
     return {
-        **_run_header(args),
+        **Header.of(args).to_json(),
         "settings": {
             "pairs": args.pairs,
             "prefill_pairs": args.prefill_pairs,
@@ -171,8 +169,7 @@ def render(data: dict) -> str:
         f"{'CPU time of the model thread' if s.get('clock') == 'cpu' else 'wall-clock time'}, torch "
         f"{data['machine']['torch']}), target `{Path(data['target']).name}` in float32; one run of:",
         "",
-        f"```\n{data['command']}\n```",
-        "",
+        *md.command_block(data["command"]),
         "One target pass over k new positions after the context, warm KV cache, batch 1: "
         f"{s['pairs']} pairs of timings per k, the stock and the invariant pass back to back, the order "
         "alternating; ms are medians, 'invariant / stock' the median of the pairs' ratios. k = 1 is a decoding "
@@ -182,45 +179,31 @@ def render(data: dict) -> str:
     ]
     for kernels, per_context in data["cost"].items():
         lines += [f"## Linear kernels `{kernels}`", ""]
-        lines += [
-            "| context | k | stock ms | invariant ms | invariant / stock |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for length, per_k in per_context.items():
-            for k, row in per_k.items():
-                lines.append(
-                    f"| {length} | {k} | {row['stock_ms']:.1f} | {row['invariant_ms']:.1f} | {row['ratio']:.3f} |"
-                )
+        lines += md.table(
+            ("context", "k", "stock ms", "invariant ms", "invariant / stock"),
+            ((length, k, f"{row['stock_ms']:.1f}", f"{row['invariant_ms']:.1f}", f"{row['ratio']:.3f}")
+             for length, per_k in per_context.items() for k, row in per_k.items()),
+        )  # fmt: skip
         prefills = data.get("prefill", {}).get(kernels, {})
         if prefills:
             lines += [
                 "",
                 f"A prefill of the prompt into a new cache (median of {s.get('prefill_pairs')} pairs):",
                 "",
-                "| prompt tokens | stock ms | invariant ms | invariant / stock |",
-                "| --- | --- | --- | --- |",
-            ]
-            lines += [
-                f"| {length} | {row['stock_ms']:.1f} | {row['invariant_ms']:.1f} | {row['ratio']:.3f} |"
-                for length, row in prefills.items()
-            ]
+                *md.table(
+                    ("prompt tokens", "stock ms", "invariant ms", "invariant / stock"),
+                    ((length, f"{row['stock_ms']:.1f}", f"{row['invariant_ms']:.1f}", f"{row['ratio']:.3f}")
+                     for length, row in prefills.items()),
+                ),
+            ]  # fmt: skip
         runs = data.get("greedy", {}).get(kernels, [])
         if runs:
-            same_text = sum(g["identical"] for g in runs)
-            lines += [
-                "",
-                f"Greedy output, HF `generate()` of {len(runs)} held-out chat and code prompts, "
-                f"{data['max_new_tokens']} tokens each (EOS ignored), with the stock and the invariant passes: "
-                f"**{same_text} of {len(runs)} token-identical**"
-                + (
-                    ""
-                    if same_text == len(runs)
-                    else " (first differences at "
-                    + ", ".join(f"{g['prompt']}: token {g['first_difference']}" for g in runs if not g["identical"])
-                    + ": near-ties the two roundings break differently)"
-                )
-                + ".",
-            ]
+            same_text, greedy = md.greedy_line(
+                runs, data["max_new_tokens"], ", with the stock and the invariant passes"
+            )
+            if same_text != len(runs):
+                greedy += f" (first differences at {md.first_differences(runs)}: near-ties the two roundings break differently)"
+            lines += ["", greedy + "."]
         bits = data["same_bits"][kernels]
         lines += [
             "",
@@ -231,33 +214,9 @@ def render(data: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.invariance", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--kernels", nargs="+", default=["stock", "onednn"], choices=["stock", "onednn"])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--ks", type=int, nargs="*", default=[5], help="verify pass widths timed besides k = 1")
-    parser.add_argument("--pairs", type=int, default=30, help="pairs of timings (one pass of each copy) per k")
-    parser.add_argument("--prefills", type=int, nargs="*", default=[128, 512], help="prompt lengths prefilled")
-    parser.add_argument("--prefill-pairs", type=int, default=5, help="pairs of timings per prefill length")
-    parser.add_argument("--prompts", type=int, default=3, help="held-out prompts per kind (chat, code); 0: none")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument(
-        "--clock",
-        choices=["cpu", "wall"],
-        default="cpu",
-        help="cpu: the model thread's CPU time, with --threads 1 (what a pass costs, little moved by other "
-        "processes on a shared machine); wall: elapsed time",
-    )
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    args = parser.parse_args(argv)
-    if args.clock == "cpu" and args.threads != 1:
-        parser.error("--clock cpu measures one thread: use --threads 1")
-    args.command = "python -m specserve.bench.invariance " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_report(args.out, "invariance", render=render, data=measure(args))
+def main(opts: InvarianceOptions) -> int:
+    """``specserve bench invariance``: ``<out>/invariance.json`` and ``invariance.md``."""
+    data = measure(opts)
+    print(render(data))
+    md.write(opts.out, "invariance", render(data), data)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,7 +3,7 @@ whether greedy output stays the same.
 
 Run (one run, one machine; docs/benchmarks/kernels.md comes from it)::
 
-    python -m specserve.bench.kernels --out docs/benchmarks
+    specserve bench kernels --out docs/benchmarks
 
 Two copies of the target in this process, one with PyTorch's stock linear
 kernels and one with packed oneDNN weights (:mod:`specserve.engine.cpu_kernels`):
@@ -25,19 +25,18 @@ kernels and one with packed oneDNN weights (:mod:`specserve.engine.cpu_kernels`)
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from specserve.bench import markdown as md
 from specserve.bench.costs import random_context, time_pass
-from specserve.bench.harness import DEFAULT_DRAFT, DEFAULT_TARGET, _run_header
-from specserve.bench.pair import ignore_eos
+from specserve.bench.options import KernelsOptions
+from specserve.bench.pair import hf_generate
+from specserve.bench.runner import Header
+from specserve.bench.timing import Stopwatch
 
 #: kernels.md: what follows this line is written by hand and kept when the measurements are rerun.
 NOTES = "<!-- notes: kept by specserve.bench.kernels -->"
@@ -49,7 +48,7 @@ def _load(target: str, kernels: str):
     return load_model(resolve_model_path(target, "target"), device="cpu", dtype="float32", kernels=kernels)
 
 
-def draft_steps(args: argparse.Namespace) -> dict[str, float]:
+def draft_steps(args: KernelsOptions) -> dict[str, float]:
     """ms per drafted token: the row-invariant pass with each kernel path, and the plain model's step."""
     from draft_service.proposers import DraftRequest, ModelProposer
     from specserve.api.params import SamplingParams
@@ -77,9 +76,9 @@ def draft_steps(args: argparse.Namespace) -> dict[str, float]:
                     sampling=SamplingParams(temperature=0.0),
                     seed=0,
                 )
-                start = time.perf_counter()
-                drafted = proposer.propose(request)
-                times[name].append(1e3 * (time.perf_counter() - start) / args.draft_gamma)
+                with Stopwatch() as sw:
+                    drafted = proposer.propose(request)
+                times[name].append(1e3 * sw.seconds / args.draft_gamma)
                 committed[name] += [drafted.token_ids[0], 5]  # one accepted, a bonus token: the next catch-up
             times[name].pop(-args.repeats - 1)  # the first of the round warms the path back up
         times["plain"].append(time_pass(plain, plain_cache, 1, args.repeats))
@@ -97,20 +96,10 @@ def greedy_outputs(models: dict, tokenizer, prompts_per_kind: int, max_new_token
     greedy = []
     for p in tqdm(prompts, desc="greedy output", unit="prompt"):
         text = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False)
-        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         outs, secs = {}, {}
         for name, model in models.items():
-            start = time.perf_counter()
-            with torch.inference_mode():
-                out = model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    **ignore_eos(model),
-                )
-            secs[name] = time.perf_counter() - start
-            outs[name] = out[0, ids.shape[1] :].tolist()
+            outs[name], secs[name] = hf_generate(model, ids, max_new_tokens)
         same = outs[first_name] == outs[second_name]
         pairs = enumerate(zip(outs[first_name], outs[second_name], strict=True))  # both ran max_new_tokens
         first = None if same else next(i for i, (a, b) in pairs if a != b)
@@ -118,25 +107,7 @@ def greedy_outputs(models: dict, tokenizer, prompts_per_kind: int, max_new_token
     return greedy
 
 
-def add_pass_arguments(parser: argparse.ArgumentParser, *, prompts: int, max_new_tokens: int) -> None:
-    """The options of a benchmark of two copies of the target: passes over 1..--max-k positions, then
-    greedy output on held-out prompts; --threads, --out."""
-    parser.add_argument("--max-k", type=int, default=9)
-    parser.add_argument("--prompts", type=int, default=prompts, help="held-out prompts per kind (chat, code)")
-    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-
-
-def write_report(out: Path, name: str, data: dict, render) -> None:
-    """``<out>/<name>.json`` (the data) and ``<out>/<name>.md`` (``render(data)``), also printed."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / f"{name}.md").write_text(render(data))
-    print(render(data))
-
-
-def measure(args: argparse.Namespace) -> dict:
+def measure(args: KernelsOptions) -> dict:
     torch.set_num_threads(args.threads)
     loaded = {name: _load(args.target, name) for name in ("stock", "onednn")}
     models = {name: m.model for name, m in loaded.items()}
@@ -151,7 +122,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     greedy = greedy_outputs(models, loaded["stock"].tokenizer, args.prompts, args.max_new_tokens)
     return {
-        **_run_header(args),
+        **Header.of(args).to_json(),
         "settings": {"rounds": args.rounds, "repeats": args.repeats, "context": 128, "threads": args.threads},
         "pass_ms": {name: {str(k): v for k, v in per_k.items()} for name, per_k in passes.items()},
         "draft_gamma": args.draft_gamma,
@@ -169,36 +140,27 @@ def render(data: dict) -> str:
         f"Measured {data['date_utc']} UTC ({data['machine']['platform']}, {data['settings']['threads']} torch "
         f"threads, torch {data['machine']['torch']}), target `{Path(data['target']).name}` in float32; one run of:",
         "",
-        f"```\n{data['command']}\n```",
-        "",
+        *md.command_block(data["command"]),
         "One target pass over k new positions after a 128-token context, warm KV cache, batch 1 (median of "
         f"{data['settings']['rounds']} rounds x {data['settings']['repeats']} timings, the two kernel paths "
         "alternating). A verify pass at gamma feeds k = gamma + 1 positions.",
         "",
-        "| k | stock ms | stock / its step | oneDNN packed ms | packed / its step | packed / stock |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for k in stock:
-        lines.append(
-            f"| {k} | {stock[k]:.1f} | {stock[k] / stock['1']:.2f}x | {fast[k]:.1f} | "
-            f"{fast[k] / fast['1']:.2f}x | {fast[k] / stock[k]:.2f} |"
-        )
-    same = sum(g["identical"] for g in data["greedy"])
+        *md.table(
+            ("k", "stock ms", "stock / its step", "oneDNN packed ms", "packed / its step", "packed / stock"),
+            ((k, f"{stock[k]:.1f}", f"{stock[k] / stock['1']:.2f}x", f"{fast[k]:.1f}", f"{fast[k] / fast['1']:.2f}x",
+              f"{fast[k] / stock[k]:.2f}")
+             for k in stock),
+        ),
+    ]  # fmt: skip
     hf = {name: sum(g["seconds"][name] for g in data["greedy"]) for name in ("stock", "onednn")}
     tokens = data["max_new_tokens"] * len(data["greedy"])
+    same, greedy = md.greedy_line(data["greedy"], data["max_new_tokens"], "")
+    greedy += " between the two kernel paths"
+    if same != len(data["greedy"]):
+        greedy += f" (first differences at {md.first_differences(data['greedy'])})"
     lines += [
         "",
-        f"Greedy output, HF `generate()` of {len(data['greedy'])} held-out chat and code prompts, "
-        f"{data['max_new_tokens']} tokens each (EOS ignored): **{same} of {len(data['greedy'])} token-identical** "
-        "between the two kernel paths"
-        + (
-            ""
-            if same == len(data["greedy"])
-            else " (first differences at "
-            + ", ".join(f"{g['prompt']}: token {g['first_difference']}" for g in data["greedy"] if not g["identical"])
-            + ")"
-        )
-        + f"; {1000 * hf['stock'] / tokens:.1f} ms/token stock, {1000 * hf['onednn'] / tokens:.1f} packed.",
+        greedy + f"; {1000 * hf['stock'] / tokens:.1f} ms/token stock, {1000 * hf['onednn'] / tokens:.1f} packed.",
         "",
     ]
     step = data.get("draft_step_ms")
@@ -211,13 +173,16 @@ def render(data: dict) -> str:
             "catching up on two committed tokens each time as a round does; ms per drafted token, median of "
             f"{data['settings']['rounds']} rounds x {data['settings']['repeats']} proposals.",
             "",
-            "| path | ms per drafted token | vs the plain step |",
-            "| --- | --- | --- |",
-            f"| stock kernels, 16-row blocks | {step['stock']:.2f} | {step['stock'] / step['plain']:.2f}x |",
-            f"| packed oneDNN, rows unpadded where the kernel allows (the draft's default) | {step['onednn']:.2f} | "
-            f"{step['onednn'] / step['plain']:.2f}x |",
-            f"| plain model step, 1 position (the cost model's draft step; not batch-invariant) | "
-            f"{step['plain']:.2f} | 1.00x |",
+            *md.table(
+                ("path", "ms per drafted token", "vs the plain step"),
+                [
+                    ("stock kernels, 16-row blocks", f"{step['stock']:.2f}", f"{step['stock'] / step['plain']:.2f}x"),
+                    ("packed oneDNN, rows unpadded where the kernel allows (the draft's default)",
+                     f"{step['onednn']:.2f}", f"{step['onednn'] / step['plain']:.2f}x"),
+                    ("plain model step, 1 position (the cost model's draft step; not batch-invariant)",
+                     f"{step['plain']:.2f}", "1.00x"),
+                ],
+            ),
             "",
         ]
     notes = data.get("notes")
@@ -226,23 +191,14 @@ def render(data: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.kernels", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--draft", default=DEFAULT_DRAFT)
-    parser.add_argument("--draft-gamma", type=int, default=4, help="tokens per proposal in the draft's timing")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=5)
-    add_pass_arguments(parser, prompts=6, max_new_tokens=64)
-    args = parser.parse_args(argv)
-    args.command = "python -m specserve.bench.kernels " + " ".join(argv if argv is not None else sys.argv[1:])
-    data = measure(args)
-    old = args.out / "kernels.md"
+def main(opts: KernelsOptions) -> int:
+    """``specserve bench kernels``: ``<out>/kernels.json`` and ``kernels.md`` (the hand-written notes after
+    the marker in an earlier kernels.md stay)."""
+    opts.threads = opts.threads or torch.get_num_threads()
+    data = measure(opts)
+    old = opts.out / "kernels.md"
     if old.exists() and NOTES in old.read_text():  # the hand-written part after the marker stays
         data["notes"] = NOTES + old.read_text().split(NOTES, 1)[1]
-    write_report(args.out, "kernels", data, render)
+    print(render(data))
+    md.write(opts.out, "kernels", render(data), data)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Network latency between the tiers: what a round trip to the draft or the target costs.
 
-``python -m specserve.bench.harness --latency`` (or ``specserve bench --latency``) starts
+``specserve bench latency`` starts
 stacks of one process per role (``specserve up``'s, as the harness's single-stream
 runs), one per setting, and puts a :class:`LatencyProxy` between the
 coordinator and one tier: every byte the coordinator sends to that tier, and
@@ -8,7 +8,7 @@ every byte it gets back, arrives ``rtt / 2`` later (an order-preserving delay,
 not a bandwidth limit: bytes in flight overlap as on a real link). For each
 side (draft, target) and each round-trip time (``--rtts-ms``, 0, 2 and 10 by
 default) it runs the held-out prompts of the first set greedily, EOS ignored,
-with gamma = 0, a fixed gamma (``--latency-gamma``, 1) and the adaptive policy,
+with gamma = 0, a fixed gamma (``--gamma``, 1) and the adaptive policy,
 then the last two again with overlap on (``CoordinatorSettings.overlap``: the
 draft drafts the next round while the target verifies), and records ms per
 committed token and the tokens per round. Greedy output must be the same in
@@ -20,14 +20,14 @@ the report gives that hit rate beside what overlap won back.
 
 Two things keep the comparison fair on one small machine:
 
-- **Tiers on cores of their own** (``--latency-cores separate``, the default
+- **Tiers on cores of their own** (``--cores separate``, the default
   where there are two CPUs): the draft tier and the coordinator run on the
   first CPU, the target on the others with one thread per CPU
   (:func:`tier_cpus`; ``start_process_stack(cpus=)``). Overlap runs the draft
   while the target verifies; on shared cores that drafting takes cores from
   the target's pass, which machines of their own would not.
 - **Settings interleaved**: for each side, every (RTT, overlap) stack is up at
-  once and the settings take turns prompt by prompt, ``--latency-repeats``
+  once and the settings take turns prompt by prompt, ``--repeats``
   times (every other repeat in the reverse order), so the machine's drift
   falls on every setting alike.
 
@@ -48,8 +48,13 @@ import asyncio
 import contextlib
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
+
+from tqdm import tqdm
+
+from specserve.bench import markdown as md
+from specserve.bench.options import LatencyOptions
+from specserve.bench.timing import timed_generate
 
 RTTS_MS = (0.0, 2.0, 10.0)
 SIDES = ("draft", "target")
@@ -249,11 +254,9 @@ async def _one(client, metrics: str, side: str, rtt: float, mode: str, gamma, na
         return int(scrape(metrics, "specserve_coordinator_overlap_drafts_total", {"outcome": outcome}))
 
     used, wasted = ahead("used"), ahead("wasted")
-    start = time.perf_counter()
-    result = await client.generate(
-        prompt_token_ids=ids, max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, gamma=gamma
+    result, total = await timed_generate(
+        client, prompt_token_ids=ids, max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, gamma=gamma
     )
-    total = time.perf_counter() - start
     s = result.stats
     return LatencyRun(
         side,
@@ -346,20 +349,19 @@ def section(data: dict) -> list[str]:
         "used': with overlap, the drafts made while the target verified that the next round could use (the "
         "verdict accepted every proposed token and its bonus token was the draft's guess), of all drafted ahead.",
         "",
-        "| tier behind the delay | RTT ms | mode | ms/token | added ms/token | waiting on the draft ms/token "
-        "| tokens/round | acceptance | drafted ahead, used | greedy output unchanged |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in data["summary"]:
-        added = f"{r['added_ms_per_token']:+.2f}" if r["added_ms_per_token"] is not None else "-"
-        tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
-        lines.append(
-            f"| {r['side']} | {r['rtt_ms']:g} | {r['mode']} | {r['ms_per_token']:.2f} | {added} | "
-            + (f"{r['draft_wait_ms_per_token']:.2f}" if "draft_wait_ms_per_token" in r else "-")
-            + f" | {tpr} | "
-            f"{r['acceptance']:.2f} | {_hit_rate(r)} | {'yes' if r['identical'] else '**no**'} |"
-        )
-    lines.append("")
+    header = ("tier behind the delay", "RTT ms", "mode", "ms/token", "added ms/token",
+              "waiting on the draft ms/token", "tokens/round", "acceptance", "drafted ahead, used",
+              "greedy output unchanged")  # fmt: skip
+    cells = [
+        (r["side"], f"{r['rtt_ms']:g}", r["mode"], f"{r['ms_per_token']:.2f}",
+         f"{r['added_ms_per_token']:+.2f}" if r["added_ms_per_token"] is not None else "-",
+         f"{r['draft_wait_ms_per_token']:.2f}" if "draft_wait_ms_per_token" in r else "-",
+         f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-",
+         f"{r['acceptance']:.2f}", _hit_rate(r), "yes" if r["identical"] else "**no**")
+        for r in data["summary"]
+    ]  # fmt: skip
+    lines += [*md.table(header, cells), ""]
     won = won_back(data["summary"])
     if won:
         lines += [
@@ -370,17 +372,15 @@ def section(data: dict) -> list[str]:
             "the part of a round the draft's RTT lands on and overlap acts on, without the target's pass "
             "and the noise of its ~40-70 ms.",
             "",
-            "| tier | RTT ms | mode | latency cost ms/token | won back by overlap | draft wait: cost ms/token "
-            "| won back of it |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
-        for w in won:
-            wait = w.get("draft_wait")
-            lines.append(
-                f"| {w['side']} | {w['rtt_ms']:g} | {w['mode']} | {w['cost_ms']:+.2f} | {w['won_back']:.0%} | "
-                + (f"{wait['cost_ms']:+.2f} | {wait['won_back']:.0%} |" if wait else "- | - |")
-            )
-        lines.append("")
+        header = ("tier", "RTT ms", "mode", "latency cost ms/token", "won back by overlap",
+                  "draft wait: cost ms/token", "won back of it")  # fmt: skip
+        cells = [
+            (w["side"], f"{w['rtt_ms']:g}", w["mode"], f"{w['cost_ms']:+.2f}", f"{w['won_back']:.0%}",
+             *((f"{wait['cost_ms']:+.2f}", f"{wait['won_back']:.0%}") if (wait := w.get("draft_wait")) else ("-", "-")))
+            for w in won
+        ]  # fmt: skip
+        lines += [*md.table(header, cells), ""]
     return lines
 
 
@@ -425,3 +425,41 @@ def won_back(summary: list[dict]) -> list[dict]:
             }
         )
     return out
+
+
+async def measure_for(opts: LatencyOptions) -> dict:
+    """``specserve bench latency``: every setting on the first prompt set's held-out prompts, with the run's
+    settings."""
+    from transformers import AutoTokenizer
+
+    from specserve.bench.prompts import default_prompt_sets, load_prompt_sets
+    from specserve.bench.runner import Header, stack_of
+
+    tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
+    first = (opts.prompt_sets or default_prompt_sets(tokenizer))[0]
+    prompts = load_prompt_sets([first], tokenizer, opts.target, opts.prompts, opts.prompt_chars)[first]
+    total = len(opts.sides) * len(opts.rtts_ms) * 5 * len(prompts) * opts.repeats
+    with tqdm(total=total, desc="latency", unit="gen") as bar:
+        cpus = tier_cpus(opts.cores == "separate")
+        runs = await measure(
+            **stack_of(opts),
+            prompts=prompts,
+            rtts_ms=tuple(opts.rtts_ms),
+            sides=tuple(opts.sides),
+            fixed_gamma=opts.gamma,
+            cpus=cpus,
+            progress=bar.update,
+            **opts.pick("max_new_tokens", "repeats"),
+        )
+    settings = {
+        **Header.of(opts).to_json(),
+        "prompt_set": first,
+        "prompts": len(prompts),
+        "rtts_ms": list(opts.rtts_ms),
+        "sides": list(opts.sides),
+        **opts.pick("max_new_tokens"),
+        "fixed_gamma": opts.gamma,
+        **opts.pick("repeats"),
+        "cpus": None if cpus is None else {role: sorted(c) for role, c in cpus.items()},
+    }
+    return to_json(runs, settings)

@@ -2,7 +2,7 @@
 
 Run (one run, one machine; the figures in docs/benchmarks come from it)::
 
-    python -m specserve.bench.overhead --json docs/benchmarks/overhead.json
+    specserve bench overhead --json docs/benchmarks/overhead.json
 
 The same held-out chat prompts go, greedy (or all sampled at ``--temperature``)
 and with ``ignore_eos`` (so every run commits exactly ``--max-new-tokens``
@@ -40,19 +40,18 @@ token it is that divided by the tokens a round commits.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-from specserve.bench.pair import ignore_eos
+from specserve.bench import markdown as md
+from specserve.bench.options import OverheadOptions
+from specserve.bench.pair import hf_generate
+from specserve.bench.timing import timed_generate
 
 
 def _prompts(tokenizer, n: int) -> list[list[int]]:
@@ -65,27 +64,7 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def _hf_run(model, ids: list[int], max_new: int, temperature: float = 0.0) -> float:
-    """Seconds for one ``generate()`` of exactly ``max_new`` tokens: greedy at ``temperature`` 0, else
-    sampled at that temperature with nothing else (no top-k, no top-p), as the specserve requests are."""
-    x = torch.tensor([ids])
-    sampling = {"do_sample": False}
-    if temperature > 0:
-        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        torch.manual_seed(0)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=max_new,
-            **sampling,
-            **ignore_eos(model),
-        )
-    return time.perf_counter() - start
-
-
-async def measure(args: argparse.Namespace) -> dict:
+async def measure(args: OverheadOptions) -> dict:
     from specserve.engine import cpu_kernels
     from specserve.engine.models import load_model, resolve_model_path
     from specserve.launch.redis_server import private_redis
@@ -124,16 +103,14 @@ async def _interleaved_runs(args, target, kernels, redis_url, model, prompts, hf
             await clients[steps].generate(
                 prompt_token_ids=prompts[0], **{**kw, "max_new_tokens": 4}
             )  # warm-up
-        _hf_run(model, prompts[0], 4, args.temperature)
+        hf_generate(model, prompts[0], 4, args.temperature)
         order: list[int | None] = [None, *args.decode_steps]  # None: HF
         for i, ids in enumerate(prompts * args.repeats):
             for which in order[i % len(order) :] + order[: i % len(order)]:
                 if which is None:
-                    hf.append(_hf_run(model, ids, args.max_new_tokens, args.temperature) / args.max_new_tokens)
+                    hf.append(hf_generate(model, ids, args.max_new_tokens, args.temperature)[1] / args.max_new_tokens)
                     continue
-                start = time.perf_counter()
-                result = await clients[which].generate(prompt_token_ids=ids, **kw)
-                wall = time.perf_counter() - start
+                result, wall = await timed_generate(clients[which], prompt_token_ids=ids, **kw)
                 s = result.stats
                 assert s.completion_tokens == args.max_new_tokens
                 runs[which].append(
@@ -180,7 +157,7 @@ def _breakdown(runs: list[dict]) -> dict:
 
 
 def summarize(
-    hf: list[float], runs: dict[int, list[dict]], args: argparse.Namespace, kernels: str = "stock"
+    hf: list[float], runs: dict[int, list[dict]], args: OverheadOptions, kernels: str = "stock"
 ) -> dict:
     from specserve.runtime.config import CoordinatorSettings
 
@@ -197,7 +174,7 @@ def summarize(
             "specserve_ms_per_token_all": [r["client_s_per_token"] * ms for r in these],
         }
     return {
-        "command": "python -m specserve.bench.overhead " + " ".join(args.argv),
+        "command": args.command,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": {"processor": platform.processor() or platform.machine(), "threads": args.threads},
         "kernels": kernels,
@@ -225,8 +202,8 @@ def section(data: dict) -> list[str]:
     ratio = settings[default]["specserve_vs_hf"] if default in settings else None
     verdict = "not measured" if ratio is None else ("met" if ratio >= 0.95 else "missed")
 
-    def row(label: str, value) -> str:
-        return f"| {label} | " + " | ".join(value(settings[k]) for k in shown) + " |"
+    def row(label: str, value) -> list[str]:
+        return [label, *(value(settings[k]) for k in shown)]
 
     lines = [
         f"## The service's own overhead (gamma = 0, {_sampling(data)}, {data['max_new_tokens']} tokens, "
@@ -241,8 +218,8 @@ def section(data: dict) -> list[str]:
         if ratio is not None
         else f"Command: `{data['command']}` ({data['when']}): the default decode_steps ({default}) was not run.",
         "",
-        "| | " + " | ".join(f"decode_steps = {k}" for k in shown) + " |",
-        "| --- | " + " | ".join("---" for _ in shown) + " |",
+    ]
+    rows = [
         row("ms per token (median over prompts)", lambda d: f"{d['specserve_gamma0_ms_per_token']:.2f}"),
         row("vs HF target-only", lambda d: f"{d['specserve_vs_hf']:.2f}x"),
         row("tokens per round", lambda d: f"{d['per_round']['tokens_per_round']:.2f}"),
@@ -267,53 +244,15 @@ def section(data: dict) -> list[str]:
             "fixed overhead per committed token, ms",
             lambda d: f"{d['per_round']['fixed_overhead_ms_per_token']:.2f}",
         ),
-        "",
     ]
-    return lines
+    return [*lines, *md.table(["", *(f"decode_steps = {k}" for k in shown)], rows), ""]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--target", default=None, help="registered name or directory (default: the default target)"
-    )
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--redis-url", default=None)
-    ap.add_argument(
-        "--kernels",
-        choices=("fastest", "auto", "stock", "onednn"),
-        default="fastest",
-        help="the target's linear kernels (specserve/engine/cpu_kernels.py), in the service and in HF alike "
-        "(fastest, the target's default: both timed here as the model loads, the faster one used by both)",
-    )
-    ap.add_argument(
-        "--decode-steps",
-        type=int,
-        nargs="+",
-        default=[1, 4],
-        help="the coordinator's decode_steps for each stack measured (1: a round trip per token)",
-    )
-    ap.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="0: greedy (the default); above 0: HF and specserve both sample at this temperature",
-    )
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
-    args.argv = argv
-    result = asyncio.run(measure(args))
-    text = "\n".join(section(result))
-    print(text)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    return result
-
-
-if __name__ == "__main__":
-    main()
+def main(opts: OverheadOptions) -> int:
+    """``specserve bench overhead``: prints the section, and writes the figures to ``--json`` (the report
+    renders the section from ``overhead.json``)."""
+    result = asyncio.run(measure(opts))
+    print("\n".join(section(result)))
+    if opts.json is not None:
+        md.write_json(opts.json, result)
+    return 0

@@ -2,7 +2,7 @@
 
 Shared by the benchmark harness (its Hugging Face baselines and model costs,
 :mod:`specserve.bench.costs`) and :mod:`specserve.bench.demo_pair`: loading the pair in float32,
-one forward pass with a KV cache, and a cache prefilled with a prompt.
+one forward pass with a KV cache, a cache prefilled with a prompt, and Hugging Face ``generate()`` timed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import specserve.engine.draft_model  # noqa: F401  (registers the default draft's model type)
+from specserve.bench.timing import Stopwatch
 from specserve.engine import attention, cpu_kernels
 from specserve.engine.cpu_kernels import Kernels
 from specserve.engine.models import pass_timer
@@ -48,6 +49,23 @@ def ignore_eos(model) -> dict:
     the model picks it, and nothing stops there. An id no token has does that (``min_new_tokens`` would
     forbid EOS instead, another distribution)."""
     return {"eos_token_id": model.config.vocab_size + 1, "pad_token_id": model.config.eos_token_id}
+
+
+def hf_generate(
+    model, ids: Sequence[int], max_new: int, temperature: float = 0.0, seed: int = 0, **extra
+) -> tuple[list[int], float]:
+    """One Hugging Face ``generate()`` of exactly ``max_new`` tokens (EOS ignored, as specserve's
+    ``ignore_eos`` runs): greedy at ``temperature`` 0, else sampled at that temperature with nothing else (no
+    top-k, no top-p), as the specserve requests are; ``extra``: more ``generate()`` arguments
+    (``assistant_model``, ``prompt_lookup_num_tokens``). The new tokens and the seconds it took."""
+    x = torch.tensor([list(ids)])
+    kwargs = {"max_new_tokens": max_new, "do_sample": temperature > 0, **ignore_eos(model), **extra}
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+    torch.manual_seed(seed)
+    with Stopwatch() as sw, torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+    return out[0, x.shape[1] :].tolist(), sw.seconds
 
 
 def forward(model, ids: Sequence[int], cache: DynamicCache) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Predicted Outputs: ms per token with a prediction against the target alone (gamma = 0).
 
-``python -m specserve.bench.harness --predicted-outputs`` (or ``specserve bench --predicted-outputs``)
+``specserve bench prediction``
 starts a local stack (all three roles in this process, draft included) and, per
 held-out code prompt, greedy, EOS ignored:
 
@@ -13,7 +13,7 @@ held-out code prompt, greedy, EOS ignored:
    an OpenAI client sends: the server tokenizes it, which may split it otherwise
    than the model did).
 5. ``half-wrong prediction``: the continuation with every other block of
-   ``--prediction-block`` tokens replaced by tokens of another prompt's
+   ``--block`` tokens replaced by tokens of another prompt's
    continuation (the output leaves the prediction and must re-align), adaptive.
 6. ``adaptive``: no prediction, the draft model and the adaptive policy (for
    reference).
@@ -32,9 +32,13 @@ Writes ``<out>/prediction.json``; ``specserve.bench.report`` renders it as
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from tqdm import tqdm
+
+from specserve.bench.options import PredictionOptions
+from specserve.bench.timing import timed_generate
 
 #: The speedup of an exact prediction over gamma = 0 that issue 14 asks for.
 TARGET_SPEEDUP = 3.0
@@ -73,11 +77,9 @@ def half_wrong(tokens: list[int], other: list[int], block: int) -> list[int]:
 async def _one(
     client, mode: str, name: str, ids: list[int], max_new: int, **kw
 ) -> tuple[PredictionRun, list[int]]:
-    start = time.perf_counter()
-    result = await client.generate(
-        prompt_token_ids=ids, max_new_tokens=max_new, temperature=0, ignore_eos=True, **kw
+    result, total = await timed_generate(
+        client, prompt_token_ids=ids, max_new_tokens=max_new, temperature=0, ignore_eos=True, **kw
     )
-    total = time.perf_counter() - start
     s = result.stats
     run = PredictionRun(
         mode=mode,
@@ -201,3 +203,29 @@ def to_json(runs: list[PredictionRun], settings: dict) -> dict:
         "summary": summary,
         "verdict": verdict(summary),
     }
+
+
+async def measure_for(opts: PredictionOptions) -> dict:
+    """``specserve bench prediction``: every mode on held-out code prompts, with the run's settings."""
+    from transformers import AutoTokenizer
+
+    from specserve.bench.runner import Header, code_prompts_for, stack_of
+
+    tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
+    prompts, heldout_ok = code_prompts_for(opts, tokenizer, opts.prompts)
+    with tqdm(total=5 * len(prompts) * opts.repeats, desc="predicted outputs", unit="gen") as bar:
+        runs, gamma = await measure(
+            **stack_of(opts),
+            prompts=prompts,
+            tokenizer=tokenizer,
+            progress=bar.update,
+            **opts.pick("max_new_tokens", "block", "repeats"),
+        )
+    settings = {
+        **Header.of(opts).to_json(),
+        "heldout_prompts": heldout_ok,
+        "prompts": len(prompts),
+        **opts.pick("max_new_tokens", "block", "repeats"),
+        "fixed_gamma": gamma,
+    }
+    return to_json(runs, settings)

@@ -1,4 +1,8 @@
-"""Prompt sets for the benchmark, cut from held-out standard-library files.
+"""Prompt sets for the benchmark: held-out chat conversations (:mod:`specserve.bench.chat_prompts`) and cuts
+of held-out standard-library files.
+
+* ``chat``, ``chat-code``, ``copy``: first turns of held-out conversations through the tokenizer's chat
+  template (:func:`load_prompt_sets`).
 
 * ``code``: a held-out file up to and including a ``def`` line (the model
   continues the function body).
@@ -19,6 +23,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.bench.chat_prompts import copy_prompts, heldout_prompts
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -26,10 +32,10 @@ class Prompt:
     text: str
 
 
-def heldout_files(model_dir: Path) -> tuple[list[Path], bool]:
+def heldout_files(model_dir: str | Path) -> tuple[list[Path], bool]:
     """Held-out stdlib files named by the model directory, and whether that list was found."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    listing = model_dir / "heldout_files.json"
+    listing = Path(model_dir) / "heldout_files.json"
     if listing.exists():
         data = json.loads(listing.read_text())
         names = data["files"] if isinstance(data, dict) else data
@@ -77,3 +83,44 @@ def prose_prompts(files: list[Path], n: int, max_chars: int = 300) -> list[Promp
         if len(out) == n:
             break
     return out
+
+
+def default_prompt_sets(tokenizer, *, copy: bool = False) -> list[str]:
+    """``chat chat-code`` (and ``copy`` if asked) for a tokenizer with a chat template, ``code prose`` otherwise."""
+    if getattr(tokenizer, "chat_template", None):
+        return ["chat", "chat-code", *(["copy"] if copy else [])]
+    return ["code", "prose"]
+
+
+def load_prompt_sets(
+    names: list[str], tokenizer, target_dir: Path, n: int, max_chars: int
+) -> dict[str, list[tuple[str, list[int]]]]:
+    """``{set: [(prompt name, token ids), ...]}``, ``n`` held-out prompts per set."""
+    out: dict[str, list[tuple[str, list[int]]]] = {}
+    files = None
+    for name in names:
+        if name in ("chat", "chat-code"):
+            prompts = heldout_prompts("chat" if name == "chat" else "code", n)
+            out[name] = [(p.name, _chat_ids(tokenizer, p.messages)) for p in prompts]
+        elif name == "copy":
+            out[name] = [(p.name, _chat_ids(tokenizer, p.messages)) for p in copy_prompts(n)]
+        else:
+            if files is None:
+                files, _ = heldout_files(target_dir)
+            cut = (
+                code_prompts(files, n, max_chars)
+                if name == "code"
+                else prose_prompts(files, n, max_chars // 2)
+            )
+            out[name] = [(p.name, tokenizer(p.text).input_ids) for p in cut]
+        if not out[name]:
+            raise ValueError(f"prompt set {name!r} is empty")
+    return out
+
+
+def _chat_ids(tokenizer, messages) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    else:  # a tokenizer without a template (a test pair): the user turns as plain text
+        text = "\n".join(m["content"] for m in messages) + "\n"
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

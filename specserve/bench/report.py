@@ -1,22 +1,18 @@
-"""Render ``bench.json`` (from ``specserve.bench.harness``) as a Markdown report with PNG plots.
+"""Render ``bench.json`` (from ``specserve bench all``) as a Markdown report with PNG plots.
 
-``python -m specserve.bench.report docs/benchmarks`` re-renders without re-measuring.
-When the folder holds ``draft_scaling.json`` (``specserve.bench.harness --draft-scaling``),
-the report gains its section and plot; :func:`write_draft_scaling` writes that
-section alone as ``draft_scaling.md``. Likewise ``prediction.json``
-(``specserve.bench.harness --predicted-outputs``) and :func:`write_prediction`,
-``latency.json`` (``specserve.bench.harness --latency``; further runs kept as ``latency_<name>.json``) and
-:func:`write_latency`, and
-``sampling_modes.json`` (``--only-sampling-modes``), and ``load.json``
-(``specserve.bench.harness --only-load``), whose load sweep then replaces the full run's
-in the report, and :func:`write_load`.
+``specserve bench report docs/benchmarks`` re-renders without re-measuring. When the folder holds
+``draft_scaling.json`` (``specserve bench draft-scaling``), the report gains its section and plot;
+:func:`write_draft_scaling` writes that section alone as ``draft_scaling.md``. Likewise ``prediction.json``
+(``specserve bench prediction``) and :func:`write_prediction`, ``latency.json`` (``specserve bench latency``;
+further runs kept as ``latency_<name>.json``) and :func:`write_latency`, ``sampling_modes.json``
+(``specserve bench sampling-modes``), and ``load.json`` (``specserve bench load``), whose load sweep then
+replaces the full run's in the report, and :func:`write_load`. Tables come from :mod:`specserve.bench.markdown`.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -25,12 +21,28 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from coordinator.cost_model import expected_tokens_iid
+from specserve.bench import markdown as md
 from specserve.bench.costs import Costs, as_run, predicted_speedup
 from specserve.bench.latency import section as latency_section
+from specserve.bench.modes import (
+    ADAPTIVE,
+    FIXED_GAMMAS,
+    GAMMA0,
+    HF_ASSISTED,
+    HF_LOOKUP_PREFIX,
+    HF_TARGET,
+    LOAD_ADAPTIVE,
+    LOAD_BASE,
+    LOAD_CONTROL,
+    MODEL_ONLY,
+    NGRAM_ADAPTIVE,
+    fixed,
+)
+from specserve.bench.options import ReportOptions
 from specserve.bench.overhead import section as overhead_section
 from specserve.bench.sampling_modes import section as sampling_modes_section
 
-FIXED = (1, 2, 4, 8)
+BASE = GAMMA0.name
 #: A projection, not a measurement: what a pass over k positions costs on an accelerator with spare
 #: parallelism, as multiples of a one-position step (1.05x at k = 2 rising to 1.2x at k = 9).
 GPU_LIKE_VERIFY = (1.0, 1.05, 1.07, 1.09, 1.11, 1.14, 1.16, 1.18, 1.2)
@@ -62,14 +74,14 @@ def bound_rows(data: dict) -> list[dict]:
     run_costs = as_run(costs)  # the draft step after a target pass (None: a run that did not time it)
     rows = []
     for key, group in data["single_stream"].items():
-        base = group.get("hf target-only", {}).get("ms_per_token_median")
+        base = group.get(HF_TARGET, {}).get("ms_per_token_median")
         set_name, temp = key.split(" T=")
-        for g in FIXED:
-            mode = group.get(f"specserve gamma={g}")
+        for g in FIXED_GAMMAS:
+            mode = group.get(fixed(g).name)
             runs = [
                 r
                 for r in data["runs"]
-                if r["mode"] == f"specserve gamma={g}"
+                if r["mode"] == fixed(g).name
                 and r["prompt_set"] == set_name
                 and f"{r['temperature']:g}" == temp
             ]
@@ -132,8 +144,6 @@ def round_parts_section(rows: list[dict]) -> list[str]:
         "tokens, its steps and row-invariant batching, gRPC); verify = the Verify call (forward = the "
         "target's pass inside it); other = the rest of the round (coordinator, streaming).",
         "",
-        "| prompts | gamma | draft ms (bound) | verify ms (bound) | of which forward | other ms | round ms (bound) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     as_run = all(r["model_round_ms"].get("draft_as_run") is not None for r in timed)
     if as_run:
@@ -142,18 +152,20 @@ def round_parts_section(rows: list[dict]) -> list[str]:
             "pass on the stack's draft thread count (Model costs): the part of the gap that is the CPU's "
             "caches and the draft's threads, not the service."
         )
+    rows = []
     for r in timed:
         m, b = r["round_ms"], r["model_round_ms"]
         draft_bound = f"{b['draft']:.1f}" + (f"; {b['draft_as_run']:.1f}" if as_run else "")
         round_bound = f"{b['draft'] + b['verify']:.1f}" + (
             f"; {b['draft_as_run'] + b['verify']:.1f}" if as_run else ""
         )
-        lines.append(
-            f"| {r['key']} | {r['gamma']} | {m['draft']:.1f} ({draft_bound}) | {m['verify']:.1f} "
-            f"({b['verify']:.1f}) | {m['forward']:.1f} | {m['other']:.1f} | {m['total']:.1f} "
-            f"({round_bound}) |"
-        )
-    return [*lines, ""]
+        rows.append(
+            (r["key"], r["gamma"], f"{m['draft']:.1f} ({draft_bound})", f"{m['verify']:.1f} ({b['verify']:.1f})",
+             f"{m['forward']:.1f}", f"{m['other']:.1f}", f"{m['total']:.1f} ({round_bound})")
+        )  # fmt: skip
+    header = ("prompts", "gamma", "draft ms (bound)", "verify ms (bound)", "of which forward", "other ms",
+              "round ms (bound)")  # fmt: skip
+    return [*lines, *md.table(header, rows), ""]
 
 
 def targets(data: dict) -> list[tuple[str, bool, str]]:
@@ -165,17 +177,13 @@ def targets(data: dict) -> list[tuple[str, bool, str]]:
         return group.get(mode, {}).get("ms_per_token_median")
 
     for key, group in ss.items():
-        hf, hfa = ms(group, "hf target-only"), ms(group, "hf assisted")
+        hf, hfa = ms(group, HF_TARGET), ms(group, HF_ASSISTED)
         # the fastest of HF's prompt-lookup runs (runs before 2026-12-01 15:00 UTC had one, at 8 tokens)
-        lookups = {m: ms(group, m) for m in group if m.startswith("hf prompt lookup")}
+        lookups = {m: ms(group, m) for m in group if m.startswith(HF_LOOKUP_PREFIX)}
         lookups = {m: v for m, v in lookups.items() if v}
         hfl_mode = min(lookups, key=lookups.get) if lookups else None
         hfl = lookups.get(hfl_mode)
-        g0, ad, ng = (
-            ms(group, "specserve gamma=0"),
-            ms(group, "specserve adaptive"),
-            ms(group, "specserve n-gram adaptive"),
-        )
+        g0, ad, ng = ms(group, BASE), ms(group, ADAPTIVE.name), ms(group, NGRAM_ADAPTIVE.name)
         if hf and g0:
             out.append(
                 (
@@ -200,14 +208,14 @@ def targets(data: dict) -> list[tuple[str, bool, str]]:
                     f"{hfa / ad:.2f}x ({hfa:.2f} vs {ad:.2f} ms/token)",
                 )
             )
-        if key.startswith("copy T=0") and hf and ad and "specserve adaptive, model only" in group:
+        if key.startswith("copy T=0") and hf and ad and MODEL_ONLY.name in group:
             # a run with the model-only mode is one where a request that sets nothing keeps the hybrid lookup
             out.append(
                 (
                     f"{key}: adaptive (a request that sets nothing) picks the copying up: >= 2x HF target-only",
                     hf / ad >= 2.0,
                     f"{hf / ad:.2f}x ({ad:.2f} ms/token; the draft model alone: "
-                    f"{hf / ms(group, 'specserve adaptive, model only'):.2f}x)",
+                    f"{hf / ms(group, MODEL_ONLY.name):.2f}x)",
                 )
             )
         if key.startswith("copy T=0") and hf and ng:
@@ -236,9 +244,9 @@ def targets(data: dict) -> list[tuple[str, bool, str]]:
                 )
             )
     rows = {(r["rate_rps"], r["mode"]): r for r in load_rows(data["load"])}
-    controls = load_ratios(data["load"], LOAD_CONTROL)
+    controls = load_ratios(data["load"], LOAD_CONTROL.name)
     for rate, ratios in load_ratios(data["load"]).items():
-        ad, base = rows[(rate, LOAD_ADAPTIVE)], rows[(rate, LOAD_BASE)]
+        ad, base = rows[(rate, LOAD_ADAPTIVE.name)], rows[(rate, LOAD_BASE.name)]
         median = statistics.median(ratios)
         spread = (
             f", {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} repeats" if len(ratios) > 1 else ""
@@ -260,9 +268,6 @@ def targets(data: dict) -> list[tuple[str, bool, str]]:
     return out
 
 
-LOAD_BASE, LOAD_ADAPTIVE = "specserve gamma=0", "specserve adaptive"
-#: gamma 0 measured a second time (``specserve.bench.harness --load-control``): the A/A control.
-LOAD_CONTROL = "specserve gamma=0 (again)"
 #: Load-point fields the report gives as a median over repeats.
 _LOAD_MEDIANS = (
     "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "queue_p50_s",
@@ -293,13 +298,13 @@ def load_rows(points: list[dict]) -> list[dict]:
     return rows
 
 
-def load_ratios(points: list[dict], mode: str = "specserve adaptive") -> dict[float, list[float]]:
+def load_ratios(points: list[dict], mode: str = LOAD_ADAPTIVE.name) -> dict[float, list[float]]:
     """Per rate, ``mode``'s throughput over gamma 0's within each repeat (the two were measured minutes
     apart at most, so the machine's slower drift cancels in the ratio)."""
     by_key = {(p["rate_rps"], p.get("repeat", 0), p["mode"]): p["throughput_tok_s"] for p in points}
     out: dict[float, list[float]] = {}
     for (rate, repeat, name), tok_s in sorted(by_key.items()):
-        base = by_key.get((rate, repeat, LOAD_BASE))
+        base = by_key.get((rate, repeat, LOAD_BASE.name))
         if name == mode and base:
             out.setdefault(rate, []).append(tok_s / base)
     return out
@@ -346,7 +351,7 @@ def _plots(data: dict, out: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for g in (4, 8):
-        runs = [r for r in data["runs"] if r["mode"] == f"specserve gamma={g}" and r["temperature"] == 0]
+        runs = [r for r in data["runs"] if r["mode"] == fixed(g).name and r["temperature"] == 0]
         app = [
             sum(r["accepted_per_position"][i] if i < len(r["accepted_per_position"]) else 0 for r in runs)
             for i in range(g)
@@ -434,7 +439,7 @@ def _decode_steps_line(data: dict) -> list[str]:
 def write_report(data: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     load_file = out / "load.json"
-    if load_file.exists():  # a later --only-load run: its points replace the full run's, with its command
+    if load_file.exists():  # a later `bench load` run: its points replace the full run's, with its command
         load_run = json.loads(load_file.read_text())
         data = {**data, "load": load_run["load"], "load_run": load_run}
     plots = _plots(data, out)
@@ -447,8 +452,7 @@ def write_report(data: dict, out: Path) -> Path:
         f"({data['machine']['cpus']} torch threads, torch {data['machine']['torch']}, "
         f"Python {data['machine']['python']}); all figures from one run of:",
         "",
-        f"```\n{data['command']}\n```",
-        "",
+        *md.command_block(data["command"]),
         f"Models: target `{data['models']['target']}`, draft `{data['models']['draft']}`, float32. "
         f"Held-out prompts: {'yes' if data['heldout_prompts'] else 'NO (list missing)'} "
         f"(sets: {', '.join(sorted({k.split(' T=')[0] for k in data['single_stream']}))}). "
@@ -461,11 +465,8 @@ def write_report(data: dict, out: Path) -> Path:
         *_decode_steps_line(data),
         "## Targets",
         "",
-        "| target | met | figures |",
-        "| --- | --- | --- |",
+        *md.table(("target", "met", "figures"), ((n, "yes" if ok else "**missed**", f) for n, ok, f in targets(data))),
     ]
-    for name, ok, fig in targets(data):
-        lines.append(f"| {name} | {'yes' if ok else '**missed**'} | {fig} |")
     gi = data["greedy_identity"]
     stock_note = (
         f", and {gi['identical_to_stock_kernels']} of {gi['total']} to HF target-only with PyTorch's stock kernels"
@@ -494,23 +495,17 @@ def write_report(data: dict, out: Path) -> Path:
         "",
     ]
     for key, group in data["single_stream"].items():
-        hf = group.get("hf target-only", {}).get("ms_per_token_median")
-        g0 = group.get("specserve gamma=0", {}).get("ms_per_token_median")
-        lines += [
-            f"### {key}",
-            "",
-            "| mode | ms/token | vs HF target-only | vs specserve gamma=0 | acceptance | tokens/round |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ]
+        hf = group.get(HF_TARGET, {}).get("ms_per_token_median")
+        g0 = group.get(BASE, {}).get("ms_per_token_median")
+        rows = []
         for mode, m in group.items():
             med = m["ms_per_token_median"]
             acc = f"{m['acceptance']:.2f}" if m.get("acceptance") is not None else "-"
             tpr = f"{m['tokens_per_round']:.2f}" if m.get("tokens_per_round") else "-"
-            lines.append(
-                f"| {mode} | {med:.2f} [{m['ms_per_token_q1']:.2f}, {m['ms_per_token_q3']:.2f}] | "
-                f"{hf / med:.2f}x | {g0 / med:.2f}x | {acc} | {tpr} |"
-            )
-        lines.append("")
+            spread = f"{med:.2f} [{m['ms_per_token_q1']:.2f}, {m['ms_per_token_q3']:.2f}]"
+            rows.append((mode, spread, f"{hf / med:.2f}x", f"{g0 / med:.2f}x", acc, tpr))
+        header = ("mode", "ms/token", "vs HF target-only", f"vs {BASE}", "acceptance", "tokens/round")
+        lines += [f"### {key}", "", *md.table(header, rows), ""]
     rows = bound_rows(data)
     if rows:
         as_run = all("predicted_as_run" in r for r in rows)
@@ -534,17 +529,16 @@ def write_report(data: dict, out: Path) -> Path:
                 else ""
             ),
             "",
-            "| prompts | gamma | alpha | predicted | measured | efficiency | projected, GPU-like verify |"
-            + (" predicted, draft as run | efficiency vs it |" if as_run else ""),
-            "| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if as_run else ""),
         ]
-        for r in rows:
-            lines.append(
-                f"| {r['key']} | {r['gamma']} | {r['alpha']:.2f} | {r['predicted']:.2f}x | "
-                f"{r['measured']:.2f}x | {r['efficiency']:.0%} | {r['gpu_projection']:.2f}x |"
-                + (f" {r['predicted_as_run']:.2f}x | {r['efficiency_as_run']:.0%} |" if as_run else "")
-            )
-        lines.append("")
+        header = ["prompts", "gamma", "alpha", "predicted", "measured", "efficiency", "projected, GPU-like verify"]
+        header += ["predicted, draft as run", "efficiency vs it"] if as_run else []
+        cells = [
+            [r["key"], r["gamma"], f"{r['alpha']:.2f}", f"{r['predicted']:.2f}x", f"{r['measured']:.2f}x",
+             f"{r['efficiency']:.0%}", f"{r['gpu_projection']:.2f}x"]
+            + ([f"{r['predicted_as_run']:.2f}x", f"{r['efficiency_as_run']:.0%}"] if as_run else [])
+            for r in rows
+        ]  # fmt: skip
+        lines += [*md.table(header, cells), ""]
         lines += round_parts_section(rows)
     if data["load"]:
         lines += load_section(data.get("load_run") or data)
@@ -559,7 +553,7 @@ def write_report(data: dict, out: Path) -> Path:
     if prediction_file.exists():
         lines += prediction_section(json.loads(prediction_file.read_text()))
     modes_file = out / "sampling_modes.json"
-    if "sampling_modes" not in data and modes_file.exists():  # from --only-sampling-modes
+    if "sampling_modes" not in data and modes_file.exists():  # from `bench sampling-modes`
         lines += sampling_modes_section(json.loads(modes_file.read_text())["sampling_modes"])
     overhead_file = out / "overhead.json"
     if overhead_file.exists():
@@ -567,9 +561,7 @@ def write_report(data: dict, out: Path) -> Path:
     for latency_file in latency_files(out):
         lines += latency_section(json.loads(latency_file.read_text()))
     lines += ["## Plots", ""] + [f"![{n}]({n})" for n in plots] + [""]
-    path = out / "README.md"
-    path.write_text("\n".join(lines))
-    return path
+    return md.write(out, "README", lines)
 
 
 def draft_scaling_section(scaling: dict) -> list[str]:
@@ -587,21 +579,22 @@ def draft_scaling_section(scaling: dict) -> list[str]:
         "clients' `GenerationStats`: draft = the Propose call as the round saw it (batching wait included), "
         "verify = the Verify call.",
         "",
-        "| sessions | draft ms/round on | off | verify ms/round on | off | tok/s on | off | sessions per draft batch on |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def cell(batching: bool, n: int, field: str, fmt: str = "{:.1f}") -> str:
         r = rows.get((batching, n))
         return fmt.format(r[field]) if r else "-"
 
-    for n in sessions:
-        lines.append(
-            f"| {n} | {cell(True, n, 'draft_ms_per_round')} | {cell(False, n, 'draft_ms_per_round')} | "
-            f"{cell(True, n, 'verify_ms_per_round')} | {cell(False, n, 'verify_ms_per_round')} | "
-            f"{cell(True, n, 'throughput_tok_s', '{:.0f}')} | {cell(False, n, 'throughput_tok_s', '{:.0f}')} | "
-            f"{cell(True, n, 'sessions_per_draft_batch', '{:.1f}')} |"
-        )
+    header = ("sessions", "draft ms/round on", "off", "verify ms/round on", "off", "tok/s on", "off",
+              "sessions per draft batch on")  # fmt: skip
+    cells = [
+        (n, cell(True, n, "draft_ms_per_round"), cell(False, n, "draft_ms_per_round"),
+         cell(True, n, "verify_ms_per_round"), cell(False, n, "verify_ms_per_round"),
+         cell(True, n, "throughput_tok_s", "{:.0f}"), cell(False, n, "throughput_tok_s", "{:.0f}"),
+         cell(True, n, "sessions_per_draft_batch"))
+        for n in sessions
+    ]  # fmt: skip
+    lines += md.table(header, cells)
     one_on, one_off = rows.get((True, 1)), rows.get((False, 1))
     lines.append("")
     for n in sessions:
@@ -649,7 +642,7 @@ def write_draft_scaling(scaling: dict, out: Path) -> Path:
     """``draft_scaling.json``'s section alone, with its plot, as ``<out>/draft_scaling.md``."""
     out.mkdir(parents=True, exist_ok=True)
     plot = _draft_scaling_plot(scaling, out)
-    return _write_section(out, "draft_scaling", [*draft_scaling_section(scaling), f"![{plot}]({plot})", ""])
+    return md.write(out, "draft_scaling", [*draft_scaling_section(scaling), f"![{plot}]({plot})", ""])
 
 
 def prediction_section(data: dict) -> list[str]:
@@ -665,16 +658,16 @@ def prediction_section(data: dict) -> list[str]:
         f"other block of {st['block']} tokens taken from another prompt's continuation). Speedup: median over "
         "runs of the prompt's `gamma=0` ms/token over the run's.",
         "",
-        "| mode | ms/token (median) | speedup vs gamma=0 | accepted prediction / completion "
-        "| rejected prediction / completion | tokens/round | identical to gamma=0 |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in data["summary"]:
-        lines.append(
-            f"| {r['mode']} | {r['ms_per_token']:.2f} | {r['speedup']:.2f}x | "
-            f"{100 * r['accepted_prediction_share']:.0f}% | {100 * r['rejected_prediction_share']:.0f}% | "
-            f"{r['tokens_per_round']:.2f} | {'yes' if r['identical'] else '**no**'} |"
-        )
+    header = ("mode", "ms/token (median)", "speedup vs gamma=0", "accepted prediction / completion",
+              "rejected prediction / completion", "tokens/round", "identical to gamma=0")  # fmt: skip
+    cells = [
+        (r["mode"], f"{r['ms_per_token']:.2f}", f"{r['speedup']:.2f}x", f"{100 * r['accepted_prediction_share']:.0f}%",
+         f"{100 * r['rejected_prediction_share']:.0f}%", f"{r['tokens_per_round']:.2f}",
+         "yes" if r["identical"] else "**no**")
+        for r in data["summary"]
+    ]  # fmt: skip
+    lines += md.table(header, cells)
     met = "met" if verdict["met"] else "**missed**"
     lines += [
         "",
@@ -689,23 +682,30 @@ def prediction_section(data: dict) -> list[str]:
     return lines
 
 
+def _load_settings(settings: dict) -> tuple[int, float]:
+    """A load sweep's tokens per request and seconds per point: ``bench all``'s ``load_*`` settings, or
+    ``bench load``'s own."""
+    if "load_max_new_tokens" in settings:
+        return settings["load_max_new_tokens"], settings["load_duration_s"]
+    return settings["max_new_tokens"], settings["duration_s"]
+
+
 def load_section(run: dict) -> list[str]:
-    """The load sweep of ``run`` (``bench.json``, or ``load.json`` from ``--only-load``) as Markdown lines:
+    """The load sweep of ``run`` (``bench.json``, or ``load.json`` from ``bench load``) as Markdown lines:
     medians per (rate, mode), then adaptive over gamma 0 within each repeat."""
-    settings = run["settings"]
+    tokens, seconds = _load_settings(run["settings"])
     rows = load_rows(run["load"])
     repeats = max((r["repeats"] for r in rows), default=1)
     lines = [
         "## Under load (open-loop Poisson arrivals, greedy, "
-        f"{settings['load_max_new_tokens']} tokens per request, {settings['load_duration_s']:g} s per point)",
+        f"{tokens} tokens per request, {seconds:g} s per point)",
         "",
     ]
-    if run.get("prompt_set"):  # a run of its own (--only-load)
+    if run.get("prompt_set"):  # a run of its own (`bench load`)
         lines += [
             f"Measured {run['date_utc']} UTC, separately from the rest of this report, by:",
             "",
-            f"```\n{run['command']}\n```",
-            "",
+            *md.command_block(run["command"]),
             f"Prompts: the held-out `{run['prompt_set']}` set, the same arrival schedule for every mode.",
             "",
         ]
@@ -713,22 +713,22 @@ def load_section(run: dict) -> list[str]:
         f"Each point measured {repeats} time(s), interleaved (every repeat sweeps the rates, and at each rate "
         "runs the modes in a rotated order); figures are medians over the repeats, tok/s with its range.",
         "",
-        "| rate req/s | mode | done/sent | errors | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | queue p50 ms "
-        "| target passes | target positions | proposed | accepted | wasted |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    header = ("rate req/s", "mode", "done/sent", "errors", "tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms",
+              "queue p50 ms", "target passes", "target positions", "proposed", "accepted", "wasted")  # fmt: skip
+    cells = []
     for p in rows:
         spread = f" ({p['throughput_min']:.1f}-{p['throughput_max']:.1f})" if p["repeats"] > 1 else ""
-        lines.append(
-            f"| {p['rate_rps']:g} | {p['mode']} | {p['completed']}/{p['requests']} | {p['errors']} | "
-            f"{p['throughput_tok_s']:.1f}{spread} | "
-            f"{1000 * p['ttft_p50_s']:.0f}/{1000 * p['ttft_p99_s']:.0f} | "
-            f"{1000 * p['itl_p50_s']:.1f}/{1000 * p['itl_p99_s']:.1f} | {1000 * p['queue_p50_s']:.1f} | "
-            f"{p['target_forward_passes']:.0f} | {p['target_positions']:.0f} | {p['proposed_tokens']:.0f} | "
-            f"{p['accepted_tokens']:.0f} | {p['wasted_tokens']:.0f} |"
-        )
+        cells.append(
+            (f"{p['rate_rps']:g}", p["mode"], f"{p['completed']}/{p['requests']}", p["errors"],
+             f"{p['throughput_tok_s']:.1f}{spread}", f"{1000 * p['ttft_p50_s']:.0f}/{1000 * p['ttft_p99_s']:.0f}",
+             f"{1000 * p['itl_p50_s']:.1f}/{1000 * p['itl_p99_s']:.1f}", f"{1000 * p['queue_p50_s']:.1f}",
+             *(f"{p[k]:.0f}" for k in ("target_forward_passes", "target_positions", "proposed_tokens",
+                                       "accepted_tokens", "wasted_tokens")))
+        )  # fmt: skip
+    lines += md.table(header, cells)
     ratios = load_ratios(run["load"])
-    controls = load_ratios(run["load"], LOAD_CONTROL)
+    controls = load_ratios(run["load"], LOAD_CONTROL.name)
     if ratios:
         lines += [
             "",
@@ -740,37 +740,29 @@ def load_section(run: dict) -> list[str]:
                 else ":"
             ),
             "",
-            "| rate req/s | adaptive / gamma 0, per repeat | median |"
-            + (" gamma 0 / gamma 0, per repeat | median |" if controls else ""),
-            "| --- | --- | --- |" + (" --- | --- |" if controls else ""),
         ]
-        for rate, rs in ratios.items():
-            row = f"| {rate:g} | {', '.join(f'{r:.2f}' for r in rs)} | {statistics.median(rs):.2f} |"
-            cs = controls.get(rate)
-            if cs:
-                row += f" {', '.join(f'{r:.2f}' for r in cs)} | {statistics.median(cs):.2f} |"
-            elif controls:
-                row += " | |"
-            lines.append(row)
+
+        def spread(rs: list[float] | None) -> list[str]:
+            return [", ".join(f"{r:.2f}" for r in rs), f"{statistics.median(rs):.2f}"] if rs else ["", ""]
+
+        header = ["rate req/s", "adaptive / gamma 0, per repeat", "median"]
+        header += ["gamma 0 / gamma 0, per repeat", "median"] if controls else []
+        cells = [
+            [f"{rate:g}", *spread(rs), *(spread(controls.get(rate)) if controls else [])]
+            for rate, rs in ratios.items()
+        ]
+        lines += md.table(header, cells)
     lines.append("")
     return lines
 
 
-def _write_section(out: Path, name: str, lines: list[str]) -> Path:
-    """One mode's section alone, as ``<out>/<name>.md``."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.md"
-    path.write_text("\n".join(lines))
-    return path
-
-
 def write_load(run: dict, out: Path) -> Path:
-    """``load.json``'s section alone (``--only-load``), as ``<out>/load.md``."""
-    return _write_section(out, "load", load_section(run))
+    """``load.json``'s section alone (``bench load``), as ``<out>/load.md``."""
+    return md.write(out, "load", load_section(run))
 
 
 def single_section(run: dict) -> list[str]:
-    """``single.json`` (``--only-single``) as Markdown lines: per prompt set and temperature, each mode's
+    """``single.json`` (``bench single``) as Markdown lines: per prompt set and temperature, each mode's
     median ms per committed token, its acceptance, and its speed over gamma 0 through the same service and
     over HF assisted generation (each a ratio of medians over the same prompts and passes)."""
     settings = run["settings"]
@@ -778,21 +770,22 @@ def single_section(run: dict) -> list[str]:
         "## Single stream, side by side",
         "",
         f"`{run['command']}` ({run.get('date_utc', '')}; {settings['prompts']} held-out prompts per set, "
-        f"{settings['max_new_tokens']} tokens, {settings['single_repeats']} interleaved passes; feature head "
+        f"{settings['max_new_tokens']} tokens, {settings.get('repeats', settings.get('single_repeats'))} interleaved passes; feature head "
         f"served: {'yes' if run.get('feature_head') else 'no'})",
         "",
-        "| set | mode | ms/token (median) | acceptance | vs gamma 0 | vs HF assisted |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
+    cells = []
     for key, group in run["single_stream"].items():
-        zero = group.get("specserve gamma=0", {}).get("ms_per_token_median")
-        assisted = group.get("hf assisted", {}).get("ms_per_token_median")
+        zero = group.get(BASE, {}).get("ms_per_token_median")
+        assisted = group.get(HF_ASSISTED, {}).get("ms_per_token_median")
         for mode, row in group.items():
             ms = row["ms_per_token_median"]
             acc = "" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
             vs0 = f"{zero / ms:.2f}x" if zero else ""
             vsa = f"{assisted / ms:.2f}x" if assisted else ""
-            lines.append(f"| {key} | {mode} | {ms:.1f} | {acc} | {vs0} | {vsa} |")
+            cells.append((key, mode, f"{ms:.1f}", acc, vs0, vsa))
+    header = ("set", "mode", "ms/token (median)", "acceptance", "vs gamma 0", "vs HF assisted")
+    lines += md.table(header, cells, align=[md.LEFT, md.LEFT, *[md.RIGHT] * 4])
     identity = run["greedy_identity"]
     lines += ["", f"Greedy runs token-identical to HF target-only: {identity['identical']} of {identity['total']}.", ""]
     return lines
@@ -800,12 +793,12 @@ def single_section(run: dict) -> list[str]:
 
 def write_single(data: dict, out: Path) -> Path:
     """``single.json``'s section alone, as ``<out>/single.md``."""
-    return _write_section(out, "single", single_section(data))
+    return md.write(out, "single", single_section(data))
 
 
 def write_prediction(data: dict, out: Path) -> Path:
     """``prediction.json``'s section alone, as ``<out>/prediction.md``."""
-    return _write_section(out, "prediction", prediction_section(data))
+    return md.write(out, "prediction", prediction_section(data))
 
 
 def latency_files(out: Path) -> list[Path]:
@@ -817,11 +810,13 @@ def latency_files(out: Path) -> list[Path]:
 
 def write_latency(data: dict, out: Path, name: str = "latency") -> Path:
     """A latency run's section alone, as ``<out>/<name>.md`` (``latency.json``: ``latency.md``)."""
-    return _write_section(out, name, latency_section(data))
+    return md.write(out, name, latency_section(data))
 
 
-if __name__ == "__main__":
-    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks")
+def main(opts: ReportOptions) -> int:
+    """``specserve bench report FOLDER``: every report in FOLDER rendered again from its JSON, measuring
+    nothing."""
+    folder = opts.folder
     if (folder / "bench.json").exists():
         write_report(json.loads((folder / "bench.json").read_text()), folder)
     if (folder / "draft_scaling.json").exists():
@@ -834,3 +829,4 @@ if __name__ == "__main__":
         write_load(json.loads((folder / "load.json").read_text()), folder)
     if (folder / "single.json").exists():
         write_single(json.loads((folder / "single.json").read_text()), folder)
+    return 0

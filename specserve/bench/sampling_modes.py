@@ -1,7 +1,6 @@
 """Coupled against optimal sampling: what the drafter-invariant mode costs, measured through the service.
 
-``specserve bench --only-sampling-modes`` (or ``--sampling-modes`` with the rest
-of the harness) runs, on held-out prompt sets, every prompt at each temperature
+``specserve bench sampling-modes`` runs, on held-out prompt sets, every prompt at each temperature
 (default 0.7 and 1.0) and gamma setting (default adaptive and 4) in both
 sampling modes, back to back with the same seed (the order alternating from
 prompt to prompt, so drift on a shared machine hits both modes alike), through
@@ -33,65 +32,22 @@ tokenizer has a chat template, else ``code prose``.
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
-import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from specserve.bench.chat_prompts import copy_prompts, heldout_prompts
-from specserve.bench.prompts import code_prompts, heldout_files, prose_prompts
+from specserve.bench import markdown as md
+from specserve.bench.options import SAMPLING_GAMMAS, SAMPLING_TEMPERATURES, SamplingModesOptions
+from specserve.bench.prompts import default_prompt_sets, load_prompt_sets
+from specserve.bench.timing import timed_stream
 
-MODES = ("optimal", "coupled")
-PROMPT_SETS = ("chat", "chat-code", "copy", "code", "prose")
-TEMPERATURES = (0.7, 1.0)
-#: Gamma settings: "auto" is the adaptive policy (the service's default), an integer a fixed gamma.
-GAMMAS = ("auto", "4")
+OPTIMAL, COUPLED = "optimal", "coupled"
+MODES = (OPTIMAL, COUPLED)
 #: Coupled mode may become the default only if it loses less than this share of throughput.
 THROUGHPUT_LOSS_LIMIT = 0.05
-
-
-def default_prompt_sets(tokenizer, *, copy: bool = False) -> list[str]:
-    """``chat chat-code`` (and ``copy`` if asked) for a tokenizer with a chat template, ``code prose`` otherwise."""
-    if getattr(tokenizer, "chat_template", None):
-        return ["chat", "chat-code", *(["copy"] if copy else [])]
-    return ["code", "prose"]
-
-
-def load_prompt_sets(
-    names: list[str], tokenizer, target_dir: Path, n: int, max_chars: int
-) -> dict[str, list[tuple[str, list[int]]]]:
-    """``{set: [(prompt name, token ids), ...]}``, ``n`` held-out prompts per set."""
-    out: dict[str, list[tuple[str, list[int]]]] = {}
-    files = None
-    for name in names:
-        if name in ("chat", "chat-code"):
-            prompts = heldout_prompts("chat" if name == "chat" else "code", n)
-            out[name] = [(p.name, _chat_ids(tokenizer, p.messages)) for p in prompts]
-        elif name == "copy":
-            out[name] = [(p.name, _chat_ids(tokenizer, p.messages)) for p in copy_prompts(n)]
-        else:
-            if files is None:
-                files, _ = heldout_files(target_dir)
-            cut = (
-                code_prompts(files, n, max_chars)
-                if name == "code"
-                else prose_prompts(files, n, max_chars // 2)
-            )
-            out[name] = [(p.name, tokenizer(p.text).input_ids) for p in cut]
-        if not out[name]:
-            raise ValueError(f"prompt set {name!r} is empty")
-    return out
-
-
-def _chat_ids(tokenizer, messages) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-    else:  # a tokenizer without a template (a test pair): the user turns as plain text
-        text = "\n".join(m["content"] for m in messages) + "\n"
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 async def _generate(
@@ -106,12 +62,8 @@ async def _generate(
         gamma=None if gamma == "auto" else int(gamma),
         sampling_mode=mode,
     )
-    start = time.perf_counter()
-    tokens: list[int] = []
-    async for chunk in stream:
-        tokens.extend(chunk.token_ids)
-    total = time.perf_counter() - start
-    s = stream.stats
+    run = await timed_stream(stream)
+    s, tokens, total = run.stats, run.token_ids, run.seconds
     return {
         "tokens": len(tokens),
         "total_s": total,
@@ -127,8 +79,8 @@ async def measure(
     client,
     prompt_sets: dict[str, list[tuple[str, list[int]]]],
     *,
-    temperatures=TEMPERATURES,
-    gammas=GAMMAS,
+    temperatures=SAMPLING_TEMPERATURES,
+    gammas=SAMPLING_GAMMAS,
     max_new: int,
     seed: int,
     progress=None,
@@ -195,13 +147,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             if (set_name == "all" or r["set"] == set_name) and (r["temperature"], r["gamma"]) == (t, g)
         ]
         group = {mode: _group([r for r in sel if r["mode"] == mode]) for mode in MODES}
-        opt, cpl = group["optimal"]["tokens_per_s"], group["coupled"]["tokens_per_s"]
+        opt, cpl = group[OPTIMAL]["tokens_per_s"], group[COUPLED]["tokens_per_s"]
         group["coupled_throughput_vs_optimal"] = cpl / opt if opt else None
         by_key[f"{set_name} T={t:g} gamma={g}"] = group
     identical = total = 0
     for _key, sel in itertools.groupby(
         sorted(
-            (r for r in runs if r["mode"] == "coupled"),
+            (r for r in runs if r["mode"] == COUPLED),
             key=lambda r: (r["set"], r["prompt"], r["temperature"]),
         ),
         key=lambda r: (r["set"], r["prompt"], r["temperature"]),
@@ -227,7 +179,7 @@ def verdict(groups: dict[str, Any]) -> dict[str, Any]:
         if groups[k]["coupled_throughput_vs_optimal"]
     }
     worst = max(losses.values()) if losses else None
-    default = "coupled" if worst is not None and worst < THROUGHPUT_LOSS_LIMIT else "optimal"
+    default = COUPLED if worst is not None and worst < THROUGHPUT_LOSS_LIMIT else OPTIMAL
     return {"losses": losses, "worst_loss": worst, "limit": THROUGHPUT_LOSS_LIMIT, "default": default}
 
 
@@ -242,23 +194,24 @@ def section(data: dict[str, Any]) -> list[str]:
         "draft tokens; tokens/s = all committed tokens over all wall time; coupled/optimal = the ratio of "
         "their tokens/s.",
         "",
-        "| prompts | temperature | gamma | acceptance optimal / coupled | tokens/round optimal / coupled "
-        "| ms/token optimal / coupled | coupled/optimal throughput |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
 
+    cells = []
     for key, g in groups.items():
         set_name, t, gamma = key.split(" ")
-        o, c = g["optimal"], g["coupled"]
-        lines.append(
-            f"| {set_name} | {t[2:]} | {gamma[6:]} | {fmt(o['acceptance'], '.2f')} / {fmt(c['acceptance'], '.2f')} "
-            f"| {fmt(o['tokens_per_round'], '.2f')} / {fmt(c['tokens_per_round'], '.2f')} "
-            f"| {o['ms_per_token_median']:.2f} / {c['ms_per_token_median']:.2f} "
-            f"| {fmt(g['coupled_throughput_vs_optimal'], '.3f')} |"
-        )
+        o, c = g[OPTIMAL], g[COUPLED]
+        cells.append(
+            (set_name, t[2:], gamma[6:], f"{fmt(o['acceptance'], '.2f')} / {fmt(c['acceptance'], '.2f')}",
+             f"{fmt(o['tokens_per_round'], '.2f')} / {fmt(c['tokens_per_round'], '.2f')}",
+             f"{o['ms_per_token_median']:.2f} / {c['ms_per_token_median']:.2f}",
+             fmt(g["coupled_throughput_vs_optimal"], ".3f"))
+        )  # fmt: skip
+    header = ("prompts", "temperature", "gamma", "acceptance optimal / coupled", "tokens/round optimal / coupled",
+              "ms/token optimal / coupled", "coupled/optimal throughput")  # fmt: skip
+    lines += md.table(header, cells)
     worst = "-" if v["worst_loss"] is None else f"{100 * v['worst_loss']:.1f}%"
     lines += [
         "",
@@ -274,66 +227,58 @@ def section(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-async def run_phase(client, tokenizer, args) -> dict[str, Any]:
-    """The phase through ``client`` with the harness's ``--mode-*`` settings: summary, settings and runs."""
-    names = args.mode_prompt_sets or default_prompt_sets(tokenizer)
-    sets = load_prompt_sets(names, tokenizer, args.target, args.mode_prompts, args.prompt_chars)
-    total = (
-        sum(len(p) for p in sets.values()) * len(args.mode_temperatures) * len(args.mode_gammas) * len(MODES)
-    )
+async def run_phase(client, tokenizer, opts: SamplingModesOptions) -> dict[str, Any]:
+    """The comparison through ``client``: summary, settings and runs."""
+    names = opts.prompt_sets or default_prompt_sets(tokenizer)
+    sets = load_prompt_sets(names, tokenizer, opts.target, opts.prompts, opts.prompt_chars)
+    total = sum(len(p) for p in sets.values()) * len(opts.temperatures) * len(opts.gammas) * len(MODES)
     bar = tqdm(total=total, desc="sampling modes", unit="gen")
     runs = await measure(
         client,
         sets,
-        temperatures=args.mode_temperatures,
-        gammas=args.mode_gammas,
-        max_new=args.mode_max_new_tokens,
-        seed=args.seed,
+        max_new=opts.max_new_tokens,
         progress=bar.update,
+        **opts.pick("temperatures", "gammas", "seed"),
     )
     bar.close()
     return {
         **summarize(runs),
         "prompt_sets": {name: [n for n, _ in prompts] for name, prompts in sets.items()},
-        "temperatures": list(args.mode_temperatures),
-        "gammas": list(args.mode_gammas),
-        "max_new_tokens": args.mode_max_new_tokens,
+        "temperatures": list(opts.temperatures),
+        "gammas": list(opts.gammas),
+        "max_new_tokens": opts.max_new_tokens,
         "runs": runs,
     }
 
 
-async def run_only(args) -> dict[str, Any]:
-    """The phase alone (``--only-sampling-modes``): one local stack, no models loaded in this process."""
+async def measure_alone(opts: SamplingModesOptions) -> dict[str, Any]:
+    """``specserve bench sampling-modes``: one local stack, no models loaded in this process."""
     from transformers import AutoTokenizer
 
+    from specserve.bench.runner import Machine, now_utc
     from specserve.client import AsyncClient
     from specserve.launch.local import start_local_stack
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    stack = await start_local_stack(
-        target_model=args.target, draft_model=args.draft, redis_url=args.redis_url
-    )
+    tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
+    stack = await start_local_stack(target_model=opts.target, draft_model=opts.draft, redis_url=opts.redis_url)
     try:
         async with AsyncClient(stack.address, timeout=600) as client:
             for mode in MODES:  # warm-up
-                await client.generate(
-                    prompt_token_ids=[1, 2, 3], max_new_tokens=4, seed=0, sampling_mode=mode
-                )
-            modes = await run_phase(client, tokenizer, args)
+                await client.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=4, seed=0, sampling_mode=mode)
+            modes = await run_phase(client, tokenizer, opts)
     finally:
         await stack.stop()
     return {
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "models": {"target": str(args.target), "draft": str(args.draft)},
+        "command": opts.command,
+        "machine": asdict(Machine.here()),
+        "date_utc": now_utc(),
+        "models": {"target": opts.target, "draft": opts.draft},
         "sampling_modes": modes,
     }
 
 
-def write(data: dict[str, Any], out: Path) -> list[Path]:
-    """``<out>/sampling_modes.json`` and ``<out>/sampling_modes.md`` of a ``--only-sampling-modes`` run."""
-    out.mkdir(parents=True, exist_ok=True)
-    raw = out / "sampling_modes.json"
-    raw.write_text(json.dumps(data, indent=1) + "\n")
+def write(data: dict[str, Any], out: Path) -> Path:
+    """``<out>/sampling_modes.md`` of a ``specserve bench sampling-modes`` run (its JSON beside it)."""
     header = [
         "# specserve: sampling modes",
         "",
@@ -341,9 +286,6 @@ def write(data: dict[str, Any], out: Path) -> list[Path]:
         f"({data['machine']['cpus']} torch threads, torch {data['machine']['torch']}); "
         f"target `{data['models']['target']}`, draft `{data['models']['draft']}`; one run of:",
         "",
-        f"```\n{data['command']}\n```",
-        "",
+        *md.command_block(data["command"]),
     ]
-    report = out / "sampling_modes.md"
-    report.write_text("\n".join(header + section(data["sampling_modes"])))
-    return [raw, report]
+    return md.write(out, "sampling_modes", header + section(data["sampling_modes"]))

@@ -9,7 +9,7 @@
     specserve generate PROMPT --addr HOST:PORT [--temperature 0 ...]  # stream from a running coordinator
     specserve generate PROMPT --chat    # the prompt as a user message (the model's chat template)
     specserve chat --addr HOST:PORT     # an interactive, streamed conversation
-    specserve bench [...]               # the benchmark harness (specserve/bench/harness.py)
+    specserve bench SUBCOMMAND [...]    # the benchmarks: all, single, load, latency, ... (specserve/bench/cli.py)
     specserve models list|fetch NAME|path NAME   # registered models (the default pair)
 
 This module and :mod:`specserve.launch.local` are the launcher: the composition root
@@ -377,13 +377,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from specserve.bench.harness import main as bench_main
+    from specserve.bench.cli import main as bench_main
 
     return bench_main(args.options)
 
 
 def _bench_passthrough(argv: list[str]) -> bool:
-    # argparse cannot hand "--help" and leading flags to a REMAINDER, so bench is dispatched by hand.
+    # argparse cannot hand "--help" and leading flags to a REMAINDER, so bench is dispatched by hand: its
+    # subcommands and their options are specserve.bench.cli's.
     return bool(argv) and argv[0] == "bench"
 
 
@@ -539,9 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser(
-        "bench", help="benchmark speculative decoding against baselines (specserve.bench.harness)", add_help=False
+        "bench", help="benchmark speculative decoding against baselines (specserve bench --help)", add_help=False
     )
-    bench.add_argument("options", nargs=argparse.REMAINDER, help="the harness's flags (see --help)")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="a subcommand and its flags (see --help)")
     bench.set_defaults(func=cmd_bench)
 
     models = sub.add_parser("models", help="registered models: list them, fetch one, print its path")

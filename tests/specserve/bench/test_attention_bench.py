@@ -8,7 +8,7 @@ import json
 import pytest
 import system_fixtures as sf
 
-from specserve.bench import attention as bench_attention
+from specserve.bench.cli import main
 
 pytestmark = pytest.mark.system
 
@@ -16,9 +16,9 @@ pytestmark = pytest.mark.system
 def test_the_attention_bench_measures_both_copies_and_finds_the_same_bits(tmp_path_factory, tmp_path):
     pair = sf.tiny_pair(tmp_path_factory)
     argv = [
-        "--target", str(pair.target_dir), "--kernels", "stock", "--contexts", "8", "20", "--pairs", "3", "--max-k", "3", "--prompts", "1", "--max-new-tokens", "6", "--out", str(tmp_path),
+        "attention", "--target", str(pair.target_dir), "--kernels", "stock", "--contexts", "8", "20", "--pairs", "3", "--max-k", "3", "--prompts", "1", "--max-new-tokens", "6", "--out", str(tmp_path),
     ]  # fmt: skip
-    assert bench_attention.main(argv) == 0
+    assert main(argv) == 0
     data = json.loads((tmp_path / "attention.json").read_text())
     assert set(data["pass_ms"]) == {"8", "20"}
     for per in data["pass_ms"].values():

@@ -1,5 +1,5 @@
 """specserve.bench.harness: the full single-stream + load run on the tiny pair, end to end through
-``specserve.bench.harness.main`` (a real local stack and Redis): every mode measured on every prompt set,
+``specserve bench all`` (``specserve.bench.cli.main``) (a real local stack and Redis): every mode measured on every prompt set,
 greedy output identical to HF target-only, and the report rendered with its targets."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import system_fixtures as sf
 import torch
 
 from specserve.bench.chat_prompts import copy_prompts
-from specserve.bench.harness import HEAD_MODES, HF_LOOKUP, HF_STOCK, SPEC_MODES, main
+from specserve.bench.cli import main
+from specserve.bench.modes import HEAD_MODES, HF_LOOKUP, HF_STOCK, SPEC_MODES
 from specserve.engine import attention, cpu_kernels
 
 
@@ -31,6 +32,7 @@ def test_copy_prompts_quote_real_code_and_ask_for_it_back():
 
 async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(pair, redis_server, tmp_path):
     argv = [
+        "all",
         "--target", str(pair.target_dir),
         "--draft", str(pair.draft_dir),
         "--redis-url", redis_server.url,
@@ -53,7 +55,7 @@ async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(p
     # The harness's default, "auto", as the target's: packed where this PyTorch has oneDNN.
     assert data["kernels"] == cpu_kernels.resolve("auto", torch.device("cpu"), torch.float32)
     stock = [HF_STOCK] if data["kernels"] == "onednn" else []
-    served = [m for m in SPEC_MODES if m not in HEAD_MODES]  # the tiny pair has no feature head
+    served = [m.name for m in SPEC_MODES if m.name not in HEAD_MODES]  # the tiny pair has no feature head
     modes = ["hf target-only", *stock, "hf assisted", *HF_LOOKUP, *served]
     assert sorted(data["single_stream"]) == ["chat T=0", "chat T=0.7", "copy T=0", "copy T=0.7"]
     for group in data["single_stream"].values():
@@ -89,7 +91,8 @@ async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(p
 
 
 async def test_a_load_only_run_writes_load_json_and_the_report_takes_its_sweep(pair, redis_server, tmp_path):
-    common = [
+    argv = [
+        "load",
         "--target", str(pair.target_dir),
         "--draft", str(pair.draft_dir),
         "--redis-url", redis_server.url,
@@ -97,16 +100,17 @@ async def test_a_load_only_run_writes_load_json_and_the_report_takes_its_sweep(p
         "--prompt-sets", "chat",
         "--prompts", "1",
         "--rates", "2", "4",
-        "--load-duration-s", "0.5",
-        "--load-max-new-tokens", "4",
+        "--duration-s", "0.5",
+        "--max-new-tokens", "4",
+        "--fixed-gamma", "2",
     ]  # fmt: skip
-    assert await asyncio.to_thread(main, [*common, "--only-load", "--load-fixed-gamma", "2"]) == 0
+    assert await asyncio.to_thread(main, argv) == 0
     run = json.loads((tmp_path / "load.json").read_text())
-    assert "--only-load" in run["command"] and run["prompt_set"] == "chat"
+    assert run["command"].startswith("specserve bench load ") and run["prompt_set"] == "chat"
     assert {(p["rate_rps"], p["mode"]) for p in run["load"]} == {
         (rate, mode)
         for rate in (2.0, 4.0)
         for mode in ("specserve gamma=0", "specserve gamma=2", "specserve adaptive")
     }
     assert all(p["errors"] == 0 and p["completed"] == p["requests"] for p in run["load"])
-    assert "--only-load" in (tmp_path / "load.md").read_text()
+    assert "specserve bench load " in (tmp_path / "load.md").read_text()

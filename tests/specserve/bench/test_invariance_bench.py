@@ -8,7 +8,7 @@ import json
 import pytest
 import system_fixtures as sf
 
-from specserve.bench import invariance as bench_invariance
+from specserve.bench.cli import main
 
 pytestmark = pytest.mark.system
 
@@ -18,9 +18,9 @@ def test_the_invariance_bench_times_both_passes_and_finds_only_the_invariant_one
 ):
     pair = sf.tiny_pair(tmp_path_factory)
     argv = [
-        "--target", str(pair.target_dir), "--kernels", "stock", "onednn", "--contexts", "20", "70", "--ks", "3", "--pairs", "2", "--prefills", "30", "--prefill-pairs", "1", "--prompts", "1", "--max-new-tokens", "6", "--out", str(tmp_path),
+        "invariance", "--target", str(pair.target_dir), "--kernels", "stock", "onednn", "--contexts", "20", "70", "--ks", "3", "--pairs", "2", "--prefills", "30", "--prefill-pairs", "1", "--prompts", "1", "--max-new-tokens", "6", "--out", str(tmp_path),
     ]  # fmt: skip
-    assert bench_invariance.main(argv) == 0
+    assert main(argv) == 0
     data = json.loads((tmp_path / "invariance.json").read_text())
     assert set(data["cost"]) == {"stock", "onednn"}
     for per_context in data["cost"].values():

@@ -1,5 +1,5 @@
 """specserve.bench.latency: the order-preserving delay proxy, and the latency mode of the harness on the tiny
-pair end to end through ``specserve.bench.harness.main`` (a real local stack and Redis)."""
+pair end to end through ``specserve bench latency`` (``specserve.bench.cli.main``) (a real local stack and Redis)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 import system_fixtures as sf
 
-from specserve.bench.harness import main
+from specserve.bench.cli import main
 from specserve.bench.latency import LatencyProxy, section, won_back
 
 
@@ -56,16 +56,16 @@ async def test_the_proxy_delays_each_way_and_keeps_the_order():
 
 async def test_the_mode_runs_through_the_harness_and_greedy_output_never_changes(pair, redis_server, tmp_path):
     argv = [
-        "--latency",
+        "latency",
         "--target", str(pair.target_dir),
         "--draft", str(pair.draft_dir),
         "--redis-url", redis_server.url,
         "--out", str(tmp_path),
         "--prompt-sets", "chat",
         "--rtts-ms", "0", "4",
-        "--latency-prompts", "1",
-        "--latency-max-new-tokens", "10",
-        "--latency-repeats", "2",
+        "--prompts", "1",
+        "--max-new-tokens", "10",
+        "--repeats", "2",
     ]  # fmt: skip
     assert await asyncio.to_thread(main, argv) == 0
     data = json.loads((tmp_path / "latency.json").read_text())

@@ -1,5 +1,5 @@
 """specserve.bench.prediction: the Predicted Outputs mode of the harness on the tiny pair, end to end through
-``specserve.bench.harness.main`` (a real local stack and Redis), its summary, verdict and report section."""
+``specserve bench prediction`` (``specserve.bench.cli.main``) (a real local stack and Redis), its summary, verdict and report section."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import system_fixtures as sf
 
-from specserve.bench.harness import main
+from specserve.bench.cli import main
 from specserve.bench.prediction import TARGET_SPEEDUP, half_wrong
 from specserve.bench.report import prediction_section
 
@@ -32,14 +32,14 @@ async def test_the_mode_runs_through_the_harness_and_renders_its_section(
     # prediction, and this test checks that mode's rejected tokens too.
     monkeypatch.setenv("SPECSERVE_DECODE_STEPS", "1")
     argv = [
-        "--predicted-outputs",
+        "prediction",
         "--target", str(pair.target_dir),
         "--draft", str(pair.draft_dir),
         "--redis-url", redis_server.url,
         "--out", str(tmp_path),
-        "--prediction-prompts", "2",
-        "--prediction-max-new-tokens", "24",
-        "--prediction-block", "4",
+        "--prompts", "2",
+        "--max-new-tokens", "24",
+        "--block", "4",
         "--prompt-chars", "200",
     ]  # fmt: skip
     assert await asyncio.to_thread(main, argv) == 0

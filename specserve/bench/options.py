@@ -1,0 +1,424 @@
+"""Each ``specserve bench`` subcommand's options, as a typed dataclass that its command line is built from.
+
+A field is an option: ``--field-name``, typed by its annotation (``int``, ``float``, ``str``, ``Path``, a
+``Literal`` of choices, ``list[...]`` for several values, ``bool`` for a switch, ``X | None`` where None is the
+default's meaning), with its help text beside it (:func:`opt`). :func:`add_arguments` turns a class into argparse
+options and :func:`parse` back into the class, whose ``__post_init__`` rejects what no run can do with a
+``ValueError`` naming the option. The subcommands themselves are in :mod:`specserve.bench.cli`; what each
+measures is in docs/benchmarks.
+"""
+
+# ruff: noqa: RUF009  (every default below is opt(), which returns a dataclasses.field)
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from specserve.bench.modes import SINGLE_MODES
+
+DEFAULT_TARGET = "smollm2-135m-instruct"  # registered names (specserve.engine.model_registry), or directories
+DEFAULT_DRAFT = "specserve-smollm2-draft"
+DEFAULT_OUT = Path("docs/benchmarks")
+#: Held-out prompt sets (specserve/bench/sampling_modes.py loads them).
+PROMPT_SETS = ("chat", "chat-code", "copy", "code", "prose")
+#: The sampling-mode comparison's temperatures and gamma settings ("auto": the adaptive policy).
+SAMPLING_TEMPERATURES = (0.7, 1.0)
+SAMPLING_GAMMAS = ("auto", "4")
+#: The gammas a feature head's card replays greedily.
+HEAD_GAMMAS = (1, 2, 3, 4, 6, 8)
+Kernels = Literal["fastest", "auto", "stock", "onednn"]
+KERNELS_HELP = (
+    "the target's linear-layer kernels (specserve/engine/cpu_kernels.py), in the target service and in the "
+    "Hugging Face baselines alike; auto (the target's default): packed where it applies; fastest: both paths "
+    "timed as the pair loads and the faster one given to the service too; where the path is onednn, HF "
+    "target-only with the stock kernels runs too"
+)
+
+
+def opt(default: Any, help: str | None = None, **argparse_kw: Any) -> Any:
+    """A field that is a command-line option: its default, its help and any further ``add_argument``
+    keywords (``choices``, ``nargs``, ``metavar``, ``positional=True`` for an argument without a flag)."""
+    meta = {"help": help, **argparse_kw}
+    if isinstance(default, list | tuple):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _kind(annotation: Any) -> tuple[Any, bool]:
+    """The annotation without ``| None``, and whether it had it."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(annotation))
+    return annotation, False
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One option per field of the dataclass ``cls`` that has :func:`opt`'s metadata."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:
+            continue  # not an option (set by the command, such as ``command``)
+        meta = dict(f.metadata)
+        positional = meta.pop("positional", False)
+        kind, _ = _kind(hints[f.name])
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        kw: dict[str, Any] = {"default": default, **meta}
+        if kind is bool:
+            kw["action"] = "store_true"
+        else:
+            if typing.get_origin(kind) is list:
+                kw.setdefault("nargs", "+")
+                kind = typing.get_args(kind)[0]
+            if typing.get_origin(kind) is Literal:
+                kw.setdefault("choices", typing.get_args(kind))
+                kind = type(typing.get_args(kind)[0])
+            kw["type"] = kind
+        if positional:
+            parser.add_argument(f.name, nargs="?", **kw)
+        else:
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
+
+
+def parse(cls: type, ns: argparse.Namespace, command: str) -> Any:
+    """``cls`` from the parsed options (its checks raise ``ValueError``), with the command line recorded."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(ns).items() if k in names}, command=command)
+
+
+def _at_least(value: int | float, minimum: int | float, flag: str) -> None:
+    if value < minimum:
+        raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+
+
+@dataclass
+class Options:
+    """What every subcommand's options have: the command line, recorded with its figures."""
+
+    command: str = ""
+
+    def pick(self, *names: str) -> dict[str, Any]:
+        """These options by name, as keywords for the function that takes them."""
+        return {name: getattr(self, name) for name in names}
+
+    def settings(self) -> dict[str, Any]:
+        """The options as JSON stores them (paths as strings)."""
+        return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass
+class PairOptions(Options):
+    """The pair under test, where it writes, and the seed."""
+
+    target: str = opt(DEFAULT_TARGET, "a registered model name or a directory")
+    draft: str = opt(DEFAULT_DRAFT, "a registered model name or a directory")
+    redis_url: str | None = opt(None, "default: a private redis-server")
+    out: Path = opt(DEFAULT_OUT, "the folder the JSON and the Markdown go to")
+    seed: int = opt(0, "the requests' seed")
+
+
+@dataclass
+class PromptOptions(PairOptions):
+    """Which held-out prompts."""
+
+    prompt_sets: list[str] | None = opt(
+        None,
+        "held-out prompt sets (default: chat chat-code, and copy for the full run, with a chat template; "
+        "else code prose)",
+        choices=PROMPT_SETS,
+    )
+    prompts: int = opt(4, "prompts per set")
+    prompt_chars: int = opt(600, "characters of each prompt (code, prose)")
+
+    def __post_init__(self) -> None:
+        _at_least(self.prompts, 1, "--prompts")
+
+
+@dataclass
+class StackOptions(PromptOptions):
+    """The stack of one process per role the modes run through."""
+
+    kernels: Kernels = opt("auto", KERNELS_HELP)
+    head: str = opt(
+        "auto",
+        "the draft's feature head: a registered name or directory, 'none', or 'auto' (the default pair's head "
+        "with the default draft)",
+    )
+    draft_batch: int = opt(32, "sessions the draft drafts per pass (1: batching off)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self.draft_batch, 1, "--draft-batch")
+
+
+@dataclass
+class FullOptions(StackOptions):
+    """``all``: single stream, the load sweep and the bound, into bench.json and README.md."""
+
+    max_new_tokens: int = opt(128, "tokens per single-stream generation")
+    single_repeats: int = opt(
+        1,
+        "passes over the single-stream prompts, every other one with the modes in the reverse order (medians "
+        "are over prompts and passes)",
+    )
+    temperatures: list[float] = opt([0.0, 0.7], "single-stream temperatures")
+    rates: list[float] = opt([1.0, 2.0, 4.0, 8.0, 16.0], "load: arrival rates, requests per second")
+    load_duration_s: float = opt(15.0, "load: seconds of arrivals per point")
+    load_max_new_tokens: int = opt(64, "load: tokens per request")
+    load_repeats: int = opt(3, "load: measure every point this many times, interleaved; the report gives medians")
+    load_control: bool = opt(
+        False,
+        "load: measure gamma 0 twice at every point (an A/A control: the spread of its ratio is the noise a "
+        "comparison of two modes has to clear)",
+    )
+    cost_repeats: int = opt(50, "timings per model cost (the bound's inputs)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self.single_repeats, 1, "--single-repeats")
+        _at_least(self.load_repeats, 1, "--load-repeats")
+
+
+@dataclass
+class SingleOptions(StackOptions):
+    """``single``: the single-stream table alone, into single.json and single.md."""
+
+    max_new_tokens: int = opt(128, "tokens per generation")
+    repeats: int = opt(1, "passes over the prompts, every other one with the modes in the reverse order")
+    temperatures: list[float] = opt([0.0, 0.7], "temperatures")
+    modes: list[str] | None = opt(None, "the modes to run (default: every mode the stack serves)", choices=SINGLE_MODES)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self.repeats, 1, "--repeats")
+
+
+@dataclass
+class LoadOptions(StackOptions):
+    """``load``: the load sweep alone (gamma 0, a fixed gamma, adaptive) on the first prompt set, into
+    load.json and load.md; the full report's load section then comes from it."""
+
+    rates: list[float] = opt([1.0, 2.0, 4.0, 8.0, 16.0], "arrival rates, requests per second")
+    duration_s: float = opt(15.0, "seconds of arrivals per point")
+    max_new_tokens: int = opt(64, "tokens per request")
+    repeats: int = opt(3, "measure every point this many times, interleaved; the report gives medians")
+    fixed_gamma: int = opt(4, "the fixed gamma beside gamma 0 and adaptive")
+    control: bool = opt(False, "measure gamma 0 twice at every point (an A/A control)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self.repeats, 1, "--repeats")
+        _at_least(self.duration_s, 0.0, "--duration-s")
+
+
+@dataclass
+class LatencyOptions(PromptOptions):
+    """``latency``: round trips injected between the coordinator and one tier, into latency.json and
+    latency.md (specserve/bench/latency.py)."""
+
+    prompts: int = opt(3, "held-out prompts (of the first set)")
+    rtts_ms: list[float] = opt([0.0, 2.0, 10.0], "round-trip times injected, ms")
+    max_new_tokens: int = opt(64, "tokens per generation")
+    gamma: int = opt(
+        1,
+        "the fixed gamma run with and without overlap (a round drafted ahead is used only when every proposed "
+        "token is accepted and the bonus token guessed)",
+    )
+    repeats: int = opt(2, "times each setting runs each prompt, interleaved")
+    sides: list[Literal["draft", "target"]] = opt(["draft", "target"], "the tiers put behind the delay, in turn")
+    cores: Literal["separate", "shared"] = opt(
+        "separate",
+        "separate: the draft tier and the coordinator on the first CPU, the target on the others (tiers on "
+        "machines of their own; needs 2 CPUs); shared: every role on every core",
+    )
+    name: str = opt("latency", "the files' name: <out>/<name>.json and <name>.md (latency_<x> for further runs)")
+
+
+@dataclass
+class DraftScalingOptions(PairOptions):
+    """``draft-scaling``: 1..32 concurrent sessions with the draft's batching on and off, into
+    draft_scaling.json, .md and .png (specserve/bench/draft_scaling.py)."""
+
+    prompt_chars: int = opt(600, "characters of each prompt (code)")
+    sessions: list[int] = opt([1, 2, 4, 8, 16, 32], "concurrent sessions")
+    gamma: int = opt(4, "the fixed gamma")
+    max_new_tokens: int = opt(48, "tokens per generation")
+    repeats: int = opt(1, "runs per point")
+    draft_batch: int = opt(32, "sessions the draft drafts per pass with batching on")
+
+    def __post_init__(self) -> None:
+        _at_least(self.draft_batch, 2, "--draft-batch")
+
+
+@dataclass
+class SamplingModesOptions(PromptOptions):
+    """``sampling-modes``: the coupled sampling mode against the optimal one, into sampling_modes.json and
+    sampling_modes.md (specserve/bench/sampling_modes.py)."""
+
+    prompts: int = opt(8, "prompts per set")
+    temperatures: list[float] = opt(SAMPLING_TEMPERATURES, "temperatures")
+    gammas: list[str] = opt(SAMPLING_GAMMAS, "'auto' (adaptive) or integers")
+    max_new_tokens: int = opt(128, "tokens per generation")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for g in self.gammas:
+            if g != "auto" and not g.isdigit():
+                raise ValueError(f"--gammas takes 'auto' or integers >= 0, got {g!r}")
+
+
+@dataclass
+class PredictionOptions(PairOptions):
+    """``prediction``: Predicted Outputs against gamma 0, into prediction.json and prediction.md
+    (specserve/bench/prediction.py)."""
+
+    prompts: int = opt(4, "held-out code prompts")
+    prompt_chars: int = opt(600, "characters of each prompt (code)")
+    max_new_tokens: int = opt(128, "tokens per generation")
+    block: int = opt(16, "half-wrong: every other block of this many tokens")
+    repeats: int = opt(1, "runs per prompt and mode")
+
+
+@dataclass
+class OverheadOptions(Options):
+    """``overhead``: gamma 0 through the whole system against HF generate() (specserve/bench/overhead.py)."""
+
+    target: str | None = opt(None, "registered name or directory (default: the default target)")
+    prompts: int = opt(6, "held-out chat prompts")
+    repeats: int = opt(1, "passes over the prompts")
+    max_new_tokens: int = opt(64, "tokens per generation")
+    threads: int = opt(2, "torch threads, here and in the target process")
+    redis_url: str | None = opt(None, "default: a private redis-server")
+    kernels: Kernels = opt("fastest", "the target's linear kernels, in the service and in HF alike")
+    decode_steps: list[int] = opt([1, 4], "the coordinator's decode_steps for each stack measured")
+    temperature: float = opt(0.0, "0: greedy; above 0: HF and specserve both sample at this temperature")
+    json: Path | None = opt(None, "where to write the figures (overhead.json; the report renders its section)")
+
+
+@dataclass
+class PassOptions(Options):
+    """A benchmark of two copies of the target: passes over 1..--max-k positions, then greedy output."""
+
+    target: str = opt(DEFAULT_TARGET, "a registered model name or a directory")
+    max_k: int = opt(9, "the longest pass, in positions")
+    prompts: int = opt(6, "held-out prompts per kind (chat, code)")
+    max_new_tokens: int = opt(64, "tokens per greedy output")
+    threads: int | None = opt(None, "torch threads (default: torch's)")
+    out: Path = opt(DEFAULT_OUT, "the folder the JSON and the Markdown go to")
+
+
+@dataclass
+class KernelsOptions(PassOptions):
+    """``kernels``: stock against packed oneDNN linear kernels (specserve/bench/kernels.py)."""
+
+    draft: str = opt(DEFAULT_DRAFT, "a registered model name or a directory")
+    draft_gamma: int = opt(4, "tokens per proposal in the draft's timing")
+    rounds: int = opt(5, "rounds of timings")
+    repeats: int = opt(5, "timings per round")
+
+
+@dataclass
+class InvarianceOptions(Options):
+    """``invariance``: what the row-invariant target passes cost (specserve/bench/invariance.py)."""
+
+    target: str = opt(DEFAULT_TARGET, "a registered model name or a directory")
+    kernels: list[Literal["stock", "onednn"]] = opt(["stock", "onednn"], "the linear kernels, each measured")
+    contexts: list[int] = opt([128, 512], "context lengths before the timed pass")
+    ks: list[int] = opt([5], "verify pass widths timed besides k = 1", nargs="*")
+    pairs: int = opt(30, "pairs of timings (one pass of each copy) per k")
+    prefills: list[int] = opt([128, 512], "prompt lengths prefilled", nargs="*")
+    prefill_pairs: int = opt(5, "pairs of timings per prefill length")
+    prompts: int = opt(3, "held-out prompts per kind (chat, code); 0: none")
+    max_new_tokens: int = opt(64, "tokens per greedy output")
+    clock: Literal["cpu", "wall"] = opt(
+        "cpu",
+        "cpu: the model thread's CPU time, with --threads 1 (what a pass costs, little moved by other processes "
+        "on a shared machine); wall: elapsed time",
+    )
+    threads: int = opt(1, "torch threads")
+    out: Path = opt(DEFAULT_OUT, "the folder the JSON and the Markdown go to")
+
+    def __post_init__(self) -> None:
+        if self.clock == "cpu" and self.threads != 1:
+            raise ValueError("--clock cpu measures one thread: use --threads 1")
+
+
+@dataclass
+class AttentionOptions(PassOptions):
+    """``attention``: transformers' SDPA against grouped heads read in place (specserve/bench/attention.py)."""
+
+    kernels: Literal["stock", "onednn"] = opt("onednn", "the linear kernels of both copies")
+    contexts: list[int] = opt([128, 512], "context lengths before the timed pass")
+    pairs: int = opt(30, "pairs of timings (one pass of each copy) per k")
+    prompts: int = opt(3, "held-out prompts per kind (chat, code)")
+    max_new_tokens: int = opt(48, "tokens per greedy output")
+
+
+@dataclass
+class CardOptions(Options):
+    """A model card's figures: greedy and sampled acceptance on held-out prompts, and step costs."""
+
+    target: str | None = opt(None, "default: the registered default target")
+    prompts: int = opt(40, "held-out prompts per set (greedy)")
+    max_new_tokens: int = opt(128, "tokens per greedy answer")
+    sampled_prompts: int = opt(12, "prompts sampled at T=0.7")
+    sampled_tokens: int = opt(64, "tokens per sampled answer")
+    context: int = opt(128, "context tokens before the timed steps")
+    cost_steps: int = opt(40, "timed steps")
+    threads: int = opt(2, "torch threads")
+    json: Path | None = opt(None, "where to write the figures")
+
+
+@dataclass
+class DraftCardOptions(CardOptions):
+    """``draft-card``: the default draft's model card figures (specserve/bench/draft_card.py)."""
+
+    draft: str | None = opt(None, "default: the registered default draft")
+    sampled_gammas: list[int] = opt([1, 2, 4, 8], "gammas sampled at T=0.7")
+    render: Path | None = opt(
+        None,
+        "measure nothing: write DRAFT_DIR/README.md from DRAFT_DIR/card.json and training_meta.json",
+        metavar="DRAFT_DIR",
+    )
+
+
+@dataclass
+class HeadCardOptions(CardOptions):
+    """``head-card``: the feature head's model card figures (specserve/bench/head_card.py)."""
+
+    head: str | None = opt(None, "a head directory or registered name (default: the default head)")
+    gammas: list[int] = opt(HEAD_GAMMAS, "gammas replayed greedily")
+    sampled_gammas: list[int] = opt([1, 2, 4], "gammas sampled at T=0.7")
+    readme: Path | None = opt(None, "render the model card here")
+    curve: list[Path] = opt([], "training runs of the data-size curve", nargs="*")
+    from_json: Path | None = opt(None, "render from these figures, measuring nothing")
+
+
+@dataclass
+class DemoPairOptions(Options):
+    """``demo-pair``: the embedded demo pair's acceptance and costs (specserve/bench/demo_pair.py)."""
+
+    target: str = opt("models/specserve-demo-target", "the target's directory")
+    draft: str = opt("models/specserve-demo-draft", "the draft's directory")
+    gamma: int = opt(4, "the fixed gamma")
+    prompts: int = opt(16, "held-out prompts for (a)")
+    prompt_len: int = opt(96, "prompt tokens")
+    max_new: int = opt(96, "tokens per generation")
+    windows: int = opt(32, "held-out windows for (b), (c)")
+    window_len: int = opt(256, "tokens per window")
+    steps: int = opt(200, "timed decode steps for (d)")
+    warmup: int = opt(30, "untimed steps before them")
+    context: int = opt(128, "KV cache length before timing (d)")
+    threads: int = opt(2, "torch threads")
+    json: Path = opt(Path("demo_pair_bench.json"), "where to write the JSON results")
+
+
+@dataclass
+class ReportOptions(Options):
+    """``report``: render every report in a folder from its JSON again, measuring nothing."""
+
+    folder: Path = opt(DEFAULT_OUT, "the folder (docs/benchmarks)", positional=True)
