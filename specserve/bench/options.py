@@ -418,6 +418,22 @@ class DemoPairOptions(Options):
 
 
 @dataclass
+class ConstraintsOptions(Options):
+    """``constraints``: the constraint engines, xgrammar and llguidance, compared on the validity set
+    (specserve/bench/constraints.py)."""
+
+    target: str = opt(DEFAULT_TARGET, "whose tokenizer (a registered name or a directory)")
+    vocab_size: int = opt(0, "the mask's width (0: the tokenizer's length)")
+    set: Path = opt(Path("tests/data/constraints"), "the validity set's directory")
+    repeats: int = opt(5, "cold compiles and example passes per constraint")
+    walks: int = opt(20, "uniform walks under the mask per constraint")
+    max_walk: int = opt(256, "tokens at most per walk")
+    threads: int = opt(2, "xgrammar compiler threads")
+    seed: int = opt(0, "the walks' seed")
+    out: Path | None = opt(None, "write constraint_engines.json/.md here")
+
+
+@dataclass
 class ReportOptions(Options):
     """``report``: render every report in a folder from its JSON again, measuring nothing."""
 

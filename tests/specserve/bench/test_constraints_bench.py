@@ -16,6 +16,7 @@ import pytest
 import system_fixtures as sf
 
 from specserve.bench import constraints as bench
+from specserve.bench.cli import main
 
 SET = Path(__file__).resolve().parents[2] / "data" / "constraints"
 
@@ -92,6 +93,7 @@ def test_the_bench_measures_both_engines_on_the_tiny_tokenizer(tmp_path_factory,
     ):
         (small / name).write_text(json.dumps(json.loads((SET / name).read_text())[:keep]))
     argv = [
+        "constraints",
         "--target",
         str(pair.target_dir),
         "--set",
@@ -105,7 +107,7 @@ def test_the_bench_measures_both_engines_on_the_tiny_tokenizer(tmp_path_factory,
         "--out",
         str(tmp_path),
     ]
-    assert bench.main(argv) == 0
+    assert main(argv) == 0
     data = json.loads((tmp_path / "constraint_engines.json").read_text())
     assert set(data["engines"]) == {"xgrammar", "llguidance", "specserve"}
     assert [row["kind"] for row in data["cases"]] == ["json_schema", "json_schema", "regex", "choice"]
