@@ -61,12 +61,17 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
 
 
 def _summary(cls: type) -> str:
+    """The options class's first paragraph without its ``name``: prefix, for the subcommand list."""
     return (cls.__doc__ or "").split("\n\n")[0].split(": ", 1)[-1].replace("\n", " ").strip()
 
 
 def build_parser() -> argparse.ArgumentParser:
     """``specserve bench`` with one subparser per :data:`SUBCOMMANDS` entry."""
-    parser = argparse.ArgumentParser(prog="specserve bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="specserve bench",
+        description="The benchmarks, one subcommand each, each with options of its own (specserve bench "
+        "SUBCOMMAND --help); docs/benchmarks holds what they write.",
+    )
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
     for command in SUBCOMMANDS:
         p = sub.add_parser(

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,29 +50,29 @@ MODES = (OPTIMAL, COUPLED)
 THROUGHPUT_LOSS_LIMIT = 0.05
 
 
-async def _generate(
-    client, ids: list[int], *, mode: str, temperature: float, gamma: str, seed: int, max_new: int
-):
-    stream = client.stream(
-        prompt_token_ids=ids,
-        max_new_tokens=max_new,
-        temperature=temperature,
-        seed=seed,
-        ignore_eos=True,
-        gamma=None if gamma == "auto" else int(gamma),
-        sampling_mode=mode,
-    )
-    run = await timed_stream(stream)
-    s, tokens, total = run.stats, run.token_ids, run.seconds
-    return {
-        "tokens": len(tokens),
-        "total_s": total,
-        "ms_per_token": 1000.0 * total / max(len(tokens), 1),
-        "proposed": s.proposed_tokens,
-        "accepted": s.accepted_tokens,
-        "rounds": s.rounds,
-        "token_ids": tokens,
-    }
+@dataclass
+class ModeRun:
+    """One generation in one sampling mode: which (prompt set, prompt, temperature, gamma setting), and what
+    the client saw (tokens, seconds) and the server counted (proposed, accepted, rounds)."""
+
+    set: str
+    prompt: str
+    temperature: float
+    gamma: str
+    mode: str
+    tokens: int
+    total_s: float
+    proposed: int
+    accepted: int
+    rounds: int
+    token_ids: list[int]
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000.0 * self.total_s / max(self.tokens, 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"ms_per_token": self.ms_per_token}
 
 
 async def measure(
@@ -84,81 +84,69 @@ async def measure(
     max_new: int,
     seed: int,
     progress=None,
-) -> list[dict[str, Any]]:
-    """Every (set, prompt, temperature, gamma) in both modes, same seed, alternating order; one dict per run."""
-    runs: list[dict[str, Any]] = []
+) -> list[ModeRun]:
+    """Every (set, prompt, temperature, gamma) in both modes, same seed, alternating order."""
+    runs: list[ModeRun] = []
     jobs = [
-        (set_name, index, name, ids, t, g)
+        (set_name, index, name, ids, t, str(g))
         for set_name, prompts in prompt_sets.items()
         for index, (name, ids) in enumerate(prompts)
         for t in temperatures
         for g in gammas
     ]
     for set_name, index, name, ids, temperature, gamma in jobs:
-        order = MODES if index % 2 == 0 else MODES[::-1]
-        for mode in order:
-            run = await _generate(
-                client,
-                ids,
-                mode=mode,
+        for mode in MODES if index % 2 == 0 else MODES[::-1]:
+            stream = client.stream(
+                prompt_token_ids=ids,
+                max_new_tokens=max_new,
                 temperature=temperature,
-                gamma=str(gamma),
                 seed=seed + index,
-                max_new=max_new,
+                ignore_eos=True,
+                gamma=None if gamma == "auto" else int(gamma),
+                sampling_mode=mode,
             )
+            run = await timed_stream(stream)
+            s = run.stats
             runs.append(
-                {
-                    "set": set_name,
-                    "prompt": name,
-                    "temperature": temperature,
-                    "gamma": str(gamma),
-                    "mode": mode,
-                    **run,
-                }
-            )
+                ModeRun(set_name, name, temperature, gamma, mode, len(run.token_ids), run.seconds,
+                        s.proposed_tokens, s.accepted_tokens, s.rounds, run.token_ids)
+            )  # fmt: skip
             if progress is not None:
                 progress()
     return runs
 
 
-def _group(runs: list[dict]) -> dict[str, Any]:
-    proposed = sum(r["proposed"] for r in runs)
-    rounds = sum(r["rounds"] for r in runs)
-    total_s = sum(r["total_s"] for r in runs)
-    tokens = sum(r["tokens"] for r in runs)
+def _group(runs: list[ModeRun]) -> dict[str, Any]:
+    proposed = sum(r.proposed for r in runs)
+    rounds = sum(r.rounds for r in runs)
+    total_s = sum(r.total_s for r in runs)
+    tokens = sum(r.tokens for r in runs)
     return {
         "n": len(runs),
-        "acceptance": sum(r["accepted"] for r in runs) / proposed if proposed else None,
+        "acceptance": sum(r.accepted for r in runs) / proposed if proposed else None,
         "tokens_per_round": tokens / rounds if rounds else None,
-        "ms_per_token_median": statistics.median(r["ms_per_token"] for r in runs),
+        "ms_per_token_median": statistics.median(r.ms_per_token for r in runs),
         "tokens_per_s": tokens / total_s if total_s else 0.0,
     }
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(runs: list[ModeRun]) -> dict[str, Any]:
     """Per (set, temperature, gamma) and over all sets per (temperature, gamma): each mode's figures,
     coupled's throughput relative to optimal; the live invariance check; the verdict on the default."""
     by_key: dict[str, Any] = {}
-    keys = dict.fromkeys((r["set"], r["temperature"], r["gamma"]) for r in runs)
-    for set_name, t, g in [*keys, *dict.fromkeys(("all", r["temperature"], r["gamma"]) for r in runs)]:
-        sel = [
-            r
-            for r in runs
-            if (set_name == "all" or r["set"] == set_name) and (r["temperature"], r["gamma"]) == (t, g)
-        ]
-        group = {mode: _group([r for r in sel if r["mode"] == mode]) for mode in MODES}
+    keys = dict.fromkeys((r.set, r.temperature, r.gamma) for r in runs)
+    for set_name, t, g in [*keys, *dict.fromkeys(("all", r.temperature, r.gamma) for r in runs)]:
+        sel = [r for r in runs if (set_name == "all" or r.set == set_name) and (r.temperature, r.gamma) == (t, g)]
+        group = {mode: _group([r for r in sel if r.mode == mode]) for mode in MODES}
         opt, cpl = group[OPTIMAL]["tokens_per_s"], group[COUPLED]["tokens_per_s"]
         group["coupled_throughput_vs_optimal"] = cpl / opt if opt else None
         by_key[f"{set_name} T={t:g} gamma={g}"] = group
     identical = total = 0
     for _key, sel in itertools.groupby(
-        sorted(
-            (r for r in runs if r["mode"] == COUPLED),
-            key=lambda r: (r["set"], r["prompt"], r["temperature"]),
-        ),
-        key=lambda r: (r["set"], r["prompt"], r["temperature"]),
+        sorted((r for r in runs if r.mode == COUPLED), key=lambda r: (r.set, r.prompt, r.temperature)),
+        key=lambda r: (r.set, r.prompt, r.temperature),
     ):
-        outputs = [tuple(r["token_ids"]) for r in sel]
+        outputs = [tuple(r.token_ids) for r in sel]
         total += 1
         identical += len(set(outputs)) == 1
     return {
@@ -247,7 +235,7 @@ async def run_phase(client, tokenizer, opts: SamplingModesOptions) -> dict[str, 
         "temperatures": list(opts.temperatures),
         "gammas": list(opts.gammas),
         "max_new_tokens": opts.max_new_tokens,
-        "runs": runs,
+        "runs": [r.to_json() for r in runs],
     }
 
 

@@ -21,10 +21,13 @@ class Stopwatch:
 
     def __init__(self, clock: Callable[[], int] = time.perf_counter_ns) -> None:
         self.clock = clock
-        self.start = clock()
+        self.start: int | None = None
         self.seconds = float("nan")
 
     def elapsed(self) -> float:
+        """Seconds since the ``with`` block began."""
+        if self.start is None:
+            raise RuntimeError("the stopwatch has not started: use it in a with block")
         return (self.clock() - self.start) / 1e9
 
     def __enter__(self) -> Stopwatch:
@@ -88,15 +91,15 @@ class Streamed:
 
 async def timed_stream(stream: Any) -> Streamed:
     """Read ``stream`` (``AsyncClient.stream``'s) to its end, timing each chunk from now."""
-    sw = Stopwatch()
     stamps: list[tuple[float, int]] = []
     tokens: list[int] = []
     chunks: AsyncIterable[Any] = stream
-    async for chunk in chunks:
-        if chunk.token_ids:
-            stamps.append((sw.elapsed(), len(chunk.token_ids)))
-            tokens.extend(chunk.token_ids)
-    return Streamed(tokens, sw.elapsed(), stamps, stream.stats)
+    with Stopwatch() as sw:
+        async for chunk in chunks:
+            if chunk.token_ids:
+                stamps.append((sw.elapsed(), len(chunk.token_ids)))
+                tokens.extend(chunk.token_ids)
+    return Streamed(tokens, sw.seconds, stamps, stream.stats)
 
 
 async def timed_generate(client: Any, **request: Any) -> tuple[Any, float]:
