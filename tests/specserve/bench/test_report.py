@@ -190,15 +190,18 @@ def test_the_load_check_pairs_each_repeat_and_takes_the_median_ratio():
 
 
 def test_a_separate_load_run_names_its_command_in_the_section():
+    """A ``specserve bench load`` run's own settings (``max_new_tokens``, ``duration_s``), where a full run's
+    are ``load_max_new_tokens`` and ``load_duration_s`` (the A/A test below)."""
     run = {
-        "command": "python -m specserve.bench.harness --only-load --load-repeats 3",
+        "command": "specserve bench load --repeats 3",
         "date_utc": "2026-11-30 16:00",
         "prompt_set": "chat",
-        "settings": {"load_max_new_tokens": 32, "load_duration_s": 8.0},
+        "settings": {"max_new_tokens": 32, "duration_s": 8.0, "repeats": 3},
         "load": SWEEP,
     }
     text = "\n".join(load_section(run))
-    assert "--only-load --load-repeats 3" in text and "measured 3 time(s)" in text
+    assert "specserve bench load --repeats 3" in text and "measured 3 time(s)" in text
+    assert "32 tokens per request, 8 s per point" in text
     assert "| 2 | 1.05, 1.03, 0.98 | 1.03 |" in text
 
 
