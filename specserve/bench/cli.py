@@ -4,7 +4,7 @@
     specserve bench all --prompts 2 --max-new-tokens 64 ...   # every figure of the report (bench.json)
     specserve bench single | load | latency | draft-scaling | sampling-modes | prediction ...
     specserve bench overhead | kernels | invariance | attention | draft-card | head-card | demo-pair ...
-    specserve bench constraints ...                           # the constraint engines compared
+    specserve bench constraints | greedy-identity | prefix-cache | prefix-cache-memory ...
     specserve bench report docs/benchmarks                    # render the reports again from their JSON
 
 ``python -m specserve.bench`` is the same command. A subcommand's module is imported only when it runs, so
@@ -56,6 +56,9 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("head-card", o.HeadCardOptions, "specserve.bench.head_card:main"),
     Subcommand("demo-pair", o.DemoPairOptions, "specserve.bench.demo_pair:main"),
     Subcommand("constraints", o.ConstraintsOptions, "specserve.bench.constraints:main"),
+    Subcommand("greedy-identity", o.GreedyIdentityOptions, "specserve.bench.greedy_identity:main"),
+    Subcommand("prefix-cache", o.PrefixCacheOptions, "specserve.bench.prefix_cache:main"),
+    Subcommand("prefix-cache-memory", o.PrefixCacheMemoryOptions, "specserve.bench.prefix_cache:main_memory"),
     Subcommand("report", o.ReportOptions, "specserve.bench.report:main"),
 )
 

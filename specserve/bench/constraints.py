@@ -2,7 +2,7 @@
 
 Run (one run, one machine; docs/benchmarks/constraints.md comes from it)::
 
-    python -m specserve.bench.constraints --out docs/benchmarks
+    specserve bench constraints --out docs/benchmarks
 
 For each engine, each constraint of the validity set (``--set``, by default
 ``tests/data/constraints``: JSON schemas, regexes and choice lists, each with a
@@ -41,7 +41,6 @@ choice they support.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
@@ -54,7 +53,10 @@ from typing import Any
 
 import numpy as np
 
-from specserve.bench.harness import DEFAULT_TARGET, _run_header
+from specserve.bench import markdown as md
+from specserve.bench.options import ConstraintsOptions
+from specserve.bench.runner import Header
+from specserve.bench.timing import Stopwatch
 
 #: The validity set's files under ``--set``.
 SET_FILES = {"json_schema": "json_schemas.json", "regex": "regexes.json", "choice": "choices.json"}
@@ -112,10 +114,10 @@ class XGrammar:
         import xgrammar
 
         self._xgr = xgrammar
-        started = time.perf_counter()
-        self._info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=threads, cache_enabled=False)
-        self.setup_s = time.perf_counter() - started
+        with Stopwatch() as sw:
+            self._info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+            self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=threads, cache_enabled=False)
+        self.setup_s = sw.seconds
         self.version = xgrammar.__version__ if hasattr(xgrammar, "__version__") else _version("xgrammar")
 
     def compile(self, case: Case) -> Any:
@@ -151,9 +153,9 @@ class LLGuidance:
         import llguidance.hf
 
         self._llg = llguidance
-        started = time.perf_counter()
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
-        self.setup_s = time.perf_counter() - started
+        with Stopwatch() as sw:
+            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.setup_s = sw.seconds
         self.version = _version("llguidance")
 
     def grammar(self, case: Case) -> str:
@@ -199,10 +201,10 @@ class Shipped:
     def __init__(self, tokenizer, vocab_size: int, threads: int) -> None:
         from specserve.engine.grammar import GrammarEngine
 
-        started = time.perf_counter()
-        eos = tokenizer.eos_token_id
-        self._engine = GrammarEngine(tokenizer, vocab_size, [eos], cache_size=0, max_threads=threads)
-        self.setup_s = time.perf_counter() - started
+        with Stopwatch() as sw:
+            eos = tokenizer.eos_token_id
+            self._engine = GrammarEngine(tokenizer, vocab_size, [eos], cache_size=0, max_threads=threads)
+        self.setup_s = sw.seconds
         self.version = "xgrammar " + _version("xgrammar") + " + specserve.engine.grammar"
 
     def compile(self, case: Case) -> Any:
@@ -244,15 +246,15 @@ def _allowed(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.flatnonzero(bits)
 
 
-def _timed(fn, *args, clock=time.perf_counter) -> tuple[Any, float]:
-    started = clock()
-    result = fn(*args)
-    return result, clock() - started
+def _timed(fn, *args, clock=time.perf_counter_ns) -> tuple[Any, float]:
+    with Stopwatch(clock) as sw:
+        result = fn(*args)
+    return result, sw.seconds
 
 
 def _cpu_timed(fn, *args) -> tuple[Any, float]:
     """``_timed`` in the calling thread's CPU time: what a mask costs, little moved by other processes."""
-    return _timed(fn, *args, clock=time.thread_time)
+    return _timed(fn, *args, clock=time.thread_time_ns)
 
 
 def measure_case(
@@ -370,7 +372,7 @@ def _walks(
     return result
 
 
-def measure(args: argparse.Namespace) -> dict:
+def measure(args: ConstraintsOptions) -> dict:
     from transformers import AutoTokenizer
 
     from specserve.engine.models import resolve_model_path
@@ -415,7 +417,7 @@ def measure(args: argparse.Namespace) -> dict:
             file=sys.stderr,
         )
     return {
-        **_run_header(args),
+        **Header.of(args).to_json(),
         "vocab_size": vocab_size,
         "repeats": args.repeats,
         "walks": args.walks,
@@ -464,10 +466,7 @@ def render(data: dict) -> str:
         + ", ".join(f"{name} {info['version']}" for name, info in data["engines"].items())
         + "; one run of:",
         "",
-        "```",
-        data["command"],
-        "```",
-        "",
+        *md.command_block(data["command"]),
         f"The validity set (tests/data/constraints): {sum(1 for r in data['cases'] if r['kind'] == 'json_schema')} JSON schemas, "
         f"{sum(1 for r in data['cases'] if r['kind'] == 'regex')} regexes, {sum(1 for r in data['cases'] if r['kind'] == 'choice')} choice lists. "
         f"Compile: a cold compile, median of {data['repeats']}. Mask: the next-token bitmask at each position of the "
@@ -477,20 +476,21 @@ def render(data: dict) -> str:
         "single-byte tokens where there are any; 'valid' counts the stopped walks whose bytes are UTF-8 and whose "
         "text parses strictly and validates.",
         "",
-        "| engine | kind | constraints | compile errors | compile ms (median / max) | first mask ms (median) "
-        "| mask µs per token (median / mean / worst p99) | walks: valid of stopped of all | byte walks: valid of stopped of all "
-        "| outputs not UTF-8 | examples refused |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for engine in engines:
-        for kind in (None, "json_schema", "regex", "choice"):
-            s = _summary(data, engine, kind)
-            lines.append(
-                f"| {engine} | {kind or 'all'} | {s['cases']} | {s['errors']} | {s['compile_ms_median']:.2f} / "
-                f"{s['compile_ms_max']:.1f} | {s['first_mask_ms_median']:.2f} | {s['mask_us_median']:.0f} / "
-                f"{s['mask_us_mean']:.0f} / {s['mask_us_p99_max']:.0f} | {s['valid']} of {s['stopped']} of {s['walks']} | "
-                f"{s['byte_valid']} of {s['byte_stopped']} of {s['byte_walks']} | {s['not_utf8']} | {s['refused_examples']} |"
-            )
+    summaries = [
+        (engine, kind, _summary(data, engine, kind)) for engine in engines for kind in (None, "json_schema", "regex", "choice")
+    ]
+    lines += md.table(
+        ("engine", "kind", "constraints", "compile errors", "compile ms (median / max)", "first mask ms (median)",
+         "mask µs per token (median / mean / worst p99)", "walks: valid of stopped of all",
+         "byte walks: valid of stopped of all", "outputs not UTF-8", "examples refused"),
+        ((engine, kind or "all", s["cases"], s["errors"], f"{s['compile_ms_median']:.2f} / {s['compile_ms_max']:.1f}",
+          f"{s['first_mask_ms_median']:.2f}",
+          f"{s['mask_us_median']:.0f} / {s['mask_us_mean']:.0f} / {s['mask_us_p99_max']:.0f}",
+          f"{s['valid']} of {s['stopped']} of {s['walks']}", f"{s['byte_valid']} of {s['byte_stopped']} of {s['byte_walks']}",
+          s["not_utf8"], s["refused_examples"])
+         for engine, kind, s in summaries),
+    )  # fmt: skip
     lines += [
         "",
         "Tokenizer setup (once per tokenizer): "
@@ -499,46 +499,45 @@ def render(data: dict) -> str:
         "",
         "## Per constraint",
         "",
-        "| kind | name | tokens | "
-        + " | ".join(f"{e} compile ms | {e} mask µs (median / mean) | {e} valid" for e in engines)
-        + " |",
-        "| --- | --- | --- | " + " | ".join("--- | --- | ---" for _ in engines) + " |",
     ]
+    rows = []
     for row in data["cases"]:
-        cells = []
+        cells = [row["kind"], row["name"], row["example_tokens"]]
         for engine in engines:
             r = row[engine]
             if "error" in r:
-                cells.append(f"error: {r['error'][:60]} | | ")
+                cells += [f"error: {r['error'][:60]}", "", ""]
                 continue
-            cells.append(
-                f"{r['compile_ms']:.2f} | {r.get('mask_us_median', float('nan')):.0f} / {r.get('mask_us_mean', float('nan')):.0f} | {r['valid']} of {r['stopped']}, bytes {r['byte_valid']} of {r['byte_stopped']}"
-                + (" (example refused)" if r.get("example_refused") else "")
-            )
-        lines.append(
-            f"| {row['kind']} | {row['name']} | {row['example_tokens']} | " + " | ".join(cells) + " |"
-        )
+            cells += [
+                f"{r['compile_ms']:.2f}",
+                f"{r.get('mask_us_median', float('nan')):.0f} / {r.get('mask_us_mean', float('nan')):.0f}",
+                f"{r['valid']} of {r['stopped']}, bytes {r['byte_valid']} of {r['byte_stopped']}"
+                + (" (example refused)" if r.get("example_refused") else ""),
+            ]
+        rows.append(cells)
+    header = ["kind", "name", "tokens"]
+    header += [f"{e} {col}" for e in engines for col in ("compile ms", "mask µs (median / mean)", "valid")]
+    lines += md.table(header, rows)
     lines += [
         "",
         "## Keywords a mask does not enforce",
         "",
         "Schemas of `unenforceable.json`: refused (the error the engine gives), or compiled and walked as above.",
         "",
-        "| schema | " + " | ".join(engines) + " |",
-        "| --- | " + " | ".join("---" for _ in engines) + " |",
     ]
-    for row in data.get("unenforceable", []):
-        cells = []
-        for engine in engines:
-            r = row[engine]
-            if "refused" in r:
-                cells.append("refused: " + r["refused"].replace("|", "\\|")[:90])
-            else:
-                cells.append(
-                    f"compiled; {r['valid']} of {r['stopped']} stopped walks valid, "
-                    f"byte walks {r['byte_valid']} of {r['byte_stopped']}"
-                )
-        lines.append(f"| `{row['name']}` | " + " | ".join(cells) + " |")
+
+    def outcome(r: dict) -> str:
+        if "refused" in r:
+            return "refused: " + r["refused"].replace("|", "\\|")[:90]
+        return (
+            f"compiled; {r['valid']} of {r['stopped']} stopped walks valid, "
+            f"byte walks {r['byte_valid']} of {r['byte_stopped']}"
+        )
+
+    lines += md.table(
+        ["schema", *engines],
+        ([f"`{row['name']}`", *(outcome(row[engine]) for engine in engines)] for row in data.get("unenforceable", [])),
+    )
     invalid = [
         (row["name"], engine, text)
         for row in data["cases"] + data.get("unenforceable", [])
@@ -551,41 +550,12 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m specserve.bench.constraints", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "--target", default=DEFAULT_TARGET, help="whose tokenizer (a registered name or a directory)"
-    )
-    parser.add_argument(
-        "--vocab-size", type=int, default=0, help="the mask's width (0: the tokenizer's length)"
-    )
-    parser.add_argument("--set", default="tests/data/constraints", help="the validity set's directory")
-    parser.add_argument(
-        "--repeats", type=int, default=5, help="cold compiles and example passes per constraint"
-    )
-    parser.add_argument("--walks", type=int, default=20, help="uniform walks under the mask per constraint")
-    parser.add_argument(
-        "--byte-walks", type=int, default=20, help="walks among the allowed single-byte tokens per constraint"
-    )
-    parser.add_argument("--max-walk", type=int, default=256, help="tokens at most per walk")
-    parser.add_argument("--threads", type=int, default=2, help="xgrammar compiler threads")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="write constraint_engines.json/.md here")
-    args = parser.parse_args(argv)
-    args.command = "python -m specserve.bench.constraints " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
-    data = measure(args)
+def main(opts: ConstraintsOptions) -> int:
+    """``specserve bench constraints``: the report printed, and with ``--out`` written as
+    ``constraint_engines.json`` and ``constraint_engines.md``."""
+    data = measure(opts)
     text = render(data)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "constraint_engines.json").write_text(json.dumps(data, indent=1) + "\n")
-        (args.out / "constraint_engines.md").write_text(text)
+    if opts.out is not None:
+        md.write(opts.out, "constraint_engines", text, data)
     print(text)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -2,7 +2,7 @@
 
 Run (docs/benchmarks/invariance.md, "Greedy identity, the default pair", comes from it)::
 
-    python -m specserve.bench.greedy_identity --n 200 --max-new-tokens 32 --out DIR
+    specserve bench greedy-identity --n 200 --max-new-tokens 32 --out DIR
 
 The held-out chat and code prompts of :mod:`specserve.bench.chat_prompts` (code first, then chat, ``--n``
 in all), each rendered with the target's chat template into token ids. The reference is the target loaded
@@ -24,9 +24,7 @@ chunk.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import platform
 import sys
 import time
@@ -35,15 +33,13 @@ from typing import Any
 
 import torch
 
+from specserve.bench import markdown as md
+from specserve.bench.options import GREEDY_CONFIGS, GreedyIdentityOptions
+from specserve.bench.timing import Stopwatch
+
 CHUNK = 8  # prompts per step: one batch of eight
 
-CONFIGS = {  # name -> (requests at a time, gamma; None: the automatic policy)
-    "batched": (8, None),
-    "gamma4": (8, 4),
-    "gamma1": (8, 1),
-    "gamma0": (8, 0),
-    "alone": (1, None),
-}
+CONFIGS = GREEDY_CONFIGS  # name -> (requests at a time, gamma; None: the automatic policy)
 
 
 def prompts(tokenizer: Any, n: int) -> list[tuple[str, list[int]]]:
@@ -117,7 +113,7 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-async def measure(args: argparse.Namespace) -> dict:
+async def measure(args: GreedyIdentityOptions) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specserve.engine.models import resolve_model_path
@@ -130,7 +126,7 @@ async def measure(args: argparse.Namespace) -> dict:
     items = prompts(tokenizer, args.n)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     data: dict[str, Any] = {
-        "command": "python -m specserve.bench.greedy_identity " + " ".join(sys.argv[1:]),
+        "command": args.command,
         "when_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.platform()}, torch {torch.__version__}",
         "target": target,
@@ -148,7 +144,7 @@ async def measure(args: argparse.Namespace) -> dict:
                 "seconds": 0.0,
                 "differ": [],
             }
-            for name in args.configs.split(",")
+            for name in args.configs
         },
     }
     out = Path(args.out)
@@ -170,13 +166,13 @@ async def measure(args: argparse.Namespace) -> dict:
             # holds complete results for the prompts done so far.
             for first in range(0, len(items), CHUNK):
                 chunk = items[first : first + CHUNK]
-                t0 = time.time()
-                refs = references(model, chunk, args.max_new_tokens)
-                data["reference_s"] = round(data["reference_s"] + time.time() - t0, 1)
+                with Stopwatch() as ref_sw:
+                    refs = references(model, chunk, args.max_new_tokens)
+                data["reference_s"] = round(data["reference_s"] + ref_sw.seconds, 1)
                 for name, c in data["configs"].items():
                     concurrency, gamma = CONFIGS[name]
-                    started = time.time()
-                    got = await run_config(stack.address, chunk, args.max_new_tokens, concurrency, gamma)
+                    with Stopwatch() as config_sw:
+                        got = await run_config(stack.address, chunk, args.max_new_tokens, concurrency, gamma)
                     for (prompt_name, ids), want, have in zip(chunk, refs, got, strict=True):
                         if have == want:
                             c["identical"] += 1
@@ -185,15 +181,14 @@ async def measure(args: argparse.Namespace) -> dict:
                         gap = top2_gap(model, ids + want[:at]) if at < len(want) else None
                         c["differ"].append({"prompt": prompt_name, "position": at, "reference_top2_gap": gap})
                     c["tokens"] += sum(len(g) for g in got)
-                    c["seconds"] = round(c["seconds"] + time.time() - started, 1)
+                    c["seconds"] = round(c["seconds"] + config_sw.seconds, 1)
                 data["done"] += len(chunk)
-                (out / "greedy_identity.json").write_text(json.dumps(data, indent=1))
-                (out / "greedy_identity.md").write_text(render(data))
+                md.write(out, "greedy_identity", render(data), data)
                 summary = {name: c["identical"] for name, c in data["configs"].items()}
                 print(f"{data['done']} prompts: identical {summary}", file=sys.stderr, flush=True)
         finally:
             await stack.stop(grace=2.0)
-    (out / "greedy_identity.md").write_text(render(data))
+    md.write(out, "greedy_identity", render(data))
     return data
 
 
@@ -203,10 +198,7 @@ def render(data: dict) -> str:
         "",
         f"Measured {data['when_utc']} ({data['machine']}); one run of:",
         "",
-        "```",
-        data["command"],
-        "```",
-        "",
+        *md.command_block(data["command"]),
         f"{data['done']} held-out chat and code prompts (`specserve/bench/chat_prompts.py`), "
         f"{data['max_new_tokens']} tokens each (EOS ignored), through the system (one `specserve serve` process "
         "per role, float32 on CPU, the target on its defaults, the model draft) against stock transformers "
@@ -217,13 +209,12 @@ def render(data: dict) -> str:
             if data["done"] < data["n"]
             else []
         ),
-        "| configuration | requests at a time | gamma | token-identical | seconds |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for name, c in data["configs"].items():
-        lines.append(
-            f"| {name} | {c['concurrency']} | {c['gamma']} | **{c['identical']} of {data['done']}** | {c['seconds']} |"
-        )
+        *md.table(
+            ("configuration", "requests at a time", "gamma", "token-identical", "seconds"),
+            ((name, c["concurrency"], c["gamma"], f"**{c['identical']} of {data['done']}**", c["seconds"])
+             for name, c in data["configs"].items()),
+        ),
+    ]  # fmt: skip
     differ = [(name, d) for name, c in data["configs"].items() for d in c["differ"]]
     if differ:
         lines += [
@@ -231,36 +222,17 @@ def render(data: dict) -> str:
             "Replies that differ (the reference's gap between its two largest logits where they part):",
             "",
         ]
-        lines += [
-            "| configuration | prompt | first differing token | top-2 logit gap |",
-            "| --- | --- | --- | --- |",
-        ]
-        for name, d in differ:
-            gap = "-" if d["reference_top2_gap"] is None else f"{d['reference_top2_gap']:.2e}"
-            lines.append(f"| {name} | `{d['prompt']}` | {d['position']} | {gap} |")
+        lines += md.table(
+            ("configuration", "prompt", "first differing token", "top-2 logit gap"),
+            ((name, f"`{d['prompt']}`", d["position"],
+              "-" if d["reference_top2_gap"] is None else f"{d['reference_top2_gap']:.2e}")
+             for name, d in differ),
+        )  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from specserve.bench.harness import DEFAULT_DRAFT, DEFAULT_TARGET
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=200, help="held-out prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument(
-        "--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}"
-    )
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="a registered model name or a directory")
-    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="a registered model name or a directory")
-    parser.add_argument("--out", default="greedy-identity-out")
-    args = parser.parse_args(argv)
-    unknown = set(args.configs.split(",")) - set(CONFIGS)
-    if unknown:
-        parser.error(f"unknown configurations {sorted(unknown)}")
-    data = asyncio.run(measure(args))
+def main(opts: GreedyIdentityOptions) -> int:
+    """``specserve bench greedy-identity``: ``<out>/greedy_identity.json`` and ``.md``, the report printed."""
+    data = asyncio.run(measure(opts))
     print(render(data))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

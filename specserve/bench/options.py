@@ -427,10 +427,60 @@ class ConstraintsOptions(Options):
     set: Path = opt(Path("tests/data/constraints"), "the validity set's directory")
     repeats: int = opt(5, "cold compiles and example passes per constraint")
     walks: int = opt(20, "uniform walks under the mask per constraint")
+    byte_walks: int = opt(20, "walks among the allowed single-byte tokens per constraint")
     max_walk: int = opt(256, "tokens at most per walk")
     threads: int = opt(2, "xgrammar compiler threads")
     seed: int = opt(0, "the walks' seed")
     out: Path | None = opt(None, "write constraint_engines.json/.md here")
+
+
+#: greedy-identity's configurations: name -> (requests at a time, gamma; None: the automatic policy).
+GREEDY_CONFIGS: dict[str, tuple[int, int | None]] = {
+    "batched": (8, None),
+    "gamma4": (8, 4),
+    "gamma1": (8, 1),
+    "gamma0": (8, 0),
+    "alone": (1, None),
+}
+
+
+@dataclass
+class GreedyIdentityOptions(Options):
+    """``greedy-identity``: greedy output through the whole system against stock HF generate(), prompt by
+    prompt (specserve/bench/greedy_identity.py)."""
+
+    n: int = opt(200, "held-out prompts")
+    max_new_tokens: int = opt(32, "tokens per reply")
+    configs: list[str] = opt(list(GREEDY_CONFIGS), "the configurations", choices=list(GREEDY_CONFIGS))
+    target: str = opt(DEFAULT_TARGET, "a registered model name or a directory")
+    draft: str = opt(DEFAULT_DRAFT, "a registered model name or a directory")
+    out: Path = opt(Path("greedy-identity-out"), "the folder greedy_identity.json and .md go to")
+
+
+@dataclass
+class PrefixCacheOptions(Options):
+    """``prefix-cache``: time to first token per turn of greedy chats with the prefix cache on and off
+    (specserve/bench/prefix_cache.py)."""
+
+    out: Path = opt(DEFAULT_OUT, "the folder prefix_cache.json, prefix-cache.md and the plot go to")
+    repeats: int = opt(2, "conversations per stack")
+    turns: int = opt(6, "turns per conversation")
+    answer_tokens: int = opt(150, "tokens of each answer (EOS ignored)")
+    user_tokens: int = opt(70, "tokens of each user message, about")
+    redis_url: str | None = opt(None, "a Redis to use (default: a throw-away one)")
+    start_timeout_s: float = opt(1200.0, "longest a stack may take to start")
+
+
+@dataclass
+class PrefixCacheMemoryOptions(Options):
+    """``prefix-cache-memory``: many distinct prefixes through one KV-cache store with a budget for a few of
+    them (specserve/bench/prefix_cache.py)."""
+
+    out: Path = opt(DEFAULT_OUT, "the folder prefix_cache_memory.json goes to (prefix-cache.md is rendered again)")
+    prefixes: int = opt(1000, "distinct prompts")
+    tokens: int = opt(1000, "tokens per prompt")
+    keep: int = opt(100, "prompts the store's budget holds")
+    memory_model: str = opt("tiny", "'tiny' (a 2-layer Llama from a config) or a model name or directory")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The prefix cache measured: time to first token per turn of a chat with the cache on and off, and memory.
 
-``python -m specserve.bench.prefix_cache`` starts two stacks of one process per role (``specserve up``'s),
+``specserve bench prefix-cache`` starts two stacks of one process per role (``specserve up``'s),
 the default pair, one with the prefix cache on (the default) and one with it off on both tiers
 (``prefix_cache=false``), and runs greedy 6-turn chats on both, turn by turn, interleaved (the stack
 that goes first alternates), ``--repeats`` conversations each: every turn is the conversation so far
@@ -11,7 +11,7 @@ turn's new tokens runs on both. Recorded per turn: the server's time to first to
 answer (greedy: they must). Writes ``<out>/prefix_cache.json``, ``<out>/prefix-cache.md`` and
 ``<out>/prefix_cache.png``.
 
-``--memory`` runs the memory check at full size instead: ``--prefixes`` distinct ``--tokens``-token
+``specserve bench prefix-cache-memory`` runs the memory check at full size: ``--prefixes`` distinct ``--tokens``-token
 prompts through one KV-cache store (the workers' :class:`~specserve.engine.kvcache.SessionCacheStore`,
 driven as the target drives it: attach, prefill to the pending token, share, trim, release) whose budget
 holds ``--keep`` of them, on ``--memory-model`` (``tiny``, the default: a 2-layer Llama of width 64
@@ -25,16 +25,18 @@ Results and their reading: docs/benchmarks/prefix-cache.md.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import os
 import random
 import statistics
-import time
 from pathlib import Path
 from typing import Any
+
+from specserve.bench import markdown as md
+from specserve.bench.options import PrefixCacheMemoryOptions, PrefixCacheOptions
+from specserve.bench.timing import Stopwatch
 
 TURNS = 6
 
@@ -59,7 +61,7 @@ def _render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-async def _ttft(args: argparse.Namespace) -> dict[str, Any]:
+async def _ttft(args: PrefixCacheOptions) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from specserve.client import AsyncClient
@@ -140,7 +142,7 @@ async def _ttft(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     print(json.dumps(runs[-1]), flush=True)
     return {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "redis_url"},
+        "args": {k: v for k, v in args.settings().items() if k != "redis_url"},
         "runs": runs,
         "summary": _summary(runs, args.turns),
     }
@@ -214,7 +216,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _memory(args: argparse.Namespace) -> dict[str, Any]:
+def _memory(args: PrefixCacheMemoryOptions) -> dict[str, Any]:
     import torch
 
     from specserve.engine.kvcache import SessionCacheStore
@@ -262,22 +264,22 @@ def _memory(args: argparse.Namespace) -> dict[str, Any]:
 
     rss0 = _rss_bytes()
     most_bytes = most_rss = 0
-    start = time.perf_counter()
-    for i in range(args.prefixes):
-        serve(i)
-        most_bytes = max(most_bytes, store.total_bytes)
-        most_rss = max(most_rss, _rss_bytes())
-        if i % 100 == 99:
-            print(
-                f"{i + 1} prompts: store {store.total_bytes / 2**20:.1f} MiB, RSS +{(_rss_bytes() - rss0) / 2**20:.1f} MiB",
-                flush=True,
-            )
-    seconds = time.perf_counter() - start
+    with Stopwatch() as sw:
+        for i in range(args.prefixes):
+            serve(i)
+            most_bytes = max(most_bytes, store.total_bytes)
+            most_rss = max(most_rss, _rss_bytes())
+            if i % 100 == 99:
+                print(
+                    f"{i + 1} prompts: store {store.total_bytes / 2**20:.1f} MiB, RSS +{(_rss_bytes() - rss0) / 2**20:.1f} MiB",
+                    flush=True,
+                )
+    seconds = sw.seconds
     whole = (args.tokens - 1) // store.block_tokens * store.block_tokens
     recent = [serve(i) for i in range(args.prefixes - args.keep // 2, args.prefixes)]
     oldest = [serve(i) for i in range(args.keep // 2)]
     return {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "redis_url"},
+        "args": args.settings(),
         "kv_bytes_per_token": per_token,
         "budget_bytes": budget,
         "most_store_bytes": most_bytes,
@@ -305,24 +307,23 @@ def render(result: dict[str, Any], memory: dict[str, Any] | None) -> str:
         "per role), the prefix cache on (the default) and off on both tiers, turns interleaved; the server's",
         "time to first token (request arrival to the first committed token, `GenerationStats.first_token_ns`).",
         "",
-        "```",
-        f"python -m specserve.bench.prefix_cache --repeats {a['repeats']} --answer-tokens {a['answer_tokens']} "
-        f"--user-tokens {a['user_tokens']}",
-        "```",
-        "",
+        *md.command_block(
+            f"specserve bench prefix-cache --repeats {a['repeats']} --answer-tokens {a['answer_tokens']} "
+            f"--user-tokens {a['user_tokens']}"
+        ),
         f"{a['repeats']} conversations, medians over them. Greedy answers identical on and off: "
         f"{'yes' if s['identical'] else 'NO'}.",
         "",
-        "| turn | prompt tokens | new tokens | cached tokens (on) | TTFT on (ms) | TTFT off (ms) | off / on |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in s["per_turn"]:
-        lines.append(
-            f"| {r['turn']} | {r['prompt_tokens']:.0f} | {r['new_tokens']:.0f} | {r['cached_tokens_on']:.0f} | "
-            f"{r['ttft_on_ms']:.0f} | {r['ttft_off_ms']:.0f} | {r['ttft_off_ms'] / r['ttft_on_ms']:.2f} |"
-        )
-    lines += [
-        f"| fresh | {s['fresh_tokens']:.0f} | {s['fresh_tokens']:.0f} | | {s['fresh_on_ms']:.0f} | {s['fresh_off_ms']:.0f} | |",
+        *md.table(
+            ("turn", "prompt tokens", "new tokens", "cached tokens (on)", "TTFT on (ms)", "TTFT off (ms)", "off / on"),
+            [
+                *((r["turn"], f"{r['prompt_tokens']:.0f}", f"{r['new_tokens']:.0f}", f"{r['cached_tokens_on']:.0f}",
+                   f"{r['ttft_on_ms']:.0f}", f"{r['ttft_off_ms']:.0f}", f"{r['ttft_off_ms'] / r['ttft_on_ms']:.2f}")
+                  for r in s["per_turn"]),
+                ("fresh", f"{s['fresh_tokens']:.0f}", f"{s['fresh_tokens']:.0f}", "", f"{s['fresh_on_ms']:.0f}",
+                 f"{s['fresh_off_ms']:.0f}", ""),
+            ],
+        ),
         "",
         f"- Turn {len(s['per_turn'])} with the cache on / a fresh request as long as its new tokens: "
         f"**{s['last_on_over_fresh']:.2f}x** (the issue asks at most 1.3x).",
@@ -337,10 +338,9 @@ def render(result: dict[str, Any], memory: dict[str, Any] | None) -> str:
         lines += [
             "## Memory: many distinct prefixes, a budget for a tenth of them",
             "",
-            "```",
-            f"python -m specserve.bench.prefix_cache --memory --prefixes {ma['prefixes']} --tokens {ma['tokens']} --keep {ma['keep']}",
-            "```",
-            "",
+            *md.command_block(
+                f"specserve bench prefix-cache-memory --prefixes {ma['prefixes']} --tokens {ma['tokens']} --keep {ma['keep']}"
+            ),
             f"{ma['prefixes']} distinct {ma['tokens']}-token prompts through one KV-cache store (the workers' code, "
             f"driven as the target drives it) on model {ma['memory_model']} ({m['kv_bytes_per_token']} KV bytes "
             "a token), "
@@ -359,35 +359,25 @@ def render(result: dict[str, Any], memory: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    parser.add_argument("--repeats", type=int, default=2, help="conversations per stack")
-    parser.add_argument("--turns", type=int, default=TURNS)
-    parser.add_argument("--answer-tokens", type=int, default=150, help="tokens of each answer (EOS ignored)")
-    parser.add_argument("--user-tokens", type=int, default=70, help="tokens of each user message, about")
-    parser.add_argument("--redis-url", default=None, help="a Redis to use (default: a throw-away one)")
-    parser.add_argument("--start-timeout-s", type=float, default=1200.0, help="longest a stack may take to start")
-    parser.add_argument("--memory", action="store_true", help="the memory check instead (see the docstring)")
-    parser.add_argument("--prefixes", type=int, default=1000)
-    parser.add_argument("--tokens", type=int, default=1000)
-    parser.add_argument("--keep", type=int, default=100)
-    parser.add_argument("--memory-model", default="tiny", help="model of the memory check: 'tiny' or a model")
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.memory:
-        memory = _memory(args)
-        (args.out / "prefix_cache_memory.json").write_text(json.dumps(memory, indent=1) + "\n")
-    else:
-        result = asyncio.run(_ttft(args))
-        (args.out / "prefix_cache.json").write_text(json.dumps(result, indent=1) + "\n")
-        _plot(result, args.out / "prefix_cache.png")
-    ttft_file, memory_file = args.out / "prefix_cache.json", args.out / "prefix_cache_memory.json"
+def main(opts: PrefixCacheOptions) -> int:
+    """``specserve bench prefix-cache``: ``<out>/prefix_cache.json`` and its plot, and ``prefix-cache.md``."""
+    result = asyncio.run(_ttft(opts))
+    md.write_json(opts.out / "prefix_cache.json", result)
+    _plot(result, opts.out / "prefix_cache.png")
+    return _write_report(opts.out)
+
+
+def main_memory(opts: PrefixCacheMemoryOptions) -> int:
+    """``specserve bench prefix-cache-memory``: ``<out>/prefix_cache_memory.json`` (and ``prefix-cache.md``
+    again where the TTFT figures are there)."""
+    md.write_json(opts.out / "prefix_cache_memory.json", _memory(opts))
+    return _write_report(opts.out)
+
+
+def _write_report(out: Path) -> int:
+    """``<out>/prefix-cache.md`` from the TTFT figures and the memory check's, where they are there."""
+    ttft_file, memory_file = out / "prefix_cache.json", out / "prefix_cache_memory.json"
     if ttft_file.exists():
-        memory_result = json.loads(memory_file.read_text()) if memory_file.exists() else None
-        (args.out / "prefix-cache.md").write_text(render(json.loads(ttft_file.read_text()), memory_result))
+        memory = json.loads(memory_file.read_text()) if memory_file.exists() else None
+        md.write(out, "prefix-cache", render(json.loads(ttft_file.read_text()), memory))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

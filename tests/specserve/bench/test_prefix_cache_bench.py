@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from specserve.bench import prefix_cache
+from specserve.bench.options import PrefixCacheMemoryOptions
 
 pytestmark = pytest.mark.unit
 
 
 def test_the_memory_check_stays_in_its_budget_and_finds_only_the_recent_prompts(tmp_path):
-    args = argparse.Namespace(prefixes=24, tokens=64, keep=4, memory_model="tiny", out=tmp_path)
+    args = PrefixCacheMemoryOptions(prefixes=24, tokens=64, keep=4, memory_model="tiny", out=tmp_path)
     got = prefix_cache._memory(args)
     assert got["most_store_bytes"] <= got["budget_bytes"] == 4 * 64 * got["kv_bytes_per_token"]
     assert got["recent_whole_hits"] == got["recent_tried"] == 2
