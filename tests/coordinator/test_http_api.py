@@ -173,26 +173,17 @@ async def test_greedy_chat_and_completion_equal_the_grpc_sdk(stack, pair, oai):
     tokenizer = pair.tokenizer
     chat_prompt = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
     want_chat = sf.reference_greedy(pair.target_dir, chat_prompt["input_ids"], 10, ignore_eos=True)
-    assert (
-        chat.choices[0].message.content
-        == sdk_chat.text
-        == tokenizer.decode(want_chat, skip_special_tokens=True)
-    )
+    assert chat.choices[0].message.content == sdk_chat.text == tokenizer.decode(want_chat, skip_special_tokens=True)
     assert chat.choices[0].message.role == "assistant" and chat.object == "chat.completion"
     assert completion.choices[0].text == sdk_completion.text
     for reply, sdk in ((chat, sdk_chat), (completion, sdk_completion)):
         assert reply.model == MODEL and reply.choices[0].finish_reason == "length"
         assert reply.usage.prompt_tokens == sdk.stats.prompt_tokens
-        assert (
-            reply.usage.completion_tokens == 10 and reply.usage.total_tokens == sdk.stats.prompt_tokens + 10
-        )
+        assert reply.usage.completion_tokens == 10 and reply.usage.total_tokens == sdk.stats.prompt_tokens + 10
         details = reply.usage.completion_tokens_details
         assert details.accepted_prediction_tokens == 0 and details.rejected_prediction_tokens == 0
         report = reply.model_extra["speculation"]
-        assert (
-            report["num_drafts"] <= report["rounds"]
-            and report["num_draft_tokens"] <= 2 * report["num_drafts"]
-        )
+        assert report["num_drafts"] <= report["rounds"] and report["num_draft_tokens"] <= 2 * report["num_drafts"]
         assert sum(report["num_accepted_tokens_per_pos"]) == report["num_accepted_tokens"]
         assert report["rounds"] >= 1 and report["num_draft_tokens"] > 0, "gamma 2 proposes"
 
@@ -214,9 +205,7 @@ async def test_streams_carry_the_same_text_then_usage_then_done(oai, url):
     assert last.usage.prompt_tokens == whole.usage.prompt_tokens
     assert last.model_extra["speculation"]["rounds"] >= 1
 
-    text = await oai.completions.create(
-        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=9, extra_body=extra
-    )
+    text = await oai.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=9, extra_body=extra)
     pieces = [c async for c in await oai.completions.create(
         model=MODEL, prompt=PROMPT, temperature=0, max_tokens=9, extra_body=extra, stream=True
     )]  # fmt: skip
@@ -251,9 +240,7 @@ async def test_n_choices_are_independent_sessions_and_a_seed_reproduces_them(sta
     assert first.usage.completion_tokens == 16
     async with AsyncClient(stack.address) as client:
         for i in range(2):
-            sdk = await client.chat(
-                CONVERSATION, temperature=1.0, max_new_tokens=8, seed=11 + i, gamma=2, ignore_eos=True
-            )
+            sdk = await client.chat(CONVERSATION, temperature=1.0, max_new_tokens=8, seed=11 + i, gamma=2, ignore_eos=True)
             assert sdk.text == texts[i]
     stream = await oai.chat.completions.create(n=2, stream=True, extra_body=extra, **common)
     streamed = ["", ""]
@@ -306,11 +293,7 @@ async def test_chat_logprobs_are_the_targets_processed_distribution_in_openais_s
     tokenizer = pair.tokenizer
     prompt = chat_ids(tokenizer, CONVERSATION)
     for sampling in ({"temperature": 0}, {"temperature": 0.8, "top_k": 30, "seed": 4}):
-        extra = {
-            "ignore_eos": True,
-            "speculation": {"gamma": 3},
-            **({"top_k": sampling["top_k"]} if "top_k" in sampling else {}),
-        }
+        extra = {"ignore_eos": True, "speculation": {"gamma": 3}, **({"top_k": sampling["top_k"]} if "top_k" in sampling else {})}
         common = {"model": MODEL, "messages": CONVERSATION, "max_tokens": 12, "extra_body": extra}
         common.update({k: v for k, v in sampling.items() if k != "top_k"})
         reply = await oai.chat.completions.create(logprobs=True, top_logprobs=3, **common)
@@ -337,14 +320,10 @@ async def test_completion_logprobs_take_the_legacy_shape(stack, pair, oai):
     reference = sf.reference_logprobs(pair.target_dir, prompt, tokens)
     lp = reply.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10
-    assert lp.token_logprobs == pytest.approx(
-        [float(r[t]) for r, t in zip(reference, tokens, strict=True)], abs=1e-4
-    )
+    assert lp.token_logprobs == pytest.approx([float(r[t]) for r, t in zip(reference, tokens, strict=True)], abs=1e-4)
     for top, want in zip(lp.top_logprobs, reference, strict=True):
         assert sorted(top.values(), reverse=True) == pytest.approx(want.topk(2).values.tolist(), abs=1e-4)
-    assert lp.text_offset[0] == 0 and lp.text_offset == [
-        sum(len(t) for t in lp.tokens[:i]) for i in range(10)
-    ]
+    assert lp.text_offset[0] == 0 and lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)]
     stream = await oai.completions.create(logprobs=2, stream=True, **common)
     chunks = [c.choices[0].logprobs async for c in stream if c.choices[0].logprobs]
     assert [t for c in chunks for t in c.tokens] == lp.tokens
@@ -369,19 +348,13 @@ async def words(redis_server, tmp_path_factory):
 
 async def test_predicted_outputs_through_the_openai_client(words):
     pair, stack = words
-    client = openai.AsyncOpenAI(
-        base_url=stack.coordinator.http.url, api_key="unused", max_retries=0, timeout=120
-    )
+    client = openai.AsyncOpenAI(base_url=stack.coordinator.http.url, api_key="unused", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "a b c"}]
     common = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 48}
-    plain = await client.chat.completions.create(
-        extra_body={"ignore_eos": True, "speculation": {"gamma": 0}}, **common
-    )
+    plain = await client.chat.completions.create(extra_body={"ignore_eos": True, "speculation": {"gamma": 0}}, **common)
     text = plain.choices[0].message.content
     want = sf.reference_greedy(pair.target_dir, chat_ids(pair.tokenizer, messages), 48, ignore_eos=True)
-    assert pair.tokenizer.encode(text, add_special_tokens=False) == want, (
-        "precondition: the text is the tokens"
-    )
+    assert pair.tokenizer.encode(text, add_special_tokens=False) == want, "precondition: the text is the tokens"
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
 
     # A fixed gamma: how far the adaptive policy speculates depends on costs timed on a shared machine,
@@ -450,9 +423,7 @@ async def test_bad_requests_through_the_openai_client(oai, url):
         await oai.completions.create(model="gpt-4o", prompt="x")
     assert info.value.code == "model_not_found" and MODEL in info.value.message
     async with httpx.AsyncClient() as http:
-        reply = await http.post(
-            f"{url}/completions", content=b"{not json", headers={"content-type": "application/json"}
-        )
+        reply = await http.post(f"{url}/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert reply.status_code == 400 and check_error_shape(reply.json(), "invalid_request_error")
         reply = await http.get(f"{url}/nowhere")
         assert reply.status_code == 404 and check_error_shape(reply.json(), "not_found_error")
@@ -498,42 +469,28 @@ async def test_a_session_limit_is_429_before_any_work(stack, pair):
 
     host, port = stack.coordinator.settings.target_endpoints[0].rsplit(":", 1)
     proxy = await DelayProxy(host, int(port), delay_s=0.01).start()
-    async with extra_coordinator(
-        stack, pair.tokenizer, max_sessions=2, target_endpoints=[proxy.address]
-    ) as app:
+    async with extra_coordinator(stack, pair.tokenizer, max_sessions=2, target_endpoints=[proxy.address]) as app:
         coordinator = app.coordinator
         url = app.http.url
-        body = {
-            "prompt": PROMPT,
-            "max_tokens": 400,
-            "stream": True,
-            "ignore_eos": True,
-            "speculation": {"gamma": 0},
-        }
+        body = {"prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True, "speculation": {"gamma": 0}}
         async with httpx.AsyncClient(timeout=120) as http:
             async with http.stream("POST", f"{url}/completions", json=body) as running:
                 lines = running.aiter_lines()  # kept: a dropped iterator closes the stream (a disconnect)
                 await anext(lines)
                 assert coordinator.active_sessions == 1
                 sessions = set(stack.targets[0].caches.session_ids())
-                refused = await http.post(
-                    f"{url}/completions", json={"prompt": PROMPT, "n": 2, "max_tokens": 2}
-                )
+                refused = await http.post(f"{url}/completions", json={"prompt": PROMPT, "n": 2, "max_tokens": 2})
                 assert refused.status_code == 429
                 assert refused.headers["retry-after"] == "1"
                 error = check_error_shape(refused.json(), "rate_limit_error")
                 assert "maximum of 2 sessions" in error["message"]
                 assert coordinator.active_sessions == 1
-                assert set(stack.targets[0].caches.session_ids()) <= sessions, (
-                    "a refused request does no work"
-                )
+                assert set(stack.targets[0].caches.session_ids()) <= sessions, "a refused request does no work"
                 fits = await http.post(f"{url}/completions", json={"prompt": PROMPT, "max_tokens": 2})
                 assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 2
         client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
         await wait_until(lambda: coordinator.active_sessions == 0, timeout_s=20, what="the abandoned session")
-        assert (
-            await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
-        ).usage.completion_tokens == 1
+        assert (await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)).usage.completion_tokens == 1
     await proxy.stop()
 
 
@@ -719,10 +676,7 @@ async def test_the_readme_curl_example_streams_a_chat_reply(stack, url):
     assert body.get("temperature") == 0, "the README example is greedy, so its output can be checked"
     assert text == want.text
     if body.get("stream_options", {}).get("include_usage"):
-        assert (
-            events[-1]["choices"] == []
-            and events[-1]["usage"]["completion_tokens"] == want.stats.completion_tokens
-        )
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == want.stats.completion_tokens
 
 
 def readme_prediction_curl() -> str:
@@ -741,10 +695,7 @@ async def test_the_readme_curl_example_of_predicted_outputs(stack, url):
     args = shlex.split(readme_prediction_curl())
     assert args[0] == "curl"
     readme_url = next(a for a in args if "/v1/chat/completions" in a)
-    args = [
-        a.replace(readme_url.split("/v1/")[0], url.removesuffix("/v1")) if a == readme_url else a
-        for a in args
-    ]
+    args = [a.replace(readme_url.split("/v1/")[0], url.removesuffix("/v1")) if a == readme_url else a for a in args]
     body = json.loads(args[args.index("-d") + 1])
     assert body["prediction"]["type"] == "content" and body.get("temperature") == 0
     out = await asyncio.to_thread(subprocess.run, args, capture_output=True, text=True, timeout=120)
@@ -767,9 +718,7 @@ def _prompt_ending_early(pair, within: int) -> tuple[list[int], list[int]]:
         out = sf.reference_greedy(pair.target_dir, prompt, within)
         if out and out[-1] == 0:
             return prompt, out
-    raise AssertionError(
-        "no prompt of the tiny target ends within the tokens asked; the search needs widening"
-    )
+    raise AssertionError("no prompt of the tiny target ends within the tokens asked; the search needs widening")
 
 
 @pytest.mark.parametrize("gamma", [0, 3])
@@ -780,9 +729,7 @@ async def test_min_tokens_equals_target_alone_with_eos_masked_until_then(pair, o
     want = sf.reference_greedy(pair.target_dir, prompt, 16, min_new_tokens=12)
     assert len(early) < 12 <= len(want) and want[: len(early) - 1] == early[:-1], "EOS would end it early"
     extra = {"min_tokens": 12, "speculation": {"gamma": gamma}}
-    reply = await oai.completions.create(
-        model=MODEL, prompt=prompt, temperature=0, max_tokens=16, extra_body=extra
-    )
+    reply = await oai.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16, extra_body=extra)
     assert reply.usage.completion_tokens == len(want)
     assert reply.choices[0].text == pair.tokenizer.decode(want, skip_special_tokens=True)
     assert reply.choices[0].finish_reason == ("stop" if want[-1] == 0 else "length")
@@ -804,9 +751,7 @@ async def test_min_tokens_in_the_coupled_mode_equals_the_targets_own_sampling_wi
     the draft proposed): with min_new_tokens the server's tokens are the target-alone sample with EOS
     masked until then, and without it the same seed ends early at EOS."""
     prompt, _ = _prompt_ending_early(pair, 6)
-    sample = functools.partial(
-        sf.reference_coupled, pair.target_dir, prompt, 16, temperature=0.7, eos_token_id=0
-    )
+    sample = functools.partial(sf.reference_coupled, pair.target_dir, prompt, 16, temperature=0.7, eos_token_id=0)
     seed = next((s for s in range(64) if len(sample(seed=s)) < 8), None)
     assert seed is not None, "no seed of 64 ends the sample early; the search needs widening"
     want = sample(seed=seed, min_new_tokens=12)
@@ -824,12 +769,7 @@ async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(oai):
     extra = {"ignore_eos": True, "speculation": {"gamma": 2}}
     options = {"include_usage": True, "continuous_usage_stats": True}
     stream = await oai.chat.completions.create(
-        model=MODEL,
-        messages=CONVERSATION,
-        temperature=0,
-        max_tokens=9,
-        stream=True,
-        stream_options=options,
+        model=MODEL, messages=CONVERSATION, temperature=0, max_tokens=9, stream=True, stream_options=options,
         extra_body=extra,
     )
     chunks = [c async for c in stream]
@@ -921,20 +861,12 @@ async def test_add_generation_prompt_and_continue_final_message_render_as_huggin
     prompts = []
     for extra, messages, kw in (
         ({"add_generation_prompt": False}, CONVERSATION, {"add_generation_prompt": False}),
-        (
-            {"add_generation_prompt": False, "continue_final_message": True},
-            prefilled,
-            {"continue_final_message": True},
-        ),
+        ({"add_generation_prompt": False, "continue_final_message": True}, prefilled, {"continue_final_message": True}),
     ):
         ids = tok.apply_chat_template(messages, tokenize=True, **kw)["input_ids"]
         want = sf.reference_greedy(pair.target_dir, ids, 8, ignore_eos=True)
         reply = await oai.chat.completions.create(
-            model=MODEL,
-            messages=messages,
-            temperature=0,
-            max_tokens=8,
-            extra_body={"ignore_eos": True, **extra},
+            model=MODEL, messages=messages, temperature=0, max_tokens=8, extra_body={"ignore_eos": True, **extra}
         )
         assert reply.usage.prompt_tokens == len(ids)
         assert reply.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
@@ -950,22 +882,16 @@ async def test_chat_template_kwargs_are_the_templates_variables(stack, pair):
     tok = pair.tokenizer
     tok.chat_template = tiny_models.CHAT_TEMPLATE + "{%- if greeting %} {{ greeting }}{% endif %}"
     variables = {"greeting": "hello there"}
-    want = tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True, **variables)[
-        "input_ids"
-    ]
+    want = tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True, **variables)["input_ids"]
     plain = tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)["input_ids"]
     assert len(want) > len(plain)
     async with extra_coordinator(stack, tok) as app:
         client = openai.AsyncOpenAI(base_url=app.http.url, api_key="unused", max_retries=0)
         common = {"model": MODEL, "messages": CONVERSATION, "max_tokens": 2, "temperature": 0}
-        with_them = await client.chat.completions.create(
-            **common, extra_body={"chat_template_kwargs": variables}
-        )
+        with_them = await client.chat.completions.create(**common, extra_body={"chat_template_kwargs": variables})
         without = await client.chat.completions.create(**common)
         with pytest.raises(openai.BadRequestError, match="'tokenize' is an argument") as refused:
-            await client.chat.completions.create(
-                **common, extra_body={"chat_template_kwargs": {"tokenize": True}}
-            )
+            await client.chat.completions.create(**common, extra_body={"chat_template_kwargs": {"tokenize": True}})
     assert with_them.usage.prompt_tokens == len(want) and without.usage.prompt_tokens == len(plain)
     assert refused.value.body["param"] == "chat_template_kwargs"
 
@@ -978,9 +904,7 @@ async def test_a_continued_chat_reports_the_prompt_tokens_the_target_did_not_pre
         return REGISTRY.get_sample_value("specserve_prefix_cache_hits_total", {"role": "target"}) or 0.0
 
     common = {"model": MODEL, "temperature": 0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
-    messages = [
-        {"role": "user", "content": "Tell me about the prefix cache of a continued conversation, please."}
-    ]
+    messages = [{"role": "user", "content": "Tell me about the prefix cache of a continued conversation, please."}]
     first = await oai.chat.completions.create(messages=messages, **common)
     messages += [
         {"role": "assistant", "content": first.choices[0].message.content},
