@@ -5,7 +5,7 @@ A :class:`LocalProposer` follows one session's committed tokens (its
 through the session's one mutator) and drafts from them at once, as point
 masses (``Proposal.token_ids`` alone: the target accepts a token with its own
 probability of it, and in the coupled sampling mode a point mass is just a
-deterministic proposal). :meth:`WorkerPool.propose <coordinator.pool.WorkerPool.propose>`
+deterministic proposal). :meth:`ProposalSources.propose <coordinator.sources.ProposalSources.propose>`
 asks a session's local proposers first, in order, and the draft model only
 when none has anything to offer (and the session drafts with the model).
 
@@ -173,7 +173,7 @@ class ForcedTextProposer(LocalProposer):
 
     The matcher follows the committed tokens (:meth:`observe`); the proposal is a point mass verified like
     any other, so a guess the target tokenises otherwise is rejected and costs nothing but the positions it
-    filled. The round loop keeps this proposer's own acceptance (``coordinator/rounds.py``).
+    filled. Its own acceptance is kept with the proposal sources (``coordinator/sources.py``).
     """
 
     name = "forced"

@@ -300,7 +300,7 @@ class AdaptiveGamma(SpeculationPolicy):
     ) -> dict[int, float]:
         """``score(g)`` (expected committed tokens per ns) for every rung of the ladder (``local_draft``,
         ``zero_steps``: as :meth:`SpeculationPolicy.choose_gamma`)."""
-        if zero_steps is None:  # a session drafting locally keeps one step per round (coordinator/rounds.py)
+        if zero_steps is None:  # a session drafting locally keeps one step per round (coordinator/sources.py)
             zero_steps = 1 if local_draft else self.decode_steps
         cm = self.cost_model
         b = self.batch_size(load)

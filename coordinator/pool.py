@@ -4,13 +4,10 @@ One :class:`WorkerPool` per coordinator, built once from the probed limits
 (:mod:`coordinator.limits`). The round loop (:mod:`coordinator.rounds`) asks it
 for a proposal and for a verdict and never touches a replica itself:
 
-* :meth:`WorkerPool.propose` decides where a round's proposal comes from.
-  First the session's proposers that need no model
-  (:mod:`coordinator.local_proposers`: its prediction, then the n-gram lookup),
-  here in the coordinator, with no draft call and no batch to wait for; the
-  first that offers tokens drafts. Otherwise, when the session drafts with the
-  model, it asks the session's draft replica for up to
-  ``gamma`` tokens. Model proposals go through the replica's
+* :meth:`WorkerPool.propose` asks the session's draft replica for up to
+  ``gamma`` tokens, when :mod:`coordinator.sources` chose the draft model for the
+  round (a round drafted in the coordinator makes no call:
+  :meth:`WorkerPool.bind_round`). Model proposals go through the replica's
   :class:`~coordinator.batcher.ProposeBatcher`, which gathers the sessions
   drafting at the same time into one ``ProposeBatch`` call (the draft runs one
   forward pass per step for all of them); everything goes out alone when
@@ -80,7 +77,6 @@ import structlog
 from coordinator.acceptance import AcceptanceMemory, ProbeClock
 from coordinator.batcher import BatchedResult, ProposeBatcher, VerifyBatcher
 from coordinator.cost_model import CostModel
-from coordinator.local_proposers import LocalProposer
 from coordinator.policy import LoadSnapshot
 from coordinator.routing import ReplicaSet, prefix_key
 from coordinator.session import Session
@@ -320,41 +316,23 @@ class WorkerPool:
             return True
         return any(p.ready for p in session.local_proposers)
 
-    async def propose(
-        self,
-        session: Session,
-        gamma: int,
-        *,
-        ahead: common_pb2.Proposal | None = None,
-        lookup: LocalProposer | None = None,
-    ) -> Proposed:
-        """Up to ``gamma`` draft tokens after the session's committed tokens (none: gamma = 0 this round).
+    def bind_round(self, session: Session) -> None:
+        """A round starts without a draft call (its proposal, if any, came from the coordinator,
+        :mod:`coordinator.sources`): the session is bound to its target replica, whose next batch waits
+        for its item, and to no draft batcher."""
+        self._bind(session.session_id, self.target_for(session))
+        self._bind_draft(session.session_id, None)
 
-        The session's local proposers first (no call), then the draft model if the session drafts
-        with it: ``ahead`` when given (a proposal :meth:`propose_ahead` drafted for exactly this
-        prefix while the last round was verified; cut to ``gamma``), else a Propose call. ``lookup``:
-        the round loop chose this proposer in the coordinator for the round (the session's hybrid
-        lookup), so it alone drafts, with no call. A round starts here, so the session is bound to its
-        target replica first: that replica's next batch waits for its item.
+    async def propose(self, session: Session, gamma: int) -> Proposed:
+        """Up to ``gamma`` draft tokens from the session's draft replica after its committed tokens (none:
+        gamma = 0 this round, every draft replica backing off, or any failure).
+
+        A round starts here, so the session is bound to its target replica first: that replica's next
+        batch waits for its item. Which source drafts a round is :mod:`coordinator.sources`' choice; this
+        is the draft model's.
         """
         sid = session.session_id
         self._bind(sid, self.target_for(session))
-        if gamma > 0 and lookup is not None:
-            self._bind_draft(sid, None)
-            return self._propose_locally((lookup,), gamma) or Proposed(common_pb2.Proposal())
-        if gamma > 0:
-            local = self._propose_locally(session.local_proposers, gamma)
-            if local is not None or session.speculation.proposer not in DRAFT_PROPOSERS:
-                self._bind_draft(sid, None)
-                return local or Proposed(common_pb2.Proposal())
-            if session.features is not None and not session.features.ready(session.committed_len):
-                # The feature head has no features yet (the first round: the target's prefill brings them).
-                self._bind_draft(sid, None)
-                return Proposed(common_pb2.Proposal())
-            if ahead is not None and ahead.token_ids:
-                self._bind_draft(sid, None)
-                metrics.PROPOSALS.labels(proposer="model").inc()
-                return Proposed(_first(ahead, gamma), source="model")
         endpoint = self.draft_for(session) if gamma > 0 else None
         batched = endpoint is not None and self._batched(session, endpoint)
         self._bind_draft(sid, endpoint if batched else None)
@@ -423,20 +401,6 @@ class WorkerPool:
             return reply.proposal
 
         return asyncio.create_task(draft())
-
-    def _propose_locally(self, proposers: Sequence[LocalProposer], gamma: int) -> Proposed | None:
-        """The first proposal one of a session's ``proposers`` in the coordinator offers (None: none offers any)."""
-        start_ns = time.perf_counter_ns()
-        for proposer in proposers:
-            tokens = proposer.propose(gamma)
-            if tokens:
-                metrics.PROPOSALS.labels(proposer=proposer.name).inc()
-                return Proposed(
-                    common_pb2.Proposal(token_ids=tokens),
-                    wall_ns=time.perf_counter_ns() - start_ns,
-                    source=proposer.name,
-                )
-        return None
 
     def _batched(self, session: Session, endpoint: str) -> bool:
         """Whether the session's proposals go through ``endpoint``'s batcher (model proposals, batching on)."""
@@ -705,13 +669,6 @@ class WorkerPool:
         batchers = [*self.batchers.values(), *self.propose_batchers.values()]
         await asyncio.gather(*(b.close() for b in batchers), return_exceptions=True)
         await WorkerClients(self.draft_clients, self.target_clients).close()
-
-
-def _first(proposal: common_pb2.Proposal, n: int) -> common_pb2.Proposal:
-    """The first ``n`` tokens of a proposal, with their distributions."""
-    out = common_pb2.Proposal(token_ids=proposal.token_ids[:n])
-    out.distributions.extend(proposal.distributions[:n])
-    return out
 
 
 def _without_proposal(
