@@ -28,6 +28,7 @@ def test_the_summary_compares_the_last_turn_with_a_fresh_request_and_the_cache_o
             "cached_tokens": 0,
             "ttft_ms": ms,
             "identical": True,
+            "repeat": 0,
         }
         for t in (1, 2)
         for m, ms in (("on", 10.0 * t), ("off", 30.0 * t))
@@ -40,6 +41,7 @@ def test_the_summary_compares_the_last_turn_with_a_fresh_request_and_the_cache_o
             "new_tokens": 100,
             "cached_tokens": 0,
             "ttft_ms": 16.0,
+            "repeat": 0,
         }
         for m in ("on", "off")
     ]
@@ -48,6 +50,10 @@ def test_the_summary_compares_the_last_turn_with_a_fresh_request_and_the_cache_o
     assert s["last_off_over_on"] == pytest.approx(3.0)
     assert s["identical"]
     text = prefix_cache.render(
-        {"summary": s, "args": {"repeats": 1, "answer_tokens": 64, "user_tokens": 160}}, None
+        {"summary": s, "args": {"repeats": 1, "turns": 2, "answer_tokens": 64, "user_tokens": 160}}, None
     )
     assert "**1.25x**" in text and "**3.00x**" in text
+    # A run cut short (turn 2 ran with the cache on only, no fresh request): what both modes reached.
+    cut = prefix_cache._summary([r for r in runs if r["turn"] == 1 or (r["turn"] == 2 and r["mode"] == "on")], 2)
+    assert [r["turn"] for r in cut["per_turn"]] == [1] and cut["last_on_over_fresh"] is None
+    assert cut["last_off_over_on"] == pytest.approx(3.0)
