@@ -65,7 +65,9 @@ def poisoned(tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def poisoned_stack(poisoned, redis_server):
-    overrides = {"max_batch_wait_ms": 50.0, "draft_backoff_s": 30.0, "draft_max_backoff_s": 60.0}
+    # A batch waits for the sessions bound to its replica (up to 1 s): the bad item joins the good ones even
+    # when their proposals come late from a draft slowed by the bad item's own refusal.
+    overrides = {"max_batch_wait_ms": 1000.0, "draft_backoff_s": 30.0, "draft_max_backoff_s": 60.0}
     async with sf.local_stack(poisoned, redis_server.url, coordinator_overrides=overrides) as stack:
         yield stack
 
