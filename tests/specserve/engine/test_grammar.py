@@ -4,12 +4,10 @@ end-of-sequence only where the grammar is complete, forced text, and the masks o
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import tiny_models
 import torch
-from transformers import AutoTokenizer
 
 from specserve.api.constraints import Constraint
 from specserve.api.errors import InvalidArgument
@@ -19,7 +17,6 @@ pytestmark = pytest.mark.unit
 
 VOCAB = 384
 EOS = 0
-SMOLLM2 = Path(__file__).resolve().parents[3] / "specserve" / "models" / "specserve-smollm2-draft"
 
 
 @pytest.fixture(scope="module")
@@ -164,23 +161,6 @@ def test_apply_masks_sets_forbidden_tokens_to_minus_infinity(engine, tokenizer):
     ok = unpack(masks, VOCAB)[0]
     assert torch.equal(logits[0, ok], kept[0, ok])
     assert torch.isneginf(logits[0, ~ok]).all() and 0 < int(ok.sum()) < VOCAB
-
-
-@pytest.mark.system  # reads the default pair's tokenizer files
-def test_the_default_pairs_tokenizer_forces_json_keys():
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
-    engine = GrammarEngine(tokenizer, 49152, [tokenizer.eos_token_id])
-    schema = {
-        "type": "object",
-        "properties": {"customer_full_name": {"type": "string"}},
-        "required": ["customer_full_name"],
-    }
-    matcher = engine.matcher(Constraint("json_schema", json.dumps(schema)))
-    forced = matcher.forced_text()
-    assert forced == '{"customer_full_name": "'
-    for t in tokenizer.encode(forced):
-        assert matcher.accept(t)
-    assert tokenizer.eos_token_id not in allowed(matcher, 49152)
 
 
 def test_keywords_the_engine_cannot_enforce_are_refused_naming_them(engine):
