@@ -531,6 +531,11 @@ class GenerationParams:
             )
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise InvalidArgument(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
+        if self.constraint is not None and self.min_new_tokens:
+            raise InvalidArgument(
+                "min_new_tokens cannot be combined with a constraint: where the grammar is complete before "
+                "min_new_tokens, end-of-sequence is the only token it allows and min_new_tokens forbids it"
+            )
         if self.min_confidence is not None:
             _check_number("min_confidence", self.min_confidence)
             check_min_confidence(self.min_confidence)

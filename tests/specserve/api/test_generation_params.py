@@ -48,10 +48,8 @@ FULL = GenerationParams(
     keep_special_tokens=True,
     constraint=Constraint("regex", "[a-z]+"),
 )
-#: What ``FULL`` cannot hold beside it (``min_new_tokens`` is refused with stop strings).
-MINIMUM = GenerationParams(
-    min_new_tokens=2, stop_token_ids=(9,), prediction=(1, 2, 3), constraint=Constraint("choice", ("yes", "no"))
-)
+#: What ``FULL`` cannot hold beside it (``min_new_tokens`` is refused with stop strings and with a constraint).
+MINIMUM = GenerationParams(min_new_tokens=2, stop_token_ids=(9,), prediction=(1, 2, 3))
 VARIANTS = [FULL, MINIMUM]
 
 
@@ -91,6 +89,14 @@ def test_from_pb_checks_what_another_client_sends(mutate, needle):
     mutate(pb)
     with pytest.raises(InvalidArgument, match=needle):
         GenerationParams.from_pb(pb)
+
+
+def test_min_new_tokens_with_a_constraint_is_refused():
+    """A grammar complete before ``min_new_tokens`` allows only end-of-sequence, which ``min_new_tokens``
+    forbids: no token would be left, so the pair is refused up front."""
+    with pytest.raises(InvalidArgument, match="min_new_tokens cannot be combined with a constraint"):
+        GenerationParams(min_new_tokens=1, constraint=Constraint("choice", ("yes", "no")))
+    GenerationParams(min_new_tokens=0, constraint=Constraint("choice", ("yes", "no")))
 
 
 # --------------------------------------------------------------------------- the SDK
