@@ -156,7 +156,11 @@ async def measure(args: GreedyIdentityOptions) -> dict:
             redis_url=redis_url,
             device="cpu",
             dtype="float32",
-            coordinator_overrides={"max_sessions_per_client": 1000, "session_rate_per_client": 1e9},
+            coordinator_overrides={
+                "max_sessions_per_client": 1000,
+                "session_rate_per_client": 1e9,
+                "rpc_timeout_s": 600.0,  # a busy machine: a slow pass is not a failed replica
+            },
             target_overrides={"warmup": False},  # warm-up only times; the kernel path is a setting
             draft_overrides={"warmup": False},
             start_timeout_s=1800.0,  # a busy machine
