@@ -226,6 +226,17 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _trimmed_rss_bytes() -> int:
+    """Resident bytes after asking glibc to return its free heap memory (``malloc_trim``); 0 without glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return 0
+    return _rss_bytes()
+
+
 def _memory(args: PrefixCacheMemoryOptions) -> dict[str, Any]:
     import torch
 
@@ -285,6 +296,8 @@ def _memory(args: PrefixCacheMemoryOptions) -> dict[str, Any]:
                     flush=True,
                 )
     seconds = sw.seconds
+    end_rss = _rss_bytes() - rss0
+    trimmed_rss = _trimmed_rss_bytes() - rss0
     whole = (args.tokens - 1) // store.block_tokens * store.block_tokens
     recent = [serve(i) for i in range(args.prefixes - args.keep // 2, args.prefixes)]
     oldest = [serve(i) for i in range(args.keep // 2)]
@@ -295,6 +308,10 @@ def _memory(args: PrefixCacheMemoryOptions) -> dict[str, Any]:
         "most_store_bytes": most_bytes,
         "rss_before_bytes": rss0,
         "most_rss_growth_bytes": most_rss - rss0,
+        "end_rss_growth_bytes": end_rss,
+        # After glibc's malloc_trim: what the allocator held free, given back (None where there is no glibc).
+        "trimmed_rss_growth_bytes": trimmed_rss if trimmed_rss > -rss0 else None,
+        "end_store_bytes": store.total_bytes,
         "seconds": seconds,
         "blocks_made": store.stats.blocks_made,
         "blocks_evicted": store.stats.blocks_evicted,
