@@ -47,6 +47,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from coordinator.chat import RESERVED_TEMPLATE_NAMES
 from coordinator.requests import random_seed
+from coordinator.structured_outputs import (
+    CONSTRAINT_FIELDS,
+    StructuredOutput,
+    ToolCallShape,
+    structured_output,
+)
 from specserve.api.errors import InvalidArgument
 from specserve.api.params import MAX_TOP_LOGPROBS, REPETITION_PENALTY_RANGE, GenerationParams
 from specserve.v1 import coordinator_pb2
@@ -89,7 +95,11 @@ class ReplyOptions:
     continuous_usage: bool = False  # usage (so far) in every chunk of a stream
     trim_stop_strings: tuple[str, ...] = ()  # stop strings cut off the returned text
     logprobs: bool = False  # render each token's logprobs
+    tool_call: ToolCallShape | None = None  # the text is one forced tool call (chat)
 
+
+#: Fields besides ``CONSTRAINT_FIELDS`` that structured output reads.
+_STRUCTURED_EXTRAS = ("guided_decoding_backend", "guided_whitespace_pattern", "tools", "tool_choice")
 
 #: vLLM's extension fields this server does not implement: accepted at vLLM's default (the first
 #: value, or None), refused with the reason otherwise. Shared by both endpoints.
@@ -102,13 +112,6 @@ _UNSUPPORTED_COMMON: dict[str, tuple[Any, str]] = {
     "allowed_token_ids": (None, "a token allow-list is not implemented"),
     "bad_words": ([], "bad_words is not implemented"),
     "logits_processors": (None, "custom logits processors are not implemented"),
-    "guided_json": (None, "guided decoding is not implemented"),
-    "guided_regex": (None, "guided decoding is not implemented"),
-    "guided_choice": (None, "guided decoding is not implemented"),
-    "guided_grammar": (None, "guided decoding is not implemented"),
-    "guided_decoding_backend": (None, "guided decoding is not implemented"),
-    "guided_whitespace_pattern": (None, "guided decoding is not implemented"),
-    "structured_outputs": (None, "structured outputs are not implemented"),
     "return_tokens_as_token_ids": (False, "logprobs show each token's text"),
     "return_token_ids": (False, "token ids are not returned over HTTP (the gRPC API returns them)"),
     "priority": (0, "requests are not scheduled by priority"),
@@ -215,6 +218,7 @@ class _OpenAIRequest(BaseModel):
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
+    # Structured output (coordinator/structured_outputs.py): vLLM's names.
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -236,6 +240,15 @@ class _OpenAIRequest(BaseModel):
     def unsupported_fields(cls) -> dict[str, tuple[Any, str]]:
         """The fields refused unless absent, null or at their default: name -> (default, why)."""
         return {**_UNSUPPORTED_COMMON, **cls._unsupported}
+
+    #: The endpoint reads ``tools`` and ``tool_choice`` (chat).
+    _tools: ClassVar[bool] = False
+
+    def structured(self) -> StructuredOutput:
+        """The constraint of the output and the reply's shape (coordinator/structured_outputs.py); a 400
+        naming the field for a mistake."""
+        fields = {name: getattr(self, name, None) for name in (*CONSTRAINT_FIELDS, *_STRUCTURED_EXTRAS)}
+        return structured_output(fields, tools_allowed=self._tools)
 
     def check_supported(self) -> None:
         """Refuse (400, naming the field) what this server does not do yet."""
@@ -273,6 +286,7 @@ class _OpenAIRequest(BaseModel):
             raise bad_param("logit_bias", "logit_bias is not supported", "unsupported_parameter")
         if self.prediction is not None:
             _text_parts(self.prediction.content, "prediction.content")  # refuses non-text parts
+        self.structured()  # refuses a constraint it cannot read
 
     # ---- to the wire --------------------------------------------------------------------
     def max_new_tokens(self) -> int:
@@ -315,6 +329,7 @@ class _OpenAIRequest(BaseModel):
             hybrid_lookup=spec.hybrid_lookup,
             min_confidence=spec.min_confidence,
             keep_special_tokens=not self.skip_special_tokens,
+            constraint=self.structured().constraint,
         )
 
     def to_pb(self, choice: int = 0) -> coordinator_pb2.GenerateRequest:
@@ -331,6 +346,7 @@ class _OpenAIRequest(BaseModel):
             continuous_usage=usage and bool(self.stream_options and self.stream_options.continuous_usage_stats),
             trim_stop_strings=() if self.include_stop_str_in_output else self.stop_strings,
             logprobs=self.top_logprobs_wanted() is not None,
+            tool_call=self.structured().tool,
         )
 
     def effect(self) -> tuple[Any, ...]:
@@ -362,7 +378,6 @@ class CompletionRequest(_OpenAIRequest):
 
     _unsupported: ClassVar[dict[str, tuple[Any, str]]] = {
         "add_special_tokens": (False, "text prompts are tokenized without special tokens"),
-        "response_format": ({"type": "text"}, "only text responses are supported"),
     }
 
     def check_supported(self) -> None:
@@ -404,6 +419,8 @@ class CompletionRequest(_OpenAIRequest):
 class ChatCompletionRequest(_OpenAIRequest):
     """``POST /v1/chat/completions``."""
 
+    _tools: ClassVar[bool] = True
+
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = Field(None, ge=1, lt=_UINT32)
     logprobs: bool | None = None
@@ -412,7 +429,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None  # accepted and ignored (there are no tools)
+    parallel_tool_calls: bool | None = None  # accepted and ignored: a forced tool call is one call per choice
     response_format: dict[str, Any] | None = None
     # vLLM's chat extensions.
     add_generation_prompt: bool = True
@@ -451,17 +468,15 @@ class ChatCompletionRequest(_OpenAIRequest):
             )
         if self.top_logprobs and not self.logprobs:
             raise bad_param("top_logprobs", "top_logprobs needs logprobs: true")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise bad_param(name, "tools and function calling are not supported", "unsupported_parameter")
-        if self.tool_choice not in (None, "none"):
-            raise bad_param("tool_choice", "tools and function calling are not supported", "unsupported_parameter")
-        if self.function_call not in (None, "none"):
-            raise bad_param("function_call", "function calling is not supported", "unsupported_parameter")
-        if self.response_format not in (None, {"type": "text"}):
+        if self.functions:
             raise bad_param(
-                "response_format", "only response_format {'type': 'text'} is supported", "unsupported_value"
+                "functions", "functions (the deprecated form) is not supported: send tools", "unsupported_parameter"
             )
+        if self.function_call not in (None, "none"):
+            raise bad_param(
+                "function_call", "function_call (the deprecated form) is not supported: send tool_choice",
+                "unsupported_parameter",
+            )  # fmt: skip
         for i, message in enumerate(self.messages):
             message.text(i)  # refuses non-text parts
 

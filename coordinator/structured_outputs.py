@@ -8,8 +8,8 @@ Pure data: no HTTP, no sessions. :func:`structured_output` reads a request's fie
   ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``. ``strict`` false is
   enforced all the same, and a schema keyword the engine cannot enforce is a 400.
 * vLLM's extensions, under vLLM's names: ``guided_json`` (a schema, or its JSON text),
-  ``guided_regex``, ``guided_choice`` (a list of strings), ``guided_grammar`` (EBNF, xgrammar's
-  GBNF dialect with a ``root`` rule), and ``structured_outputs`` (vLLM's newer form: exactly one of
+  ``guided_regex``, ``guided_choice`` (a list of strings), ``guided_grammar`` (GBNF, llama.cpp's EBNF
+  with a ``root`` rule), and ``structured_outputs`` (vLLM's newer form: exactly one of
   ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``). ``guided_decoding_backend`` may
   name only this server's engine (or ``auto``).
 * ``tools`` with ``tool_choice`` naming a function: the output is that function's arguments, JSON
@@ -35,7 +35,7 @@ from specserve.api.constraints import Constraint
 from specserve.api.errors import InvalidArgument
 
 #: The constraint engine's name, the one ``guided_decoding_backend`` may name (besides ``auto``).
-ENGINE = "xgrammar"
+ENGINE = "llguidance"
 #: OpenAI's rule for a function's name.
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 #: How the engine writes JSON (no free whitespace): a wrapped call's text starts with its prefix.

@@ -485,8 +485,9 @@ class GenerationParams:
     constraint: Constraint | None = _knob(  # noqa: RUF009 (a field(), as every knob)
         None,
         "structured output: the completion matches this JSON schema, regex, choice or grammar "
-        "(docs/design.md, \"Constrained decoding\")",
-        cli=None,
+        "(docs/design.md, \"Constrained decoding\"); on the command line KIND:VALUE: json_schema:{...} or "
+        "json_schema:@FILE, regex:RE, choice:[\"a\", \"b\"], grammar:GBNF or grammar:@FILE, json_object",
+        metavar="KIND:VALUE",
     )
 
     def __post_init__(self) -> None:

@@ -447,8 +447,35 @@ def _gamma_flag(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 0, got {value!r}") from None
 
 
+def _constraint_flag(text: str) -> Any:
+    """``--constraint KIND:VALUE`` as a :class:`~specserve.api.constraints.Constraint`: ``json_schema:{...}``,
+    ``regex:RE``, ``choice:["a", "b"]`` (a JSON list), ``grammar:GBNF``, or ``json_object``; ``@FILE`` as the
+    value of a schema or grammar reads it from the file."""
+    from specserve.api.constraints import CONSTRAINT_KINDS, Constraint
+    from specserve.api.errors import InvalidArgument
+
+    kind, sep, value = text.partition(":")
+    if kind not in CONSTRAINT_KINDS or (kind != "json_object" and not sep):
+        raise argparse.ArgumentTypeError(
+            f"expected KIND:VALUE with KIND one of {', '.join(CONSTRAINT_KINDS)}, got {text[:40]!r}"
+        )
+    try:
+        if kind == "json_object":
+            return Constraint("json_object")
+        if value.startswith("@") and kind in ("json_schema", "grammar"):
+            value = Path(value[1:]).read_text()
+        if kind == "choice":
+            choices = json.loads(value)
+            if not isinstance(choices, list):
+                raise argparse.ArgumentTypeError('choice takes a JSON list of strings: choice:["a", "b"]')
+            return Constraint("choice", tuple(choices))
+        return Constraint(kind, value)
+    except (OSError, ValueError, InvalidArgument) as exc:
+        raise argparse.ArgumentTypeError(str(getattr(exc, "message", exc))) from None
+
+
 #: Flag value parsers beside the ones ``GenerationParams`` names.
-_FLAG_TYPES = {"gamma": _gamma_flag}
+_FLAG_TYPES = {"gamma": _gamma_flag, "constraint": _constraint_flag}
 
 
 def _cli_knobs() -> list[Any]:

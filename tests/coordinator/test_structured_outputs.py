@@ -40,7 +40,7 @@ def _out(**fields):
         ({"structured_outputs": {"regex": "a+"}}, Constraint("regex", "a+")),
         ({"structured_outputs": {"json": SCHEMA}}, Constraint("json_schema", json.dumps(SCHEMA))),
         ({"structured_outputs": {"json_object": True}}, Constraint("json_object")),
-        ({"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, Constraint("regex", "a")),
+        ({"guided_regex": "a", "guided_decoding_backend": "llguidance"}, Constraint("regex", "a")),
         ({"tools": [WEATHER], "tool_choice": "none"}, None),
     ],
 )

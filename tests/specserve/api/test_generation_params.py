@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 from typing import Any
 
 import pytest
@@ -156,8 +157,8 @@ async def test_each_sdk_method_sends_every_field(cls, name, params):
 # --------------------------------------------------------------------------- the CLI
 
 #: Fields ``specserve generate`` / ``chat`` leave out: they print text and statistics, not logprobs,
-#: and take no prediction or constraint.
-NOT_ON_THE_CLI = {"logprobs", "top_logprobs", "prediction", "constraint"}
+#: and take no prediction.
+NOT_ON_THE_CLI = {"logprobs", "top_logprobs", "prediction"}
 
 
 def argv_for(params: GenerationParams) -> list[str]:
@@ -170,7 +171,10 @@ def argv_for(params: GenerationParams) -> list[str]:
         if f.name in NOT_ON_THE_CLI or value == f.default:
             continue
         action = flags[f.name]
-        if isinstance(value, bool):
+        if isinstance(value, Constraint):  # --constraint KIND:VALUE
+            shown = json.dumps(list(value.choices)) if value.kind == "choice" else value.text
+            argv += [action.option_strings[0], f"{value.kind}:{shown}" if shown else value.kind]
+        elif isinstance(value, bool):
             argv.append(action.option_strings[0] if value else action.option_strings[-1])
         elif isinstance(value, tuple):
             for item in value:
@@ -219,19 +223,20 @@ FULL_BODY = {
     "top_logprobs": 3,
     "prediction": {"type": "content", "content": "def f("},
     "skip_special_tokens": False,
+    "guided_regex": "[a-z]+",
 }
 
 
-#: Fields no HTTP body reaches yet: ``constraint`` (structured outputs map ``response_format`` onto it,
-#: issue 41).
-NOT_OVER_HTTP = {"constraint"}
+#: Fields no HTTP body reaches (every one does; ``constraint`` through the structured-output fields,
+#: coordinator/structured_outputs.py).
+NOT_OVER_HTTP: set[str] = set()
 
 
 def test_the_http_body_carries_every_field():
     body = parse_body(ChatCompletionRequest, FULL_BODY)
     body.check_supported()
-    assert GenerationParams.from_pb(body.to_pb()) == dataclasses.replace(FULL, constraint=None)
-    minimum = parse_body(ChatCompletionRequest, {**FULL_BODY, "min_tokens": 2, "stop": None})
+    assert GenerationParams.from_pb(body.to_pb()) == FULL
+    minimum = parse_body(ChatCompletionRequest, {**FULL_BODY, "min_tokens": 2, "stop": None, "guided_regex": None})
     assert GenerationParams.from_pb(minimum.to_pb()).min_new_tokens == 2
     # Prediction token ids are the one form HTTP lacks (OpenAI's prediction is text).
     reached = moved(GenerationParams.from_pb(body.to_pb())) | {"min_new_tokens"}
