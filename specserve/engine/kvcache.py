@@ -622,6 +622,11 @@ class SessionCacheStore:
     def block_count(self) -> int:
         return len(self._blocks)
 
+    @property
+    def held_block_count(self) -> int:
+        """Shared blocks some session holds (none once every session is released: the rest are free to evict)."""
+        return sum(1 for block in self._blocks.values() if block.refs)
+
     def get(self, session_id: str) -> SessionCache | None:
         """The session's cache (marked most recently used), or ``None`` when unknown."""
         cache = self._sessions.get(session_id)
