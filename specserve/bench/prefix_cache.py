@@ -102,7 +102,7 @@ async def _ttft(args: PrefixCacheOptions) -> dict[str, Any]:
                         messages[mode].append({"role": "user", "content": users[turn]})
                         ids = _render(tokenizer, messages[mode])
                         result = await clients[mode].generate(
-                            prompt_token_ids=ids, max_new_tokens=args.answer_tokens, ignore_eos=True
+                            prompt_token_ids=ids, max_new_tokens=args.answer_tokens, ignore_eos=True, temperature=0.0
                         )
                         messages[mode].append({"role": "assistant", "content": result.text})
                         answers[mode] = result.token_ids
