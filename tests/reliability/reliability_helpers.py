@@ -257,6 +257,18 @@ def worker_flags(model_dir: Path, redis_url: str, **extra: Any) -> dict[str, Any
     }
 
 
+@contextlib.contextmanager
+def two_targets_and_a_draft(start: Callable[..., RoleProcess], pair: Any, redis_url: str) -> Iterator[dict[str, Any]]:
+    """Two target replicas and one draft of ``pair`` as ``specserve serve`` processes started by ``start``
+    (:func:`role_starter`): ``{"targets": [RoleProcess, RoleProcess], "draft": RoleProcess}``, serving until the
+    block ends."""
+    common = {"shutdown_grace_s": 1}
+    targets = [start("target", worker_flags(pair.target_dir, redis_url, **common)) for _ in range(2)]
+    draft = start("draft", worker_flags(pair.draft_dir, redis_url, **common))
+    with serving([*targets, draft]):
+        yield {"targets": targets, "draft": draft}
+
+
 def wait_serving(roles: list[RoleProcess], *, timeout_s: float) -> None:
     """Block until every role's health service says SERVING; raise with its log if one dies."""
     pending = list(roles)

@@ -40,11 +40,10 @@ from reliability_helpers import (
     assert_stream_is_log,
     fork_roles,
     role_starter,
-    serving,
     start_role,
     start_test_coordinator,
+    two_targets_and_a_draft,
     wait_serving,
-    worker_flags,
 )
 from waiting import wait_until
 
@@ -73,12 +72,8 @@ def workers(request, pair, redis_server, tmp_path_factory):
     """{"targets": [RoleProcess, RoleProcess], "draft": RoleProcess}: ``specserve serve`` processes,
     forked from the pre-imported launcher (``role_launcher``), or with
     ``SPECSERVE_TEST_FORK_ROLES=0`` started as ``python -m specserve.launch.cli serve ...`` each."""
-    start = role_starter(request, tmp_path_factory)
-    common = {"shutdown_grace_s": 1}
-    targets = [start("target", worker_flags(pair.target_dir, redis_server.url, **common)) for _ in range(2)]
-    draft = start("draft", worker_flags(pair.draft_dir, redis_server.url, **common))
-    with serving([*targets, draft]):
-        yield {"targets": targets, "draft": draft}
+    with two_targets_and_a_draft(role_starter(request, tmp_path_factory), pair, redis_server.url) as roles:
+        yield roles
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -22,9 +22,8 @@ from reliability_helpers import (
     Stream,
     assert_stream_is_log,
     role_starter,
-    serving,
     start_test_coordinator,
-    worker_flags,
+    two_targets_and_a_draft,
 )
 from transformers import LogitsProcessorList
 from waiting import wait_until
@@ -74,12 +73,8 @@ def prompts(pair):
 
 @pytest.fixture(scope="module")
 def workers(request, pair, redis_server, tmp_path_factory):
-    start = role_starter(request, tmp_path_factory)
-    common = {"shutdown_grace_s": 1}
-    targets = [start("target", worker_flags(pair.target_dir, redis_server.url, **common)) for _ in range(2)]
-    draft = start("draft", worker_flags(pair.draft_dir, redis_server.url, **common))
-    with serving([*targets, draft]):
-        yield {"targets": targets, "draft": draft}
+    with two_targets_and_a_draft(role_starter(request, tmp_path_factory), pair, redis_server.url) as roles:
+        yield roles
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
