@@ -119,6 +119,30 @@ def reference_greedy(
     return new
 
 
+def reference_constrained(pair: Any, prompt: Sequence[int], constraint: Any, max_new_tokens: int, *, eos_token_id: int = 0) -> list[int]:
+    """Target-alone constrained greedy decoding: ``generate(do_sample=False)`` with the grammar engine's logits
+    processor (specserve.engine.grammar), cut after the first EOS."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    from specserve.engine.grammar import GrammarEngine, GrammarLogitsProcessor
+
+    model = load_reference(pair.target_dir)
+    engine = GrammarEngine(pair.tokenizer, model.config.vocab_size, [eos_token_id])
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=eos_token_id,
+            logits_processor=LogitsProcessorList([GrammarLogitsProcessor(engine, constraint, len(prompt))]),
+        )[0, len(prompt) :].tolist()
+    return out[: out.index(eos_token_id) + 1] if eos_token_id in out else out
+
+
 def reference_coupled(
     model_dir: Path,
     prompt: Sequence[int],

@@ -25,13 +25,12 @@ import pytest
 import pytest_asyncio
 import system_fixtures as sf
 import torch
-from transformers import LogitsProcessorList
 
 import target_service.verifier
 from specserve.api.constraints import Constraint
 from specserve.api.params import SamplingParams
 from specserve.core.sampling import logits_to_probs
-from specserve.engine.grammar import GrammarEngine, GrammarLogitsProcessor, apply_masks
+from specserve.engine.grammar import GrammarEngine, apply_masks
 from specserve.v1 import common_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -67,20 +66,7 @@ def constrained_request(prompt, constraint: Constraint, **kwargs):
 
 def reference(pair, prompt, constraint: Constraint, max_new: int) -> list[int]:
     """Target-alone constrained greedy decoding, cut after the first EOS."""
-    model = sf.load_reference(pair.target_dir)
-    engine = GrammarEngine(pair.tokenizer, model.config.vocab_size, [EOS])
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new,
-            eos_token_id=EOS,
-            pad_token_id=EOS,
-            logits_processor=LogitsProcessorList([GrammarLogitsProcessor(engine, constraint, len(prompt))]),
-        )[0, len(prompt) :].tolist()
-    return out[: out.index(EOS) + 1] if EOS in out else out
+    return sf.reference_constrained(pair, prompt, constraint, max_new, eos_token_id=EOS)
 
 
 @pytest.fixture(scope="module")

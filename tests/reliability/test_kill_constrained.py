@@ -17,7 +17,6 @@ import json
 import pytest
 import pytest_asyncio
 import system_fixtures as sf
-import torch
 from reliability_helpers import (
     Stream,
     assert_stream_is_log,
@@ -25,11 +24,10 @@ from reliability_helpers import (
     start_test_coordinator,
     two_targets_and_a_draft,
 )
-from transformers import LogitsProcessorList
 from waiting import wait_until
 
 from specserve.api.constraints import Constraint
-from specserve.engine.grammar import GrammarEngine, GrammarLogitsProcessor
+from specserve.engine.grammar import GrammarEngine
 from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2
 
@@ -98,20 +96,7 @@ async def store(redis_server):
 
 
 def reference(pair, prompt, constraint: Constraint) -> list[int]:
-    model = sf.load_reference(pair.target_dir)
-    engine = GrammarEngine(pair.tokenizer, model.config.vocab_size, [EOS])
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=MAX_NEW,
-            eos_token_id=EOS,
-            pad_token_id=EOS,
-            logits_processor=LogitsProcessorList([GrammarLogitsProcessor(engine, constraint, len(prompt))]),
-        )[0, len(prompt) :].tolist()
-    return out[: out.index(EOS) + 1] if EOS in out else out
+    return sf.reference_constrained(pair, prompt, constraint, MAX_NEW, eos_token_id=EOS)
 
 
 def constrained(prompt, constraint: Constraint):
