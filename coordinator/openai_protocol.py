@@ -540,7 +540,7 @@ def parse_body(
     if not isinstance(body, dict):
         raise bad_param(None, "the request body must be a JSON object", "invalid_request")
     try:
-        return cls.model_validate(body)
+        return cls.model_validate(body, strict=True)  # JSON types as the schema says: 0.0 is not a bool
     except ValidationError as exc:
         unknown = [e["loc"] for e in exc.errors() if e["type"] == "extra_forbidden"]
         if unknown_fields == "ignore" and unknown:

@@ -191,6 +191,11 @@ INVALID = {
         "prediction.type",
         "invalid value",
     ),
+    # JSON types as the schema gives them, no coercion (schemathesis found 0.0 accepted as a bool).
+    "number for a bool": ({"messages": MESSAGES, "parallel_tool_calls": 0.0}, "parallel_tool_calls", ""),
+    "string for a bool": ({"messages": MESSAGES, "stream": "true"}, "stream", ""),
+    "number for a string": ({"messages": MESSAGES, "user": 7}, "user", ""),
+    "fraction for an int": ({"messages": MESSAGES, "max_tokens": 2.5}, "max_tokens", ""),
     "tool_calls": (
         {"messages": [{"role": "assistant", "content": None, "tool_calls": []}]},
         "messages.0.tool_calls",
