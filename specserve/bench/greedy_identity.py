@@ -16,7 +16,8 @@ float32 on CPU, and every prompt is sent as token ids, greedy, EOS ignored, in e
 * ``gamma0``, ``gamma1``, ``gamma4``: ``--concurrency`` at a time at that fixed gamma.
 
 The prompts go in chunks of eight (the references, then every configuration on them), so a run stopped early
-still has complete results for the prompts it did. A reply that differs is recorded with its first differing
+still has complete results for the prompts it did, and the same command run again continues after them
+(:func:`resumed`). A reply that differs is recorded with its first differing
 position and, at that position, the gap between the reference's two largest logits (a near-tie shows as a
 tiny gap). ``OUT/greedy_identity.json`` and ``OUT/greedy_identity.md`` (the report) are rewritten after each
 chunk.
@@ -109,6 +110,33 @@ async def run_config(
         return list(await asyncio.gather(*(one(stub, ids) for _, ids in items)))
 
 
+#: What must match for an earlier run's results to be continued rather than started over.
+_RUN_KEYS = ("target", "draft", "n", "max_new_tokens")
+
+
+def resumed(path: Path, fresh: dict[str, Any]) -> dict[str, Any]:
+    """An earlier run's results at ``path`` to continue from, or ``fresh``.
+
+    They are continued only when they are of the same run (models, prompt count, reply length and
+    configurations) and were written after a whole chunk; anything else starts over, saying why.
+    """
+    import json
+
+    if not path.exists():
+        return fresh
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"starting over: {path} is not readable ({exc})", file=sys.stderr)
+        return fresh
+    same = all(old.get(k) == fresh[k] for k in _RUN_KEYS) and set(old.get("configs", {})) == set(fresh["configs"])
+    if not same or (old.get("done", 0) % CHUNK and old.get("done") != fresh["n"]):
+        print(f"starting over: {path} holds a different run", file=sys.stderr)
+        return fresh
+    old["command"] = fresh["command"]
+    return old
+
+
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
@@ -149,6 +177,9 @@ async def measure(args: GreedyIdentityOptions) -> dict:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    data = resumed(out / "greedy_identity.json", data)
+    if data["done"]:
+        print(f"resuming after {data['done']} prompts done ({out / 'greedy_identity.json'})", file=sys.stderr)
     with private_redis(None) as redis_url:
         stack = await start_process_stack(
             target_model=target,
@@ -168,7 +199,7 @@ async def measure(args: GreedyIdentityOptions) -> dict:
         try:
             # In chunks of CHUNK prompts: the references, then every configuration; the JSON after each chunk
             # holds complete results for the prompts done so far.
-            for first in range(0, len(items), CHUNK):
+            for first in range(data["done"], len(items), CHUNK):
                 chunk = items[first : first + CHUNK]
                 with Stopwatch() as ref_sw:
                     refs = references(model, chunk, args.max_new_tokens)
