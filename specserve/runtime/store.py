@@ -110,19 +110,32 @@ def _verdict_json(verdict: Verdict) -> str:
     return json.dumps(dataclasses.asdict(verdict))
 
 
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_STOP_FIELDS = frozenset(f.name for f in dataclasses.fields(StopConditions))
+
+
 def _settings_from_fields(f: dict[str, bytes]) -> SessionSettings:
     """The settings stored at create: InvalidArgument if they fail today's checks, FailedPrecondition
     if they cannot be read at all."""
     try:
         stop = json.loads(f["stop"])
+        sampling = json.loads(f["sampling"])
+        unknown = sorted((set(stop) - _STOP_FIELDS) | (set(sampling) - _SAMPLING_FIELDS))
+        if unknown:
+            # A record written by a newer specserve (a rolling upgrade): serving it without a setting it
+            # asks for (a constraint, say) would not be the session's output, so it is refused by name.
+            raise FailedPrecondition(
+                f"this session was created with settings this replica does not know ({', '.join(unknown)}): "
+                "a newer specserve wrote it; serve it from an upgraded replica"
+            )
         stop["stop_token_ids"] = tuple(stop["stop_token_ids"])
         stop["stop_strings"] = tuple(stop["stop_strings"])
         return SessionSettings(
             prompt_len=int(f["prompt_len"]),
-            sampling=SamplingParams.from_dict(json.loads(f["sampling"])),
+            sampling=SamplingParams.from_dict(sampling),
             stop=StopConditions(**stop),
         )
-    except InvalidArgument:
+    except (InvalidArgument, FailedPrecondition):
         raise
     except (KeyError, TypeError, ValueError) as exc:
         raise FailedPrecondition(f"the stored settings of this session are unreadable ({type(exc).__name__})") from exc

@@ -184,6 +184,24 @@ async def test_load_with_known_settings_reads_only_what_moves(store: SessionStor
         await store.load(sid(), settings=first.settings)
 
 
+async def test_a_record_from_a_newer_version_is_refused_naming_what_it_does_not_know(store: SessionStore):
+    """A rolling upgrade: a session created by a newer specserve carries a setting this one lacks. Serving it
+    without that setting would not be the session's output, so the load is refused, naming the field;
+    a record that lacks a field this version added (an older writer) loads with its default."""
+    import json
+
+    s = sid()
+    await store.create(s, (1, 2), SamplingParams(temperature=0.7, seed=3), StopConditions(max_new_tokens=4))
+    meta, _, _ = store.keys(s)
+    sampling = json.loads(await store.redis.hget(meta, "sampling"))
+    await store.redis.hset(meta, "sampling", json.dumps({**sampling, "typical_p": 0.9}))
+    with pytest.raises(FailedPrecondition, match=r"does not know \(typical_p\).*upgraded replica"):
+        await store.load(s)
+    del sampling["constraint"]  # as written before constraints existed
+    await store.redis.hset(meta, "sampling", json.dumps(sampling))
+    assert (await store.load(s)).sampling == SamplingParams(temperature=0.7, seed=3)
+
+
 async def test_redis_errors_reach_callers_without_redis_text(store: SessionStore):
     """A command Redis refuses (here: a Lua script error) becomes Unavailable with a message of our own;
     Redis's text (script hash, error detail) stays in the server log."""
