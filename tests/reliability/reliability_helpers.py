@@ -7,6 +7,9 @@ streaming a Generate call while watching its progress, and the nothing-lost chec
   torch import per role); :meth:`RoleProcess.kill` is ``kill -9``;
   :func:`wait_serving` polls the standard gRPC health service until every role answers
   SERVING (or one exits, whose log tail is then shown).
+* :func:`replicas` starts a number of target and draft replicas of a model pair that way (each with its own
+  Prometheus port if asked: :func:`metric` reads one of its samples); :func:`restart` starts a killed role
+  again on its port with its flags.
 * :class:`LoopThread` runs an asyncio loop in a daemon thread, so that synchronous tests
   (hypothesis cannot drive ``async def`` tests) can host real ``grpc.aio`` servers.
 * :class:`Stream` runs one Generate call and records every streamed token as it arrives,
@@ -67,6 +70,15 @@ class RoleProcess:
     pid: int
     log_path: Path
     popen: subprocess.Popen | None = None  # set when this process started it (not the launcher)
+    flags: Mapping[str, Any] = field(default_factory=dict)  # what it was started with (to start it again)
+
+    @property
+    def metrics_url(self) -> str:
+        """Its Prometheus ``/metrics`` (the role was started with a ``metrics_port`` flag)."""
+        port = self.flags.get("metrics_port")
+        if not port:
+            raise ValueError(f"{self.role} on {self.port} was started without a metrics_port")
+        return f"http://127.0.0.1:{port}/metrics"
 
     @property
     def address(self) -> str:
@@ -140,7 +152,7 @@ def start_role(role: str, flags: Mapping[str, Any], *, log_dir: Path, port: int 
         proc = subprocess.Popen(
             args, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=_child_env()
         )
-    return RoleProcess(role=role, port=port, pid=proc.pid, log_path=log_path, popen=proc)
+    return RoleProcess(role=role, port=port, pid=proc.pid, log_path=log_path, popen=proc, flags=dict(flags))
 
 
 def fork_roles() -> bool:
@@ -188,7 +200,7 @@ class RoleLauncher:
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         pid = int(self._proc.stdout.readline())
-        return RoleProcess(role=role, port=port, pid=pid, log_path=log_path)
+        return RoleProcess(role=role, port=port, pid=pid, log_path=log_path, flags=dict(flags))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -258,15 +270,66 @@ def worker_flags(model_dir: Path, redis_url: str, **extra: Any) -> dict[str, Any
 
 
 @contextlib.contextmanager
+def replicas(
+    start: Callable[..., RoleProcess],
+    pair: Any,
+    redis_url: str,
+    *,
+    targets: int,
+    drafts: int,
+    metrics: bool = False,
+    **extra: Any,
+) -> Iterator[dict[str, list[RoleProcess]]]:
+    """``targets`` target and ``drafts`` draft replicas of ``pair`` as ``specserve serve`` processes started by
+    ``start`` (:func:`role_starter`), each with ``extra`` flags and, with ``metrics``, its own Prometheus port
+    (:attr:`RoleProcess.metrics_url`): ``{"targets": [...], "drafts": [...]}``, serving until the block ends, when
+    the roles then in the lists are stopped (a test may put a restarted one, :func:`restart`, in its place)."""
+
+    def flags(model_dir: Path) -> dict[str, Any]:
+        return worker_flags(model_dir, redis_url, shutdown_grace_s=1, **extra) | (
+            {"metrics_port": free_port()} if metrics else {}
+        )
+
+    roles = {
+        "targets": [start("target", flags(pair.target_dir)) for _ in range(targets)],
+        "drafts": [start("draft", flags(pair.draft_dir)) for _ in range(drafts)],
+    }
+    try:
+        wait_serving([*roles["targets"], *roles["drafts"]], timeout_s=240)
+        yield roles
+    finally:
+        for role in [*roles["targets"], *roles["drafts"]]:
+            role.stop()
+
+
+@contextlib.contextmanager
 def two_targets_and_a_draft(start: Callable[..., RoleProcess], pair: Any, redis_url: str) -> Iterator[dict[str, Any]]:
-    """Two target replicas and one draft of ``pair`` as ``specserve serve`` processes started by ``start``
-    (:func:`role_starter`): ``{"targets": [RoleProcess, RoleProcess], "draft": RoleProcess}``, serving until the
-    block ends."""
-    common = {"shutdown_grace_s": 1}
-    targets = [start("target", worker_flags(pair.target_dir, redis_url, **common)) for _ in range(2)]
-    draft = start("draft", worker_flags(pair.draft_dir, redis_url, **common))
-    with serving([*targets, draft]):
-        yield {"targets": targets, "draft": draft}
+    """Two target replicas and one draft (:func:`replicas`): ``{"targets": [RoleProcess, RoleProcess], "draft":
+    RoleProcess}``, serving until the block ends."""
+    with replicas(start, pair, redis_url, targets=2, drafts=1) as roles:
+        yield {"targets": roles["targets"], "draft": roles["drafts"][0]}
+
+
+def restart(start: Callable[..., RoleProcess], role: RoleProcess) -> RoleProcess:
+    """``role`` started again by ``start`` on its port with its flags (after a kill), once it serves."""
+    again = start(role.role, role.flags, port=role.port)
+    wait_serving([again], timeout_s=240)
+    return again
+
+
+def metric(role: RoleProcess, name: str, labels: Mapping[str, str]) -> float:
+    """The sample ``name`` with ``labels`` on ``role``'s ``/metrics`` now (KeyError when it exports none)."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(role.metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == dict(labels):
+                return sample.value
+    raise KeyError(f"{role.role} on {role.port} exports no {name}{labels}")
 
 
 def wait_serving(roles: list[RoleProcess], *, timeout_s: float) -> None:
