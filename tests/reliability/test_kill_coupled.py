@@ -27,11 +27,10 @@ import system_fixtures as sf
 from reliability_helpers import (
     Stream,
     assert_stream_is_log,
+    replicas,
+    restart,
     role_starter,
-    serving,
     start_test_coordinator,
-    wait_serving,
-    worker_flags,
 )
 from waiting import wait_until
 
@@ -58,14 +57,8 @@ def prompts(pair):
 @pytest.fixture(scope="module")
 def workers(request, pair, redis_server, tmp_path_factory):
     start = role_starter(request, tmp_path_factory)
-    flags = worker_flags(pair.target_dir, redis_server.url, shutdown_grace_s=1)
-    targets = [start("target", flags) for _ in range(2)]
-    draft = start("draft", worker_flags(pair.draft_dir, redis_server.url, shutdown_grace_s=1))
-    with serving([*targets, draft]):
-        roles = {"targets": targets, "draft": draft, "start": start, "flags": flags}
-        yield roles
-        for target in roles["targets"]:  # the restarted ones too
-            target.stop()
+    with replicas(start, pair, redis_server.url, targets=2, drafts=1) as roles:  # stops the restarted ones too
+        yield {"targets": roles["targets"], "draft": roles["drafts"][0], "start": start}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -146,9 +139,7 @@ async def test_fifty_seeds_keep_their_text_across_a_kill_9_failover(
             else:
                 assert tokens == no_failure[seed], seed  # no failure for this one: the same text anyway
         # The killed replica comes back on its port, as an orchestrator would restart it.
-        replacement = workers["start"]("target", workers["flags"], port=victim.port)
-        workers["targets"][victim_index] = replacement
-        wait_serving([replacement], timeout_s=240)
+        workers["targets"][victim_index] = restart(workers["start"], victim)
     tokenizer = pair.tokenizer
     for seed in seeds:
         assert failed_over[seed] == no_failure[seed], f"seed {seed}: the failover changed the text"
