@@ -436,6 +436,7 @@ class WorkerPool:
             reply = await self.draft_clients[endpoint].propose_one(request)
         if relay is not None:
             relay.sent(endpoint, block)
+            metrics.FEATURE_BYTES.labels(hop="to_draft").inc(len(block.data))
         return reply
 
     async def _through_batcher(

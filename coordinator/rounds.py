@@ -156,8 +156,10 @@ class RoundLoop:
         assert verdict is not None
         if s.stats.rounds == 0:  # the verdict of the call that prefilled the prompt
             s.stats.cached_tokens = min(result.cached_tokens, s.prompt_len)
-        if s.features is not None and result.features is not None:
-            s.features.add(result.features)
+        if result.features is not None:
+            metrics.FEATURE_BYTES.labels(hop="from_target").inc(len(result.features.data))
+            if s.features is not None:
+                s.features.add(result.features)
         new = self._committed(verdict, s.apply_verdict(verdict))
         count = len(sent.proposal.token_ids)
         s.stats.observe_round(

@@ -9,16 +9,19 @@
    Face assisted generation (``assistant_model=`` the draft), Hugging Face prompt-lookup decoding, and
    specserve through the whole gRPC path in every mode of :mod:`specserve.bench.modes`. Wall-clock per
    committed token, time to first token.
-2. **Under load**: open-loop Poisson arrivals at several rates for gamma = 0, the best fixed gamma and
-   adaptive: throughput, TTFT and inter-token latency p50/p99, queue delay, target forward passes and
-   positions (the accelerator work), accepted tokens and wasted proposals. Every point is measured
-   ``--load-repeats`` times, interleaved (:func:`load_sweep`).
+2. **Under load**: open-loop Poisson arrivals at several rates for gamma = 0, the best fixed gamma,
+   adaptive and, where the draft serves one, the feature head at ``--head-gamma``: throughput, TTFT and inter-token latency p50/p99, queue delay, target forward passes and
+   positions (the accelerator work), accepted tokens and wasted proposals, and for the head the feature
+   bytes the coordinator relayed (:class:`specserve.bench.prom.FeatureBytes`) with the projections of
+   :mod:`specserve.bench.head_projection` (as for the single-stream modes that drafted with it). Every point
+   is measured ``--load-repeats`` times, interleaved (:func:`load_sweep`).
 3. **The bound**: the cost model's predicted speedup per gamma from the measured acceptance and measured
    draft / verify costs, and measured / predicted as the implementation's efficiency
    (:mod:`specserve.bench.report`).
 
 ``specserve bench single`` and ``specserve bench load`` run the first and the second alone, into
-``single.json`` and ``load.json`` (the report's load section then comes from the latter).
+``single.json`` and ``load.json`` (the report's load section then comes from the latter; ``load --name
+load_<x>`` keeps a further sweep beside it).
 
 The stack the harness starts admits as many sessions as a load point sends (no per-client cap), verifies up
 to 32 sessions per call and drafts up to ``--draft-batch`` per pass (1: no draft batching).
@@ -40,6 +43,7 @@ from tqdm import tqdm
 
 from specserve.bench import report, sampling_modes
 from specserve.bench.costs import Costs, measure_costs
+from specserve.bench.head_projection import figures
 from specserve.bench.modes import (
     BY_NAME,
     FIXED_GAMMAS,
@@ -54,9 +58,9 @@ from specserve.bench.modes import (
     SpecMode,
     fixed,
     load_modes,
+    may_use_head,
 )
 from specserve.bench.options import (
-    DEFAULT_DRAFT,
     DraftScalingOptions,
     FullOptions,
     LatencyOptions,
@@ -68,9 +72,9 @@ from specserve.bench.options import (
     StackOptions,
 )
 from specserve.bench.pair import hf_generate, load_pair
-from specserve.bench.prom import scrape
+from specserve.bench.prom import FeatureBytes, scrape
 from specserve.bench.prompts import default_prompt_sets, heldout_files, load_prompt_sets
-from specserve.bench.runner import Header, run_mode
+from specserve.bench.runner import Header, head_gamma_or_reason, head_info, head_overrides, run_mode
 from specserve.bench.timing import Stopwatch, timed_stream
 from specserve.engine import cpu_kernels
 from specserve.launch.local import COLOCATED_DRAFT_THREADS
@@ -104,6 +108,12 @@ class Run:
     lookup_accepted: int = 0
     #: Which pass over the prompts this run belongs to (``--single-repeats``, ``--repeats``), from 0.
     repeat: int = 0
+    #: Rounds that proposed at least one draft token (GenerationStats.draft_rounds).
+    draft_rounds: int = 0
+    #: Bytes of the target's features the coordinator relayed during this run, by hop (its
+    #: ``specserve_coordinator_feature_bytes_total``; 0 for a mode that cannot draft with the feature head).
+    feature_bytes_to_draft: int = 0
+    feature_bytes_from_target: int = 0
 
     @property
     def ms_per_token(self) -> float:
@@ -159,8 +169,23 @@ async def _spec_generate(
         forward_s=stats.forward_ns / 1e9,
         lookup_proposed=stats.lookup_proposed_tokens,
         lookup_accepted=stats.lookup_accepted_tokens,
+        draft_rounds=stats.draft_rounds,
     )
     return run, streamed.stamps
+
+
+async def _spec_generate_counted(
+    client: Any, ids: list[int], max_new: int, temperature: float, seed: int, mode: SpecMode,
+    coordinator_metrics: str | None,
+) -> Run:
+    """:func:`_spec_generate` alone on the stack, with the feature bytes the coordinator relayed for it (read
+    before and after, outside the timing; only for a mode that may use the head)."""
+    metrics = coordinator_metrics if may_use_head(mode) else None
+    before = FeatureBytes.read(metrics)
+    run, _ = await _spec_generate(client, ids, max_new, temperature, seed, mode)
+    relayed = FeatureBytes.read(metrics) - before
+    run.feature_bytes_to_draft, run.feature_bytes_from_target = relayed.to_draft, relayed.from_target
+    return run
 
 
 # --------------------------------------------------------------------------- phases
@@ -177,6 +202,7 @@ async def single_stream(
     stock_target=None,
     repeats: int = 1,
     only: Sequence[str] | None = None,
+    coordinator_metrics: str | None = None,
 ) -> list[Run]:
     """Every (prompt set, prompt, temperature) through every mode, one after another, ``repeats`` times.
 
@@ -185,7 +211,8 @@ async def single_stream(
     and the machine's drift within a turn falls on the HF baselines and on specserve alike.
     ``stock_target``: the target with PyTorch's stock kernels where ``target`` has packed ones
     (:mod:`specserve.engine.cpu_kernels`), run as one more baseline (:data:`HF_STOCK`). ``only``: run these
-    modes alone (None: every mode).
+    modes alone (None: every mode). ``coordinator_metrics``: the coordinator's ``/metrics``, whose
+    feature-byte counters each run that may use the head reads (:class:`FeatureBytes`).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -207,7 +234,9 @@ async def single_stream(
                 elif mode in HF_LOOKUP:
                     run = _hf_generate(target, token_ids, max_new, temp, seed, lookup=HF_LOOKUP[mode])
                 else:
-                    run, _ = await _spec_generate(client, token_ids, max_new, temp, seed, BY_NAME[mode])
+                    run = await _spec_generate_counted(
+                        client, token_ids, max_new, temp, seed, BY_NAME[mode], coordinator_metrics
+                    )
                 run.mode, run.prompt_set, run.prompt, run.repeat = mode, set_name, name, repeat
                 runs.append(run)
                 bar.update()
@@ -236,6 +265,10 @@ class LoadPoint:
     target_positions: int
     target_forward_passes: int
     repeat: int = 0
+    draft_rounds: int = 0
+    #: Bytes of the target's features the coordinator relayed during the point, by hop (:class:`FeatureBytes`).
+    feature_bytes_to_draft: int = 0
+    feature_bytes_from_target: int = 0
 
 
 async def load_point(
@@ -249,6 +282,7 @@ async def load_point(
     seed: int,
     metrics_url: str,
     repeat: int = 0,
+    coordinator_metrics: str | None = None,
 ) -> LoadPoint:
     rng = np.random.default_rng(seed)
     arrivals, t = [], 0.0
@@ -259,6 +293,7 @@ async def load_point(
         arrivals.append(t)
     positions0 = scrape(metrics_url, "specserve_target_positions_processed_total")
     passes0 = scrape(metrics_url, "specserve_target_forward_seconds_count")
+    features0 = FeatureBytes.read(coordinator_metrics if may_use_head(mode) else None)
     results: list[tuple[Run, list[tuple[float, int]]] | BaseException] = []
     clock = Stopwatch()
 
@@ -283,6 +318,7 @@ async def load_point(
     committed = sum(r.tokens for r, _ in ok)
     proposed = sum(r.proposed for r, _ in ok)
     accepted = sum(r.accepted for r, _ in ok)
+    relayed = FeatureBytes.read(coordinator_metrics if may_use_head(mode) else None) - features0
 
     def q(xs, p):
         return float(np.percentile(xs, p)) if xs else float("nan")
@@ -307,6 +343,9 @@ async def load_point(
         target_positions=int(scrape(metrics_url, "specserve_target_positions_processed_total") - positions0),
         target_forward_passes=int(scrape(metrics_url, "specserve_target_forward_seconds_count") - passes0),
         repeat=repeat,
+        draft_rounds=sum(r.draft_rounds for r, _ in ok),
+        feature_bytes_to_draft=relayed.to_draft,
+        feature_bytes_from_target=relayed.from_target,
     )
 
 
@@ -323,7 +362,7 @@ class Sweep:
 
 
 async def load_sweep(
-    client, prompts: list[list[int]], modes: list[SpecMode], sweep: Sweep, metrics_url: str
+    client, prompts: list[list[int]], modes: list[SpecMode], sweep: Sweep, metrics: StackMetrics
 ) -> list[LoadPoint]:
     """Every (rate, mode) point ``sweep.repeats`` times, interleaved: each repeat sweeps the rates,
     and at each rate runs the modes one after another, starting from a different mode each time, so that
@@ -345,8 +384,9 @@ async def load_sweep(
                         0.0,
                         mode,
                         sweep.seed,
-                        metrics_url,
+                        metrics.target,
                         repeat,
+                        metrics.coordinator,
                     )
                 )
                 bar.update()
@@ -369,9 +409,13 @@ class ModeSummary:
     acceptance: float | None
     tokens_per_round: float | None
     n: int
+    #: Where the runs relayed features (the head drafted): bytes per committed token and the projections
+    #: (:class:`specserve.bench.head_projection.HeadFigures`); None elsewhere.
+    head: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, runs: list[Run]) -> ModeSummary:
+    def of(cls, runs: list[Run], head: dict[str, Any] | None = None) -> ModeSummary:
+        """``head``: the served head (:func:`specserve.bench.runner.head_info`), for the head figures."""
         xs = [r.ms_per_token for r in runs]
         proposed, rounds = sum(r.proposed for r in runs), sum(r.rounds for r in runs)
         return cls(
@@ -381,22 +425,37 @@ class ModeSummary:
             acceptance=sum(r.accepted for r in runs) / proposed if proposed else None,
             tokens_per_round=sum(r.tokens for r in runs) / rounds if rounds else None,
             n=len(xs),
+            head=head_figures(runs, head),
         )
+
+
+def head_figures(runs: list[Run], head: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The head figures of runs that relayed features (:func:`specserve.bench.head_projection.figures`)."""
+    return figures(
+        head,
+        committed=sum(r.tokens for r in runs),
+        to_draft_bytes=sum(r.feature_bytes_to_draft for r in runs),
+        from_target_bytes=sum(r.feature_bytes_from_target for r in runs),
+        proposed=sum(r.proposed for r in runs),
+        accepted=sum(r.accepted for r in runs),
+        draft_rounds=sum(r.draft_rounds for r in runs),
+    )
 
 
 #: ``"<prompt set> T=<temperature>"`` -> mode -> its summary, in the order the modes ran.
 SingleSummary = dict[str, dict[str, ModeSummary]]
 
 
-def summarize_single(runs: list[Run]) -> SingleSummary:
-    """Medians and quartiles of ms/token per (prompt set, temperature, mode)."""
+def summarize_single(runs: list[Run], head: dict[str, Any] | None = None) -> SingleSummary:
+    """Medians and quartiles of ms/token per (prompt set, temperature, mode); ``head``: the served head, for
+    the head figures of the modes that drafted with it."""
     out: SingleSummary = {}
     for set_name, temp in sorted({(r.prompt_set, r.temperature) for r in runs}):
         group = {}
         for mode in dict.fromkeys(r.mode for r in runs):
             sel = [r for r in runs if (r.prompt_set, r.temperature, r.mode) == (set_name, temp, mode)]
             if sel:
-                group[mode] = ModeSummary.of(sel)
+                group[mode] = ModeSummary.of(sel, head)
         out[f"{set_name} T={temp:g}"] = group
     return out
 
@@ -443,11 +502,14 @@ class SingleRun:
     single_stream: SingleSummary
     greedy_identity: GreedyIdentity
     runs: list[Run]
+    #: The served head (:func:`specserve.bench.runner.head_info`; None: none).
+    head: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             **self.header.to_json(),
             "feature_head": self.feature_head,
+            "head": self.head,
             "settings": self.settings,
             "single_stream": _single_json(self.single_stream),
             "greedy_identity": self.greedy_identity.to_json(),
@@ -463,12 +525,15 @@ class LoadRun:
     prompt_set: str
     settings: dict[str, Any]
     load: list[LoadPoint]
+    #: The served head (:func:`specserve.bench.runner.head_info`; None: none).
+    head: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             **self.header.to_json(),
             "prompt_set": self.prompt_set,
             "settings": self.settings,
+            "head": self.head,
             "load": [asdict(p) for p in self.load],
         }
 
@@ -489,6 +554,8 @@ class FullRun:
     runs: list[Run]
     best_fixed_gamma: int
     load: list[LoadPoint]
+    #: The served head (:func:`specserve.bench.runner.head_info`; None: none).
+    head: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -506,6 +573,7 @@ class FullRun:
             "greedy_identity": self.greedy_identity.to_json(),
             "runs": _runs_json(self.runs),
             "best_fixed_gamma": self.best_fixed_gamma,
+            "head": self.head,
             "load": [asdict(p) for p in self.load],
         }
 
@@ -513,48 +581,40 @@ class FullRun:
 # --------------------------------------------------------------------------- the stack under test
 
 
+@dataclass(frozen=True)
+class StackMetrics:
+    """The ``/metrics`` URLs of the stack under test: the target's (load points read its passes and
+    positions) and the coordinator's (the feature bytes it relays, :class:`FeatureBytes`)."""
+
+    target: str
+    coordinator: str
+
+
 async def _process_stack(opts: StackOptions):
     """The stack under test, one process per role as in production and in ``specserve up`` (the roles
     share no GIL with each other or with the HF baselines, which run here while the stack waits), and
-    the URL of the target's ``/metrics``, which load points read."""
+    its ``/metrics`` URLs (:class:`StackMetrics`)."""
     from specserve.launch.local import start_process_stack
     from specserve.launch.redis_server import free_port
 
-    metrics_port = free_port()
+    target_port, coordinator_port = free_port(), free_port()
     stack = await start_process_stack(
         target_model=opts.target,
         draft_model=opts.draft,
         redis_url=opts.redis_url,
         # "fastest" reaches here only from `load`, which loads no baselines: a target timing its kernels runs
         # without invariance.
-        target_overrides={"metrics_port": metrics_port, "kernels": opts.kernels, "invariant": opts.kernels != "fastest"},
-        draft_overrides={"max_batch_size": opts.draft_batch, **_head_overrides(opts)},
-        coordinator_overrides=_coordinator_overrides(opts.draft_batch),
+        target_overrides={"metrics_port": target_port, "kernels": opts.kernels, "invariant": opts.kernels != "fastest"},
+        draft_overrides={"max_batch_size": opts.draft_batch, **head_overrides(opts)},
+        coordinator_overrides={**_coordinator_overrides(opts.draft_batch), "metrics_port": coordinator_port},
     )
-    return stack, f"http://127.0.0.1:{metrics_port}/metrics"
-
-
-def _head_overrides(opts: StackOptions) -> dict[str, str]:
-    """The draft's feature head as ``--head`` names it ('auto': the default pair's head when the draft is the
-    default draft and the head is present; 'none': no head)."""
-    from specserve.engine import model_registry
-    from specserve.engine.models import resolve_model_path
-
-    head = opts.head
-    if head == "auto":
-        source = model_registry.REGISTRY.get(model_registry.DEFAULT_HEAD)
-        default_draft = Path(resolve_model_path(DEFAULT_DRAFT, "draft")) == Path(opts.draft)
-        head = model_registry.DEFAULT_HEAD if default_draft and source is not None and source.present() else "none"
-    return {"feature_head": head, "feature_head_target": opts.target} if head != "none" else {"feature_head": "none"}
-
-
-def _serves_head(opts: StackOptions) -> bool:
-    return _head_overrides(opts)["feature_head"] != "none"
+    metrics = StackMetrics(f"http://127.0.0.1:{target_port}/metrics", f"http://127.0.0.1:{coordinator_port}/metrics")
+    return stack, metrics
 
 
 def _served_modes(opts: StackOptions) -> list[str]:
     """Every single-stream mode the stack under test can serve (the head's only where the draft serves one)."""
-    heads = _serves_head(opts)
+    heads = head_info(opts) is not None
     return [m for m in SINGLE_MODES if heads or m not in HEAD_MODES]
 
 
@@ -591,21 +651,24 @@ async def measure_single(opts: SingleOptions) -> dict[str, Any]:
     tokenizer, target, draft = load_pair(opts.target, opts.draft, kernels=opts.kernels)
     opts.kernels = cpu_kernels.path_of(target)
     prompts = _prompt_sets(opts, tokenizer)
-    heads = _serves_head(opts)
-    only = [m for m in (opts.modes or _served_modes(opts)) if heads or m not in HEAD_MODES]
-    stack, _ = await _process_stack(opts)
+    head = head_info(opts)
+    if head is None:
+        print(f"the feature head's modes are left out: the draft {opts.draft} serves no head (--head {opts.head})")
+    only = [m for m in (opts.modes or _served_modes(opts)) if head is not None or m not in HEAD_MODES]
+    stack, metrics = await _process_stack(opts)
     try:
         async with AsyncClient(stack.address, timeout=600) as client:
             await _warm_up(client)
             runs = await single_stream(
                 client, target, draft, prompts, opts.temperatures, opts.max_new_tokens, opts.seed,
-                repeats=opts.repeats, only=only,
+                repeats=opts.repeats, only=only, coordinator_metrics=metrics.coordinator,
             )  # fmt: skip
     finally:
         await stack.stop()
     return SingleRun(
-        Header.of(opts), heads, opts.settings(), summarize_single(runs), GreedyIdentity.of(runs), runs
-    ).to_json()
+        Header.of(opts), head is not None, opts.settings(), summarize_single(runs, head), GreedyIdentity.of(runs),
+        runs, head,
+    ).to_json()  # fmt: skip
 
 
 async def measure_load(opts: LoadOptions) -> dict[str, Any]:
@@ -618,15 +681,16 @@ async def measure_load(opts: LoadOptions) -> dict[str, Any]:
     first = (opts.prompt_sets or default_prompt_sets(tokenizer))[0]
     named = load_prompt_sets([first], tokenizer, opts.target, opts.prompts, opts.prompt_chars)
     sweep = Sweep(opts.rates, opts.duration_s, opts.max_new_tokens, opts.repeats, opts.seed)
-    stack, metrics_url = await _process_stack(opts)
+    head = head_info(opts)
+    modes = load_modes(opts.fixed_gamma, opts.control, head_gamma_or_reason(opts, head))
+    stack, metrics = await _process_stack(opts)
     try:
         async with AsyncClient(stack.address, timeout=600) as client:
             await _warm_up(client)
-            modes = load_modes(opts.fixed_gamma, opts.control)
-            load = await load_sweep(client, [ids for _, ids in named[first]], modes, sweep, metrics_url)
+            load = await load_sweep(client, [ids for _, ids in named[first]], modes, sweep, metrics)
     finally:
         await stack.stop()
-    return LoadRun(Header.of(opts), first, opts.settings(), load).to_json()
+    return LoadRun(Header.of(opts), first, opts.settings(), load, head).to_json()
 
 
 async def measure_all(opts: FullOptions) -> dict[str, Any]:
@@ -642,23 +706,27 @@ async def measure_all(opts: FullOptions) -> dict[str, Any]:
     heldout_ok = all(n in ("chat", "chat-code", "copy") for n in prompts) or heldout_files(Path(opts.target))[1]
     costs = measure_costs(target, draft, repeats=opts.cost_repeats, draft_threads=COLOCATED_DRAFT_THREADS)
     sweep = Sweep(opts.rates, opts.load_duration_s, opts.load_max_new_tokens, opts.load_repeats, opts.seed)
+    head = head_info(opts)
+    head_gamma = head_gamma_or_reason(opts, head)
 
-    stack, metrics_url = await _process_stack(opts)
+    stack, metrics = await _process_stack(opts)
     try:
         async with AsyncClient(stack.address, timeout=600) as client:
             await _warm_up(client)
             runs = await single_stream(
                 client, target, draft, prompts, opts.temperatures, opts.max_new_tokens, opts.seed,
                 stock_target=stock_target, repeats=opts.single_repeats, only=_served_modes(opts),
+                coordinator_metrics=metrics.coordinator,
             )  # fmt: skip
-            summary = summarize_single(runs)
+            summary = summarize_single(runs, head)
             greedy_first = summary.get(f"{next(iter(prompts))} T=0", {})  # the load sweep's fixed gamma
             best_fixed = min(
                 FIXED_GAMMAS,
                 key=lambda g: s.ms_per_token_median if (s := greedy_first.get(fixed(g).name)) else float("inf"),
             )
             load_prompts = [ids for _, ids in next(iter(prompts.values()))]
-            load = await load_sweep(client, load_prompts, load_modes(best_fixed, opts.load_control), sweep, metrics_url)
+            modes = load_modes(best_fixed, opts.load_control, head_gamma)
+            load = await load_sweep(client, load_prompts, modes, sweep, metrics)
     finally:
         await stack.stop()
     return FullRun(
@@ -674,6 +742,7 @@ async def measure_all(opts: FullOptions) -> dict[str, Any]:
         runs=runs,
         best_fixed_gamma=best_fixed,
         load=load,
+        head=head,
     ).to_json()
 
 
@@ -700,7 +769,7 @@ def bench_single(opts: SingleOptions) -> int:
 
 def bench_load(opts: LoadOptions) -> int:
     """``specserve bench load``: ``load.json`` and ``load.md``."""
-    return run_mode(opts, measure_load, "load", report.write_load)
+    return run_mode(opts, measure_load, opts.name, lambda data, out: report.write_load(data, out, opts.name))
 
 
 def bench_latency(opts: LatencyOptions) -> int:

@@ -47,6 +47,7 @@ from specserve.api.params import SamplingParams
 from specserve.bench import markdown as md
 from specserve.bench.chat_prompts import heldout_prompts
 from specserve.bench.draft_card import _prompt_ids, target_greedy
+from specserve.bench.head_projection import gpu_like_speedup, wire_mb_per_s
 from specserve.bench.options import HeadCardOptions
 from specserve.bench.timing import Laps
 from specserve.core import features as wire
@@ -246,13 +247,6 @@ def run(args: HeadCardOptions) -> dict:
     return result
 
 
-#: Hidden sizes and the committed-token rate the wire cost is projected to (issue: 7B- and 70B-class targets).
-PROJECTED_HIDDEN = (4096, 8192)
-PROJECTED_TOKENS_PER_S = 10_000
-#: A GPU-like verify pass over gamma + 1 positions, as a multiple of one decode step (a projection).
-PROJECTED_VERIFY_COSTS = (1.05, 1.2)
-
-
 def curve_points(run_dirs: list[Path]) -> list[dict]:
     """Per training run: its answer tokens and its last held-out evaluation (gamma-1 top-1 per kind)."""
     points = []
@@ -302,19 +296,17 @@ def projections(card: dict) -> dict:
     """Wire bytes at other hidden sizes, and the cost model's speedup for a GPU-like verify (projections)."""
     per_token = statistics.mean(card[k]["greedy"][g]["feature_bytes_per_token"] for k in ("chat", "code")
                                 for g in card[k]["greedy"])
-    per_value = per_token / card["feature_row_bytes"]  # rows per committed token
-    wire_mb_s = {
-        str(h): per_value * h * wire.VALUE_BYTES * PROJECTED_TOKENS_PER_S / 1e6 for h in PROJECTED_HIDDEN
-    }
+    hidden = card["feature_row_bytes"] // wire.VALUE_BYTES
     c = card["costs"]["head_over_target_step"]
-    speedup: dict = {}
-    for kind in ("chat", "code"):
-        for g, row in card[kind]["greedy"].items():
-            tokens = row["accepted_per_round"] + 1  # accepted draft tokens and the target's own
-            speedup.setdefault(kind, {})[str(g)] = {
-                str(v): tokens / (int(g) * c + v) for v in PROJECTED_VERIFY_COSTS
-            }
-    return {"rows_per_token": per_value, "wire_mb_per_s": wire_mb_s, "speedup": speedup}
+    speedup = {
+        kind: {str(g): gpu_like_speedup(row["accepted_per_round"], int(g), c) for g, row in card[kind]["greedy"].items()}
+        for kind in ("chat", "code")
+    }
+    return {
+        "rows_per_token": per_token / card["feature_row_bytes"],
+        "wire_mb_per_s": wire_mb_per_s(per_token, hidden),
+        "speedup": speedup,
+    }
 
 
 def render(card: dict, meta: dict | None, points: list[dict]) -> str:
@@ -409,6 +401,18 @@ def render(card: dict, meta: dict | None, points: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: The card's one hand-written section, last: where the head stands in the service (from the harness's
+#: reports, docs/benchmarks), which a new rendering of the card's figures keeps.
+HAND_WRITTEN = "\n## In the service"
+
+
+def hand_written(readme: Path) -> str:
+    """The hand-written section at the end of an existing card (:data:`HAND_WRITTEN` on), or ''."""
+    text = readme.read_text() if readme.exists() else ""
+    at = text.find(HAND_WRITTEN)
+    return text[at:] if at >= 0 else ""
+
+
 def main(opts: HeadCardOptions) -> int:
     """``specserve bench head-card``: the figures (to ``--json``; ``--from-json`` takes them instead of
     measuring) and with ``--readme`` the model card, with the data-size curve of the ``--curve`` runs."""
@@ -422,6 +426,6 @@ def main(opts: HeadCardOptions) -> int:
         if points:
             plot_curve(points, opts.readme.parent / "data_size.png")
             result["curve"] = points
-        opts.readme.write_text(render(result, meta, points))
+        opts.readme.write_text(render(result, meta, points) + hand_written(opts.readme))
         print(f"wrote {opts.readme}")
     return 0

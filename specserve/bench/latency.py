@@ -8,10 +8,15 @@ every byte it gets back, arrives ``rtt / 2`` later (an order-preserving delay,
 not a bandwidth limit: bytes in flight overlap as on a real link). For each
 side (draft, target) and each round-trip time (``--rtts-ms``, 0, 2 and 10 by
 default) it runs the held-out prompts of the first set greedily, EOS ignored,
-with gamma = 0, a fixed gamma (``--gamma``, 1) and the adaptive policy,
-then the last two again with overlap on (``CoordinatorSettings.overlap``: the
-draft drafts the next round while the target verifies), and records ms per
-committed token and the tokens per round. Greedy output must be the same in
+with gamma = 0, the token draft at a fixed gamma (``--gamma``, 1), the adaptive
+policy with the token draft and, where the draft serves one, the feature head at
+``--head-gamma`` (:func:`specserve.bench.modes.latency_modes`), then the token
+draft's two again with overlap on (``CoordinatorSettings.overlap``: the draft
+drafts the next round while the target verifies; the coordinator drafts no
+feature round ahead), and records ms per committed token and the tokens per
+round. For the head it also records the feature bytes the coordinator relayed
+(:class:`specserve.bench.prom.FeatureBytes`) and the projections of
+:mod:`specserve.bench.head_projection`. Greedy output must be the same in
 every setting. With overlap on, the coordinator's
 ``specserve_coordinator_overlap_drafts_total`` counts the drafts made ahead
 that the next round used (the verdict bore the hypothesis out: every proposed
@@ -52,8 +57,11 @@ from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
+from specserve.bench import head_projection
 from specserve.bench import markdown as md
+from specserve.bench.modes import SpecMode, latency_modes, may_use_head
 from specserve.bench.options import LatencyOptions
+from specserve.bench.prom import FeatureBytes
 from specserve.bench.timing import timed_generate
 
 RTTS_MS = (0.0, 2.0, 10.0)
@@ -149,6 +157,11 @@ class LatencyRun:
     #: The generation's time waiting on the draft tier (``GenerationStats.draft_s``: its Propose calls,
     #: and with overlap the rounds that waited for a draft made ahead), where the draft's RTT lands.
     draft_wait_s: float = 0.0
+    #: Rounds that proposed (GenerationStats.draft_rounds), and the feature bytes the coordinator relayed
+    #: for the generation, by hop (0 for a mode that does not draft with the head).
+    draft_rounds: int = 0
+    feature_bytes_to_draft: int = 0
+    feature_bytes_from_target: int = 0
 
     @property
     def ms_per_token(self) -> float:
@@ -178,6 +191,8 @@ async def measure(
     rtts_ms=RTTS_MS,
     sides=SIDES,
     fixed_gamma: int = 1,
+    head_gamma: int | None = None,
+    draft_overrides: dict | None = None,
     max_new_tokens: int = 64,
     repeats: int = 2,
     cpus: dict[str, set[int]] | None = None,
@@ -188,13 +203,12 @@ async def measure(
     For each side, one stack per (RTT, overlap) is up at once and the settings take turns, prompt by
     prompt and repeat by repeat (every other repeat in the reverse order), so a machine that slows
     down in the middle slows every setting alike. ``cpus``: each role's CPUs (:func:`tier_cpus`;
-    the target then runs one thread per CPU it has)."""
+    the target then runs one thread per CPU it has). ``head_gamma``: the feature head's gamma (None: no
+    head mode); ``draft_overrides``: the draft's settings (:func:`specserve.bench.runner.head_overrides`)."""
     from specserve.client import AsyncClient
     from specserve.launch.local import start_process_stack
     from specserve.launch.redis_server import free_port
 
-    plain = {"gamma=0": 0, f"gamma={fixed_gamma}": fixed_gamma, "adaptive": None}
-    with_overlap = {f"gamma={fixed_gamma} +overlap": fixed_gamma, "adaptive +overlap": None}
     target_overrides = {} if cpus is None else {"threads": len(cpus["target"])}
     runs: list[LatencyRun] = []
     reference: dict[str, list[int]] = {}
@@ -224,20 +238,20 @@ async def measure(
                     endpoint_map=via,
                     coordinator_overrides={"overlap": overlap, "metrics_port": metrics_port},
                     target_overrides=target_overrides,
+                    draft_overrides=draft_overrides or {},
                     cpus=cpus,
                 )
                 up.push_async_callback(stack.stop)
                 client = await up.enter_async_context(AsyncClient(stack.address, timeout=600))
-                for gamma in (0, fixed_gamma, None):  # warm-up: connections, caches, the cost model
-                    await client.generate(prompt_token_ids=prompts[0][1], max_new_tokens=8, gamma=gamma)
-                settings.append((rtt, overlap, client, f"http://127.0.0.1:{metrics_port}/metrics"))
+                modes = latency_modes(fixed_gamma, head_gamma, overlap)
+                for mode in modes:  # warm-up: connections, caches, the cost model
+                    await client.generate(prompt_token_ids=prompts[0][1], max_new_tokens=8, **mode.request())
+                settings.append((rtt, modes, client, f"http://127.0.0.1:{metrics_port}/metrics"))
             for repeat in range(repeats):
                 for name, ids in prompts:
-                    for rtt, overlap, client, metrics in settings[:: 1 if repeat % 2 == 0 else -1]:
-                        for mode, gamma in (with_overlap if overlap else plain).items():
-                            run = await _one(
-                                client, metrics, side, rtt, mode, gamma, name, ids, max_new_tokens
-                            )
+                    for rtt, modes, client, metrics in settings[:: 1 if repeat % 2 == 0 else -1]:
+                        for mode in modes:
+                            run = await _one(client, metrics, side, rtt, mode, name, ids, max_new_tokens)
                             # Greedy: one output for every setting, the prompt's first run's.
                             run.identical = run.token_ids == reference.setdefault(name, run.token_ids)
                             runs.append(run)
@@ -245,23 +259,27 @@ async def measure(
     return runs
 
 
-async def _one(client, metrics: str, side: str, rtt: float, mode: str, gamma, name: str, ids, max_new_tokens):
-    """One greedy generation of ``ids`` through ``client``, with the overlap counters' change around it
-    (``identical`` is left for the caller, who holds every setting's outputs)."""
+async def _one(client, metrics: str, side: str, rtt: float, mode: SpecMode, name: str, ids, max_new_tokens):
+    """One greedy generation of ``ids`` through ``client`` in ``mode``, with the overlap counters' and the
+    feature bytes' change around it (``identical`` is left for the caller, who holds every setting's
+    outputs)."""
     from specserve.bench.prom import scrape
 
     def ahead(outcome: str) -> int:
         return int(scrape(metrics, "specserve_coordinator_overlap_drafts_total", {"outcome": outcome}))
 
-    used, wasted = ahead("used"), ahead("wasted")
+    feature_metrics = metrics if may_use_head(mode) else None
+    used, wasted, features = ahead("used"), ahead("wasted"), FeatureBytes.read(feature_metrics)
     result, total = await timed_generate(
-        client, prompt_token_ids=ids, max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, gamma=gamma
-    )
+        client, prompt_token_ids=ids, max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True,
+        **mode.request(),
+    )  # fmt: skip
     s = result.stats
+    relayed = FeatureBytes.read(feature_metrics) - features
     return LatencyRun(
         side,
         rtt,
-        mode,
+        mode.name,
         name,
         len(result.token_ids),
         total,
@@ -273,11 +291,16 @@ async def _one(client, metrics: str, side: str, rtt: float, mode: str, gamma, na
         ahead("wasted") - wasted,
         token_ids=list(result.token_ids),
         draft_wait_s=s.draft_s,
+        draft_rounds=s.draft_rounds,
+        feature_bytes_to_draft=relayed.to_draft,
+        feature_bytes_from_target=relayed.from_target,
     )
 
 
-def summarize(runs: list[LatencyRun]) -> list[dict]:
-    """Median ms/token and tokens per round per (side, RTT, mode); the cost of the RTT against RTT 0."""
+def summarize(runs: list[LatencyRun], head: dict | None = None) -> list[dict]:
+    """Median ms/token and tokens per round per (side, RTT, mode); the cost of the RTT against RTT 0; for a
+    mode that relayed features, the head figures (``head``: the served head,
+    :func:`specserve.bench.runner.head_info`)."""
     rows = []
     keys = dict.fromkeys((r.side, r.rtt_ms, r.mode) for r in runs)
     base = {}
@@ -302,6 +325,15 @@ def summarize(runs: list[LatencyRun]) -> list[dict]:
                 "n": len(sel),
                 "ahead_used": sum(r.ahead_used for r in sel),
                 "ahead_wasted": sum(r.ahead_wasted for r in sel),
+                "head": head_projection.figures(
+                    head,
+                    committed=sum(r.tokens for r in sel),
+                    to_draft_bytes=sum(r.feature_bytes_to_draft for r in sel),
+                    from_target_bytes=sum(r.feature_bytes_from_target for r in sel),
+                    proposed=sum(r.proposed for r in sel),
+                    accepted=sum(r.accepted for r in sel),
+                    draft_rounds=sum(r.draft_rounds for r in sel),
+                ),
             }
         )
     return rows
@@ -310,7 +342,7 @@ def summarize(runs: list[LatencyRun]) -> list[dict]:
 def to_json(runs: list[LatencyRun], settings: dict) -> dict:
     return {
         "settings": settings,
-        "summary": summarize(runs),
+        "summary": summarize(runs, settings.get("head")),
         "runs": [
             {k: v for k, v in asdict(r).items() if k != "token_ids"}
             | {"ms_per_token": r.ms_per_token, "draft_wait_ms_per_token": r.draft_wait_ms_per_token}
@@ -381,6 +413,19 @@ def section(data: dict) -> list[str]:
             for w in won
         ]  # fmt: skip
         lines += [*md.table(header, cells), ""]
+    heads = [r for r in data["summary"] if r.get("head")]
+    if heads:
+        lines += [
+            "The feature head's wire cost and projections, per setting:",
+            "",
+            *md.table(
+                ("tier", "RTT ms", "mode", *head_projection.HEADER),
+                [(r["side"], f"{r['rtt_ms']:g}", r["mode"], *head_projection.cells(r["head"])) for r in heads],
+            ),
+            "",
+            head_projection.note((st.get("head") or {}).get("head_over_target_step")),
+            "",
+        ]
     return lines
 
 
@@ -433,12 +478,15 @@ async def measure_for(opts: LatencyOptions) -> dict:
     from transformers import AutoTokenizer
 
     from specserve.bench.prompts import default_prompt_sets, load_prompt_sets
-    from specserve.bench.runner import Header, stack_of
+    from specserve.bench.runner import Header, head_gamma_or_reason, head_info, head_overrides, stack_of
 
     tokenizer = AutoTokenizer.from_pretrained(opts.target, local_files_only=True)
     first = (opts.prompt_sets or default_prompt_sets(tokenizer))[0]
     prompts = load_prompt_sets([first], tokenizer, opts.target, opts.prompts, opts.prompt_chars)[first]
-    total = len(opts.sides) * len(opts.rtts_ms) * 5 * len(prompts) * opts.repeats
+    head = head_info(opts)
+    head_gamma = head_gamma_or_reason(opts, head)
+    per_rtt = len(latency_modes(opts.gamma, head_gamma, False)) + len(latency_modes(opts.gamma, head_gamma, True))
+    total = len(opts.sides) * len(opts.rtts_ms) * per_rtt * len(prompts) * opts.repeats
     with tqdm(total=total, desc="latency", unit="gen") as bar:
         cpus = tier_cpus(opts.cores == "separate")
         runs = await measure(
@@ -447,6 +495,8 @@ async def measure_for(opts: LatencyOptions) -> dict:
             rtts_ms=tuple(opts.rtts_ms),
             sides=tuple(opts.sides),
             fixed_gamma=opts.gamma,
+            head_gamma=head_gamma,
+            draft_overrides=head_overrides(opts),
             cpus=cpus,
             progress=bar.update,
             **opts.pick("max_new_tokens", "repeats"),
@@ -459,6 +509,8 @@ async def measure_for(opts: LatencyOptions) -> dict:
         "sides": list(opts.sides),
         **opts.pick("max_new_tokens"),
         "fixed_gamma": opts.gamma,
+        "head_gamma": head_gamma,
+        "head": head,
         **opts.pick("repeats"),
         "cpus": None if cpus is None else {role: sorted(c) for role, c in cpus.items()},
     }

@@ -6,6 +6,7 @@ A mode's name is what the reports and ``bench.json`` key its figures by (docs/be
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,12 @@ def fixed(gamma: int, proposer: str = "model") -> SpecMode:
     return SpecMode(f"specserve {label}gamma={gamma}", gamma, proposer)
 
 
+def may_use_head(mode: SpecMode) -> bool:
+    """Whether ``mode`` can draft with the feature head: it names it, or leaves the proposer to the server,
+    whose default is the head where the draft serves one."""
+    return mode.proposer in ("feature", None)
+
+
 GAMMA0 = fixed(0)
 #: What a request that sets nothing gets.
 ADAPTIVE = SpecMode("specserve adaptive", None, None)
@@ -75,13 +82,39 @@ HEAD_MODES = frozenset(m.name for m in SPEC_MODES if m.proposer == "feature")
 SINGLE_MODES: tuple[str, ...] = (HF_TARGET, HF_STOCK, HF_ASSISTED, *HF_LOOKUP, *BY_NAME)
 
 #: The load sweep's modes run the draft model (proposer "model"): gamma 0 (the sweep's base), a fixed gamma,
-#: adaptive, and gamma 0 measured a second time (``--control``), the A/A control.
+#: adaptive, and gamma 0 measured a second time (``--control``), the A/A control; beside them the feature head
+#: at a fixed gamma where the draft serves one.
 LOAD_BASE = GAMMA0
 LOAD_ADAPTIVE = SpecMode(ADAPTIVE.name, None, "model")
 LOAD_CONTROL = SpecMode("specserve gamma=0 (again)", 0, "model")
 
 
-def load_modes(fixed_gamma: int, control: bool) -> list[SpecMode]:
-    """The load sweep's modes: gamma 0, ``fixed_gamma``, adaptive, and with ``control`` gamma 0 again, whose
-    ratio to the first is what the machine's noise alone does to a pair of points."""
-    return [LOAD_BASE, fixed(fixed_gamma), LOAD_ADAPTIVE, *([LOAD_CONTROL] if control else [])]
+def head_modes(head_gamma: int | None) -> list[SpecMode]:
+    """The feature head at ``head_gamma`` (none where None: the draft serves no head)."""
+    return [] if head_gamma is None else [fixed(head_gamma, "feature")]
+
+
+def load_modes(fixed_gamma: int, control: bool, head_gamma: int | None = None) -> list[SpecMode]:
+    """The load sweep's modes: gamma 0, ``fixed_gamma``, adaptive, the feature head at ``head_gamma`` (None:
+    none), and with ``control`` gamma 0 again, whose ratio to the first is what the machine's noise alone
+    does to a pair of points."""
+    return [
+        LOAD_BASE, fixed(fixed_gamma), LOAD_ADAPTIVE, *head_modes(head_gamma), *([LOAD_CONTROL] if control else [])
+    ]
+
+
+#: What the RTT sweep appends to a mode's name when the coordinator overlaps drafting with verifying.
+OVERLAP = " +overlap"
+
+
+def latency_modes(fixed_gamma: int, head_gamma: int | None, overlap: bool) -> list[SpecMode]:
+    """The RTT sweep's modes on a stack without overlap: gamma 0, the token draft at ``fixed_gamma``, adaptive
+    with the token draft, and the feature head at ``head_gamma`` (None: none); with ``overlap``, the token
+    draft's two again, named with :data:`OVERLAP` (gamma 0 drafts nothing, and the coordinator drafts no
+    feature round ahead: the head needs the features of the round in flight). Names without the
+    ``specserve`` prefix, as the sweep's tables have always had them."""
+    plain = [GAMMA0, fixed(fixed_gamma), LOAD_ADAPTIVE, *head_modes(head_gamma)]
+    modes = [m for m in plain if m.gamma != 0 and m.proposer != "feature"] if overlap else plain
+    # Named as the sweep's tables always have: "gamma=1", "adaptive +overlap", "feature gamma=2".
+    suffix = OVERLAP if overlap else ""
+    return [dataclasses.replace(m, name=m.name.removeprefix("specserve ") + suffix) for m in modes]

@@ -31,6 +31,13 @@ SAMPLING_TEMPERATURES = (0.7, 1.0)
 SAMPLING_GAMMAS = ("auto", "4")
 #: The gammas a feature head's card replays greedily.
 HEAD_GAMMAS = (1, 2, 3, 4, 6, 8)
+#: The feature head's fixed gamma in the load and RTT sweeps (its card's best projected chat gamma).
+HEAD_GAMMA = 2
+HEAD_GAMMA_HELP = "the feature head's fixed gamma, run where the draft serves a head (left out, with a message, where not)"
+HEAD_HELP = (
+    "the draft's feature head: a registered name or directory, 'none', or 'auto' (the default pair's head "
+    "with the default draft)"
+)
 Kernels = Literal["fastest", "auto", "stock", "onednn"]
 KERNELS_HELP = (
     "the target's linear-layer kernels (specserve/engine/cpu_kernels.py), in the target service and in the "
@@ -143,11 +150,7 @@ class StackOptions(PromptOptions):
     """The stack of one process per role the modes run through."""
 
     kernels: Kernels = opt("auto", KERNELS_HELP)
-    head: str = opt(
-        "auto",
-        "the draft's feature head: a registered name or directory, 'none', or 'auto' (the default pair's head "
-        "with the default draft)",
-    )
+    head: str = opt("auto", HEAD_HELP)
     draft_batch: int = opt(32, "sessions the draft drafts per pass (1: batching off)")
 
     def __post_init__(self) -> None:
@@ -175,6 +178,7 @@ class FullOptions(StackOptions):
         "load: measure gamma 0 twice at every point (an A/A control: the spread of its ratio is the noise a "
         "comparison of two modes has to clear)",
     )
+    head_gamma: int = opt(HEAD_GAMMA, "load: " + HEAD_GAMMA_HELP)
     cost_repeats: int = opt(50, "timings per model cost (the bound's inputs)")
 
     def __post_init__(self) -> None:
@@ -207,7 +211,10 @@ class LoadOptions(StackOptions):
     max_new_tokens: int = opt(64, "tokens per request")
     repeats: int = opt(3, "measure every point this many times, interleaved; the report gives medians")
     fixed_gamma: int = opt(4, "the fixed gamma beside gamma 0 and adaptive")
+    head_gamma: int = opt(HEAD_GAMMA, HEAD_GAMMA_HELP)
     control: bool = opt(False, "measure gamma 0 twice at every point (an A/A control)")
+    name: str = opt("load", "the files' name: <out>/<name>.json and <name>.md (load_<x> for further runs; "
+                    "the full report's load section comes from load.json alone)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -228,6 +235,8 @@ class LatencyOptions(PromptOptions):
         "the fixed gamma run with and without overlap (a round drafted ahead is used only when every proposed "
         "token is accepted and the bonus token guessed)",
     )
+    head_gamma: int = opt(HEAD_GAMMA, HEAD_GAMMA_HELP + "; no overlap twin: no feature round is drafted ahead")
+    head: str = opt("auto", HEAD_HELP)
     repeats: int = opt(2, "times each setting runs each prompt, interleaved")
     sides: list[Literal["draft", "target"]] = opt(["draft", "target"], "the tiers put behind the delay, in turn")
     cores: Literal["separate", "shared"] = opt(

@@ -21,6 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from coordinator.cost_model import expected_tokens_iid
+from specserve.bench import head_projection
 from specserve.bench import markdown as md
 from specserve.bench.costs import Costs, as_run, predicted_speedup
 from specserve.bench.latency import section as latency_section
@@ -506,6 +507,12 @@ def write_report(data: dict, out: Path) -> Path:
             rows.append((mode, spread, f"{hf / med:.2f}x", f"{g0 / med:.2f}x", acc, tpr))
         header = ("mode", "ms/token", "vs HF target-only", f"vs {BASE}", "acceptance", "tokens/round")
         lines += [f"### {key}", "", *md.table(header, rows), ""]
+    lines += head_table(
+        "The modes that drafted with the feature head: wire cost and projections",
+        ("set", "mode"),
+        single_head_rows(data["single_stream"]),
+        data.get("head"),
+    )
     rows = bound_rows(data)
     if rows:
         as_run = all("predicted_as_run" in r for r in rows)
@@ -753,12 +760,61 @@ def load_section(run: dict) -> list[str]:
         ]
         lines += md.table(header, cells)
     lines.append("")
+    lines += head_table(
+        "The feature head under load: its wire cost per point, summed over the repeats, and projections",
+        ("rate req/s", "mode"),
+        [((f"{rate:g}", mode), f) for (rate, mode), f in load_head_figures(run).items()],
+        run.get("head"),
+    )
     return lines
 
 
-def write_load(run: dict, out: Path) -> Path:
-    """``load.json``'s section alone (``bench load``), as ``<out>/load.md``."""
-    return md.write(out, "load", load_section(run))
+def load_head_figures(run: dict) -> dict[tuple[float, str], dict]:
+    """Per (rate, mode) whose points relayed features, the head figures over its repeats."""
+    groups: dict[tuple[float, str], list[dict]] = {}
+    for p in run["load"]:
+        if p.get("feature_bytes_to_draft"):  # the points that relayed features (none before the head)
+            groups.setdefault((p["rate_rps"], p["mode"]), []).append(p)
+    out = {}
+    for key, pts in groups.items():
+        f = head_projection.figures(
+            run.get("head"),
+            committed=sum(p["committed_tokens"] for p in pts),
+            to_draft_bytes=sum(p.get("feature_bytes_to_draft", 0) for p in pts),
+            from_target_bytes=sum(p.get("feature_bytes_from_target", 0) for p in pts),
+            proposed=sum(p["proposed_tokens"] for p in pts),
+            accepted=sum(p["accepted_tokens"] for p in pts),
+            draft_rounds=sum(p.get("draft_rounds", 0) for p in pts),
+        )
+        if f is not None:
+            out[key] = f
+    return out
+
+
+def head_table(title: str, keys: tuple[str, ...], rows: list[tuple[tuple, dict]], head: dict | None) -> list[str]:
+    """A table of head figures (:mod:`specserve.bench.head_projection`) under ``title``, each row its key cells
+    then the figures, and the note saying which are projections; nothing without rows."""
+    if not rows:
+        return []
+    return [
+        f"{title} (head `{Path(head['head']).name if head else '?'}`):",
+        "",
+        *md.table((*keys, *head_projection.HEADER), [(*k, *head_projection.cells(f)) for k, f in rows]),
+        "",
+        head_projection.note((head or {}).get("head_over_target_step")),
+        "",
+    ]
+
+
+def single_head_rows(single_stream: dict) -> list[tuple[tuple, dict]]:
+    """The single-stream (set, mode) rows with head figures (the modes that drafted with the head)."""
+    return [((key, mode), row["head"]) for key, group in single_stream.items() for mode, row in group.items()
+            if row.get("head")]  # fmt: skip
+
+
+def write_load(run: dict, out: Path, name: str = "load") -> Path:
+    """A load run's section alone (``bench load``), as ``<out>/<name>.md`` (``load.json``: ``load.md``)."""
+    return md.write(out, name, load_section(run))
 
 
 def single_section(run: dict) -> list[str]:
@@ -788,6 +844,12 @@ def single_section(run: dict) -> list[str]:
     lines += md.table(header, cells, align=[md.LEFT, md.LEFT, *[md.RIGHT] * 4])
     identity = run["greedy_identity"]
     lines += ["", f"Greedy runs token-identical to HF target-only: {identity['identical']} of {identity['total']}.", ""]
+    lines += head_table(
+        "The modes that drafted with the feature head: wire cost and projections",
+        ("set", "mode"),
+        single_head_rows(run["single_stream"]),
+        run.get("head"),
+    )
     return lines
 
 
@@ -825,8 +887,8 @@ def main(opts: ReportOptions) -> int:
         write_prediction(json.loads((folder / "prediction.json").read_text()), folder)
     for latency_file in latency_files(folder):
         write_latency(json.loads(latency_file.read_text()), folder, latency_file.stem)
-    if (folder / "load.json").exists():
-        write_load(json.loads((folder / "load.json").read_text()), folder)
+    for load_file in [*folder.glob("load.json"), *sorted(folder.glob("load_*.json"))]:  # and further runs
+        write_load(json.loads(load_file.read_text()), folder, load_file.stem)
     if (folder / "single.json").exists():
         write_single(json.loads((folder / "single.json").read_text()), folder)
     return 0

@@ -74,6 +74,47 @@ def resolve_pair(opts: PairOptions) -> None:
     opts.draft = str(resolve_model_path(str(opts.draft), "draft"))
 
 
+def head_overrides(opts: Any) -> dict[str, str]:
+    """The draft's settings for the feature head ``opts.head`` names ('auto': the default pair's head when
+    ``opts.draft`` is the default draft and the head is present; 'none': no head), given ``opts.target``."""
+    from specserve.bench.options import DEFAULT_DRAFT
+    from specserve.engine import model_registry
+    from specserve.engine.models import resolve_model_path
+
+    head = opts.head
+    if head == "auto":
+        source = model_registry.REGISTRY.get(model_registry.DEFAULT_HEAD)
+        default_draft = Path(resolve_model_path(DEFAULT_DRAFT, "draft")) == Path(opts.draft)
+        head = model_registry.DEFAULT_HEAD if default_draft and source is not None and source.present() else "none"
+    return {"feature_head": head, "feature_head_target": opts.target} if head != "none" else {"feature_head": "none"}
+
+
+def head_info(opts: Any) -> dict[str, Any] | None:
+    """The served feature head (None: the draft serves none): its directory, the hidden size of its feature
+    rows, and its step over a target step as its card measured (``card.json`` beside it; None without one),
+    what :mod:`specserve.bench.head_projection` projects from."""
+    import json
+
+    from specserve.engine.model_registry import resolve_model
+
+    head = head_overrides(opts)["feature_head"]
+    if head == "none":
+        return None
+    path = Path(resolve_model(head, progress=False))
+    card = path / "card.json"
+    ratio = json.loads(card.read_text())["costs"]["head_over_target_step"] if card.is_file() else None
+    hidden = json.loads((path / "config.json").read_text())["hidden_size"]
+    return {"head": str(path), "hidden": hidden, "head_over_target_step": ratio}
+
+
+def head_gamma_or_reason(opts: Any, info: dict[str, Any] | None) -> int | None:
+    """``opts.head_gamma`` where the draft serves a head, else None with the reason printed."""
+    if info is None:
+        print(f"the feature head's mode is left out: the draft {opts.draft} serves no head (--head {opts.head})")
+        return None
+    return int(opts.head_gamma)
+
+
 def stack_of(opts: PairOptions) -> dict[str, Any]:
     """The pair and the Redis a mode's ``measure`` starts its stacks with (``target``, ``draft``, ``redis_url``)."""
     return {"target": Path(opts.target), "draft": Path(opts.draft), "redis_url": opts.redis_url}

@@ -147,6 +147,12 @@ OVERLAP_DRAFTS = Counter(
     "the hypothesis out: the next round needed no draft call) or wasted.",
     ["outcome"],
 )
+FEATURE_BYTES = Counter(
+    "specserve_coordinator_feature_bytes",
+    "Bytes of the target's features (float16 rows for the feature head) on the wire, by hop: from_target "
+    "(in Verify replies) or to_draft (in Propose requests that the draft took).",
+    ["hop"],
+)
 PROPOSALS = Counter(
     "specserve_coordinator_proposals",
     "Rounds that proposed, by proposer: model (a draft call), ngram or prediction (in the coordinator).",

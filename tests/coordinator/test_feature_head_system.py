@@ -86,6 +86,35 @@ async def test_the_head_is_the_default_request_where_the_draft_serves_it(stack, 
     )
 
 
+def _feature_bytes(hop: str) -> float:
+    return REGISTRY.get_sample_value("specserve_coordinator_feature_bytes_total", {"hop": hop}) or 0.0
+
+
+async def test_the_coordinator_counts_the_feature_bytes_it_relays_and_no_others(stack, pair, head_dir):
+    """``specserve_coordinator_feature_bytes_total`` (what the benchmark's bytes per committed token are
+    read from): a feature session's rows, whole float16 rows of the target's hidden size, each committed
+    position at most once per hop (no failover here), and never more to the draft than came from the
+    target; a token-draft session relays none."""
+    import json
+
+    hidden = json.loads((pair.target_dir / "config.json").read_text())["hidden_size"]
+    row = hidden * 2
+    prompt = PROMPTS[3]
+    before = {hop: _feature_bytes(hop) for hop in ("to_draft", "from_target")}
+    out = await sf.generate(stack.address, sf.request(prompt, max_new_tokens=16, gamma=2, proposer=FEATURE))
+    got = {hop: _feature_bytes(hop) - before[hop] for hop in before}
+    positions = len(prompt) + len(out.token_ids)
+    assert out.stats.proposed_tokens > 0
+    assert got["to_draft"] > 0 and got["to_draft"] % row == 0 and got["from_target"] % row == 0, got
+    assert got["to_draft"] <= got["from_target"] <= positions * row, (got, positions)
+    before = {hop: _feature_bytes(hop) for hop in before}
+    model = await sf.generate(
+        stack.address, sf.request(prompt, max_new_tokens=16, gamma=2, proposer=common_pb2.PROPOSER_KIND_MODEL)
+    )
+    assert model.stats.proposed_tokens > 0
+    assert {hop: _feature_bytes(hop) - before[hop] for hop in before} == {"to_draft": 0.0, "from_target": 0.0}
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 async def test_coupled_mode_gives_the_same_text_with_the_head_as_with_the_token_draft(stack, pair, seed):
     prompt = PROMPTS[1]

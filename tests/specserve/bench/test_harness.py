@@ -90,11 +90,17 @@ async def test_a_full_run_measures_every_mode_and_greedy_output_is_the_targets(p
     assert "reads the grouped key/value heads in place" in report
 
 
-async def test_a_load_only_run_writes_load_json_and_the_report_takes_its_sweep(pair, redis_server, tmp_path):
+async def test_a_load_only_run_writes_load_json_and_the_report_takes_its_sweep(
+    pair, redis_server, tmp_path, tmp_path_factory
+):
+    """With a feature head served (``--head``), the sweep runs it too, and its points carry the feature bytes
+    the coordinator relayed, read from the coordinator's own ``/metrics`` (a process of its own)."""
+    head_dir = sf.tiny_head(pair, tmp_path_factory, [[5, 17, 33, 2]], length=8, steps=5)
     argv = [
         "load",
         "--target", str(pair.target_dir),
         "--draft", str(pair.draft_dir),
+        "--head", str(head_dir),
         "--redis-url", redis_server.url,
         "--out", str(tmp_path),
         "--prompt-sets", "chat",
@@ -103,14 +109,23 @@ async def test_a_load_only_run_writes_load_json_and_the_report_takes_its_sweep(p
         "--duration-s", "0.5",
         "--max-new-tokens", "4",
         "--fixed-gamma", "2",
+        "--head-gamma", "3",
+        "--name", "load_head",
     ]  # fmt: skip
     assert await asyncio.to_thread(main, argv) == 0
-    run = json.loads((tmp_path / "load.json").read_text())
+    run = json.loads((tmp_path / "load_head.json").read_text())
     assert run["command"].startswith("specserve bench load ") and run["prompt_set"] == "chat"
-    assert {(p["rate_rps"], p["mode"]) for p in run["load"]} == {
-        (rate, mode)
-        for rate in (2.0, 4.0)
-        for mode in ("specserve gamma=0", "specserve gamma=2", "specserve adaptive")
-    }
+    modes = ("specserve gamma=0", "specserve gamma=2", "specserve adaptive", "specserve feature gamma=3")
+    assert {(p["rate_rps"], p["mode"]) for p in run["load"]} == {(rate, m) for rate in (2.0, 4.0) for m in modes}
     assert all(p["errors"] == 0 and p["completed"] == p["requests"] for p in run["load"])
-    assert "specserve bench load " in (tmp_path / "load.md").read_text()
+    row = 2 * json.loads((head_dir / "config.json").read_text())["hidden_size"]
+    assert run["head"]["hidden"] * 2 == row and run["head"]["head_over_target_step"] is None  # no card beside it
+    for p in run["load"]:
+        relayed = p["feature_bytes_to_draft"]
+        if p["mode"].startswith("specserve feature") and p["completed"]:
+            assert relayed > 0 and relayed % row == 0 and p["draft_rounds"] > 0, p
+        else:
+            assert relayed == 0, p  # the token draft's modes relay nothing
+    text = (tmp_path / "load_head.md").read_text()
+    assert "specserve bench load " in text and "| specserve feature gamma=3 |" in text
+    assert "Projections, not measurements" in text

@@ -105,3 +105,13 @@ def test_the_card_renders_every_measured_row(tmp_path):
     assert "0.100 of a target decode step" in text and "| r0.5 | 0.5 | 500 |" in text
     head_card.plot_curve(points, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_a_new_rendering_keeps_the_hand_written_section_and_only_it(tmp_path):
+    readme = tmp_path / "README.md"
+    assert head_card.hand_written(readme) == ""
+    readme.write_text("# old figures\n\n## Cost\n\nold\n\n## In the service\n\nBelow break-even today.\n")
+    kept = head_card.hand_written(readme)
+    assert kept == "\n## In the service\n\nBelow break-even today.\n"
+    readme.write_text(head_card.render(_card(), None, []) + kept)
+    assert readme.read_text().count("## In the service") == 1 and "old figures" not in readme.read_text()

@@ -54,7 +54,9 @@ async def test_the_proxy_delays_each_way_and_keeps_the_order():
         server.close()
 
 
-async def test_the_mode_runs_through_the_harness_and_greedy_output_never_changes(pair, redis_server, tmp_path):
+async def test_the_mode_runs_through_the_harness_and_greedy_output_never_changes(
+    pair, redis_server, tmp_path, capsys
+):
     argv = [
         "latency",
         "--target", str(pair.target_dir),
@@ -72,6 +74,9 @@ async def test_the_mode_runs_through_the_harness_and_greedy_output_never_changes
     rows = data["summary"]
     assert {(r["side"], r["rtt_ms"]) for r in rows} == {(s, t) for s in ("draft", "target") for t in (0.0, 4.0)}
     assert {r["mode"] for r in rows} == {"gamma=0", "gamma=1", "adaptive", "gamma=1 +overlap", "adaptive +overlap"}
+    # The tiny draft serves no feature head: its mode is left out, and the run says why.
+    assert "the feature head's mode is left out" in capsys.readouterr().out
+    assert data["settings"]["head"] is None and all(r["head"] is None for r in rows)
     assert all(r["n"] == 2 for r in rows), "each setting ran the prompt once per repeat"
     # Tiers on cores of their own where there are two: the draft and the coordinator share the first.
     cpus = data["settings"]["cpus"]
