@@ -4,7 +4,7 @@
     specserve bench all --prompts 2 --max-new-tokens 64 ...   # every figure of the report (bench.json)
     specserve bench single | load | latency | draft-scaling | sampling-modes | prediction ...
     specserve bench overhead | kernels | invariance | attention | draft-card | head-card | demo-pair ...
-    specserve bench constraints | greedy-identity | prefix-cache | prefix-cache-memory ...
+    specserve bench constraints | greedy-identity | prefix-cache | prefix-cache-memory | structured ...
     specserve bench report docs/benchmarks                    # render the reports again from their JSON
 
 ``python -m specserve.bench`` is the same command. A subcommand's module is imported only when it runs, so
@@ -59,6 +59,7 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("greedy-identity", o.GreedyIdentityOptions, "specserve.bench.greedy_identity:main"),
     Subcommand("prefix-cache", o.PrefixCacheOptions, "specserve.bench.prefix_cache:main"),
     Subcommand("prefix-cache-memory", o.PrefixCacheMemoryOptions, "specserve.bench.prefix_cache:main_memory"),
+    Subcommand("structured", o.StructuredOptions, "specserve.bench.structured:main"),
     Subcommand("report", o.ReportOptions, "specserve.bench.report:main"),
 )
 

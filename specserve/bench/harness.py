@@ -30,7 +30,6 @@ to 32 sessions per call and drafts up to ``--draft-batch`` per pass (1: no draft
 from __future__ import annotations
 
 import asyncio
-import itertools
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -75,7 +74,7 @@ from specserve.bench.pair import hf_generate, load_pair
 from specserve.bench.prom import FeatureBytes, scrape
 from specserve.bench.prompts import default_prompt_sets, heldout_files, load_prompt_sets
 from specserve.bench.runner import Header, head_gamma_or_reason, head_info, head_overrides, run_mode
-from specserve.bench.timing import Stopwatch, timed_stream
+from specserve.bench.timing import Stopwatch, inter_token_latencies, timed_stream
 from specserve.engine import cpu_kernels
 from specserve.launch.local import COLOCATED_DRAFT_THREADS
 from specserve.runtime.config import CoordinatorSettings
@@ -313,7 +312,7 @@ async def load_point(
     ttft = [r.first_token_s for r, _ in ok]
     # Inter-token latency as a reader sees it: a chunk's gap since the previous
     # chunk, spread over the chunk's tokens.
-    itl = [(b - a) / n for _, st in ok for (a, _), (b, n) in itertools.pairwise(st) for _ in range(n)]
+    itl = [x for _, st in ok for x in inter_token_latencies(st)]
     queue = [r.queue_s / max(r.rounds, 1) for r, _ in ok]
     committed = sum(r.tokens for r, _ in ok)
     proposed = sum(r.proposed for r, _ in ok)

@@ -493,6 +493,46 @@ class PrefixCacheMemoryOptions(Options):
 
 
 @dataclass
+class StructuredOptions(Options):
+    """``structured``: structured output under speculation through the service: the default request against
+    target-alone constrained decoding (gamma 0) on JSON schemas with long fixed keys, and ordinary streams'
+    inter-token latency beside schemas that take seconds to compile (specserve/bench/structured.py)."""
+
+    out: Path = opt(DEFAULT_OUT, "the folder <name>.json and <name>.md go to")
+    name: str = opt("structured", "the files' name")
+    target: str | None = opt(None, "a registered model name or a directory (default: the default target)")
+    draft: str | None = opt(None, "a registered model name or a directory (default: the default draft)")
+    parts: list[Literal["speed", "isolation"]] = opt(["speed", "isolation"], "the parts to run")
+    schemas: Path = opt(Path("tests/data/constraints/long_keys.json"), "the speed part's schemas (name, prompt, schema)")
+    limit: int = opt(0, "the first N schemas only (0: all)")
+    repeats: int = opt(3, "interleaved pairs (gamma 0, the default request) per schema")
+    max_new_tokens: int = opt(320, "tokens at most per constrained generation (each stops where its schema is complete)")
+    streams: int = opt(8, "ordinary streams at once in the isolation part")
+    stream_tokens: int = opt(96, "tokens per ordinary stream (EOS ignored)")
+    slow_requests: int = opt(3, "slow-compiling requests sent beside the streams, each schema distinct")
+    slow_patterns: int = opt(280, "patternProperties per slow schema (compile time grows about as its cube)")
+    slow_tokens: int = opt(8, "tokens at most per slow request")
+    isolation_repeats: int = opt(2, "times each condition (alone, beside) runs, in ABBA order")
+    target_threads: int = opt(
+        0,
+        "the target's torch threads (0: its default, one per core; 1 keeps a pass's cost steady on a machine "
+        "whose cores other processes share, where a second thread team waits on descheduled threads)",
+    )
+    redis_url: str | None = opt(None, "a Redis to use (default: a throw-away one)")
+    start_timeout_s: float = opt(1200.0, "longest the stack may take to start")
+
+    def __post_init__(self) -> None:
+        _at_least(self.repeats, 1, "--repeats")
+        _at_least(self.streams, 1, "--streams")
+        _at_least(self.stream_tokens, 2, "--stream-tokens")
+        _at_least(self.slow_requests, 1, "--slow-requests")
+        _at_least(self.slow_patterns, 1, "--slow-patterns")
+        _at_least(self.isolation_repeats, 1, "--isolation-repeats")
+        if self.slow_patterns > 26 * 26:
+            raise ValueError(f"--slow-patterns must be <= {26 * 26}, got {self.slow_patterns}")
+
+
+@dataclass
 class ReportOptions(Options):
     """``report``: render every report in a folder from its JSON again, measuring nothing."""
 

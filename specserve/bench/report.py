@@ -891,4 +891,8 @@ def main(opts: ReportOptions) -> int:
         write_load(json.loads(load_file.read_text()), folder, load_file.stem)
     if (folder / "single.json").exists():
         write_single(json.loads((folder / "single.json").read_text()), folder)
+    if (folder / "structured.json").exists():
+        from specserve.bench import structured
+
+        md.write(folder, "structured", structured.render(json.loads((folder / "structured.json").read_text())))
     return 0

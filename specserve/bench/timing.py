@@ -7,6 +7,7 @@ Every figure in docs/benchmarks is timed by one of these (the in-process passes 
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import AsyncIterable, Callable, Iterator
@@ -87,6 +88,13 @@ class Streamed:
     @property
     def first_token_s(self) -> float:
         return self.stamps[0][0] if self.stamps else float("nan")
+
+
+def inter_token_latencies(stamps: list[tuple[float, int]]) -> list[float]:
+    """Inter-token latency as a reader sees it, from a stream's ``(arrival seconds, tokens)`` chunks: each
+    chunk's gap since the previous chunk, spread over the chunk's tokens (one figure per token after the
+    first chunk)."""
+    return [(b - a) / n for (a, _), (b, n) in itertools.pairwise(stamps) for _ in range(n)]
 
 
 async def timed_stream(stream: Any) -> Streamed:
