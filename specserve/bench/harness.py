@@ -461,23 +461,26 @@ def summarize_single(runs: list[Run], head: dict[str, Any] | None = None) -> Sin
 
 @dataclass
 class GreedyIdentity:
-    """Greedy specserve runs token-identical to HF target-only on the same prompt (same kernels), of all, and
-    to HF target-only with the stock kernels where that baseline ran (None where it did not)."""
+    """Greedy specserve runs token-identical to ``reference`` on the same prompt, of all: HF target-only (same
+    kernels) where it ran, else specserve at gamma 0 through the same service (a run of specserve modes alone,
+    ``--modes``); and to HF target-only with the stock kernels where that baseline ran (None where it did not)."""
 
     identical: int
     total: int
     identical_to_stock_kernels: int | None = None
+    reference: str = HF_TARGET
 
     @classmethod
     def of(cls, runs: list[Run]) -> GreedyIdentity:
         def reference(mode: str) -> dict:
             return {(r.prompt_set, r.prompt): r.token_ids for r in runs if r.mode == mode and r.temperature == 0}
 
-        ref, stock = reference(HF_TARGET), reference(HF_STOCK)
-        spec = [r for r in runs if r.temperature == 0 and r.mode in BY_NAME]
+        name = HF_TARGET if any(r.mode == HF_TARGET for r in runs) else GAMMA0.name
+        ref, stock = reference(name), reference(HF_STOCK)
+        spec = [r for r in runs if r.temperature == 0 and r.mode in BY_NAME and r.mode != name]
         same = sum(r.token_ids == ref.get((r.prompt_set, r.prompt)) for r in spec)
         to_stock = sum(r.token_ids == stock.get((r.prompt_set, r.prompt)) for r in spec) if stock else None
-        return cls(same, len(spec), to_stock)
+        return cls(same, len(spec), to_stock, name)
 
     def to_json(self) -> dict[str, int]:
         return {k: v for k, v in asdict(self).items() if v is not None}

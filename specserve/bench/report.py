@@ -843,7 +843,8 @@ def single_section(run: dict) -> list[str]:
     header = ("set", "mode", "ms/token (median)", "acceptance", "vs gamma 0", "vs HF assisted")
     lines += md.table(header, cells, align=[md.LEFT, md.LEFT, *[md.RIGHT] * 4])
     identity = run["greedy_identity"]
-    lines += ["", f"Greedy runs token-identical to HF target-only: {identity['identical']} of {identity['total']}.", ""]
+    reference = identity.get("reference", HF_TARGET)
+    lines += ["", f"Greedy runs token-identical to {reference}: {identity['identical']} of {identity['total']}.", ""]
     lines += head_table(
         "The modes that drafted with the feature head: wire cost and projections",
         ("set", "mode"),

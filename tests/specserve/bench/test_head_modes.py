@@ -129,3 +129,17 @@ def test_the_single_section_lists_the_modes_that_drafted_with_the_head():
     assert "| chat T=0 | specserve feature gamma=2 | 1152 | 1152 | 82 | 164 | 1.20x | 1.07x |" in text
     assert "| chat T=0 | specserve adaptive | 1152 |" in text
     assert "| chat T=0 | specserve gamma=0 | 1152" not in text
+
+
+def test_greedy_identity_is_against_gamma_0_where_no_hf_baseline_ran():
+    from specserve.bench.harness import GreedyIdentity, Run
+
+    def run(mode: str, tokens: list[int], temperature: float = 0.0) -> Run:
+        return Run(mode, "chat", "p1", temperature, len(tokens), 1.0, 0.1, token_ids=tokens)
+
+    runs = [run("specserve gamma=0", [1, 2, 3]), run("specserve feature gamma=2", [1, 2, 3]),
+            run("specserve adaptive", [1, 2, 4]), run("specserve feature gamma=4", [9], 0.7)]  # fmt: skip
+    alone = GreedyIdentity.of(runs)
+    assert (alone.identical, alone.total, alone.reference) == (1, 2, "specserve gamma=0")
+    with_hf = GreedyIdentity.of([*runs, run("hf target-only", [1, 2, 4])])
+    assert (with_hf.identical, with_hf.total, with_hf.reference) == (1, 3, "hf target-only")
