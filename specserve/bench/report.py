@@ -568,7 +568,20 @@ def write_report(data: dict, out: Path) -> Path:
     for latency_file in latency_files(out):
         lines += latency_section(json.loads(latency_file.read_text()))
     lines += ["## Plots", ""] + [f"![{n}]({n})" for n in plots] + [""]
+    lines += other_reports(out)
     return md.write(out, "README", lines)
+
+
+def other_reports(out: Path) -> list[str]:
+    """A section linking the reports beside this one in ``out`` (every ``*.md`` but README.md), each by its
+    first heading."""
+    found = []
+    for path in sorted(out.glob("*.md")):
+        if path.name == "README.md":
+            continue
+        heading = next((line[2:].strip() for line in path.read_text().splitlines() if line.startswith("# ")), path.stem)
+        found.append(f"- [{path.name}]({path.name}): {heading}")
+    return ["## Other reports", "", *found, ""] if found else []
 
 
 def draft_scaling_section(scaling: dict) -> list[str]:

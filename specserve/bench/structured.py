@@ -371,13 +371,16 @@ async def _isolation(client: Any, tokenizer: Any, metrics: Metrics, opts: Struct
             await asyncio.gather(*(f.wait() for f in firsts))
 
             async def one(seed: int) -> dict[str, Any]:
+                constraint = _constraint(slow_schema(seed, opts.slow_patterns))
+                stats: dict[str, float] = {}
                 with Stopwatch() as sw:
                     try:
-                        out = await _stream(client, slow_prompt, opts.slow_tokens, constraint=_constraint(slow_schema(seed, opts.slow_patterns)))
+                        out = await _stream(client, slow_prompt, opts.slow_tokens, constraint=constraint)
                         outcome = f"{len(out.token_ids)} tokens"
+                        stats = _stage_seconds(out.stats)
                     except Exception as exc:  # reported: a refusal (a time limit) is an outcome here
                         outcome = f"{type(exc).__name__}: {exc}"[:200]
-                return {"seed": seed, "seconds": sw.seconds, "outcome": outcome}
+                return {"seed": seed, "seconds": sw.seconds, "outcome": outcome, **stats}
 
             slow = await asyncio.gather(*(one(1000 * index + k) for k in range(opts.slow_requests)))
         outs = await asyncio.gather(*streams)
@@ -388,6 +391,7 @@ async def _isolation(client: Any, tokenizer: Any, metrics: Metrics, opts: Struct
                 "condition": condition,
                 "itls": itls,
                 "stream_seconds": [out.seconds for out in outs],
+                "stream_stages": [_stage_seconds(out.stats) for out in outs],
                 "slow": slow,
                 "compile_s": after[0] - before[0],
                 "compiles": after[1] - before[1],
@@ -396,6 +400,18 @@ async def _isolation(client: Any, tokenizer: Any, metrics: Metrics, opts: Struct
         )
         print(json.dumps({k: v for k, v in phases[-1].items() if k != "itls"}), flush=True)
     return {"phases": phases, "summary": isolation_summary(phases)}
+
+
+def _stage_seconds(stats: Any) -> dict[str, float]:
+    """Where a generation's time went, from its ``GenerationStats``: to the first token, waiting for draft
+    and verify replies, and the target's own time in its Verify calls outside the forward passes
+    (``target_ns - forward_ns``: reading the session, the grammar's masks and compiles, the verdict)."""
+    return {
+        "first_token_s": stats.first_token_ns / 1e9,
+        "draft_s": stats.draft_ns / 1e9,
+        "verify_s": stats.verify_ns / 1e9,
+        "target_outside_forward_s": (stats.target_ns - stats.forward_ns) / 1e9,
+    }
 
 
 def local_compile_s(tokenizer: Any, vocab_size: int, stop_ids: list[int], patterns: int) -> float:
@@ -426,10 +442,10 @@ async def _measure(opts: StructuredOptions) -> dict[str, Any]:
         stops.update([eos] if isinstance(eos, int) else (eos or []))
     stop_ids = sorted(stops)
     result: dict[str, Any] = {"args": {k: v for k, v in opts.settings().items() if k != "redis_url"}}
+    alone_s = None
     if "isolation" in opts.parts:
-        result["slow_compile_alone_s"] = local_compile_s(tokenizer, vocab_size, stop_ids, opts.slow_patterns)
-        print(f"llguidance compiles one slow schema ({opts.slow_patterns} patternProperties) alone in "
-              f"{result['slow_compile_alone_s']:.2f} s", flush=True)
+        alone_s = local_compile_s(tokenizer, vocab_size, stop_ids, opts.slow_patterns)
+        print(f"llguidance compiles one slow schema ({opts.slow_patterns} patternProperties) alone in {alone_s:.2f} s")
     metrics_port = free_port()
     with private_redis(opts.redis_url) as redis_url:
         stack = await start_process_stack(
@@ -444,14 +460,20 @@ async def _measure(opts: StructuredOptions) -> dict[str, Any]:
             async with AsyncClient(stack.address, timeout=900) as client:
                 await _stream(client, _render(tokenizer, "Hi"), 8)
                 metrics = Metrics(f"http://127.0.0.1:{metrics_port}/metrics")
-                result["load_before"] = _loadavg()
-                if "speed" in opts.parts:
-                    result["speed"] = await _speed(client, tokenizer, metrics, opts)
-                if "isolation" in opts.parts:
-                    result["isolation"] = await _isolation(client, tokenizer, metrics, opts)
-                result["load_after"] = _loadavg()
+                for part, measure in (("speed", _speed), ("isolation", _isolation)):
+                    if part in opts.parts:
+                        load_before = _loadavg()
+                        result[part] = await measure(client, tokenizer, metrics, opts)
+                        result[part].update(
+                            args=result["args"],
+                            load_before=load_before,
+                            load_after=_loadavg(),
+                            date_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                        )
         finally:
             await stack.stop()
+    if "isolation" in result:
+        result["isolation"]["slow_compile_alone_s"] = alone_s
     if "speed" in result:
         schemas = {s["name"]: s["schema"] for s in load_schemas(opts.schemas, opts.limit)}
         result["speed"]["mask"] = mask_cost(tokenizer, vocab_size, stop_ids, result["speed"]["runs"], schemas)
@@ -471,25 +493,31 @@ def _verdict(ok: bool) -> str:
 
 
 def render(result: dict[str, Any]) -> str:
-    """The report's Markdown from the figures ``_measure`` returned."""
-    a = result["args"]
+    """The report's Markdown from the figures ``_measure`` returned (each part with the run it came from)."""
     lines = [
         "# Structured output under speculation: speed and isolation",
         "",
         "Issue 41's two measured claims, through a `specserve up`-like stack (one process per role, the",
-        "default pair, float32 on the CPU"
-        + (f", the target on {a['target_threads']} torch thread(s)" if a.get("target_threads") else "")
-        + "), one run of:",
-        "",
-        *md.command_block(a["command"] or "specserve bench structured"),
-        f"Load average (1, 5, 15 min) before the runs {result.get('load_before')}, after {result.get('load_after')}.",
+        "default pair, float32 on the CPU, this repository's 2-core machine shared with other work).",
         "",
     ]
     if "speed" in result:
-        lines += _render_speed(result["speed"], a)
+        lines += _render_speed(result["speed"], result["speed"]["args"])
     if "isolation" in result:
-        lines += _render_isolation(result["isolation"], a, result.get("slow_compile_alone_s"))
+        lines += _render_isolation(result["isolation"], result["isolation"]["args"])
     return "\n".join(lines)
+
+
+def _run_lines(part: dict[str, Any], a: dict[str, Any]) -> list[str]:
+    """The command a part's figures come from, when, the target's threads and the load average."""
+    threads = f" The target ran on {a['target_threads']} torch thread(s)." if a.get("target_threads") else ""
+    return [
+        f"One run ({part.get('date_utc', '?')} UTC) of:",
+        "",
+        *md.command_block(a["command"] or "specserve bench structured"),
+        f"Load average (1, 5, 15 min) before {part.get('load_before')}, after {part.get('load_after')}.{threads}",
+        "",
+    ]
 
 
 def _render_speed(speed: dict[str, Any], a: dict[str, Any]) -> list[str]:
@@ -498,6 +526,7 @@ def _render_speed(speed: dict[str, Any], a: dict[str, Any]) -> list[str]:
     return [
         "## Speed: the default request against target-alone constrained decoding",
         "",
+        *_run_lines(speed, a),
         f"{len(s['per_schema'])} JSON schemas with long fixed keys ({a['schemas']}: nested objects, enums, bounded",
         f"strings and integers, every key required), greedy, {s['pairs']} interleaved pairs (gamma 0 and the default",
         "request, the first of each pair alternating). ms per committed token at the client; the ratio is",
@@ -536,8 +565,9 @@ def _render_speed(speed: dict[str, Any], a: dict[str, Any]) -> list[str]:
     ]
 
 
-def _render_isolation(iso: dict[str, Any], a: dict[str, Any], alone_s: float | None) -> list[str]:
+def _render_isolation(iso: dict[str, Any], a: dict[str, Any]) -> list[str]:
     s = iso["summary"]
+    alone_s = iso.get("slow_compile_alone_s")
     beside = [p for p in iso["phases"] if p["condition"] == "beside"]
     slow = [x for p in beside for x in p["slow"]]
     compile_s = [p["compile_s"] / max(p["compiles"], 1) for p in beside]
@@ -545,6 +575,7 @@ def _render_isolation(iso: dict[str, Any], a: dict[str, Any], alone_s: float | N
     return [
         "## Isolation: slow compiles beside ordinary streams",
         "",
+        *_run_lines(iso, a),
         f"{a['streams']} ordinary streams at once (held-out chat prompts, the default request, greedy, "
         f"{a['stream_tokens']} tokens each), alone and with {a['slow_requests']} constrained requests sent beside them",
         "once every stream had its first token. Each slow schema is distinct (no cache hit): `patternProperties`",
@@ -568,12 +599,54 @@ def _render_isolation(iso: dict[str, Any], a: dict[str, Any], alone_s: float | N
         f"- **Beside / solo: median {s['median_ratio']:.2f}x, p90 {s['p90_ratio']:.2f}x** (p99 {s['p99_ratio']:.2f}x); "
         f"the issue asks within {ISOLATION_BAR:g}x: {_verdict(ok)}.",
         "- The slow requests: " + "; ".join(f"{x['seconds']:.1f} s, {x['outcome']}" for x in slow) + ".",
+        *_stage_lines(iso["phases"], slow, alone_s),
         "",
     ]
 
 
+def _stage_lines(phases: list[dict[str, Any]], slow: list[dict[str, Any]], alone_s: float | None) -> list[str]:
+    """Where the time went (``GenerationStats``; absent in runs that did not record it), and, where a slow
+    request spent at least half a compile's time in the target outside its forward passes, what that is."""
+    if not slow or "first_token_s" not in slow[0] or "stream_stages" not in phases[0]:
+        return []
+    in_target = statistics.median(x["target_outside_forward_s"] for x in slow)
+    reading = []
+    if alone_s is not None and in_target >= 0.5 * alone_s:
+        reading = [
+            "- Reading: the coordinator compiles off its event loop, but each worker compiles a constraint it has "
+            "not seen again, on its model thread: the target at the session's first Verify "
+            "(`Verifier._constrain`, `SessionGrammars.at`), inside the batch and under the verifier's lock, and "
+            "the draft at its first Propose. Every session batched with the new one, or queued behind it, waits "
+            "for that compile: the ordinary streams' time outside forward passes above."
+        ]
+
+    def per_phase(condition: str, key: str) -> float:
+        """The streams' ``key`` seconds summed over a phase's streams, the mean over the phases."""
+        sums = [sum(st[key] for st in p["stream_stages"]) for p in phases if p["condition"] == condition]
+        return statistics.fmean(sums)
+
+    def stream_s(condition: str) -> float:
+        return statistics.fmean(x for p in phases if p["condition"] == condition for x in p["stream_seconds"])
+
+    return [
+        "- Where the time went (`GenerationStats`): a slow request's first token came "
+        f"{statistics.median(x['first_token_s'] for x in slow):.1f} s after it arrived (median), and it spent "
+        f"{statistics.median(x['target_outside_forward_s'] for x in slow):.1f} s in the target outside forward passes "
+        "(`target_ns - forward_ns`). An ordinary stream took "
+        f"{stream_s('solo'):.1f} s alone and {stream_s('beside'):.1f} s beside them (mean); the {len(phases[0]['stream_stages'])} streams' target time "
+        f"outside forward passes, summed, {per_phase('solo', 'target_outside_forward_s'):.1f} s alone and "
+        f"{per_phase('beside', 'target_outside_forward_s'):.1f} s beside (mean per phase).",
+        *reading,
+    ]
+
+
 def main(opts: StructuredOptions) -> int:
-    """``specserve bench structured``: ``<out>/<name>.json`` and ``<out>/<name>.md``."""
+    """``specserve bench structured``: ``<out>/<name>.json`` and ``<out>/<name>.md``. A part not run
+    (``--parts``) keeps its figures from the file already there, with the command they came from."""
     result = asyncio.run(_measure(opts))
+    path = opts.out / f"{opts.name}.json"
+    if path.exists():
+        kept = json.loads(path.read_text())
+        result = {**{p: kept[p] for p in ("speed", "isolation") if p in kept and p not in result}, **result}
     md.write(opts.out, opts.name, render(result), result)
     return 0

@@ -115,12 +115,12 @@ def test_slow_schemas_and_the_bench_set_compile_in_the_real_engine(tmp_path):
 
 def test_the_report_renders_from_its_figures():
     runs = [run("a", 0, sb.GAMMA0, 30.0), run("a", 0, sb.DEFAULT, 10.0, forced=60, accepted=70)]
+    args = StructuredOptions(command="specserve bench structured --repeats 1").settings()
+    run_info = {"args": args, "load_before": [1.0, 1.0, 1.0], "load_after": [1.5, 1.0, 1.0], "date_utc": "2026-12-05 07:00"}
+    stages = {"first_token_s": 7.0, "draft_s": 0.1, "verify_s": 7.5, "target_outside_forward_s": 6.0}
     result = {
-        "args": StructuredOptions(command="specserve bench structured --repeats 1").settings(),
-        "load_before": [1.0, 1.0, 1.0],
-        "load_after": [1.5, 1.0, 1.0],
-        "slow_compile_alone_s": 3.2,
         "speed": {
+            **run_info,
             "compiles": [{"schema": "a", "compile_ms": 4.5, "compiles": 1}],
             "cache": sb.hit_rate({}, {"cached": 1.0, "compiled": 1.0}),
             "runs": runs,
@@ -128,10 +128,13 @@ def test_the_report_renders_from_its_figures():
             "mask": {"tokens": 100, "median_us": 10, "mean_us": 20, "p99_us": 90, "step_ms": 25.0, "share": 0.0008},
         },
         "isolation": {
+            **run_info,
+            "slow_compile_alone_s": 3.2,
             "phases": [
-                {"condition": "solo", "itls": [0.02], "slow": []},
-                {"condition": "beside", "itls": [0.04], "slow": [{"seed": 1, "seconds": 4.0, "outcome": "8 tokens"}],
-                 "compile_s": 3.0, "compiles": 1},
+                {"condition": "solo", "itls": [0.02], "slow": [], "stream_seconds": [10.0],
+                 "stream_stages": [{**stages, "target_outside_forward_s": 0.5}]},
+                {"condition": "beside", "itls": [0.04], "slow": [{"seed": 1, "seconds": 4.0, "outcome": "8 tokens", **stages}],
+                 "compile_s": 3.0, "compiles": 1, "stream_seconds": [16.0], "stream_stages": [stages]},
             ],
             "summary": sb.isolation_summary([{"condition": "solo", "itls": [0.02]}, {"condition": "beside", "itls": [0.04]}]),
         },
@@ -141,6 +144,8 @@ def test_the_report_renders_from_its_figures():
     assert "3.00x" in text and "met" in text  # the speed-up of the one pair
     assert "median 2.00x" in text and "**missed**" in text  # isolation: 40 ms against 20 ms
     assert "50%" in text  # the hit rate
+    assert "10.0 s alone and 16.0 s beside" in text and "0.5 s alone and 6.0 s beside" in text
+    assert "Verifier._constrain" in text  # 6 s in the target against a 3.2 s compile: the reading
 
 
 @pytest.mark.parametrize(
@@ -149,3 +154,19 @@ def test_the_report_renders_from_its_figures():
 def test_options_refuse_what_no_run_can_do(field, value):
     with pytest.raises(ValueError):
         StructuredOptions(**{field: value})
+
+
+def test_the_benchmark_readme_links_every_other_report_by_its_heading(tmp_path):
+    from specserve.bench.report import other_reports
+
+    assert other_reports(tmp_path) == []
+    (tmp_path / "README.md").write_text("# the report itself\n")
+    (tmp_path / "structured.md").write_text("intro\n# Structured output: speed\n## a part\n")
+    (tmp_path / "a.md").write_text("no heading\n")
+    assert other_reports(tmp_path) == [
+        "## Other reports",
+        "",
+        "- [a.md](a.md): a",
+        "- [structured.md](structured.md): Structured output: speed",
+        "",
+    ]
