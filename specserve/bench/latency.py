@@ -377,6 +377,7 @@ def section(data: dict) -> list[str]:
             if repeats > 1
             else ""
         )
+        + (f"{line} " if (line := md.load_line(data)) else "")
         + "'added' is ms/token above the same mode at RTT 0 on the same side. 'drafted ahead, "
         "used': with overlap, the drafts made while the target verified that the next round could use (the "
         "verdict accepted every proposed token and its bonus token was the draft's guess), of all drafted ahead.",

@@ -35,6 +35,22 @@ def command_block(command: str) -> list[str]:
     return [f"```\n{command}\n```", ""]
 
 
+def load_line(data: dict[str, Any]) -> str:
+    """The sentence on the machine's load average around a run (``load_average``, from
+    :func:`specserve.bench.runner.run_mode`), or '' for runs without it."""
+    load = data.get("load_average")
+    if not load:
+        return ""
+
+    def avg(xs: list[float]) -> str:
+        return "/".join(f"{x:.2f}" for x in xs)
+
+    return (
+        f"Load average (1/5/15 min, as `uptime` gives it) on {load['cpus']} CPUs: {avg(load['before'])} before the "
+        f"run, {avg(load['after'])} after."
+    )
+
+
 def greedy_line(runs: list[dict[str, Any]], max_new_tokens: int, between: str) -> tuple[int, str]:
     """How many of ``runs`` (``identical``/``prompt``/``first_difference`` each) were token-identical
     ``between`` two paths, and the sentence saying so (its closing punctuation left to the caller)."""

@@ -728,6 +728,7 @@ def load_section(run: dict) -> list[str]:
             *md.command_block(run["command"]),
             f"Prompts: the held-out `{run['prompt_set']}` set, the same arrival schedule for every mode.",
             "",
+            *([line, ""] if (line := md.load_line(run)) else []),
         ]
     lines += [
         f"Each point measured {repeats} time(s), interleaved (every repeat sweeps the rates, and at each rate "
@@ -842,6 +843,7 @@ def single_section(run: dict) -> list[str]:
         f"{settings['max_new_tokens']} tokens, {settings.get('repeats', settings.get('single_repeats'))} interleaved passes; feature head "
         f"served: {'yes' if run.get('feature_head') else 'no'})",
         "",
+        *([line, ""] if (line := md.load_line(run)) else []),
     ]
     cells = []
     for key, group in run["single_stream"].items():

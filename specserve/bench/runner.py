@@ -5,6 +5,7 @@ a private Redis, and writing ``<out>/<name>.json`` with its Markdown (docs/bench
 from __future__ import annotations
 
 import asyncio
+import os
 import platform
 import time
 from collections.abc import Awaitable, Callable
@@ -127,7 +128,8 @@ def run_mode(
     write: Callable[[dict[str, Any], Path], Path | list[Path]],
 ) -> int:
     """Measure through a stack (``measure(opts)``, with a private Redis unless ``--redis-url``), then write
-    ``<out>/<name>.json`` and what ``write(data, out)`` renders from it."""
+    ``<out>/<name>.json`` (with the machine's load average before and after, ``load_average``: the machine
+    may be shared) and what ``write(data, out)`` renders from it."""
     from specserve.launch.redis_server import private_redis
     from specserve.runtime.logs import configure_logging
 
@@ -140,7 +142,9 @@ def run_mode(
             opts.redis_url = url
             return await measure(opts)
 
+    before = os.getloadavg()
     data = asyncio.run(go())
+    data["load_average"] = {"before": list(before), "after": list(os.getloadavg()), "cpus": os.cpu_count()}
     raw = md.write_json(opts.out / f"{name}.json", data)
     print(f"wrote {raw} and {write(data, opts.out)}")
     return 0

@@ -143,3 +143,11 @@ def test_greedy_identity_is_against_gamma_0_where_no_hf_baseline_ran():
     assert (alone.identical, alone.total, alone.reference) == (1, 2, "specserve gamma=0")
     with_hf = GreedyIdentity.of([*runs, run("hf target-only", [1, 2, 4])])
     assert (with_hf.identical, with_hf.total, with_hf.reference) == (1, 3, "hf target-only")
+
+
+def test_a_runs_load_average_is_said_where_it_was_recorded():
+    from specserve.bench import markdown as md
+
+    assert md.load_line({}) == ""
+    line = md.load_line({"load_average": {"before": [2.5, 2.0, 1.0], "after": [3.0, 2.25, 1.5], "cpus": 2}})
+    assert line == "Load average (1/5/15 min, as `uptime` gives it) on 2 CPUs: 2.50/2.00/1.00 before the run, 3.00/2.25/1.50 after."
