@@ -144,7 +144,7 @@ def test_the_report_renders_from_its_figures():
     assert "3.00x" in text and "met" in text  # the speed-up of the one pair
     assert "median 2.00x" in text and "**missed**" in text  # isolation: 40 ms against 20 ms
     assert "50%" in text  # the hit rate
-    assert "10.0 s alone and 16.0 s beside" in text and "0.5 s alone and 6.0 s beside" in text
+    assert "10.0 s alone and 16.0 s beside" in text and "0.50 s alone and 6.00 s beside" in text
     assert "Verifier._constrain" in text  # 6 s in the target against a 3.2 s compile: the reading
 
 
