@@ -14,6 +14,12 @@ while a call is in flight the next rounds queue up and join the following
 batch, which is what batches sessions under load without any waiting when the
 replica is idle and alone.
 
+An item submitted ``alone`` goes in a call of its own at once, beside the batched
+calls and outside ``max_in_flight``: the pool sends so a constrained session's
+first item to a replica that has not seen its constraint (the replica compiles it
+first, which may take seconds; only that call waits for it, not the sessions that
+would have shared its batch, nor the batches queued behind it).
+
 A failure of the whole call (replica down, deadline) is set on every future of
 that batch; per-item errors (a stale version, a draft missing tokens) arrive in
 the item's own result. What a call cost travels with each of its results;
@@ -32,6 +38,7 @@ import abc
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -54,6 +61,36 @@ log = structlog.get_logger(__name__)
 
 ItemT = TypeVar("ItemT")
 ResultT = TypeVar("ResultT")
+
+
+#: Constraints remembered per replica: the workers' compiled-grammar cache size (specserve.engine.grammar).
+SIGHTINGS_PER_REPLICA = 256
+
+
+class ConstraintSightings:
+    """Which constraints each replica has answered an item for lately (the most recent
+    ``per_replica`` kept): an item whose constraint a replica has not seen goes ``alone``, since
+    that replica compiles the constraint before it answers (see the module docstring). A replica
+    that evicted or never kept a grammar still compiles it off its model thread; only the
+    items batched with it would then wait."""
+
+    def __init__(self, per_replica: int = SIGHTINGS_PER_REPLICA) -> None:
+        self.per_replica = per_replica
+        self._seen: dict[str, OrderedDict[Any, None]] = {}
+
+    def new_to(self, endpoint: str, constraint: Any | None) -> bool:
+        """Whether ``endpoint`` has not answered an item under ``constraint`` lately (False for None)."""
+        return constraint is not None and constraint not in self._seen.get(endpoint, ())
+
+    def answered(self, endpoint: str, constraint: Any | None) -> None:
+        """Record that ``endpoint`` answered an item under ``constraint`` (it holds the grammar now)."""
+        if constraint is None:
+            return
+        seen = self._seen.setdefault(endpoint, OrderedDict())
+        seen[constraint] = None
+        seen.move_to_end(constraint)
+        while len(seen) > self.per_replica:
+            seen.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -136,14 +173,21 @@ class Batcher(abc.ABC, Generic[ItemT, ResultT]):
     def in_flight(self) -> int:
         return len(self._calls)
 
-    async def submit(self, item: ItemT) -> ResultT:
-        """Queue ``item``; resolves when its batch returns (raises when the whole call failed)."""
+    async def submit(self, item: ItemT, *, alone: bool = False) -> ResultT:
+        """Queue ``item``; resolves when its batch returns (raises when the whole call failed).
+
+        ``alone``: send it now in a call of its own, which takes no ``max_in_flight`` slot (see the
+        module docstring)."""
         if self._closed:
             raise RuntimeError("the batcher is closed")
         future: asyncio.Future[ResultT] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(item, future, time.perf_counter_ns(), current_request_id()))
-        self._set_depth()
-        self._wakeup.set()
+        pending = _Pending(item, future, time.perf_counter_ns(), current_request_id())
+        if alone:
+            self._start_call([pending], holds_slot=False)
+        else:
+            self._queue.append(pending)
+            self._set_depth()
+            self._wakeup.set()
         return await future
 
     @abc.abstractmethod
@@ -174,10 +218,13 @@ class Batcher(abc.ABC, Generic[ItemT, ResultT]):
                 if not batch:
                     self._slots.release()
                     continue
-                self.in_flight_items += len(batch)
-                task = asyncio.create_task(self._call(batch))
-                self._calls.add(task)
-                task.add_done_callback(self._calls.discard)
+                self._start_call(batch, holds_slot=True)
+
+    def _start_call(self, batch: list[_Pending[ItemT, ResultT]], *, holds_slot: bool) -> None:
+        self.in_flight_items += len(batch)
+        task = asyncio.create_task(self._call(batch, holds_slot=holds_slot))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
 
     async def _wait_for_more(self) -> None:
         deadline = time.monotonic() + self.max_wait_s
@@ -189,7 +236,7 @@ class Batcher(abc.ABC, Generic[ItemT, ResultT]):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
 
-    async def _call(self, batch: list[_Pending[ItemT, ResultT]]) -> None:
+    async def _call(self, batch: list[_Pending[ItemT, ResultT]], *, holds_slot: bool) -> None:
         # This task's own context: the call carries the request ids of its items, joined and capped
         # below gRPC's metadata limit (clean_request_ids), so no item's id can fail the call.
         structlog.contextvars.bind_contextvars(request_id=clean_request_ids([p.request_id for p in batch]))
@@ -203,7 +250,8 @@ class Batcher(abc.ABC, Generic[ItemT, ResultT]):
             return
         finally:
             self.in_flight_items -= len(batch)
-            self._slots.release()
+            if holds_slot:
+                self._slots.release()
             self.calls_made += 1
             self.items_sent += len(batch)
             if self._queue:

@@ -22,7 +22,10 @@ for a proposal and for a verdict and never touches a replica itself:
   ``propose`` depends only on the session's committed state, so a round may
   ask for its next proposal while its verify is still in flight.
 * :meth:`WorkerPool.verify` sends the item through the batcher of the
-  session's target replica, failing over. A replica fault (UNAVAILABLE,
+  session's target replica, failing over. A constrained session's item to a
+  replica that has not answered for its constraint lately goes in a call of
+  its own (``ConstraintSightings``; so does a batched Propose to a draft): the
+  replica compiles the constraint first, and only that call waits for it. A replica fault (UNAVAILABLE,
   DEADLINE_EXCEEDED, CANCELLED, a worker bug: :func:`is_replica_fault`) opens
   the replica's breaker, once per failed batch, and the same item, with the
   same ``(session, version)``, goes to the next replica on the session's ring;
@@ -75,7 +78,7 @@ from typing import NamedTuple, TypeVar
 import structlog
 
 from coordinator.acceptance import AcceptanceMemory, ProbeClock
-from coordinator.batcher import BatchedResult, ProposeBatcher, VerifyBatcher
+from coordinator.batcher import BatchedResult, ConstraintSightings, ProposeBatcher, VerifyBatcher
 from coordinator.cost_model import CostModel
 from coordinator.policy import LoadSnapshot
 from coordinator.routing import ReplicaSet, prefix_key
@@ -206,6 +209,10 @@ class WorkerPool:
             if draft_max_batch_size > 1
             else {}
         )
+        #: Per replica, the constraints it answered for lately: a constrained session's item to a replica
+        #: that has not seen its constraint goes in a call of its own (the replica compiles it first).
+        self.target_sightings = ConstraintSightings()
+        self.draft_sightings = ConstraintSightings()
         self._bindings: dict[str, _Binding] = {}
         self._active = 0
         #: Which target each active session's next Verify item goes to, and the count per target.
@@ -431,7 +438,10 @@ class WorkerPool:
             request.features.CopyFrom(block.to_pb())
             request.features_reset = reset
         if self._batched(session, endpoint):
-            reply = await self._through_batcher(self.propose_batchers[endpoint], request)
+            constraint = session.sampling.constraint
+            alone = self.draft_sightings.new_to(endpoint, constraint)
+            reply = await self._through_batcher(self.propose_batchers[endpoint], request, alone=alone)
+            self.draft_sightings.answered(endpoint, constraint)
         else:
             reply = await self.draft_clients[endpoint].propose_one(request)
         if relay is not None:
@@ -440,10 +450,11 @@ class WorkerPool:
         return reply
 
     async def _through_batcher(
-        self, batcher: ProposeBatcher, request: draft_pb2.ProposeRequest
+        self, batcher: ProposeBatcher, request: draft_pb2.ProposeRequest, *, alone: bool = False
     ) -> ProposeReply:
-        """One item of a ProposeBatch call: its proposal, or its own error raised (the call's, when it failed)."""
-        batched = await batcher.submit(request)
+        """One item of a ProposeBatch call (``alone``: a call of its own): its proposal, or its own error
+        raised (the call's, when it failed)."""
+        batched = await batcher.submit(request, alone=alone)
         if batched.item.error is not None:
             raise batched.item.error
         assert batched.item.reply is not None
@@ -485,7 +496,8 @@ class WorkerPool:
             self._binding(sid).targets_used.add(endpoint)
             self._bind(sid, endpoint)
             try:
-                batched = await self._shielded(sid, self._submit_verify(sid, endpoint, item))
+                alone = self.target_sightings.new_to(endpoint, session.sampling.constraint)
+                batched = await self._shielded(sid, self._submit_verify(sid, endpoint, item, alone=alone))
             except errors.InvalidArgument as exc:
                 if not item.proposal.token_ids:
                     raise
@@ -516,6 +528,7 @@ class WorkerPool:
                 )
                 continue
             self.targets.mark_ok(endpoint)
+            self.target_sightings.answered(endpoint, session.sampling.constraint)
             self._observe_verify(batched, drafted=drafted and bool(item.proposal.token_ids))
             refused = batched.item.error
             if isinstance(refused, errors.InvalidArgument) and item.proposal.token_ids:
@@ -538,9 +551,10 @@ class WorkerPool:
         )
 
     async def _submit_verify(
-        self, session_id: str, endpoint: str, item: target_pb2.VerifyItem
+        self, session_id: str, endpoint: str, item: target_pb2.VerifyItem, *, alone: bool = False
     ) -> BatchedResult:
-        """One Verify attempt through the replica's batcher.
+        """One Verify attempt through the replica's batcher (``alone``: in a call of its own, for a
+        constraint the replica has not seen: it compiles it first, and only this call waits).
 
         The session counts as verifying while it waits; it stops as soon as its result is in, before its
         round resumes: the sessions of one Verify batch all resume together, and the first of them to
@@ -548,7 +562,7 @@ class WorkerPool:
         """
         self._verifying_now(session_id, True)
         try:
-            return await self.batchers[endpoint].submit(item)
+            return await self.batchers[endpoint].submit(item, alone=alone)
         finally:
             self._verifying_now(session_id, False)
 

@@ -6,7 +6,10 @@
 replica's :class:`~specserve.engine.model_thread.ModelThread`.
 
 A call (:meth:`DraftEngine.propose_batch`; :meth:`DraftEngine.propose` is a call
-of one) is handled in two parts:
+of one) is handled in two parts, after its constrained items' constraints that the
+grammar engine does not hold are compiled on threads of their own
+(:meth:`~specserve.engine.grammar.SessionGrammars.prepare`: the model thread drafts
+other calls meanwhile):
 
 1. **On the event loop, in arrival order**: each item's committed prefix ``C``
    is resolved against the history (the ``start_position`` protocol) and
@@ -42,6 +45,7 @@ from draft_service.history import CommittedHistory
 from draft_service.messages import ProposeCall, ProposeResult
 from draft_service.proposers import Drafted, DraftRequest, Proposer
 from specserve.api.errors import FailedPrecondition, NotFound, SpecServeError, Unavailable
+from specserve.engine.grammar import SessionGrammars
 from specserve.engine.kvcache import SessionCacheStore
 from specserve.engine.model_thread import ModelThread
 from specserve.runtime import metrics
@@ -69,6 +73,8 @@ class DraftEngine:
     ``caches``: the model proposer's cache store, reported in the cache gauges (None: no gauges).
     ``max_batch_size``: most items drafted in one pass (1: every session alone).
     ``eos_token_ids``: the model's end-of-sequence tokens (drafting ends after one unless the call ignores EOS).
+    ``grammars``: the model proposer's constrained sessions' matchers, whose constraints a call compiles
+    before its items join the queue (None: nothing is compiled ahead).
     """
 
     def __init__(
@@ -80,6 +86,7 @@ class DraftEngine:
         max_batch_size: int = 32,
         eos_token_ids: frozenset[int] = frozenset(),
         thread: ModelThread | None = None,
+        grammars: SessionGrammars | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -89,6 +96,7 @@ class DraftEngine:
         self.max_batch_size = max_batch_size
         self.eos_token_ids = eos_token_ids
         self.thread = thread or ModelThread("draft-model")
+        self.grammars = grammars
         self._queue: collections.deque[_Job] = (
             collections.deque()
         )  # appended on the loop, taken on the thread
@@ -108,6 +116,13 @@ class DraftEngine:
     async def propose_batch(self, calls: Sequence[ProposeCall]) -> list[ItemOutcome]:
         """Draft for every call (distinct sessions), in order; an item's error is its outcome."""
         start = time.perf_counter_ns()
+        if self.grammars is not None:  # off the model thread: a slow compile holds up this call only
+            model = common_pb2.PROPOSER_KIND_MODEL
+            await self.grammars.prepare(
+                c.sampling.constraint
+                for c in calls
+                if c.sampling.constraint and c.gamma and c.proposer == model
+            )
         outcomes: list[ItemOutcome | None] = [None] * len(calls)
         waiting: list[tuple[int, asyncio.Future[Drafted]]] = []
         loop = asyncio.get_running_loop()

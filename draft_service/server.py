@@ -75,6 +75,7 @@ def build_draft(settings: DraftSettings, *, model: LoadedModel | None = None) ->
         max_batch_size=settings.max_batch_size,
         eos_token_ids=model.eos_token_ids,
         thread=thread,
+        grammars=grammars,
     )
     max_tokens = min(settings.max_session_tokens, model.max_positions or settings.max_session_tokens)
     servicer = DraftServicer(engine, model.info, max_gamma=settings.max_gamma, max_tokens=max_tokens)

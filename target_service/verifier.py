@@ -112,7 +112,11 @@ steps; the ones before it are committed.
 Every model call and every cache mutation (reconcile, the verify pass, settling
 or rolling back each cache after the commit, eviction, release) runs on the
 verifier's :class:`~specserve.engine.model_thread.ModelThread`, one batch at a time
-(an ``asyncio.Lock`` spans the batch, its Redis reads and commits included). A
+(an ``asyncio.Lock`` spans the batch, its Redis reads and commits included). Before
+the lock, a constraint of the batch's sessions that the grammar engine does not
+hold is compiled on a thread of its own (:meth:`Verifier._prepare_grammars`), so
+a schema that takes seconds to compile holds up its own call, never the model
+thread or the batches of other calls. A
 batch once started runs to the end even if the caller cancels (a retry then
 replays it), so caches never see a half-done round.
 """
@@ -300,8 +304,11 @@ class Verifier:
 
     async def _verify(self, batch: VerifyBatch) -> BatchResult:
         start = time.perf_counter_ns()
+        loaded = await self._prepare_grammars(batch)
         async with self._lock:
-            records = await asyncio.gather(*(self._record(item) for item in batch.items))
+            records = await asyncio.gather(
+                *(self._record(item, loaded.get(item.session_id)) for item in batch.items)
+            )
             results: list[ItemResult | None] = [None] * len(batch.items)
             work: list[_Work] = []
             for index, (item, record) in enumerate(zip(batch.items, records, strict=True)):
@@ -349,14 +356,42 @@ class Verifier:
 
     # ------------------------------------------------------------------ load / triage
 
-    async def _record(self, item: VerifyItem) -> SessionRecord | SpecServeError:
-        """The session's log: what this replica committed last when the item is based on exactly that,
-        else a load from Redis."""
-        known = self._known.get(item.session_id)
+    async def _prepare_grammars(self, batch: VerifyBatch) -> dict[str, SessionRecord | SpecServeError]:
+        """Compile the constraints of the batch's sessions that the engine does not hold, before the lock:
+        off the model thread, so a slow compile holds up this call only, not the batches of other calls
+        (:meth:`SessionGrammars.prepare`). A session's settings come from memory, or from a read of its
+        record the first time this replica sees it; the records read are returned, for :meth:`_record`
+        to use as a hint (the commit's compare-and-set decides, as for :attr:`_known`)."""
+        unknown = list(dict.fromkeys(i.session_id for i in batch.items if i.session_id not in self._settings))
+        loaded = dict(zip(unknown, await asyncio.gather(*(self._load(sid) for sid in unknown)), strict=True))
+        constraints = []
+        for item in batch.items:
+            settings = self._settings.get(item.session_id)
+            record = loaded.get(item.session_id)
+            if settings is None and isinstance(record, SessionRecord):
+                settings = record.settings
+            constraint = settings.sampling.constraint if settings is not None else None
+            if constraint is not None and not self.grammars.ready(constraint):
+                constraints.append(constraint)
+        if constraints:
+            await self.grammars.prepare(constraints)
+        return loaded
+
+    async def _record(
+        self, item: VerifyItem, loaded: SessionRecord | SpecServeError | None = None
+    ) -> SessionRecord | SpecServeError:
+        """The session's log: what this replica committed last, or ``loaded`` (read by this call before the
+        lock), when the item is based on exactly that; else a load from Redis."""
         base = item.base
+        known = self._known.get(item.session_id)
         if known is not None and (known.version, known.committed_len) == (base.version, base.committed_len):
             self._known.move_to_end(item.session_id)
             return known
+        if isinstance(loaded, SessionRecord) and (loaded.version, loaded.committed_len) == (
+            base.version,
+            base.committed_len,
+        ):
+            return loaded
         return await self._load(item.session_id)
 
     def _remember(self, w: _Work, verdict: Verdict) -> None:

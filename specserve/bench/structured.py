@@ -605,21 +605,12 @@ def _render_isolation(iso: dict[str, Any], a: dict[str, Any]) -> list[str]:
 
 
 def _stage_lines(phases: list[dict[str, Any]], slow: list[dict[str, Any]], alone_s: float | None) -> list[str]:
-    """Where the time went (``GenerationStats``; absent in runs that did not record it), and, where a slow
-    request spent at least half a compile's time in the target outside its forward passes, what that is."""
+    """Where the time went (``GenerationStats``; absent in runs that did not record it), and what it says:
+    whether the ordinary streams spent at least half a compile's time more in the target outside forward
+    passes beside the slow requests than alone (they waited for the compiles) or not (only the slow
+    requests did)."""
     if not slow or "first_token_s" not in slow[0] or "stream_stages" not in phases[0]:
         return []
-    in_target = statistics.median(x["target_outside_forward_s"] for x in slow)
-    reading = []
-    if alone_s is not None and in_target >= 0.5 * alone_s:
-        reading = [
-            "- Reading: the coordinator compiles off its event loop, but each worker compiles a constraint it has "
-            "not seen again, on its model thread: the target at the session's first Verify "
-            "(`Verifier._constrain`, `SessionGrammars.at`), inside the batch and under the verifier's lock (and "
-            "the draft at its first Propose, where the session drafts with the model). Every session batched "
-            "with the new one, or queued behind it, waits for that compile: the ordinary streams' time in the "
-            "target outside forward passes above. The rest of their slowdown is the compiles' CPU on the 2 cores."
-        ]
 
     def per_stream(condition: str, key: str) -> float:
         """The streams' ``key`` seconds, the mean over the condition's streams."""
@@ -627,6 +618,26 @@ def _stage_lines(phases: list[dict[str, Any]], slow: list[dict[str, Any]], alone
 
     def stream_s(condition: str) -> float:
         return statistics.fmean(x for p in phases if p["condition"] == condition for x in p["stream_seconds"])
+
+    waited = per_stream("beside", "target_outside_forward_s") - per_stream("solo", "target_outside_forward_s")
+    reading = []
+    if alone_s is not None and waited >= 0.5 * alone_s:
+        reading = [
+            "- Reading: the ordinary streams waited for the slow requests' compiles in the target. A worker that "
+            "compiles a constraint it has not seen on its model thread, inside the batch and under the "
+            "verifier's lock (`Verifier._constrain`, `SessionGrammars.at`), or a Verify call that batches the "
+            "new session's first item with theirs, holds every session batched with the new one, or queued "
+            "behind it, for that compile. The rest of their slowdown is the compiles' CPU on the 2 cores."
+        ]
+    elif alone_s is not None:
+        reading = [
+            "- Reading: the slow requests' own time in the target outside forward passes is their compile. "
+            "Each worker compiles a constraint it has not seen on a thread of its own before the item joins its "
+            "model thread (`SessionGrammars.prepare`), and the coordinator sends that item in a call of its own "
+            "(`ConstraintSightings`), so the ordinary streams did not wait for it in the target. What slowdown "
+            "is left is the compiles' CPU: each slow schema compiles three times (the coordinator, the draft, "
+            "the target) on the 2 cores the streams share."
+        ]
 
     return [
         "- Where the time went (`GenerationStats`): a slow request's first token came "

@@ -10,6 +10,11 @@ not compile, or uses a JSON Schema keyword the engine cannot enforce, raises
 quotes and the punctuation around it are forced text. A ``grammar`` is GBNF (llama.cpp's EBNF, start
 rule ``root``), converted to Lark by llguidance; a ``choice`` is a Lark alternation of its strings.
 
+A worker compiles a constraint it has not seen before the batch pass that needs it
+(:meth:`SessionGrammars.prepare`, awaited on the event loop: the compile runs on a thread of its own,
+outside the model thread and the worker's batch lock; llguidance releases the GIL while it compiles),
+so a schema that takes seconds delays only its own session; the pass then finds it in the cache.
+
 A :class:`ConstraintMatcher` is one session's position in its grammar. It holds the generated
 tokens it has consumed (:attr:`ConstraintMatcher.tokens`) and is brought to a session's committed
 tokens by :meth:`ConstraintMatcher.sync` (roll back to the common prefix, accept the rest), so a
@@ -25,6 +30,7 @@ allowing token ``32 w + i``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -122,6 +128,12 @@ class GrammarEngine:
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
         return compiled
+
+    def holds(self, constraint: Constraint) -> bool:
+        """Whether the cache holds ``constraint`` compiled (a :meth:`compile` of it is then a look-up);
+        touches neither the order nor the statistics."""
+        with self._lock:
+            return constraint in self._cache
 
     def matcher(self, constraint: Constraint) -> ConstraintMatcher:
         """A fresh matcher at the start of ``constraint``'s grammar."""
@@ -357,15 +369,49 @@ class SessionGrammars:
         self._vocab_size = vocab_size
         self._stop_token_ids = tuple(stop_token_ids)
         self._engine: GrammarEngine | None = None
+        self._engine_lock = threading.Lock()  # built on a preparing thread or on the model thread
         self._matchers: OrderedDict[str, ConstraintMatcher] = OrderedDict()
         self.max_sessions = max_sessions
+        #: Compiles :meth:`prepare` started and that have not finished, by constraint (event loop only).
+        self._preparing: dict[Constraint, asyncio.Future[None]] = {}
 
     @property
     def engine(self) -> GrammarEngine:
         """The engine (built on first use: the tokenizer's table is read once)."""
-        if self._engine is None:
-            self._engine = GrammarEngine(self._tokenizer, self._vocab_size, self._stop_token_ids)
-        return self._engine
+        with self._engine_lock:
+            if self._engine is None:
+                self._engine = GrammarEngine(self._tokenizer, self._vocab_size, self._stop_token_ids)
+            return self._engine
+
+    def ready(self, constraint: Constraint) -> bool:
+        """Whether :meth:`at` would find ``constraint`` compiled (no compile on the caller's thread)."""
+        return self._engine is not None and self._engine.holds(constraint)
+
+    async def prepare(self, constraints: Iterable[Constraint]) -> None:
+        """Compile the ``constraints`` the engine does not hold, each on a thread of its own (concurrently,
+        one compile per constraint however many callers wait on it), and return when all are done.
+
+        Called on the event loop before a batch that needs them joins the model thread, so the batch
+        pass finds them in the cache and a slow compile delays only the callers that wait for it. A
+        constraint that does not compile is left to the pass, whose compile raises the error for its
+        item alone."""
+        waits = [self._prepare_one(c) for c in dict.fromkeys(constraints) if not self.ready(c)]
+        if waits:
+            await asyncio.gather(*waits)
+
+    def _prepare_one(self, constraint: Constraint) -> asyncio.Future[None]:
+        future = self._preparing.get(constraint)
+        if future is None:
+            future = asyncio.ensure_future(asyncio.to_thread(self._compile_quietly, constraint))
+            self._preparing[constraint] = future
+            future.add_done_callback(lambda _f: self._preparing.pop(constraint, None))
+        return asyncio.shield(future)  # a cancelled caller leaves the compile running for the others
+
+    def _compile_quietly(self, constraint: Constraint) -> None:
+        try:
+            self.engine.compile(constraint)
+        except InvalidArgument:  # raised again, for its item, by the pass's own compile
+            pass
 
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._matchers

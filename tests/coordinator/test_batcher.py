@@ -159,3 +159,17 @@ async def test_a_failed_propose_call_fails_every_item_of_its_batch():
     finally:
         await batcher.close()
         await client.close()
+
+
+def test_a_constraint_is_new_to_a_replica_until_it_answered_for_it():
+    """The pool sends an item alone while its constraint is new to the replica (ConstraintSightings)."""
+    from coordinator.batcher import ConstraintSightings
+
+    sightings = ConstraintSightings(per_replica=2)
+    assert not sightings.new_to("t:1", None)  # an unconstrained item is never sent alone
+    assert sightings.new_to("t:1", "a")
+    sightings.answered("t:1", "a")
+    assert not sightings.new_to("t:1", "a") and sightings.new_to("t:2", "a")  # per replica
+    sightings.answered("t:1", "b")
+    sightings.answered("t:1", "c")  # "a" is the least recent of three: forgotten
+    assert sightings.new_to("t:1", "a") and not sightings.new_to("t:1", "c")

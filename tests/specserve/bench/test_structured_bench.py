@@ -145,7 +145,9 @@ def test_the_report_renders_from_its_figures():
     assert "median 2.00x" in text and "**missed**" in text  # isolation: 40 ms against 20 ms
     assert "50%" in text  # the hit rate
     assert "10.0 s alone and 16.0 s beside" in text and "0.50 s alone and 6.00 s beside" in text
-    assert "Verifier._constrain" in text  # 6 s in the target against a 3.2 s compile: the reading
+    assert "Verifier._constrain" in text  # the streams: 5.5 s more in the target against a 3.2 s compile
+    result["isolation"]["phases"][1]["stream_stages"] = [{**stages, "target_outside_forward_s": 0.7}]
+    assert "SessionGrammars.prepare" in sb.render(result)  # 0.2 s more: only the slow requests waited
 
 
 @pytest.mark.parametrize(

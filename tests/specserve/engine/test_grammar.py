@@ -186,3 +186,36 @@ def test_a_length_bounded_string_admits_no_raw_control_character(engine, tokeniz
     matcher = engine.matcher(constraint)
     walk(matcher, tokenizer, '"')
     assert tokenizer.encode('"')[0] not in allowed(matcher)  # minLength 1
+
+
+def test_prepare_compiles_off_the_calling_thread_once_and_leaves_errors_to_the_pass(tokenizer, monkeypatch):
+    """SessionGrammars.prepare: each new constraint compiled once on another thread however many wait on it,
+    then found in the cache by ``at`` (no compile there); one that does not compile raises at ``at``."""
+    import asyncio
+    import threading
+
+    from specserve.engine.grammar import SessionGrammars
+
+    grammars = SessionGrammars(tokenizer, VOCAB, [EOS], max_sessions=4)
+    threads: list[str] = []
+    real = GrammarEngine.compile
+
+    def recording(self, constraint):
+        if not self.holds(constraint):
+            threads.append(threading.current_thread().name)
+        return real(self, constraint)
+
+    monkeypatch.setattr(GrammarEngine, "compile", recording)
+    good, bad = Constraint("regex", "[ab]{2,4}"), Constraint("regex", "(unclosed")
+    assert not grammars.ready(good)
+
+    async def main() -> None:
+        await asyncio.gather(grammars.prepare([good, bad]), grammars.prepare([good]))
+
+    asyncio.run(main())
+    assert grammars.ready(good) and not grammars.ready(bad)
+    assert len(threads) == 2 and threading.current_thread().name not in threads  # good once, bad once
+    assert grammars.at("s", good, tokenizer.encode("ab")).tokens == tuple(tokenizer.encode("ab"))
+    assert grammars.engine.stats.misses == 1  # the pass's look-up was a hit
+    with pytest.raises(InvalidArgument):
+        grammars.at("t", bad, [])
