@@ -170,8 +170,10 @@ class DraftEngine:
         await self.thread.idle()
 
     def close(self) -> None:
-        """Stop the model thread; calls not started yet are cancelled."""
+        """Stop the model thread; calls not started yet are cancelled (and the grammars' preparing threads)."""
         self.thread.close(wait=False)
+        if self.grammars is not None:
+            self.grammars.close()
 
     @property
     def queue_depth(self) -> int:

@@ -275,8 +275,9 @@ class Verifier:
         return self.verify_curve_ns
 
     def close(self) -> None:
-        """Stop the model thread after the call in flight."""
+        """Stop the model thread after the call in flight, and the grammars' preparing threads."""
         self.thread.close(wait=True)
+        self.grammars.close()
 
     async def verify(self, batch: VerifyBatch) -> BatchResult:
         """Verify and commit every item of ``batch``; per-session problems become per-item errors."""

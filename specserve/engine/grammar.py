@@ -12,8 +12,9 @@ rule ``root``), converted to Lark by llguidance; a ``choice`` is a Lark alternat
 
 A worker compiles a constraint it has not seen before the batch pass that needs it
 (:meth:`SessionGrammars.prepare`, awaited on the event loop: the compile runs on a thread of its own,
-outside the model thread and the worker's batch lock; llguidance releases the GIL while it compiles),
-so a schema that takes seconds delays only its own session; the pass then finds it in the cache.
+outside the model thread and the worker's batch lock, at the lowest CPU priority; llguidance releases
+the GIL while it compiles), so a schema that takes seconds delays only its own session; the pass then
+finds it in the cache.
 
 A :class:`ConstraintMatcher` is one session's position in its grammar. It holds the generated
 tokens it has consumed (:attr:`ConstraintMatcher.tokens`) and is brought to a session's committed
@@ -31,7 +32,10 @@ allowing token ``32 w + i``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
+import os
 import re
 import threading
 import time
@@ -50,6 +54,10 @@ from specserve.api.errors import InvalidArgument
 
 #: Compiled grammars an engine keeps (least recently used dropped first).
 DEFAULT_CACHE_SIZE = 256
+#: Threads a worker compiles new constraints on (:meth:`SessionGrammars.prepare`), and their nice value:
+#: the lowest priority, so a slow compile takes CPU from the model threads' passes only when they leave some.
+PREPARE_THREADS = 2
+PREPARE_NICE = 19
 #: JSON is compiled with these separators and no other whitespace (the keys' punctuation is forced).
 JSON_SEPARATORS = (", ", ": ")
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -321,6 +329,13 @@ class ConstraintMatcher:
             return forced[: exc.start].decode("utf-8") if exc.start > 0 else ""
 
 
+def _lowest_priority() -> None:
+    """Give the calling thread the nice value :data:`PREPARE_NICE` (Linux: per thread; elsewhere, or where
+    it is refused, the thread keeps its priority)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPARE_NICE)
+
+
 def _bit(index: int) -> int:
     """Bit ``index`` of a packed int32 word, as a signed int32 value."""
     value = 1 << index
@@ -374,6 +389,7 @@ class SessionGrammars:
         self.max_sessions = max_sessions
         #: Compiles :meth:`prepare` started and that have not finished, by constraint (event loop only).
         self._preparing: dict[Constraint, asyncio.Future[None]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # started at the first prepare
 
     @property
     def engine(self) -> GrammarEngine:
@@ -402,7 +418,13 @@ class SessionGrammars:
     def _prepare_one(self, constraint: Constraint) -> asyncio.Future[None]:
         future = self._preparing.get(constraint)
         if future is None:
-            future = asyncio.ensure_future(asyncio.to_thread(self._compile_quietly, constraint))
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    PREPARE_THREADS, thread_name_prefix="grammar-prepare", initializer=_lowest_priority
+                )
+            loop = asyncio.get_running_loop()
+            compiling = loop.run_in_executor(self._pool, self._compile_quietly, constraint)
+            future = asyncio.ensure_future(compiling)
             self._preparing[constraint] = future
             future.add_done_callback(lambda _f: self._preparing.pop(constraint, None))
         return asyncio.shield(future)  # a cancelled caller leaves the compile running for the others
@@ -435,6 +457,11 @@ class SessionGrammars:
             self._matchers.pop(session_id, None)
             raise
         return matcher
+
+    def close(self) -> None:
+        """Stop the preparing threads (a compile running finishes in the background)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def held(self, session_id: str) -> tuple[int, ...] | None:
         """The generated tokens the session's matcher holds (None: no matcher)."""

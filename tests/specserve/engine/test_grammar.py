@@ -189,20 +189,24 @@ def test_a_length_bounded_string_admits_no_raw_control_character(engine, tokeniz
 
 
 def test_prepare_compiles_off_the_calling_thread_once_and_leaves_errors_to_the_pass(tokenizer, monkeypatch):
-    """SessionGrammars.prepare: each new constraint compiled once on another thread however many wait on it,
-    then found in the cache by ``at`` (no compile there); one that does not compile raises at ``at``."""
+    """SessionGrammars.prepare: each new constraint compiled once on another thread (at the lowest priority)
+    however many wait on it, then found in the cache by ``at`` (no compile there); one that does not compile
+    raises at ``at``."""
     import asyncio
+    import os
     import threading
 
-    from specserve.engine.grammar import SessionGrammars
+    from specserve.engine.grammar import PREPARE_NICE, SessionGrammars
 
     grammars = SessionGrammars(tokenizer, VOCAB, [EOS], max_sessions=4)
     threads: list[str] = []
+    nice: list[int] = []
     real = GrammarEngine.compile
 
     def recording(self, constraint):
         if not self.holds(constraint):
             threads.append(threading.current_thread().name)
+            nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         return real(self, constraint)
 
     monkeypatch.setattr(GrammarEngine, "compile", recording)
@@ -215,6 +219,8 @@ def test_prepare_compiles_off_the_calling_thread_once_and_leaves_errors_to_the_p
     asyncio.run(main())
     assert grammars.ready(good) and not grammars.ready(bad)
     assert len(threads) == 2 and threading.current_thread().name not in threads  # good once, bad once
+    assert nice == [PREPARE_NICE] * 2
+    grammars.close()
     assert grammars.at("s", good, tokenizer.encode("ab")).tokens == tuple(tokenizer.encode("ab"))
     assert grammars.engine.stats.misses == 1  # the pass's look-up was a hit
     with pytest.raises(InvalidArgument):
