@@ -161,7 +161,8 @@ async def test_a_failed_propose_call_fails_every_item_of_its_batch():
         await client.close()
 
 
-def test_a_constraint_is_new_to_a_replica_until_it_answered_for_it():
+@pytest.mark.unit
+async def test_a_constraint_is_new_to_a_replica_until_it_answered_for_it():
     """The pool sends an item alone while its constraint is new to the replica (ConstraintSightings)."""
     from coordinator.batcher import ConstraintSightings
 

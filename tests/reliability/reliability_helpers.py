@@ -295,11 +295,41 @@ def replicas(
         "drafts": [start("draft", flags(pair.draft_dir)) for _ in range(drafts)],
     }
     try:
+        for tries_left in range(PORT_TRIES - 1, -1, -1):
+            lost = _lost_their_port([*roles["targets"], *roles["drafts"]])
+            for kind, role, i in lost:  # another process took a free port before the role bound it
+                roles[kind][i] = start(role.role, flags(Path(role.flags["model"])))
+            if not lost or not tries_left:
+                break
         wait_serving([*roles["targets"], *roles["drafts"]], timeout_s=240)
         yield roles
     finally:
         for role in [*roles["targets"], *roles["drafts"]]:
             role.stop()
+
+
+#: Starts of a role whose free port another process took first (the port is picked, then bound by the role).
+PORT_TRIES = 3
+
+
+def _lost_their_port(roles: list[RoleProcess]) -> list[tuple[str, RoleProcess, int]]:
+    """Wait until every role serves or exits; the ones that exited because their port was taken, as
+    ``(kind, role, index in its kind)``. Any other exit raises, with the log, as :func:`wait_serving` does."""
+    try:
+        wait_serving(roles, timeout_s=240)
+        return []
+    except RuntimeError:
+        pass
+    lost = []
+    counts = {"target": 0, "draft": 0}
+    for role in roles:
+        index = counts[role.role]
+        counts[role.role] += 1
+        if not role.alive and "Address already in use" in role.log_tail():
+            lost.append((f"{role.role}s", role, index))
+    if not lost:
+        wait_serving(roles, timeout_s=240)  # raises again, with the role's log
+    return lost
 
 
 @contextlib.contextmanager

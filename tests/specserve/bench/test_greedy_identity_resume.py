@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specserve.bench.greedy_identity import CHUNK, resumed
+
+pytestmark = pytest.mark.unit
 
 
 def _run(done: int, **changes):
