@@ -62,13 +62,18 @@ def references(model: Any, items: list[tuple[str, list[int]]], max_new: int) -> 
     from tqdm import tqdm
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=None, pad_token_id=0)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new, pad_token_id=0)
+    # EOS ignored, as the system is asked to: generate() fills an unset eos_token_id from the model's own
+    # generation config, so the model's is cleared (before this, replies that ended at EOS were cut short).
+    model.generation_config.eos_token_id = None
     out = []
     for _, ids in tqdm(items, desc="reference generate()", file=sys.stderr):
         x = torch.tensor([ids])
         with torch.inference_mode():
             y = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
         out.append(y[0, len(ids) :].tolist())
+        if len(out[-1]) != max_new:
+            raise RuntimeError(f"generate() stopped after {len(out[-1])} of {max_new} tokens")
     return out
 
 
@@ -152,6 +157,11 @@ async def measure(args: GreedyIdentityOptions) -> dict:
     draft = resolve_model_path(args.draft, "draft")
     tokenizer = AutoTokenizer.from_pretrained(target)
     items = prompts(tokenizer, args.n)
+    if args.only:
+        unknown = sorted(set(args.only) - {name for name, _ in items})
+        if unknown:
+            raise SystemExit(f"no such prompt among the first {args.n}: {', '.join(unknown)}")
+        items = [item for item in items if item[0] in args.only]
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     data: dict[str, Any] = {
         "command": args.command,

@@ -464,6 +464,7 @@ class GreedyIdentityOptions(Options):
     target: str = opt(DEFAULT_TARGET, "a registered model name or a directory")
     draft: str = opt(DEFAULT_DRAFT, "a registered model name or a directory")
     out: Path = opt(Path("greedy-identity-out"), "the folder greedy_identity.json and .md go to")
+    only: list[str] = opt([], "run only these of the --n prompts, by name (a recheck of some)")
 
 
 @dataclass
