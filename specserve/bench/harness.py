@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from specserve.bench import report, sampling_modes
 from specserve.bench.costs import Costs, measure_costs
-from specserve.bench.head_projection import figures
+from specserve.bench.head_projection import run_figures
 from specserve.bench.modes import (
     BY_NAME,
     FIXED_GAMMAS,
@@ -424,21 +424,10 @@ class ModeSummary:
             acceptance=sum(r.accepted for r in runs) / proposed if proposed else None,
             tokens_per_round=sum(r.tokens for r in runs) / rounds if rounds else None,
             n=len(xs),
-            head=head_figures(runs, head),
+            head=run_figures(runs, head),
         )
 
 
-def head_figures(runs: list[Run], head: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The head figures of runs that relayed features (:func:`specserve.bench.head_projection.figures`)."""
-    return figures(
-        head,
-        committed=sum(r.tokens for r in runs),
-        to_draft_bytes=sum(r.feature_bytes_to_draft for r in runs),
-        from_target_bytes=sum(r.feature_bytes_from_target for r in runs),
-        proposed=sum(r.proposed for r in runs),
-        accepted=sum(r.accepted for r in runs),
-        draft_rounds=sum(r.draft_rounds for r in runs),
-    )
 
 
 #: ``"<prompt set> T=<temperature>"`` -> mode -> its summary, in the order the modes ran.

@@ -19,6 +19,7 @@ Pure arithmetic: no model, no torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -118,6 +119,20 @@ def figures(
             hidden=head["hidden"],
             head_over_step=head["head_over_target_step"],
         )
+    )
+
+
+def run_figures(runs: Sequence[Any], head: dict[str, Any] | None) -> dict[str, Any] | None:
+    """:func:`figures` of timed runs (each with ``tokens``, ``feature_bytes_to_draft``,
+    ``feature_bytes_from_target``, ``proposed``, ``accepted`` and ``draft_rounds``), summed."""
+    return figures(
+        head,
+        committed=sum(r.tokens for r in runs),
+        to_draft_bytes=sum(r.feature_bytes_to_draft for r in runs),
+        from_target_bytes=sum(r.feature_bytes_from_target for r in runs),
+        proposed=sum(r.proposed for r in runs),
+        accepted=sum(r.accepted for r in runs),
+        draft_rounds=sum(r.draft_rounds for r in runs),
     )
 
 

@@ -325,15 +325,7 @@ def summarize(runs: list[LatencyRun], head: dict | None = None) -> list[dict]:
                 "n": len(sel),
                 "ahead_used": sum(r.ahead_used for r in sel),
                 "ahead_wasted": sum(r.ahead_wasted for r in sel),
-                "head": head_projection.figures(
-                    head,
-                    committed=sum(r.tokens for r in sel),
-                    to_draft_bytes=sum(r.feature_bytes_to_draft for r in sel),
-                    from_target_bytes=sum(r.feature_bytes_from_target for r in sel),
-                    proposed=sum(r.proposed for r in sel),
-                    accepted=sum(r.accepted for r in sel),
-                    draft_rounds=sum(r.draft_rounds for r in sel),
-                ),
+                "head": head_projection.run_figures(sel, head),
             }
         )
     return rows
