@@ -14,7 +14,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 from reliability_helpers import RoleLauncher, fork_roles
+
+from specserve.runtime.store import SessionStore
 
 _LAUNCHER = pytest.StashKey[RoleLauncher]()
 _LOG_DIR = pytest.StashKey[Path]()
@@ -44,3 +47,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def role_launcher(request) -> RoleLauncher:
     return _start(request.config)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def store(redis_server):
+    """A :class:`SessionStore` on the session's Redis, for the module's checks of what was committed."""
+    s = SessionStore.from_url(redis_server.url)
+    yield s
+    await s.close()

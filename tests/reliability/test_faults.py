@@ -231,13 +231,6 @@ async def proxied(pair, redis_server):
         await target.stop(0.5)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store(redis_server):
-    s = SessionStore.from_url(redis_server.url)
-    yield s
-    await s.close()
-
-
 def _address(app) -> str:
     return f"127.0.0.1:{app.port}"
 

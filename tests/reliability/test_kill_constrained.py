@@ -28,7 +28,6 @@ from waiting import wait_until
 
 from specserve.api.constraints import Constraint
 from specserve.engine.grammar import GrammarEngine
-from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.system]
@@ -86,13 +85,6 @@ async def coordinator(workers, pair, redis_server):
     )
     yield app
     await app.stop(grace=1.0)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store(redis_server):
-    s = SessionStore.from_url(redis_server.url)
-    yield s
-    await s.close()
 
 
 def reference(pair, prompt, constraint: Constraint) -> list[int]:

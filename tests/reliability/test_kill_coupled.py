@@ -34,7 +34,6 @@ from reliability_helpers import (
 )
 from waiting import wait_until
 
-from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(1200)]
@@ -72,13 +71,6 @@ async def coordinator(workers, pair, redis_server):
     )
     yield app
     await app.stop(grace=1.0)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store(redis_server):
-    s = SessionStore.from_url(redis_server.url)
-    yield s
-    await s.close()
 
 
 def coupled(prompt, seed: int):

@@ -30,7 +30,6 @@ from reliability_helpers import (
 )
 from waiting import wait_until
 
-from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.system]
@@ -68,13 +67,6 @@ async def coordinator(workers, pair, redis_server):
     )
     yield app
     await app.stop(grace=1.0)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store(redis_server):
-    s = SessionStore.from_url(redis_server.url)
-    yield s
-    await s.close()
 
 
 async def test_kill_9_of_a_head_replica_mid_stream(coordinator, workers, store, pair):

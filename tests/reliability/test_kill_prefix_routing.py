@@ -43,7 +43,6 @@ from reliability_helpers import (
 from waiting import wait_until
 
 from specserve.runtime.config import CoordinatorSettings, TargetSettings
-from specserve.runtime.store import SessionStore
 from specserve.v1 import coordinator_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -98,13 +97,6 @@ async def coordinators(workers, pair, redis_server):
     yield [f"127.0.0.1:{app.port}" for app in apps]
     for app in apps:
         await app.stop(grace=1.0)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store(redis_server):
-    s = SessionStore.from_url(redis_server.url)
-    yield s
-    await s.close()
 
 
 def prompts(pair, seed: int, n: int) -> list[list[int]]:
