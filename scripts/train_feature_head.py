@@ -645,6 +645,8 @@ def train(args: argparse.Namespace) -> None:
     n_tokens = sum(len(r.tokens) - r.prompt_len for r in chosen)
     head = head_from_target(target, ids, target_model=args.target_name).to(device)
     del target
+    if args.init is not None and not (out_dir / "checkpoint.pt").exists():
+        _init_from(head, args.init)
     head.norm.weight.requires_grad_(False)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -657,7 +659,8 @@ def train(args: argparse.Namespace) -> None:
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
         print(f"resumed at step {state['step']}", flush=True)
-    batches = Batches(chosen, files, args.max_len, args.batch_tokens, args.seed + state["step"])
+    pool = [r for r in chosen for _ in range(args.code_repeat if r.kind == KINDS["code"] else 1)]
+    batches = Batches(pool, files, args.max_len, args.batch_tokens, args.seed + state["step"])
     deadline = time.monotonic() + (args.time_budget or float("inf"))
     started = time.monotonic() - state["elapsed_s"]
     bar = _tqdm()(initial=state["step"], total=args.train_steps, desc=f"train {args.fraction:g}", unit="step")
@@ -711,6 +714,21 @@ def train(args: argparse.Namespace) -> None:
         log({"step": state["step"], "time_s": round(time.monotonic() - started, 1),
              "heldout": evaluate(head, heldout, files, args, device)})
     save()
+
+
+def _init_from(head: FeatureHead, directory: Path) -> None:
+    """Start from an exported head's layer weights (``--init``); the head's tokens stay this run's."""
+    from safetensors.torch import load_file
+
+    from specserve.engine.feature_head import WEIGHTS
+
+    state = load_file(str(directory / WEIGHTS))
+    state.pop("head_token_ids", None)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith(("inv_freq", "head_token_ids"))]
+    if missing or unexpected:
+        raise SystemExit(f"{directory}: weights do not fit the head (missing {missing}, unexpected {unexpected})")
+    print(f"initialised from {directory}", flush=True)
 
 
 def _lr(step: int, progress: float, args) -> float:
@@ -773,6 +791,8 @@ def main(argv: list[str] | None = None) -> None:
     # train
     ap.add_argument("--fraction", type=float, default=1.0)
     ap.add_argument("--heldout-records", type=int, default=None, help="evaluate on the first N held-out answers")
+    ap.add_argument("--init", type=Path, default=None, help="start from this exported head's weights (a new run only)")
+    ap.add_argument("--code-repeat", type=int, default=1, help="sample each code record this many times as often")
     ap.add_argument("--head-size", type=int, default=8192)
     ap.add_argument("--unroll", type=int, default=4)
     ap.add_argument("--train-steps", type=int, default=2000)

@@ -7,8 +7,9 @@ Run (the figures in ``specserve/models/specserve-smollm2-head/README.md`` come f
 
 ``--readme`` renders the card from the figures, the head's ``training_meta.json``
 and the data-size curve: the training runs ``--curve`` names (each a
-``scripts/train_feature_head.py train --fraction F`` run directory), their
-held-out acceptance against their answer tokens, drawn as ``data_size.png``.
+``scripts/train_feature_head.py train --fraction F`` run directory, or a card's
+JSON, which keeps its curve's points), their held-out acceptance against their
+answer tokens, drawn as ``data_size.png``.
 
 In float32 on the CPU, batch 1, on the held-out prompts of
 :mod:`specserve.bench.chat_prompts` (subjects never seen in training), the head
@@ -248,9 +249,14 @@ def run(args: HeadCardOptions) -> dict:
 
 
 def curve_points(run_dirs: list[Path]) -> list[dict]:
-    """Per training run: its answer tokens and its last held-out evaluation (gamma-1 top-1 per kind)."""
+    """Per training run: its answer tokens and its last held-out evaluation (gamma-1 top-1 per kind). A
+    card's JSON in place of a run directory gives the points it keeps (``curve``), so a card measured again
+    keeps the curve of runs whose directories are gone."""
     points = []
     for run in run_dirs:
+        if run.is_file():
+            points += json.loads(run.read_text()).get("curve", [])
+            continue
         meta = json.loads((run / "train_meta.json").read_text())
         evals = [h["heldout"] for h in meta["history"] if "heldout" in h]
         if not evals:
@@ -416,16 +422,17 @@ def hand_written(readme: Path) -> str:
 def main(opts: HeadCardOptions) -> int:
     """``specserve bench head-card``: the figures (to ``--json``; ``--from-json`` takes them instead of
     measuring) and with ``--readme`` the model card, with the data-size curve of the ``--curve`` runs."""
+    points = curve_points(opts.curve)  # before --json is written: it may name the card's own JSON
     result = json.loads(opts.from_json.read_text()) if opts.from_json else run(opts)
+    if points:
+        result["curve"] = points
     if opts.json is not None and opts.from_json is None:
         md.write_json(opts.json, result)
     if opts.readme is not None:
         meta_path = Path(result["head"]) / "training_meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
-        points = curve_points(opts.curve)
         if points:
             plot_curve(points, opts.readme.parent / "data_size.png")
-            result["curve"] = points
         opts.readme.write_text(render(result, meta, points) + hand_written(opts.readme))
         print(f"wrote {opts.readme}")
     return 0

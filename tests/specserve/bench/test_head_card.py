@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import tiny_models
 import torch
@@ -115,3 +118,18 @@ def test_a_new_rendering_keeps_the_hand_written_section_and_only_it(tmp_path):
     assert kept == "\n## In the service\n\nBelow break-even today.\n"
     readme.write_text(head_card.render(_card(), None, []) + kept)
     assert readme.read_text().count("## In the service") == 1 and "old figures" not in readme.read_text()
+
+
+def test_a_cards_json_keeps_its_curve_for_a_later_rendering(tmp_path):
+    run = tmp_path / "curve-0.5"
+    run.mkdir()
+    history = [{"step": 5, "heldout": {"chat": {"top1_per_step": [0.3]}, "code": {"top1_per_step": [0.2]}}}]
+    meta = {"fraction": 0.5, "answer_tokens": 500, "step": 5, "elapsed_s": 61.2, "history": history}
+    (run / "train_meta.json").write_text(json.dumps(meta))
+    points = head_card.curve_points([run])
+    assert points == [{"run": "curve-0.5", "fraction": 0.5, "answer_tokens": 500, "steps": 5, "seconds": 61,
+                       "chat_top1": 0.3, "code_top1": 0.2}]
+    card = tmp_path / "card.json"
+    card.write_text(json.dumps({**_card(), "curve": points}))
+    shutil.rmtree(run)  # the run's directory is gone; the card's JSON still has its point
+    assert head_card.curve_points([card]) == points
