@@ -389,9 +389,9 @@ def render(card: dict, meta: dict | None, points: list[dict]) -> str:
         lines += [
             "",
             "Held-out gamma-1 acceptance of the training script's own evaluation (greedy replay of the held-out",
-            "answers, top-1 equal to the target's token) at the end of each run. Each run had the same number of",
-            "steps of the same size: at this budget (a few minutes of CPU each) the head is bound by compute,",
-            "not data, so the curve is flat; the shipped head trained longer (below).",
+            "answers, top-1 equal to the target's token) at the end of each run. The runs of one curve start",
+            "from a fresh head and train the same number of steps of the same size on a nested share of the",
+            "data; the shipped head trained longer (below).",
         ]
     if meta is not None:
         args = meta["args"]
@@ -400,9 +400,12 @@ def render(card: dict, meta: dict | None, points: list[dict]) -> str:
             "## Training",
             "",
             f"`scripts/train_feature_head.py train` on {meta['answer_tokens']:,} answer tokens of "
-            f"{meta['records']:,} target answers (`data/smollm2-answers/`, the first {args.get('shards')} shards "
-            f"of each phase), {meta['step']} steps of {args['batch_tokens']} tokens in {meta['elapsed_s'] / 60:.0f} "
-            f"minutes on this CPU, unrolled {args['unroll']} steps on its own outputs, learning rate {args['lr']}.",
+            f"{meta['records']:,} target answers (`data/smollm2-answers/`, "
+            + (f"the first {args['shards']} shards of each phase" if args.get("shards") else "every shard")
+            + (f", code answers sampled {args['code_repeat']}x as often" if args.get("code_repeat", 1) > 1 else "")
+            + f"), {meta['step']} steps of {args['batch_tokens']} tokens in {meta['elapsed_s'] / 60:.0f} "
+            f"minutes on this CPU, unrolled {args['unroll']} steps on its own outputs, learning rate {args['lr']}"
+            + (f", starting from the head in `{args['init']}`." if args.get("init") else "."),
         ]
     return "\n".join(lines) + "\n"
 

@@ -73,6 +73,7 @@ SPEC_MODES: tuple[SpecMode, ...] = (
     SpecMode("specserve adaptive, token draft", None, "model"),
     fixed(2, "feature"),
     fixed(4, "feature"),
+    SpecMode("specserve adaptive, feature head", None, "feature"),
     ADAPTIVE,
 )
 BY_NAME: dict[str, SpecMode] = {m.name: m for m in SPEC_MODES}

@@ -133,3 +133,15 @@ def test_a_cards_json_keeps_its_curve_for_a_later_rendering(tmp_path):
     card.write_text(json.dumps({**_card(), "curve": points}))
     shutil.rmtree(run)  # the run's directory is gone; the card's JSON still has its point
     assert head_card.curve_points([card]) == points
+
+
+def test_the_training_section_says_what_data_and_start_the_head_had():
+    args = {"shards": None, "code_repeat": 4, "init": "/tmp/earlier-head", "batch_tokens": 4096, "unroll": 4,
+            "lr": 0.001}
+    meta = {"answer_tokens": 1_000_000, "records": 4544, "step": 1000, "elapsed_s": 2880.0, "args": args}
+    text = head_card.render(_card(), meta, [])
+    assert "1,000,000 answer tokens of 4,544 target answers (`data/smollm2-answers/`, every shard, code answers" \
+        " sampled 4x as often), 1000 steps of 4096 tokens in 48 minutes" in text
+    assert "starting from the head in `/tmp/earlier-head`." in text
+    shipped = head_card.render(_card(), {**meta, "args": {**args, "shards": 16, "code_repeat": 1, "init": None}}, [])
+    assert "the first 16 shards of each phase), 1000 steps" in shipped and "starting from" not in shipped
