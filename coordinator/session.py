@@ -257,6 +257,7 @@ class Session:
             cached_tokens=s.cached_tokens,
             forced_proposed_tokens=s.forced_proposed_tokens,
             forced_accepted_tokens=s.forced_accepted_tokens,
+            proposer=self.speculation.proposer,
             first_token_ns=s.first_token_ns,
             total_ns=time.perf_counter_ns() - self.start_ns,
             finish_reason=self.finish_reason,

@@ -13,10 +13,13 @@ from typing import Any
 import grpc
 
 from specserve.api import errors
-from specserve.api.params import PositionLogprobs
+from specserve.api.params import PROPOSER_KINDS, PositionLogprobs
 from specserve.api.status import error_from_rpc
 from specserve.client._methods import AsyncClientMethods, ClientMethods
 from specserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+#: ``ProposerKind`` -> the SDK's name of it.
+PROPOSER_NAMES: dict[int, str] = {kind: name for name, kind in PROPOSER_KINDS.items()}
 
 _FINISH_REASONS = {
     common_pb2.FINISH_REASON_UNSPECIFIED: "unspecified",
@@ -71,6 +74,9 @@ class GenerationStats:
     forced_proposed_tokens: int = 0
     #: Of ``accepted_tokens``, those the forced text drafted.
     forced_accepted_tokens: int = 0
+    #: The proposer the session drafted with (``"model"``, ``"ngram"`` or ``"feature"``): the request's, or
+    #: the server's default where the request named none ("" from a server that does not say).
+    proposer: str = ""
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.GenerationStats) -> GenerationStats:
@@ -99,6 +105,7 @@ class GenerationStats:
             cached_tokens=pb.cached_tokens,
             forced_proposed_tokens=pb.forced_proposed_tokens,
             forced_accepted_tokens=pb.forced_accepted_tokens,
+            proposer=PROPOSER_NAMES.get(pb.proposer, ""),
         )
 
     @property

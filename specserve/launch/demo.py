@@ -1,7 +1,8 @@
 """``specserve demo``: three requests through a running stack, each beside the target alone.
 
-1. **a chat answer** (the target's chat template), the draft model proposing;
-2. **a code request** (chat), the draft model proposing;
+1. **a chat answer** (the target's chat template), the default request: the
+   server's default proposer drafts (the stack's, which the statistics name);
+2. **a code request** (chat), the default request too;
 3. **output that repeats its input** (a function to repeat), the default
    request again: under the adaptive policy it also drafts from a prompt lookup
    over its own tokens, which needs no model, where the text repeats
@@ -34,7 +35,7 @@ PROBE_SHARE = 0.2
 class Scenario:
     title: str
     messages: tuple[dict[str, str], ...]
-    proposer: str | None  # None: the server's default (the draft model)
+    proposer: str | None  # None: the server's default (the stats say which it was)
 
 
 SCENARIOS = (
@@ -109,9 +110,24 @@ async def run_scenario(
     return outcome
 
 
+#: What the demo calls each proposer (the SDK's names), long and short.
+PROPOSER_LABELS = {
+    "model": ("draft model", "model"),
+    "feature": ("feature head", "feature"),
+    "ngram": ("n-gram", "ngram"),
+}
+
+
+def _drafter(result: GenerateResult, scenario: Scenario) -> str:
+    """The proposer that drafted the request: the one it named, or what the server reported it defaulted to
+    (the draft model from a server that does not say)."""
+    return scenario.proposer or result.stats.proposer or "model"
+
+
 def _proposer(scenario: Scenario, result: GenerateResult, *, short: bool = False) -> str:
     """What drafted the request's tokens: its proposer, and the prompt lookup where it drafted too."""
-    name = scenario.proposer or ("model" if short else "draft model")
+    long_name, short_name = PROPOSER_LABELS[_drafter(result, scenario)]
+    name = short_name if short else long_name
     if result.stats.lookup_proposed_tokens:
         name += " + lookup" if short else " + prompt lookup"
     return name
@@ -152,7 +168,8 @@ def summary(outcomes: list[Outcome], *, must_match: bool = True) -> str:
             else ""
         )
         lines.append(
-            f"On this machine the draft model does not pay: at best {best.speedup:.2f}x the target alone{noise}. "
+            f"On this machine the {PROPOSER_LABELS[_drafter(best.spec, best.scenario)][0]} "
+            f"does not pay: at best {best.speedup:.2f}x the target alone{noise}. "
             f"A speculative round took {spec_round:.1f} ms and committed {spec.tokens_per_round:.2f} tokens "
             f"({100 * spec.acceptance_rate:.0f}% of draft tokens accepted); a round of the target alone took "
             f"{plain_round:.1f} ms for {alone.tokens_per_round:.2f} tokens."

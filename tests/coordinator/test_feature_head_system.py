@@ -23,6 +23,7 @@ from specserve.v1 import common_pb2
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.system]
 
 FEATURE = common_pb2.PROPOSER_KIND_FEATURE
+MODEL = common_pb2.PROPOSER_KIND_MODEL
 PROMPTS = [[5, 17, 33, 2, 91, 14], [40, 41, 42, 43], [7] * 9, [100, 3, 250, 8, 19, 27, 64, 5]]
 
 
@@ -80,6 +81,8 @@ async def test_the_head_is_the_default_request_where_the_draft_serves_it(stack, 
         stack.address, sf.request(prompt, max_new_tokens=24, gamma=3, proposer=common_pb2.PROPOSER_KIND_MODEL)
     )
     assert default.token_ids == explicit.token_ids == model.token_ids
+    # The statistics name the proposer the session drafted with, the server's default included.
+    assert (default.stats.proposer, explicit.stats.proposer, model.stats.proposer) == (FEATURE, FEATURE, MODEL)
     assert (default.stats.accepted_tokens, default.stats.proposed_tokens) == (
         explicit.stats.accepted_tokens,
         explicit.stats.proposed_tokens,
@@ -183,4 +186,4 @@ async def test_without_a_head_proposer_feature_is_refused_and_the_default_is_the
         sf.request(PROMPTS[0], max_new_tokens=16, gamma=2, proposer=common_pb2.PROPOSER_KIND_UNSPECIFIED),
     )
     assert out.token_ids == sf.reference_greedy(pair.target_dir, PROMPTS[0], 16)
-    assert out.stats.proposed_tokens > 0
+    assert out.stats.proposed_tokens > 0 and out.stats.proposer == common_pb2.PROPOSER_KIND_MODEL

@@ -481,7 +481,14 @@ def test_up_on_a_busy_http_port_says_to_pick_another(pair, capsys):
 
 
 def demo_result(
-    total_ns: int, *, rounds: int = 40, proposed: int = 0, accepted: int = 0, draft_rounds: int = 0, lookup: bool = False
+    total_ns: int,
+    *,
+    rounds: int = 40,
+    proposed: int = 0,
+    accepted: int = 0,
+    draft_rounds: int = 0,
+    lookup: bool = False,
+    proposer: str = "",
 ):
     """A request's result for the demo's summary: 40 tokens in ``total_ns``; ``lookup``: the proposals were the
     prompt lookup's (the hybrid lookup), else the draft model's over ``draft_rounds`` rounds."""
@@ -505,6 +512,7 @@ def demo_result(
         draft_rounds=draft_rounds,
         lookup_proposed_tokens=proposed if lookup else 0,
         lookup_accepted_tokens=accepted if lookup else 0,
+        proposer=proposer,
     )
     return GenerateResult(text="", token_ids=(1,) * 40, stats=stats)
 
@@ -531,6 +539,23 @@ def test_the_demo_summary_tells_probes_from_speculating(draft_rounds, verdict):
     assert "noise" not in text, "0.91x is not a gain to explain away"
     lucky = summary([Outcome(chat, demo_result(1_600_000_000), demo_result(2_000_000_000))])
     assert "at best 1.25x the target alone (no draft token was accepted, so the difference is the machine's noise)" in lucky
+
+
+@pytest.mark.unit
+def test_the_demo_names_the_proposer_the_server_defaulted_to():
+    """The demo's requests name no proposer: what drafted them is what the statistics say (the draft model
+    from a server that does not say), in the request's heading, the summary's table and its verdict."""
+    from specserve.launch.demo import SCENARIOS, Outcome, _proposer, summary
+
+    chat = SCENARIOS[0]
+    head = demo_result(2_200_000_000, proposed=3, draft_rounds=3, proposer="feature")
+    assert _proposer(chat, head) == "feature head" and _proposer(chat, head, short=True) == "feature"
+    text = summary([Outcome(chat, head, demo_result(2_000_000_000))])
+    assert "the feature head does not pay: at best 0.91x" in text
+    assert re.search(r"a chat answer +feature +0% ", text), text
+    unsaid = demo_result(2_200_000_000, proposed=3, draft_rounds=3)
+    assert _proposer(chat, unsaid) == "draft model"
+    assert "the draft model does not pay" in summary([Outcome(chat, unsaid, demo_result(2_000_000_000))])
 
 
 @pytest.mark.unit
