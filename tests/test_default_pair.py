@@ -79,6 +79,7 @@ async def test_default_pair_greedy_chat_equals_hf_generate_with_no_redis_on_path
                 result = await client.chat(messages, max_new_tokens=MAX_NEW_TOKENS, temperature=0)
                 expected = await asyncio.to_thread(_hf_greedy, target_dir, messages)
                 assert list(result.token_ids) == expected, (prompt, result.text)
+                assert result.stats.proposer == "feature", "the default pair's default request drafts with its head"
                 proposed += result.stats.proposed_tokens
         assert proposed > 0, "the draft proposed nothing: speculation never ran"
     finally:

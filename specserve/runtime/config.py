@@ -377,11 +377,11 @@ class CoordinatorSettings(CommonSettings):
         "may set its own (SpeculationParams.min_confidence). Exactness is kept at any value.",
     )
     default_proposer: Literal["auto", "model", "feature"] = Field(
-        "model",
+        "auto",
         description="The proposer of a request that names none: 'model' (the token draft), 'feature' (the "
         "feature head, docs/design.md 'The feature head'), or 'auto': the feature head when every draft "
-        "replica serves one, else the token draft. The default pair's head does not yet beat its token draft "
-        "(specserve/models/specserve-smollm2-head/README.md), so 'model' is the default.",
+        "replica serves one, else the token draft. The default pair's head beats its token draft on held-out "
+        "chat and code (docs/benchmarks/single.md), so 'auto' is the default.",
     )
     overlap: bool = Field(
         False,

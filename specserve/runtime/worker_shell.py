@@ -88,7 +88,8 @@ def load_worker_head(settings: DraftSettings, model: LoadedModel) -> FeatureHead
     if spec is not None and spec.lower() == "none":
         return None
     if spec is None:
-        if settings.model not in (None, "", model_registry.DEFAULT_DRAFT):
+        named = settings.model and (model_registry.is_registered_cache(settings.model) or settings.model)
+        if named not in (None, "", model_registry.DEFAULT_DRAFT):  # `specserve up` passes the draft's directory
             return None
         source = model_registry.REGISTRY.get(model_registry.DEFAULT_HEAD)
         if source is None or not source.present():

@@ -13,10 +13,14 @@ pytestmark = pytest.mark.unit
 MODEL, FEATURE = common_pb2.PROPOSER_KIND_MODEL, common_pb2.PROPOSER_KIND_FEATURE
 
 
-def test_the_token_draft_is_the_default_even_where_a_head_is_served():
+def test_the_head_is_the_default_where_every_draft_serves_one_else_the_token_draft():
     setting = CoordinatorSettings.model_fields["default_proposer"].default
-    assert setting == "model"
-    assert default_proposer(setting, True) == MODEL and default_proposer(setting, False) == MODEL
+    assert setting == "auto"
+    assert default_proposer(setting, True) == FEATURE and default_proposer(setting, False) == MODEL
+
+
+def test_model_keeps_the_token_draft_even_where_a_head_is_served():
+    assert default_proposer("model", True) == MODEL and default_proposer("model", False) == MODEL
 
 
 def test_auto_takes_the_head_where_every_draft_serves_one():
