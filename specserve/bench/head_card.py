@@ -429,7 +429,7 @@ def main(opts: HeadCardOptions) -> int:
     result = json.loads(opts.from_json.read_text()) if opts.from_json else run(opts)
     if points:
         result["curve"] = points
-    if opts.json is not None and opts.from_json is None:
+    if opts.json is not None:  # from --from-json too: the figures again, with the curve's points
         md.write_json(opts.json, result)
     if opts.readme is not None:
         meta_path = Path(result["head"]) / "training_meta.json"

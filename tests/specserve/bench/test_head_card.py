@@ -145,3 +145,23 @@ def test_the_training_section_says_what_data_and_start_the_head_had():
     assert "starting from the head in `/tmp/earlier-head`." in text
     shipped = head_card.render(_card(), {**meta, "args": {**args, "shards": 16, "code_repeat": 1, "init": None}}, [])
     assert "the first 16 shards of each phase), 1000 steps" in shipped and "starting from" not in shipped
+
+
+def test_rendering_from_a_cards_json_writes_the_curve_into_it(tmp_path):
+    """``--from-json card.json --json card.json --curve RUN``: nothing measured, the card rendered, and the
+    curve's points kept in the JSON for the next rendering."""
+    from specserve.bench.options import HeadCardOptions
+
+    run = tmp_path / "curve-1.0"
+    run.mkdir()
+    history = [{"step": 9, "heldout": {"chat": {"top1_per_step": [0.45]}, "code": {"top1_per_step": [0.4]}}}]
+    meta = {"fraction": 1.0, "answer_tokens": 900, "step": 9, "elapsed_s": 30.0, "history": history}
+    (run / "train_meta.json").write_text(json.dumps(meta))
+    card = tmp_path / "card.json"
+    card.write_text(json.dumps({**_card(), "head": str(tmp_path / "no-head")}))
+    readme = tmp_path / "README.md"
+    opts = HeadCardOptions(from_json=card, json=card, readme=readme, curve=[run])
+    assert head_card.main(opts) == 0
+    assert [p["run"] for p in json.loads(card.read_text())["curve"]] == ["curve-1.0"]
+    assert "| curve-1.0 | 1 | 900 | 9 | 30 | 0.450 | 0.400 |" in readme.read_text()
+    assert (tmp_path / "data_size.png").stat().st_size > 1000
