@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import threading
 
 import pytest
 import tiny_models
@@ -81,14 +82,29 @@ async def test_a_constraint_that_does_not_compile_is_invalid_argument_naming_the
     compiler.close()
 
 
+class _HeldEngine:
+    """The real engine, whose compiles wait until the test lets them go (a slow compile that stays slow on a
+    loaded machine: a timing-only slow schema finished before a descheduled event loop saw its time limit)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.inner = _engine(tokenizer)
+        self.release = threading.Event()
+
+    def compile(self, constraint: Constraint):
+        assert self.release.wait(120), "the test never released the compile"
+        return self.inner.compile(constraint)
+
+
 async def test_a_compile_past_the_limit_is_refused_and_finishes_into_the_cache(tokenizer):
-    compiler = _compiler(tokenizer, timeout_s=1e-4)  # far below any compile of the slow schema
+    held = _HeldEngine(tokenizer)
+    compiler = ConstraintCompiler(lambda: held, timeout_s=0.05, threads=2, cache_size=4)
     constraint = _slow_schema()
     timeouts_before = _count("timeout")
     with pytest.raises(InvalidArgument) as info:
         await compiler.compile(constraint)
-    assert "did not compile within 0.0001 s" in info.value.message and "constraint_compile_timeout_s" in info.value.message
+    assert "did not compile within 0.05 s" in info.value.message and "constraint_compile_timeout_s" in info.value.message
     assert _count("timeout") - timeouts_before == 1
+    held.release.set()  # the compile goes on after its caller was refused, into the cache
     await wait_until(lambda: compiler.cached(constraint) is not None, timeout_s=120, what="the compile to finish")
     assert await compiler.compile(constraint) is compiler.cached(constraint)  # a retry: from the cache
     compiler.close()
