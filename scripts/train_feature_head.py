@@ -60,6 +60,7 @@ from specserve.engine.feature_head import (  # noqa: E402
     FeatureHead,
     FinalNormInput,
     head_from_target,
+    load_feature_head,
     save_feature_head,
     target_features,
 )
@@ -646,7 +647,7 @@ def train(args: argparse.Namespace) -> None:
     head = head_from_target(target, ids, target_model=args.target_name).to(device)
     del target
     if args.init is not None and not (out_dir / "checkpoint.pt").exists():
-        _init_from(head, args.init)
+        _init_from(head, args.init, args.target)
     head.norm.weight.requires_grad_(False)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -716,18 +717,10 @@ def train(args: argparse.Namespace) -> None:
     save()
 
 
-def _init_from(head: FeatureHead, directory: Path) -> None:
+def _init_from(head: FeatureHead, directory: Path, target: str) -> None:
     """Start from an exported head's layer weights (``--init``); the head's tokens stay this run's."""
-    from safetensors.torch import load_file
-
-    from specserve.engine.feature_head import WEIGHTS
-
-    state = load_file(str(directory / WEIGHTS))
-    state.pop("head_token_ids", None)
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith(("inv_freq", "head_token_ids"))]
-    if missing or unexpected:
-        raise SystemExit(f"{directory}: weights do not fit the head (missing {missing}, unexpected {unexpected})")
+    earlier = load_feature_head(directory, target=target)  # checks that the files fit a head
+    head.load_state_dict({k: v for k, v in earlier.state_dict().items() if k != "head_token_ids"}, strict=False)
     print(f"initialised from {directory}", flush=True)
 
 

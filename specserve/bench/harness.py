@@ -428,8 +428,6 @@ class ModeSummary:
         )
 
 
-
-
 #: ``"<prompt set> T=<temperature>"`` -> mode -> its summary, in the order the modes ran.
 SingleSummary = dict[str, dict[str, ModeSummary]]
 
