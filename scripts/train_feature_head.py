@@ -5,6 +5,7 @@ Stages (each resumable; CUDA when present, else the CPU)::
     python scripts/train_feature_head.py generate   # the target answers many prompts -> token ids (data/)
     python scripts/train_feature_head.py train      # the head, on features recomputed from those ids
     python scripts/train_feature_head.py export     # the head's model directory in models/
+    python scripts/train_feature_head.py stats      # what the data holds, by phase (a Markdown table)
 
 ``generate`` keeps token ids only (``data/smollm2-answers/*.npz.xz``, a few MB in
 the repository): the target's features and distributions are recomputed from
@@ -624,6 +625,8 @@ def features(args: argparse.Namespace) -> None:
 
 
 TRAIN_PHASES = ("turn1", "turn2", "selfinstruct", "turn2si")
+#: Every phase, in the order ``generate`` runs them.
+ALL_PHASES = ("heldout", "turn1", "turn2", "questions", "selfinstruct", "turn2si")
 
 
 def train(args: argparse.Namespace) -> None:
@@ -750,12 +753,35 @@ def export(args: argparse.Namespace) -> None:
     print(f"wrote {args.export}")
 
 
+def stats(args: argparse.Namespace) -> None:
+    """Print what ``--data`` holds, by phase: shards, answers, answer tokens, the code share and the
+    sampled share (a Markdown table; the data README's)."""
+    phases = sorted({p.name.split("-")[0] for p in args.data.glob("*.npz.xz")},
+                    key=lambda ph: (ALL_PHASES.index(ph) if ph in ALL_PHASES else len(ALL_PHASES), ph))
+    rows = ["| phase | trained on | shards | answers | answer tokens | code tokens | sampled tokens |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    totals = [0, 0, 0, 0, 0]
+    for phase in phases:
+        shards = len(list(args.data.glob(f"{phase}-*.npz.xz")))
+        records = load_records(args.data, phase)
+        answer = [len(r.tokens) - r.prompt_len for r in records]
+        code = sum(n for r, n in zip(records, answer, strict=True) if r.kind == KINDS["code"])
+        sampled = sum(n for r, n in zip(records, answer, strict=True) if r.mode != MODES["greedy"])
+        figures = [shards, len(records), sum(answer), code, sampled]
+        if phase in TRAIN_PHASES:
+            totals = [t + f for t, f in zip(totals, figures, strict=True)]
+        trained = "yes" if phase in TRAIN_PHASES else "no"
+        rows.append(f"| {phase} | {trained} | " + " | ".join(f"{f:,}" for f in figures) + " |")
+    rows.append("| **training phases** | | " + " | ".join(f"**{t:,}**" for t in totals) + " |")
+    print("\n".join(rows))
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("stage", choices=("generate", "features", "train", "export"))
+    ap.add_argument("stage", choices=("generate", "features", "train", "export", "stats"))
     ap.add_argument("--target", default=str(Path.home() / ".cache/specserve/models/smollm2-135m-instruct"))
     ap.add_argument("--target-name", default="smollm2-135m-instruct")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -804,7 +830,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    {"generate": generate, "features": features, "train": train, "export": export}[args.stage](args)
+    stages = {"generate": generate, "features": features, "train": train, "export": export, "stats": stats}
+    stages[args.stage](args)
 
 
 if __name__ == "__main__":
