@@ -237,18 +237,23 @@ class TargetSettings(WorkerSettings):
     port: int = Field(50052, ge=0, le=65535)
     kernels: Literal["fastest", "auto", "stock", "onednn"] = Field(
         "auto",
-        description="Linear-layer kernels, one path for every replica of a deployment: 'auto' (onednn for "
-        "float32 on a CPU where PyTorch has it, else stock), 'onednn' (weights prepacked for oneDNN, on a "
-        "CPU), 'stock' (PyTorch's), 'fastest' (only with invariant off: both paths timed on the model as it "
-        "loads and the faster kept, so two replicas may run different kernels; docs/benchmarks/kernels.md).",
+        description="Linear-layer kernels: 'auto' (on a CPU in float32, the faster of PyTorch's and packed "
+        "oneDNN for this kind of CPU and model shape, timed by the first replica of the kind to start and "
+        "recorded in the deployment's Redis, so every replica of a kind runs the same path; elsewhere stock), "
+        "'onednn' (weights prepacked for oneDNN, on a CPU), 'stock' (PyTorch's), 'fastest' (only with "
+        "invariant off: both paths timed in each process, so two replicas may differ; "
+        "docs/benchmarks/kernels.md).",
     )
     invariant: bool = Field(
-        True,
-        description="Invariant passes (docs/design.md, 'Numerics'): a position's logits are the same bits from "
-        "a decoding step, a verify pass, a prefill, any batch-mates and padding, and any replica with the same "
-        "software, CPU kind and kernels, so greedy output is the target alone's token for token and a coupled "
-        "session's text survives a failover. Off (--no-invariant): transformers' attention and the kernels' "
-        "own row handling, faster, equal to those only up to float rounding (docs/benchmarks/invariance.md).",
+        False,
+        description="Invariant passes (--invariant; docs/design.md, 'Numerics'): a position's logits are the "
+        "same bits from a decoding step, a verify pass, a prefill, any batch-mates and padding, and any "
+        "replica with the same software, CPU kind and kernels, so greedy output is the target alone's token "
+        "for token with no exception for near-ties, and a coupled session's text survives batch-mates and "
+        "failover bit for bit. They cost speed (docs/benchmarks/invariance.md), so they are opt-in, as vLLM's "
+        "batch-invariant mode is. Off (the default): transformers' attention and the kernels' own row "
+        "handling; a position's logits agree across those to float rounding, so output equals the target "
+        "alone's except where two tokens' logits lie within that rounding.",
     )
     max_batch_size: int = Field(32, ge=1, description="Most sessions in one Verify call.")
     measure_verify_cost: bool = Field(
