@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
+from coordinator.cache_scope import ANONYMOUS
 from coordinator.coordinator import Chunk, Coordinator, Finished
 from coordinator.requests import GenerationRequest
 
@@ -26,13 +27,18 @@ class Choices:
     """``n`` sessions of one request; events come out as ``(choice index, event or exception)``."""
 
     def __init__(
-        self, coordinator: Coordinator, requests: Sequence[GenerationRequest], *, client: str | None
+        self,
+        coordinator: Coordinator,
+        requests: Sequence[GenerationRequest],
+        *,
+        client: str | None,
+        tenant: str = ANONYMOUS,
     ) -> None:
         self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._open = len(requests)
         self._buffer: list[tuple[int, Event | BaseException]] = []
         self._tasks = [
-            asyncio.ensure_future(self._run(i, coordinator.generate(r, client=client)))
+            asyncio.ensure_future(self._run(i, coordinator.generate(r, client=client, tenant=tenant)))
             for i, r in enumerate(requests)
         ]
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import structlog
 
+from coordinator import cache_scope
 from coordinator.admission import Admission, SessionRate
 from coordinator.chat import ChatMessage, TemplateOptions, chat_prompt_ids
 from coordinator.constraint_compiler import ConstraintCompiler
@@ -190,14 +191,15 @@ class Coordinator:
         self.admission.check(client, sessions)
 
     async def generate(
-        self, request: GenerationRequest, *, client: str | None = None
+        self, request: GenerationRequest, *, client: str | None = None, tenant: str = cache_scope.ANONYMOUS
     ) -> AsyncIterator[Chunk | Finished]:
         """Run one session to its end, yielding chunks then the statistics.
 
-        ``client`` identifies the caller for ``max_sessions_per_client`` (None: not limited per client).
+        ``client`` identifies the caller for ``max_sessions_per_client`` (None: not limited per client);
+        ``tenant`` (:func:`coordinator.cache_scope.tenant`) owns the prefix cache it may share.
         """
         async with self.admission.slot(client):
-            session, loop = self._new_session(request)
+            session, loop = self._new_session(request, tenant)
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 stop_strings=request.stop.stop_strings,
@@ -231,8 +233,8 @@ class Coordinator:
                 metrics.REQUESTS.labels(status=status).inc()
                 self._clean_up_later(loop, session.session_id)
 
-    def _new_session(self, request: GenerationRequest) -> tuple[Session, RoundLoop]:
-        """A session for ``request`` and its round loop (which counts it in the pool's load)."""
+    def _new_session(self, request: GenerationRequest, tenant: str) -> tuple[Session, RoundLoop]:
+        """A session of ``tenant`` for ``request`` and its round loop (which counts it in the pool's load)."""
         r = request
         session = Session(
             uuid.uuid4().hex,
@@ -244,6 +246,7 @@ class Coordinator:
             prediction=r.prediction_token_ids,
             lookup=r.speculation.hybrid_lookup,
             forced=self._forced_text(r),
+            cache_scope=cache_scope.cache_scope(tenant, r.cache_salt, mode=self.settings.prefix_cache_scope),
         )
         loop = RoundLoop(
             session,

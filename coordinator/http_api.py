@@ -22,7 +22,8 @@ event before ``data: [DONE]``.
 Authentication: with ``auth_tokens`` set, every ``/v1`` route needs
 ``Authorization: Bearer <token>`` with one of the same tokens the gRPC API
 accepts; ``/health``, ``/version`` and ``/metrics`` stay open, as on the metrics port. Per-client session limits key on
-the token (or the peer address without auth), as on the gRPC side.
+the token (or the peer address without auth), as on the gRPC side; so does the prefix cache a request may
+share (its tenant, with its ``cache_salt`` and ``prompt_cache_key``: coordinator/cache_scope.py).
 
 Cancellation: when the client goes away (a streamed reply's connection closes,
 or a non-streamed request's does while it waits), every session of the request
@@ -49,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from coordinator.cache_scope import http_tenant
 from coordinator.choices import Choices
 from coordinator.coordinator import Coordinator
 from coordinator.openai_protocol import (
@@ -246,7 +248,8 @@ class OpenAIServer:
             prompt_tokens=len(parsed[0].prompt_token_ids),
             token_strings=self.token_strings if options.logprobs else None,
         )
-        choices = Choices(self.coordinator, parsed, client=client)
+        tenant = http_tenant(request.headers.get("authorization"), by_token=self._tokens is not None)
+        choices = Choices(self.coordinator, parsed, client=client, tenant=tenant)
         headers = {REQUEST_ID_KEY: structlog.contextvars.get_contextvars().get("request_id", "")}
         try:
             await choices.first_events()  # an error before the first token keeps its status

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from coordinator.cache_scope import grpc_tenant
 from coordinator.coordinator import Coordinator
 from specserve.runtime.interceptors import client_identity
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -27,7 +28,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         generation = await self.coordinator.parse(request)
-        client = client_identity(context, by_token=bool(self.coordinator.settings.auth_tokens))
-        async with contextlib.aclosing(self.coordinator.generate(generation, client=client)) as events:
+        by_token = bool(self.coordinator.settings.auth_tokens)
+        client = client_identity(context, by_token=by_token)
+        tenant = grpc_tenant(context, by_token=by_token)
+        async with contextlib.aclosing(self.coordinator.generate(generation, client=client, tenant=tenant)) as events:
             async for event in events:
                 yield event.to_pb()

@@ -100,11 +100,16 @@ class Session:
         prediction: Sequence[int] | None = None,
         lookup: bool = False,
         forced: LocalProposer | None = None,
+        cache_scope: bytes = b"",
     ) -> None:
         """``lookup``: keep a hybrid lookup (:attr:`lookup`) beside the draft model; only for a session that
         drafts with the model and has no prediction (their proposers already run in the coordinator).
-        ``forced``: a constrained session's forced-text proposer (:attr:`forced`)."""
+        ``forced``: a constrained session's forced-text proposer (:attr:`forced`). ``cache_scope``: its
+        prefix-cache scope (:attr:`cache_scope`)."""
         self.session_id = session_id
+        #: Who may share this session's cached prefix (coordinator/cache_scope.py): sent with every Verify item
+        #: and Propose, and part of its routing key.
+        self.cache_scope = cache_scope
         self.prompt_len = len(prompt_token_ids)
         self.sampling = sampling
         self.stop = stop

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specserve.api.errors import InvalidArgument, ResourceExhausted, SpecServeError, ZeroDraftProbability
-from specserve.api.params import SessionBase, Verdict, check_top_logprobs
+from specserve.api.params import SessionBase, Verdict, check_cache_scope, check_top_logprobs
 from specserve.api.status import item_code
 from specserve.core.features import FeatureBlock
 from specserve.core.proposal import DraftProposal, draft_probs_from_pb
@@ -41,6 +41,8 @@ class VerifyItem:
     #: Return the target's features of committed positions from here on (None: none; docs/design.md,
     #: "The feature head").
     features_from: int | None = None
+    #: The session's prefix-cache scope: its cache attaches and shares blocks of this scope only.
+    cache_scope: bytes = b""
 
     @property
     def session_id(self) -> str:
@@ -150,6 +152,7 @@ def _item_from_pb(pb: target_pb2.VerifyItem, *, vocab_size: int, max_gamma: int)
         top_logprobs=top_logprobs,
         decode_steps=steps,
         features_from=features_from,
+        cache_scope=check_cache_scope(pb.cache_scope),
     )
 
 

@@ -440,6 +440,16 @@ class CoordinatorSettings(CommonSettings):
         0.5, gt=0, description="A failed target replica is skipped this long; doubles per failure in a row."
     )
     target_max_backoff_s: float = Field(10.0, gt=0, description="Cap of the target replicas' back-off.")
+    prefix_cache_scope: Literal["tenant", "shared"] = Field(
+        "tenant",
+        description="Who shares the workers' prefix caches: 'tenant' (the default), only sessions of the same "
+        "authenticated client (its bearer token, or its client certificate's names; without client "
+        "authentication every client is one anonymous tenant) with the same cache_salt / prompt_cache_key, so "
+        "no client can learn from cached_tokens or timing what another's prompts hold; 'shared', every "
+        "session with the same cache_salt / prompt_cache_key whoever sent it (one tenant, or tenants who trust "
+        "each other: more hits, and each can probe the others' prompts) (docs/operations.md, 'Who shares "
+        "the prefix cache').",
+    )
     route_prefix_tokens: int = Field(
         64,
         ge=0,
