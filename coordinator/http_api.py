@@ -5,7 +5,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 (:mod:`coordinator.openapi`) and ``GET /metrics``
 (the process's Prometheus registry, the metrics port's very series, vLLM's names
 included, where vLLM and SGLang serve them: tools such as aiperf look there). Each generation request goes through the same domain object
-as the gRPC servicer, in the same order: the body becomes one ``GenerateRequest``
+as the gRPC servicer, in the same order: the body is read strictly
+(:mod:`coordinator.json_body`: a hostile body is a 400 naming the problem) and becomes one ``GenerateRequest``
 per choice (:mod:`coordinator.openai_protocol`), ``Coordinator.parse`` checks
 each against the server's limits, ``Coordinator.check_admission`` checks the
 session limits for all ``n`` at once, and only then do the sessions start
@@ -51,6 +52,7 @@ from starlette.types import Receive, Scope, Send
 
 from coordinator.choices import Choices
 from coordinator.coordinator import Coordinator
+from coordinator.json_body import read_json
 from coordinator.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -299,10 +301,7 @@ class OpenAIServer:
         """The body as a request, checked: JSON, the prompt's size before validation builds it, the
         fields, the model, what is supported. Pure CPU work: :meth:`admit` runs it off the loop when
         the body is large."""
-        try:
-            raw = json.loads(data)
-        except ValueError:
-            raise bad_param(None, "the request body is not valid JSON", "invalid_json") from None
+        raw = read_json(data)
         settings = self.coordinator.settings
         check_prompt_size(raw, max_tokens=settings.max_prompt_tokens, max_bytes=settings.max_prompt_bytes)
         body = parse_body(cls, raw, unknown_fields=settings.http_unknown_fields)
