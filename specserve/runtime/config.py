@@ -329,17 +329,34 @@ class CoordinatorSettings(CommonSettings):
     constraint_cache_size: int = Field(256, ge=1, description="Compiled constraints kept (most recently used).")
     max_sessions: int = Field(512, ge=1, description="Concurrent sessions in total.")
     max_sessions_per_client: int = Field(
-        64, ge=1, description="Concurrent sessions per authenticated client."
+        64,
+        ge=1,
+        description="Concurrent sessions per client: an authenticated identity (bearer token or client "
+        "certificate name), or an address with client_limits_by_address.",
     )
     session_rate_per_client: float = Field(
         20.0,
         gt=0,
         allow_inf_nan=False,
-        description="New sessions per second one client may start, sustained (a token bucket refilled at "
-        "this rate); past it a request is refused with RESOURCE_EXHAUSTED (HTTP 429) and a retry hint.",
+        description="New sessions per second one client (as for max_sessions_per_client) may start, sustained "
+        "(a token bucket refilled at this rate); past it a request is refused with RESOURCE_EXHAUSTED (HTTP "
+        "429) and a retry hint of the bucket's wait for its next session.",
     )
     session_burst_per_client: int = Field(
         200, ge=1, description="New sessions one client may start at once before session_rate_per_client applies."
+    )
+    client_limits_by_address: bool = Field(
+        False,
+        description="Apply the per-client limits (max_sessions_per_client, session_rate_per_client) to callers "
+        "no token or client certificate names, by network address (IPv4 address, IPv6 /64). Off: such "
+        "callers are limited by max_sessions only (every caller behind one proxy or NAT would share an "
+        "address; see trusted_proxies).",
+    )
+    trusted_proxies: CommaList = Field(
+        default_factory=list,
+        description="With client_limits_by_address: addresses or networks (CIDR) of proxies in front of this "
+        "coordinator whose X-Forwarded-For header names the caller's address; the header is ignored from "
+        "any other peer.",
     )
     keep_ended_sessions_s: float = Field(
         0.0,
@@ -482,7 +499,7 @@ class CoordinatorSettings(CommonSettings):
         """Client bearer tokens, or mutual TLS (client certificates from tls_ca_file), are configured."""
         return bool(self.auth_tokens) or self.tls_ca_file is not None
 
-    @field_validator("draft_endpoints", "target_endpoints", "auth_tokens", mode="before")
+    @field_validator("draft_endpoints", "target_endpoints", "auth_tokens", "trusted_proxies", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         return _split_commas(value)
@@ -500,6 +517,20 @@ class CoordinatorSettings(CommonSettings):
                 "its clients: anyone reaching the port could generate on your models. Set auth_tokens "
                 "(SPECSERVE_AUTH_TOKENS), or tls_ca_file (mutual TLS: client certificates required), or "
                 "listen on 127.0.0.1; insecure=true (--insecure) accepts anyone"
+            )
+        for proxy in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"trusted_proxies: {proxy!r} is not an IP address or network; list addresses or CIDR "
+                    "networks such as 10.0.0.0/8"
+                ) from None
+        if self.trusted_proxies and not self.client_limits_by_address:
+            raise ValueError(
+                "trusted_proxies names whose X-Forwarded-For gives a caller's address for the per-client "
+                "limits, which apply by address only with client_limits_by_address=true: set it too, or "
+                "leave trusted_proxies empty"
             )
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
