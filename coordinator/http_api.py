@@ -288,7 +288,7 @@ class OpenAIServer:
         if body.n > limit:
             raise bad_param("n", f"n={body.n} is above this server's limit of {limit} sessions per request")
         self.coordinator.check_admission(client, sessions=body.n)  # before any tokenizing
-        first = await self.coordinator.parse(body.to_pb(0))  # the prompt is tokenized once for all n
+        first = await self.coordinator.parse(body.to_pb(0), client=client)  # the prompt is tokenized once for all n
         parsed = [first, *(first.with_seed(body.choice_seed(i)) for i in range(1, body.n))]
         self.coordinator.check_admission(client, sessions=body.n)  # still, now that the sessions start
         return body, parsed

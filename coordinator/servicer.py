@@ -26,8 +26,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        generation = await self.coordinator.parse(request)
         client = client_identity(context, by_token=bool(self.coordinator.settings.auth_tokens))
+        generation = await self.coordinator.parse(request, client=client)
         async with contextlib.aclosing(self.coordinator.generate(generation, client=client)) as events:
             async for event in events:
                 yield event.to_pb()
