@@ -251,16 +251,21 @@ class ConstraintCompiler:
                 self._running[job.client] += 1
                 self._set_gauges()
             job.started.set_result(time.monotonic())
+            compiled: Any = None
+            error: BaseException | None = None
             try:
-                job.done.set_result(self._timed_compile(job.constraint))
+                compiled = self._timed_compile(job.constraint)
             except BaseException as exc:  # the compile's error, to every caller still waiting
-                job.done.set_exception(exc)
-            finally:
-                with self._lock:
-                    self._running[job.client] -= 1
-                    self._finish(job)
-                    self._set_gauges()
-                    self._lock.notify_all()  # the client's next job may start now
+                error = exc
+            with self._lock:  # the bounds first: a caller resumed by the outcome sees its compile ended
+                self._running[job.client] -= 1
+                self._finish(job)
+                self._set_gauges()
+                self._lock.notify_all()  # the client's next job may start now
+            if error is not None:
+                job.done.set_exception(error)
+            else:
+                job.done.set_result(compiled)
 
     def _finish(self, job: _Job) -> None:
         """Forget ``job`` (under the lock): its client's bound and the constraint's entry."""

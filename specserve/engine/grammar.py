@@ -201,6 +201,8 @@ def grammar_text(constraint: Constraint) -> str:
         return str(llguidance.LLMatcher.grammar_from_lark(choice_lark(constraint.choices)))
     try:
         lark = any_to_lark(constraint.text)
+    except RecursionError as exc:
+        raise InvalidArgument("the grammar constraint does not compile: it is nested too deeply") from exc
     except Exception as exc:  # the converter raises its own errors and plain Exception
         raise InvalidArgument(f"the grammar constraint does not compile: {_engine_message(str(exc))}") from exc
     return str(llguidance.LLMatcher.grammar_from_lark(lark))
