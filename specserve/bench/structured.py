@@ -31,6 +31,10 @@ default pair, and runs two parts:
 share, a team of two threads waits on a descheduled one at every barrier, and a step can cost several
 times what it costs on one thread.
 
+* **Flood** (issue 54; :mod:`specserve.bench.structured_flood`): the ordinary streams alone and beside one
+  client flooding distinct slow schemas while another client's new schema is sent; each client has an API
+  key of its own (the stack runs with ``auth_tokens``: the per-client limits key on them).
+
 Writes ``<out>/<name>.json`` and ``<out>/<name>.md``. Results and their reading:
 docs/benchmarks/structured.md.
 """
@@ -42,6 +46,7 @@ import contextlib
 import itertools
 import json
 import random
+import secrets
 import statistics
 import string
 import time
@@ -227,7 +232,8 @@ class Metrics:
     def outcomes(self) -> dict[str, float]:
         from specserve.bench.prom import scrape
 
-        return {o: scrape(self.url, COMPILES, {"outcome": o}) for o in ("cached", "compiled", "invalid", "timeout")}
+        outcomes = ("cached", "compiled", "invalid", "timeout", "refused")
+        return {o: scrape(self.url, COMPILES, {"outcome": o}) for o in outcomes}
 
     def compile_seconds(self) -> tuple[float, float]:
         """(sum, count) of the compile-seconds histogram."""
@@ -427,6 +433,7 @@ def local_compile_s(tokenizer: Any, vocab_size: int, stop_ids: list[int], patter
 async def _measure(opts: StructuredOptions) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from specserve.bench.structured_flood import measure_flood
     from specserve.client import AsyncClient
     from specserve.engine.models import resolve_model_path
     from specserve.launch.local import start_process_stack
@@ -447,30 +454,40 @@ async def _measure(opts: StructuredOptions) -> dict[str, Any]:
         alone_s = local_compile_s(tokenizer, vocab_size, stop_ids, opts.slow_patterns)
         print(f"llguidance compiles one slow schema ({opts.slow_patterns} patternProperties) alone in {alone_s:.2f} s")
     metrics_port = free_port()
+    keys = {who: secrets.token_urlsafe(16) for who in ("streams", "attacker", "victim")}  # this run's only
     with private_redis(opts.redis_url) as redis_url:
         stack = await start_process_stack(
             target_model=opts.target,
             draft_model=opts.draft,
             redis_url=redis_url,
-            coordinator_overrides={"metrics_port": metrics_port},
+            coordinator_overrides={"metrics_port": metrics_port, "auth_tokens": list(keys.values())},
             target_overrides={"threads": opts.target_threads} if opts.target_threads else None,
             start_timeout_s=opts.start_timeout_s,
         )
+        clients = {
+            who: AsyncClient(stack.address, timeout=900, token=key, retries=0 if who == "attacker" else 3)
+            for who, key in keys.items()
+        }
         try:
-            async with AsyncClient(stack.address, timeout=900) as client:
-                await _stream(client, _render(tokenizer, "Hi"), 8)
-                metrics = Metrics(f"http://127.0.0.1:{metrics_port}/metrics")
-                for part, measure in (("speed", _speed), ("isolation", _isolation)):
-                    if part in opts.parts:
-                        load_before = _loadavg()
+            client = clients["streams"]
+            await _stream(client, _render(tokenizer, "Hi"), 8)
+            metrics = Metrics(f"http://127.0.0.1:{metrics_port}/metrics")
+            for part, measure in (("speed", _speed), ("isolation", _isolation), ("flood", None)):
+                if part in opts.parts:
+                    load_before = _loadavg()
+                    if measure is None:
+                        result[part] = await measure_flood(clients, tokenizer, metrics, opts)
+                    else:
                         result[part] = await measure(client, tokenizer, metrics, opts)
-                        result[part].update(
-                            args=result["args"],
-                            load_before=load_before,
-                            load_after=_loadavg(),
-                            date_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-                        )
+                    result[part].update(
+                        args=result["args"],
+                        load_before=load_before,
+                        load_after=_loadavg(),
+                        date_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                    )
         finally:
+            for c in clients.values():
+                await c.close()
             await stack.stop()
     if "isolation" in result:
         result["isolation"]["slow_compile_alone_s"] = alone_s
@@ -505,6 +522,11 @@ def render(result: dict[str, Any]) -> str:
         lines += _render_speed(result["speed"], result["speed"]["args"])
     if "isolation" in result:
         lines += _render_isolation(result["isolation"], result["isolation"]["args"])
+    if "flood" in result:
+        from specserve.bench.structured_flood import render_flood
+
+        flood, args = result["flood"], result["flood"]["args"]
+        lines += render_flood(flood, args, _run_lines(flood, args))
     return "\n".join(lines)
 
 
@@ -658,6 +680,7 @@ def main(opts: StructuredOptions) -> int:
     path = opts.out / f"{opts.name}.json"
     if path.exists():
         kept = json.loads(path.read_text())
-        result = {**{p: kept[p] for p in ("speed", "isolation") if p in kept and p not in result}, **result}
+        parts = ("speed", "isolation", "flood")
+        result = {**{p: kept[p] for p in parts if p in kept and p not in result}, **result}
     md.write(opts.out, opts.name, render(result), result)
     return 0
