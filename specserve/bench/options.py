@@ -517,7 +517,7 @@ class StructuredOptions(Options):
     isolation_repeats: int = opt(2, "times each condition (alone, beside) runs, in ABBA order")
     flood_requests: int = opt(8, "the flooding client's requests in flight, each a new slow schema")
     flood_patterns: int = opt(
-        600, "patternProperties per flooding schema (past the coordinator's compile limit: refused, compiling on)"
+        400, "patternProperties per flooding schema (past the coordinator's compile limit: refused, compiling on)"
     )
     flood_repeats: int = opt(2, "times each condition (alone, beside a flood) runs, in ABBA order")
     target_threads: int = opt(

@@ -70,6 +70,7 @@ def flood_summary(phases: list[dict[str, Any]]) -> dict[str, Any]:
                 "served": sum(v["outcome"] == "served" for v in vs),
                 "requests": len(vs),
                 "seconds": [v["seconds"] for v in vs],
+                "first_token_s": [v.get("first_token_s") for v in vs],
                 "outcomes": [v["outcome"] for v in vs],
             }
             for c, vs in victims.items()
@@ -116,13 +117,15 @@ async def _victim(client: Any, prompt: list[int], phase: int, delay_s: float) ->
             stream = client.stream(
                 prompt_token_ids=prompt, max_new_tokens=48, temperature=0.0, constraint=_constraint(victim_schema(phase))
             )
-            tokens = 0
+            tokens, first_token_s = 0, None
             async for chunk in stream:
                 tokens += len(chunk.token_ids)
+                if first_token_s is None and chunk.token_ids:
+                    first_token_s = sw.elapsed()
             outcome, error = "served", ""
         except Exception as exc:
             tokens, outcome, error = 0, outcome_of(exc), str(exc)[:200]
-    return {"outcome": outcome, "seconds": sw.seconds, "tokens": tokens, "error": error}
+    return {"outcome": outcome, "seconds": sw.seconds, "first_token_s": first_token_s, "tokens": tokens, "error": error}
 
 
 async def _settled(metrics_url: str, timeout_s: float = 600.0) -> float:
@@ -218,15 +221,21 @@ def render_flood(flood: dict[str, Any], a: dict[str, Any], run_lines: list[str])
         f"- **The streams beside the flood / alone: median {st['median_ratio']:.2f}x, p90 {st['p90_ratio']:.2f}x** "
         f"(p99 {st['p99_ratio']:.2f}x); the issue asks within {ISOLATION_BAR:g}x at p90: {_verdict(ok)}.",
         f"- **The other client's new schema: served {victim['flood']['served']} of {victim['flood']['requests']} "
-        f"beside the flood** ({', '.join(f'{x:.1f}' for x in victim['flood']['seconds'])} s for the request) and "
-        f"{victim['solo']['served']} of {victim['solo']['requests']} alone "
-        f"({', '.join(f'{x:.1f}' for x in victim['solo']['seconds'])} s): {_verdict(served)}.",
+        f"beside the flood** ({_times(victim['flood'])}) and {victim['solo']['served']} of "
+        f"{victim['solo']['requests']} alone ({_times(victim['solo'])}): {_verdict(served)}.",
         "- The flooding client's requests: "
         + (", ".join(f"{n} {k}" for k, n in sorted(attacker.items())) or "none")
         + f". The coordinator's compiler over the run: {refused:.0f} refused by the queue's bounds "
         f"(RESOURCE_EXHAUSTED, before any compile), {timeouts:.0f} past the time limit (INVALID_ARGUMENT).",
         "",
     ]
+
+
+def _times(v: dict[str, Any]) -> str:
+    """A condition's victim requests: seconds each, and to the first token where it came."""
+    firsts = [f"{x:.1f}" for x in v.get("first_token_s", []) if x is not None]
+    first = f"; first token {', '.join(firsts)} s" if firsts else ""
+    return f"{', '.join(f'{x:.1f}' for x in v['seconds'])} s a request{first}"
 
 
 def _verdict(ok: bool) -> str:
