@@ -164,7 +164,7 @@ def test_the_flood_summary_counts_the_victim_and_the_attacker_per_condition_and_
     s = sf.flood_summary(phases)
     assert s["attacker"] == {"ResourceExhausted": 35, "InvalidArgument": 1}
     assert s["victim"]["flood"]["served"] == 1 and s["victim"]["flood"]["requests"] == 2
-    assert s["victim"]["solo"] == {"served": 1, "requests": 1, "seconds": [1.2], "outcomes": ["served"]}
+    assert s["victim"]["solo"] == {"served": 1, "requests": 1, "seconds": [1.2], "first_token_s": [None], "outcomes": ["served"]}
     assert s["streams"]["solo"]["n"] == 2 and s["streams"]["beside"]["n"] == 3
     args = StructuredOptions(command="specserve bench structured --parts flood").settings()
     text = "\n".join(sf.render_flood({"phases": phases, "summary": s}, args, ["the command"]))
