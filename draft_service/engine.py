@@ -9,7 +9,8 @@ A call (:meth:`DraftEngine.propose_batch`; :meth:`DraftEngine.propose` is a call
 of one) is handled in two parts, after its constrained items' constraints that the
 grammar engine does not hold are compiled on threads of their own
 (:meth:`~specserve.engine.grammar.SessionGrammars.prepare`: the model thread drafts
-other calls meanwhile):
+other calls meanwhile; each item then carries its compiled grammar, ``DraftRequest.grammar``, so
+the model thread never compiles):
 
 1. **On the event loop, in arrival order**: each item's committed prefix ``C``
    is resolved against the history (the ``start_position`` protocol) and
