@@ -25,6 +25,15 @@ import json
 import time
 from typing import Any
 
+from specserve.bench.structured_common import (
+    ISOLATION_BAR,
+    constraint_of,
+    isolation_summary,
+    render_prompt,
+    slow_schema,
+    stream,
+    verdict,
+)
 from specserve.bench.timing import Stopwatch, inter_token_latencies
 
 #: The metric of the coordinator's compile jobs, by state (waiting, running).
@@ -55,8 +64,6 @@ def outcome_of(exc: BaseException | None) -> str:
 def flood_summary(phases: list[dict[str, Any]]) -> dict[str, Any]:
     """The isolation summary of the streams (``solo`` against ``flood``), the victim's outcomes and seconds per
     condition, and the attacker's outcomes over every flood phase."""
-    from specserve.bench.structured import isolation_summary
-
     renamed = [{**p, "condition": "beside" if p["condition"] == "flood" else p["condition"]} for p in phases]
     streams = isolation_summary(renamed)
     attacker: collections.Counter[str] = collections.Counter()
@@ -81,18 +88,16 @@ def flood_summary(phases: list[dict[str, Any]]) -> dict[str, Any]:
 
 async def _attack(client: Any, prompt: list[int], opts: Any, stop: asyncio.Event, seed0: int) -> dict[str, int]:
     """``opts.flood_requests`` slots, each sending a new slow schema as soon as its last ended, until ``stop``."""
-    from specserve.bench.structured import _constraint, slow_schema
-
     counts: collections.Counter[str] = collections.Counter()
     seeds = iter(range(seed0, seed0 + 1_000_000))
 
     async def slot() -> None:
         while not stop.is_set():
-            constraint = _constraint(slow_schema(next(seeds), opts.flood_patterns))
+            constraint = constraint_of(slow_schema(next(seeds), opts.flood_patterns))
             started = time.monotonic()
             try:
-                stream = client.stream(prompt_token_ids=prompt, max_new_tokens=4, temperature=0.0, constraint=constraint)
-                async for _ in stream:
+                reply = client.stream(prompt_token_ids=prompt, max_new_tokens=4, temperature=0.0, constraint=constraint)
+                async for _ in reply:
                     pass
                 counts[outcome_of(None)] += 1
             except Exception as exc:  # an outcome here: the refusals are what the flood meets
@@ -109,16 +114,14 @@ async def _attack(client: Any, prompt: list[int], opts: Any, stop: asyncio.Event
 
 
 async def _victim(client: Any, prompt: list[int], phase: int, delay_s: float) -> dict[str, Any]:
-    from specserve.bench.structured import _constraint
-
     await asyncio.sleep(delay_s)
     with Stopwatch() as sw:
         try:
-            stream = client.stream(
-                prompt_token_ids=prompt, max_new_tokens=48, temperature=0.0, constraint=_constraint(victim_schema(phase))
+            reply = client.stream(
+                prompt_token_ids=prompt, max_new_tokens=48, temperature=0.0, constraint=constraint_of(victim_schema(phase))
             )
             tokens, first_token_s = 0, None
-            async for chunk in stream:
+            async for chunk in reply:
                 tokens += len(chunk.token_ids)
                 if first_token_s is None and chunk.token_ids:
                     first_token_s = sw.elapsed()
@@ -145,16 +148,15 @@ async def measure_flood(clients: dict[str, Any], tokenizer: Any, metrics: Any, o
     """The flood part (see the module docstring); ``clients``: ``streams``, ``attacker`` and ``victim``, one API
     key each."""
     from specserve.bench.chat_prompts import heldout_prompts
-    from specserve.bench.structured import _render, _stream
 
-    prompts = [_render(tokenizer, p.messages[0]["content"]) for p in heldout_prompts("chat", opts.streams)]
-    ask = _render(tokenizer, "Reply with a JSON object.")
+    prompts = [render_prompt(tokenizer, p.messages[0]["content"]) for p in heldout_prompts("chat", opts.streams)]
+    ask = render_prompt(tokenizer, "Reply with a JSON object.")
     phases: list[dict[str, Any]] = []
     conditions = [("solo", "flood", "flood", "solo")[i % 4] for i in range(2 * opts.flood_repeats)]
     for index, condition in enumerate(conditions):
         firsts = [asyncio.Event() for _ in prompts]
         streams = [
-            asyncio.ensure_future(_stream(clients["streams"], ids, opts.stream_tokens, first, ignore_eos=True))
+            asyncio.ensure_future(stream(clients["streams"], ids, opts.stream_tokens, first, ignore_eos=True))
             for ids, first in zip(prompts, firsts, strict=True)
         ]
         await asyncio.gather(*(f.wait() for f in firsts))
@@ -188,7 +190,6 @@ async def measure_flood(clients: dict[str, Any], tokenizer: Any, metrics: Any, o
 def render_flood(flood: dict[str, Any], a: dict[str, Any], run_lines: list[str]) -> list[str]:
     """The flood part's Markdown (``run_lines``: the command, when, and the load average)."""
     from specserve.bench import markdown as md
-    from specserve.bench.structured import ISOLATION_BAR
 
     s = flood["summary"]
     st, victim, attacker = s["streams"], s["victim"], s["attacker"]
@@ -219,10 +220,10 @@ def render_flood(flood: dict[str, Any], a: dict[str, Any], run_lines: list[str])
         ),
         "",
         f"- **The streams beside the flood / alone: median {st['median_ratio']:.2f}x, p90 {st['p90_ratio']:.2f}x** "
-        f"(p99 {st['p99_ratio']:.2f}x); the issue asks within {ISOLATION_BAR:g}x at p90: {_verdict(ok)}.",
+        f"(p99 {st['p99_ratio']:.2f}x); the issue asks within {ISOLATION_BAR:g}x at p90: {verdict(ok)}.",
         f"- **The other client's new schema: served {victim['flood']['served']} of {victim['flood']['requests']} "
         f"beside the flood** ({_times(victim['flood'])}) and {victim['solo']['served']} of "
-        f"{victim['solo']['requests']} alone ({_times(victim['solo'])}): {_verdict(served)}.",
+        f"{victim['solo']['requests']} alone ({_times(victim['solo'])}): {verdict(served)}.",
         "- The flooding client's requests: "
         + (", ".join(f"{n} {k}" for k, n in sorted(attacker.items())) or "none")
         + f". The coordinator's compiler over the run: {refused:.0f} refused by the queue's bounds "
@@ -238,5 +239,3 @@ def _times(v: dict[str, Any]) -> str:
     return f"{', '.join(f'{x:.1f}' for x in v['seconds'])} s a request{first}"
 
 
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "**missed**"
