@@ -107,6 +107,7 @@ async def _attack(client: Any, prompt: list[int], opts: Any, stop: asyncio.Event
 
     slots = [asyncio.ensure_future(slot()) for _ in range(opts.flood_requests)]
     await stop.wait()
+    counts["in flight at the end"] = sum(not s.done() for s in slots)
     for s in slots:  # the requests in flight are cancelled: a compile not started is dropped, one running ends
         s.cancel()
     await asyncio.gather(*slots, return_exceptions=True)
