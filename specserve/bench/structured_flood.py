@@ -91,10 +91,13 @@ async def _attack(client: Any, prompt: list[int], opts: Any, stop: asyncio.Event
     counts: collections.Counter[str] = collections.Counter()
     seeds = iter(range(seed0, seed0 + 1_000_000))
 
+    in_flight = [0]
+
     async def slot() -> None:
         while not stop.is_set():
             constraint = constraint_of(slow_schema(next(seeds), opts.flood_patterns))
             started = time.monotonic()
+            in_flight[0] += 1
             try:
                 reply = client.stream(prompt_token_ids=prompt, max_new_tokens=4, temperature=0.0, constraint=constraint)
                 async for _ in reply:
@@ -102,12 +105,14 @@ async def _attack(client: Any, prompt: list[int], opts: Any, stop: asyncio.Event
                 counts[outcome_of(None)] += 1
             except Exception as exc:  # an outcome here: the refusals are what the flood meets
                 counts[outcome_of(exc)] += 1
-                if time.monotonic() - started < REFUSED_PAUSE_S:
-                    await asyncio.sleep(REFUSED_PAUSE_S)
+            finally:
+                in_flight[0] -= 1
+            if counts and time.monotonic() - started < REFUSED_PAUSE_S:
+                await asyncio.sleep(REFUSED_PAUSE_S)
 
     slots = [asyncio.ensure_future(slot()) for _ in range(opts.flood_requests)]
     await stop.wait()
-    counts["in flight at the end"] = sum(not s.done() for s in slots)
+    counts["in flight at the end"] = in_flight[0]
     for s in slots:  # the requests in flight are cancelled: a compile not started is dropped, one running ends
         s.cancel()
     await asyncio.gather(*slots, return_exceptions=True)
