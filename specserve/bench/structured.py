@@ -1,7 +1,7 @@
-"""Structured output under speculation, measured through the service: speed and isolation (issue 41).
+"""Structured output under speculation, measured through the service: speed, isolation, a compile flood.
 
 ``specserve bench structured`` starts one stack of one process per role (``specserve up``'s), the
-default pair, and runs two parts:
+default pair, and runs three parts (issue 41's two, issue 54's flood):
 
 * **Speed.** JSON-schema requests whose keys are long and fixed (``--schemas``,
   tests/data/constraints/long_keys.json: nested objects, enums, bounded strings and integers, every key
@@ -418,10 +418,11 @@ def _loadavg() -> list[float]:
 def render(result: dict[str, Any]) -> str:
     """The report's Markdown from the figures ``_measure`` returned (each part with the run it came from)."""
     lines = [
-        "# Structured output under speculation: speed and isolation",
+        "# Structured output under speculation: speed, isolation and a compile flood",
         "",
-        "Issue 41's two measured claims, through a `specserve up`-like stack (one process per role, the",
-        "default pair, float32 on the CPU, this repository's 2-core machine shared with other work).",
+        "Issue 41's two measured claims and issue 54's compile flood, through a `specserve up`-like stack (one",
+        "process per role, the default pair, float32 on the CPU, this repository's 2-core machine shared with",
+        "other work: each part gives the load average around it).",
         "",
     ]
     if "speed" in result:

@@ -234,6 +234,12 @@ def render_flood(flood: dict[str, Any], a: dict[str, Any], run_lines: list[str])
         + (", ".join(f"{n} {k}" for k, n in sorted(attacker.items())) or "none")
         + f". The coordinator's compiler over the run: {refused:.0f} refused by the queue's bounds "
         f"(RESOURCE_EXHAUSTED, before any compile), {timeouts:.0f} past the time limit (INVALID_ARGUMENT).",
+        "- Reading: the other client's compile never waited on the flood's: the flooding client's compiles run one "
+        "at a time, on one of the two compiling threads, and its refused requests cost no compile. What the streams "
+        "lose beside the flood is CPU: its compile runs throughout on one of the 2 cores. A compiling thread runs at "
+        "nice 19, but this repository's runs put the whole stack at nice 19 (the shared machine's rule), so here it "
+        "competed with the streams as an equal; where the servers run at the default priority it takes what they "
+        "leave.",
         "",
     ]
 
