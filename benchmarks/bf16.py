@@ -44,7 +44,7 @@ def pass_ms(model, batch: int, k: int, context: int, rounds: int) -> float:
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
 def main() -> None:

@@ -80,6 +80,11 @@ class Place:
     def __init__(self, admission: Admission, client: str | None) -> None:
         self._admission, self._client, self._held = admission, client, True
 
+    @property
+    def client(self) -> str | None:
+        """The client this place was admitted for (None: limited by ``max_sessions`` only)."""
+        return self._client
+
     def release(self) -> None:
         if self._held:
             self._held = False

@@ -1,40 +1,57 @@
-"""A request's constraint compiled before its session opens: off the event loop, with a time limit and a cache.
+"""A request's constraint compiled before its session opens: in a bounded, fair queue, off the event loop,
+with a time limit, into the process's one cache of compiled grammars.
 
 The coordinator compiles every constraint (:class:`~specserve.api.constraints.Constraint`) against
 the target's tokenizer before the session opens. A schema, regex or grammar that does not compile is
 then INVALID_ARGUMENT (HTTP 400) naming the problem, and no session, Redis record or worker call
 exists yet. The size limit held earlier, when the constraint was built (``MAX_CONSTRAINT_BYTES``),
-before any parsing.
+before any parsing. docs/design.md ("Constrained decoding") gives the why; docs/operations.md the limits.
 
-* **Off the event loop.** Compiles run on ``threads`` threads of their own. The engine releases
-  the GIL while it compiles, so the sessions the event loop drives keep their pace beside a slow
-  schema.
-* **A time limit.** A compile that takes longer than ``timeout_s`` is refused (INVALID_ARGUMENT,
-  naming the limit). A compiling thread cannot be interrupted, so it finishes in the background and
-  leaves the grammar in the engine's cache. A retry of the same constraint is then served from the
-  cache, and while it still runs a retry waits on that same compile (with a time limit of its own)
-  instead of starting another.
-* **A cache.** The ``cache_size`` most recently used grammars are kept here, keyed by the constraint,
-  and served on the event loop: a repeated schema costs a dictionary look-up and never waits behind
-  a slow compile for a thread.
+* **A bounded queue, fair between clients.** A constraint not in the cache becomes a compile *job*,
+  charged to the client that asked first (a second request for the same constraint waits on that job
+  and is charged nothing). A client has at most ``per_client`` jobs waiting or running, and at most
+  ``queue`` jobs wait in all; a request past either bound is refused with RESOURCE_EXHAUSTED (HTTP 429)
+  before its compile starts. A job whose callers have all gone before it started is dropped unrun.
+* **One compile per client at a time, on ``threads`` >= 2 threads.** A free thread takes the oldest
+  waiting job of a client that runs none, so one client's compiles, however slow, hold one thread,
+  and another client's compile finds a thread free unless ``threads`` clients compile at once. The
+  threads run at the lowest CPU priority (the streams the event loop drives come first); the engine
+  releases the GIL while it compiles.
+* **A time limit on the compile, a bound on the wait.** A compile that runs longer than ``timeout_s``
+  (counted from when a thread took it) is refused: INVALID_ARGUMENT naming the limit, the constraint's
+  fault. A job that waits ``timeout_s`` for a thread is refused: RESOURCE_EXHAUSTED, the server's. A
+  compiling thread cannot be interrupted (the engine bounds its own lexer and grammar work:
+  ``specserve.engine.grammar.PARSER_LIMITS``; not all of it), so a refused compile runs on, still
+  counted against its client's bound and holding that client's one running slot until it ends: one
+  client's runaway compiles block that client only. It ends in the cache, and a retry is served from it.
+* **The one cache.** The ``cache_size`` most recently used compiled grammars are kept here, keyed by
+  the constraint, and served on the event loop (a dictionary look-up). The engine keeps none of its
+  own; a request holds the grammar it was given (``GenerationRequest.grammar``) for its session's
+  forced-text proposer, so no later step compiles again, on the loop or anywhere.
 
-Metrics: ``specserve_coordinator_constraint_compiles_total{outcome}`` and
-``specserve_coordinator_constraint_compile_seconds`` (docs/operations.md).
+Metrics: ``specserve_coordinator_constraint_compiles_total{outcome}``,
+``specserve_coordinator_constraint_compile_seconds`` and ``specserve_coordinator_constraint_compile_jobs{state}``
+(docs/operations.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specserve.api.constraints import Constraint
-from specserve.api.errors import InvalidArgument
+from specserve.api.errors import InvalidArgument, ResourceExhausted
 from specserve.runtime import metrics
+
+#: The retry hint of a request refused because the queue is full or a thread was not free in time.
+BUSY_RETRY_AFTER_S = 1.0
 
 
 def _retrieve(future: asyncio.Future) -> None:
@@ -49,31 +66,59 @@ class Compiles(Protocol):
     def compile(self, constraint: Constraint) -> Any: ...
 
 
+@dataclass(eq=False)
+class _Job:
+    """One constraint's compile: charged to ``client``; ``started`` resolves (to the monotonic start) when
+    a thread takes it, ``done`` to the compiled grammar or the compile's error."""
+
+    constraint: Constraint
+    client: Hashable
+    started: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    waiters: int = 0
+
+
 class ConstraintCompiler:
-    """Compiles constraints for one coordinator on ``threads`` threads, each within ``timeout_s``, the
-    ``cache_size`` most recently used kept. ``engine``: builds the engine, on a compiling thread at the
-    first constraint (reading the tokenizer's table takes a while; a coordinator without constraints
-    never builds it)."""
+    """Compiles constraints for one coordinator (see the module docstring). ``engine``: builds the engine, on
+    a compiling thread at the first constraint (reading the tokenizer's table takes a while; a coordinator
+    without constraints never builds it)."""
 
     def __init__(
-        self, engine: Callable[[], Compiles], *, timeout_s: float, threads: int, cache_size: int
+        self,
+        engine: Callable[[], Compiles],
+        *,
+        timeout_s: float,
+        threads: int,
+        cache_size: int,
+        queue: int = 64,
+        per_client: int = 4,
     ) -> None:
-        if timeout_s <= 0 or threads < 1 or cache_size < 1:
-            raise ValueError("the constraint compiler needs timeout_s > 0, threads >= 1 and cache_size >= 1")
+        if timeout_s <= 0 or threads < 2 or cache_size < 1 or queue < 1 or per_client < 1:
+            raise ValueError(
+                "the constraint compiler needs timeout_s > 0, threads >= 2 (one client's compiles hold one "
+                "thread at a time; the others are for other clients), cache_size >= 1, queue >= 1 and "
+                "per_client >= 1"
+            )
         self._make_engine = engine
         self._engine: Compiles | None = None
         self.timeout_s = timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix="constraint"
-        )
-        #: Compiles in progress, by constraint: a second request for one waits on the first's.
-        self._running: dict[Constraint, concurrent.futures.Future] = {}
+        self.threads = threads
+        self.queue = queue
+        self.per_client = per_client
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self._cache_size = cache_size
-        # The cache and the running compiles: written by the compiling threads, read on the loop. Reentrant:
-        # a compile done before its callback is added runs the callback at once, on the thread holding it.
-        self._lock = threading.RLock()
+        #: Every job not finished, by constraint (waiting or running): a second request waits on it.
+        self._jobs: dict[Constraint, _Job] = {}
+        self._waiting: collections.deque[_Job] = collections.deque()  # oldest first
+        self._running: collections.Counter[Hashable] = collections.Counter()  # jobs running, by client
+        self._pending: collections.Counter[Hashable] = collections.Counter()  # waiting or running, by client
+        # All of the above: written by the compiling threads and on the loop. The condition wakes a thread.
+        self._lock = threading.Condition()
         self._engine_lock = threading.Lock()
+        self._workers: list[threading.Thread] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ the event loop's side
 
     def cached(self, constraint: Constraint) -> Any | None:
         """The compiled grammar of ``constraint`` when the cache holds it (it is then the most recent)."""
@@ -83,41 +128,164 @@ class ConstraintCompiler:
                 self._cache.move_to_end(constraint)
             return compiled
 
-    async def compile(self, constraint: Constraint) -> Any:
-        """The compiled grammar of ``constraint``; InvalidArgument when it does not compile, or not within
-        ``timeout_s``."""
+    async def compile(self, constraint: Constraint, client: Hashable = None) -> Any:
+        """The compiled grammar of ``constraint``, for ``client`` (an identity; None: the unidentified
+        callers, one client together). InvalidArgument when it does not compile, or not within ``timeout_s``;
+        ResourceExhausted when the queue's bounds refuse it or no thread took it within ``timeout_s``."""
         compiled = self.cached(constraint)
         if compiled is not None:
             metrics.CONSTRAINT_COMPILES.labels(outcome="cached").inc()
             return compiled
-        with self._lock:
-            future = self._running.get(constraint)
-            if future is None:
-                future = self._pool.submit(self._timed_compile, constraint)
-                self._running[constraint] = future
-                future.add_done_callback(lambda _f: self._forget(constraint))
-        waiter = asyncio.wrap_future(future)
-        waiter.add_done_callback(_retrieve)  # a compile that fails after its caller gave up is not an error here
+        job = self._join(constraint, client)
         try:
-            # shield: a caller's time limit (or cancellation) leaves the compile running for the cache.
-            return await asyncio.wait_for(asyncio.shield(waiter), self.timeout_s)
+            return await self._wait(job)
+        finally:
+            self._leave(job)
+
+    def _join(self, constraint: Constraint, client: Hashable) -> _Job:
+        """The job compiling ``constraint`` (a new one, charged to ``client``, when none is), with one more
+        waiter; ResourceExhausted when a new job does not fit the bounds."""
+        with self._lock:
+            if self._closed:
+                raise ResourceExhausted("this coordinator is shutting down; send the request to another replica")
+            job = self._jobs.get(constraint)
+            if job is None:
+                if self._pending[client] >= self.per_client:
+                    metrics.CONSTRAINT_COMPILES.labels(outcome="refused").inc()
+                    raise ResourceExhausted(
+                        f"this client already has {self._pending[client]} constraint compiles waiting or running "
+                        f"(at most {self.per_client}: constraint_compile_queue_per_client; a compile past its time "
+                        "limit counts until it ends); retry when they have finished",
+                        retry_after_s=self.timeout_s,
+                    )
+                if len(self._waiting) >= self.queue:
+                    metrics.CONSTRAINT_COMPILES.labels(outcome="refused").inc()
+                    raise ResourceExhausted(
+                        f"{len(self._waiting)} constraint compiles are waiting for a thread (at most {self.queue}: "
+                        "constraint_compile_queue); retry shortly",
+                        retry_after_s=BUSY_RETRY_AFTER_S,
+                    )
+                job = _Job(constraint, client)
+                self._jobs[constraint] = job
+                self._pending[client] += 1
+                self._waiting.append(job)
+                self._start_workers()
+                self._lock.notify()
+                self._set_gauges()
+            job.waiters += 1
+            return job
+
+    async def _wait(self, job: _Job) -> Any:
+        started = asyncio.wrap_future(job.started)
+        done = asyncio.wrap_future(job.done)
+        for waiter in (started, done):  # an outcome nobody awaits any more is not an error here
+            waiter.add_done_callback(_retrieve)
+        try:
+            # shield: a caller's limit (or cancellation) leaves the job to its other callers and to the cache.
+            began = await asyncio.wait_for(asyncio.shield(started), self.timeout_s)
         except asyncio.TimeoutError:  # TimeoutError from Python 3.11
+            metrics.CONSTRAINT_COMPILES.labels(outcome="refused").inc()
+            with self._lock:
+                own = self._running[job.client] > 0
+            why = (
+                "this client's earlier constraint compile is still running (a client's compiles run one at a time)"
+                if own
+                else f"all {self.threads} compiling threads were busy with other clients' compiles"
+            )
+            raise ResourceExhausted(
+                f"the constraint waited {self.timeout_s:g} s for a compiling thread: {why}; retry shortly",
+                retry_after_s=BUSY_RETRY_AFTER_S,
+            ) from None
+        left = began + self.timeout_s - time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), max(left, 0.0))
+        except asyncio.TimeoutError:
             metrics.CONSTRAINT_COMPILES.labels(outcome="timeout").inc()
             raise InvalidArgument(
-                f"the {constraint.kind} constraint did not compile within {self.timeout_s:g} s "
+                f"the {job.constraint.kind} constraint did not compile within {self.timeout_s:g} s "
                 "(constraint_compile_timeout_s); simplify it"
             ) from None
 
+    def _leave(self, job: _Job) -> None:
+        """One caller of ``job`` is done with it; a job nobody waits for and no thread took is dropped."""
+        with self._lock:
+            job.waiters -= 1
+            if job.waiters == 0 and not job.started.done() and job in self._waiting:
+                self._waiting.remove(job)
+                self._finish(job)
+                job.started.cancel()
+                job.done.cancel()
+                self._set_gauges()
+
+    # ------------------------------------------------------------------ the compiling threads
+
+    def _start_workers(self) -> None:
+        """Start the compiling threads at the first job (under the lock)."""
+        if self._workers:
+            return
+        for i in range(self.threads):
+            worker = threading.Thread(target=self._work, name=f"constraint-{i}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+
+    def _next(self) -> _Job | None:
+        """The oldest waiting job of a client that runs none (None: none may start; under the lock)."""
+        for job in self._waiting:
+            if self._running[job.client] == 0:
+                return job
+        return None
+
+    def _work(self) -> None:
+        from specserve.engine.grammar import lowest_thread_priority
+
+        lowest_thread_priority()
+        while True:
+            with self._lock:
+                job = self._next()
+                while job is None and not self._closed:
+                    self._lock.wait()
+                    job = self._next()
+                if job is None:
+                    return
+                self._waiting.remove(job)
+                self._running[job.client] += 1
+                self._set_gauges()
+            job.started.set_result(time.monotonic())
+            compiled: Any = None
+            error: BaseException | None = None
+            try:
+                compiled = self._timed_compile(job.constraint)
+            except BaseException as exc:  # the compile's error, to every caller still waiting
+                error = exc
+            with self._lock:  # the bounds first: a caller resumed by the outcome sees its compile ended
+                self._running[job.client] -= 1
+                self._finish(job)
+                self._set_gauges()
+                self._lock.notify_all()  # the client's next job may start now
+            if error is not None:
+                job.done.set_exception(error)
+            else:
+                job.done.set_result(compiled)
+
+    def _finish(self, job: _Job) -> None:
+        """Forget ``job`` (under the lock): its client's bound and the constraint's entry."""
+        self._pending[job.client] -= 1
+        for counter in (self._pending, self._running):
+            if counter[job.client] <= 0:
+                del counter[job.client]
+        if self._jobs.get(job.constraint) is job:
+            del self._jobs[job.constraint]
+
+    def _set_gauges(self) -> None:
+        metrics.CONSTRAINT_COMPILE_JOBS.labels(state="waiting").set(len(self._waiting))
+        metrics.CONSTRAINT_COMPILE_JOBS.labels(state="running").set(sum(self._running.values()))
+
     def engine(self) -> Compiles:
         """The engine, built on first use (on a compiling thread)."""
-        with self._engine_lock:  # not the cache's lock: the event loop never waits for the engine's build
+        with self._engine_lock:  # not the queue's lock: the event loop never waits for the engine's build
             if self._engine is None:
                 self._engine = self._make_engine()
             return self._engine
-
-    def _forget(self, constraint: Constraint) -> None:
-        with self._lock:
-            self._running.pop(constraint, None)
 
     def _timed_compile(self, constraint: Constraint) -> Any:
         started = time.perf_counter()
@@ -134,6 +302,27 @@ class ConstraintCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
+    # ------------------------------------------------------------------ introspection and shutdown
+
+    def pending(self, client: Hashable = None) -> int:
+        """Jobs charged to ``client``, waiting or running (a refused compile counts until it ends)."""
+        with self._lock:
+            return self._pending[client]
+
+    @property
+    def waiting(self) -> int:
+        """Jobs waiting for a thread, all clients."""
+        with self._lock:
+            return len(self._waiting)
+
     def close(self) -> None:
-        """Stop taking compiles; those running finish on their threads."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop taking compiles; waiting jobs are refused, those running finish on their threads."""
+        with self._lock:
+            self._closed = True
+            for job in list(self._waiting):
+                self._waiting.remove(job)
+                self._finish(job)
+                job.started.set_exception(ResourceExhausted("this coordinator is shutting down"))
+                job.done.cancel()
+            self._set_gauges()
+            self._lock.notify_all()

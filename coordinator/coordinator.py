@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import time
 import uuid
@@ -96,11 +97,12 @@ def default_proposer(setting: str, feature_head: bool) -> int:
 
 
 def _grammar_engine(tokenizer: Any, vocab_size: int) -> Any:
-    """The grammar engine over the target's tokenizer (built on a compiling thread, at the first constraint)."""
+    """The grammar engine over the target's tokenizer (built on a compiling thread, at the first constraint),
+    with no cache of its own: the constraint compiler's is the process's one."""
     from specserve.engine.grammar import GrammarEngine  # the grammar engine loads only where constraints come
 
     eos = tokenizer.eos_token_id
-    return GrammarEngine(tokenizer, vocab_size, [eos] if eos is not None else [])
+    return GrammarEngine(tokenizer, vocab_size, [eos] if eos is not None else [], cache_size=0)
 
 
 class Coordinator:
@@ -151,12 +153,16 @@ class Coordinator:
             timeout_s=settings.constraint_compile_timeout_s,
             threads=settings.constraint_compile_threads,
             cache_size=settings.constraint_cache_size,
+            queue=settings.constraint_compile_queue,
+            per_client=settings.constraint_compile_queue_per_client,
         )
 
-    async def parse(self, pb: coordinator_pb2.GenerateRequest) -> GenerationRequest:
+    async def parse(self, pb: coordinator_pb2.GenerateRequest, *, client: str | None = None) -> GenerationRequest:
         """Check a wire request against this server's limits (InvalidArgument says what to fix), cheapest
-        checks first; a text prompt is tokenized off the event loop once its size is known to fit, and a
-        constraint compiled. Only for an admitted request (:meth:`admit`): this is the request's work."""
+        checks first; a text prompt is tokenized off the event loop once its size is known to fit. A
+        constraint is compiled in ``client``'s share of the compile queue (coordinator/constraint_compiler.py),
+        and the request holds its compiled grammar. Only for an admitted request (:meth:`admit`): this is
+        the request's work."""
         request = await GenerationRequest.from_pb(
             pb,
             settings=self.settings,
@@ -169,7 +175,8 @@ class Coordinator:
             feature_head=self.feature_head,
         )
         if request.sampling.constraint is not None:
-            await self.constraints.compile(request.sampling.constraint)
+            grammar = await self.constraints.compile(request.sampling.constraint, client)
+            request = dataclasses.replace(request, grammar=grammar)
         return request
 
     async def tokenize(self, text: str) -> tuple[int, ...]:
@@ -206,6 +213,9 @@ class Coordinator:
         chunks then the statistics. ``tenant`` (:func:`coordinator.cache_scope.tenant`) owns the prefix
         cache it may share."""
         with place:
+            constraint = request.sampling.constraint
+            if constraint is not None and request.grammar is None:  # not through parse(): compiled off the loop
+                request = dataclasses.replace(request, grammar=await self.constraints.compile(constraint, place.client))
             session, loop = self._new_session(request, tenant)
             detok = IncrementalDetokenizer(
                 self.tokenizer,
@@ -267,12 +277,14 @@ class Coordinator:
         return session, loop
 
     def _forced_text(self, request: GenerationRequest) -> ForcedTextProposer | None:
-        """A constrained request's forced-text proposer (None: no constraint), over the target's tokenizer."""
+        """A constrained request's forced-text proposer (None: no constraint), over the target's tokenizer,
+        from the grammar the request holds (compiled off the event loop; nothing compiles here)."""
         constraint = request.sampling.constraint
         if constraint is None:
             return None
-        # parse() compiled it off the event loop: the engine's cache holds it.
-        matcher = self.constraints.engine().matcher(constraint)
+        if request.grammar is None:
+            raise errors.FailedPrecondition("the request's constraint was not compiled before its session opened")
+        matcher = self.constraints.engine().matcher(constraint, request.grammar)
         return ForcedTextProposer(matcher, functools.partial(self.tokenizer.encode, add_special_tokens=False))
 
     async def _open(self, session: Session, request: GenerationRequest, lease: _Lease) -> None:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from coordinator.chat import ChatMessage, TemplateOptions, messages_from_pb
 from specserve.api.errors import FailedPrecondition, InvalidArgument
@@ -73,6 +74,9 @@ class GenerationRequest:
     prediction_token_ids: tuple[int, ...] | None = None
     keep_special_tokens: bool = False  # the text keeps special tokens (vLLM's skip_special_tokens=False)
     cache_salt: str | None = None
+    #: The constraint's compiled grammar (the engine's object), once the coordinator compiled it
+    #: (``Coordinator.parse``); the session's forced-text proposer starts from it, so nothing compiles again.
+    grammar: Any = field(default=None, compare=False, repr=False)
 
     def with_seed(self, seed: int) -> GenerationRequest:
         """This request with another seed (the HTTP API's choice ``i`` of ``n``: tokenized once)."""

@@ -27,9 +27,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         # Admission first: a refused request does no work (no tokenizing, no constraint compile).
-        (place,) = self.coordinator.admit(self.coordinator.clients.of_call(context))
+        client = self.coordinator.clients.of_call(context)
+        (place,) = self.coordinator.admit(client)
         with place:
-            generation = await self.coordinator.parse(request)
+            generation = await self.coordinator.parse(request, client=client)
             tenant = grpc_tenant(context, by_token=bool(self.coordinator.settings.auth_tokens))
             async with contextlib.aclosing(self.coordinator.generate(generation, place, tenant=tenant)) as events:
                 async for event in events:

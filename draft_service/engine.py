@@ -9,7 +9,8 @@ A call (:meth:`DraftEngine.propose_batch`; :meth:`DraftEngine.propose` is a call
 of one) is handled in two parts, after its constrained items' constraints that the
 grammar engine does not hold are compiled on threads of their own
 (:meth:`~specserve.engine.grammar.SessionGrammars.prepare`: the model thread drafts
-other calls meanwhile):
+other calls meanwhile; each item then carries its compiled grammar, ``DraftRequest.grammar``, so
+the model thread never compiles):
 
 1. **On the event loop, in arrival order**: each item's committed prefix ``C``
    is resolved against the history (the ``start_position`` protocol) and
@@ -45,7 +46,7 @@ from draft_service.history import CommittedHistory
 from draft_service.messages import ProposeCall, ProposeResult
 from draft_service.proposers import Drafted, DraftRequest, Proposer
 from specserve.api.errors import FailedPrecondition, NotFound, SpecServeError, Unavailable
-from specserve.engine.grammar import SessionGrammars
+from specserve.engine.grammar import Prepared, SessionGrammars
 from specserve.engine.kvcache import SessionCacheStore
 from specserve.engine.model_thread import ModelThread
 from specserve.runtime import metrics
@@ -116,9 +117,10 @@ class DraftEngine:
     async def propose_batch(self, calls: Sequence[ProposeCall]) -> list[ItemOutcome]:
         """Draft for every call (distinct sessions), in order; an item's error is its outcome."""
         start = time.perf_counter_ns()
+        grammars: Prepared = {}
         if self.grammars is not None:  # off the model thread: a slow compile holds up this call only
             model = common_pb2.PROPOSER_KIND_MODEL
-            await self.grammars.prepare(
+            grammars = await self.grammars.prepare(
                 c.sampling.constraint
                 for c in calls
                 if c.sampling.constraint and c.gamma and c.proposer == model
@@ -128,7 +130,7 @@ class DraftEngine:
         loop = asyncio.get_running_loop()
         for i, call in enumerate(calls):
             try:
-                request, proposer = self._resolve(call)
+                request, proposer = self._resolve(call, grammars)
                 if call.gamma == 0:
                     outcomes[i] = self._result(call, Drafted(token_ids=(), probs_f32=None), start)
                 else:
@@ -182,7 +184,7 @@ class DraftEngine:
 
     # ---- on the event loop -----------------------------------------------------------------
 
-    def _resolve(self, call: ProposeCall) -> tuple[DraftRequest, Proposer]:
+    def _resolve(self, call: ProposeCall, grammars: Prepared) -> tuple[DraftRequest, Proposer]:
         proposer = self.proposers.get(call.proposer)
         if proposer is None and call.proposer == common_pb2.PROPOSER_KIND_NGRAM:
             raise FailedPrecondition(
@@ -210,6 +212,7 @@ class DraftEngine:
             stop_tokens_from=call.stop_tokens_from,
             prompt_len=call.prompt_len,
             cache_scope=call.cache_scope,
+            grammar=grammars.get(call.sampling.constraint) if call.sampling.constraint else None,
         )
         return request, proposer
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import structlog
 import torch
@@ -98,6 +98,9 @@ class DraftRequest:
     prompt_len: int = 0
     #: The session's prefix-cache scope: its cache attaches and shares blocks of this scope only.
     cache_scope: bytes = b""
+    #: The constraint's compiled grammar, taken when the call was prepared (``SessionGrammars.prepare``,
+    #: off the model thread): the proposal builds a missing matcher from it and never compiles.
+    grammar: Any = field(default=None, compare=False, repr=False)
 
 
 def draft_distribution(
@@ -386,7 +389,7 @@ class ModelProposer(Proposer):
         matcher = None
         constraint = request.sampling.constraint
         if constraint is not None and self.grammars is not None:
-            matcher = self.grammars.at(request.session_id, constraint, committed[request.prompt_len :])
+            matcher = self.grammars.at(request.session_id, constraint, committed[request.prompt_len :], request.grammar)
             if matcher.terminated:
                 return None  # the grammar is complete and its end drafted: nothing may follow
         return _Row(

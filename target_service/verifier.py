@@ -116,7 +116,9 @@ verifier's :class:`~specserve.engine.model_thread.ModelThread`, one batch at a t
 the lock, a constraint of the batch's sessions that the grammar engine does not
 hold is compiled on a thread of its own (:meth:`Verifier._prepare_grammars`), so
 a schema that takes seconds to compile holds up its own call, never the model
-thread or the batches of other calls. A
+thread or the batches of other calls; each item holds its compiled grammar from
+there into the pass, which never compiles (under the lock, whatever the cache
+evicted meanwhile). A
 batch once started runs to the end even if the caller cancels (a retry then
 replays it), so caches never see a half-done round.
 """
@@ -129,6 +131,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -156,7 +159,7 @@ from specserve.core.sampling import (
 from specserve.core.verification import VerifyOutcome, verify_batch, verify_coupled, verify_greedy
 from specserve.engine import batching, invariant
 from specserve.engine.feature_head import FinalNormInput
-from specserve.engine.grammar import SessionGrammars, apply_masks
+from specserve.engine.grammar import Prepared, SessionGrammars, apply_masks
 from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len, features_of
 from specserve.engine.model_thread import ModelThread
 from specserve.engine.models import LoadedModel
@@ -188,6 +191,7 @@ class _Work:
     steps: int = 1  # target steps taken for the item in this call (decode_steps)
     features: FeatureBlock | None = None  # what the item asked for (features_from), once its cache settled
     cached: int = 0  # committed tokens this call attached from the prefix cache instead of feeding them
+    grammar: Any = None  # its constraint's compiled grammar (or why it does not compile), from _prepare_grammars
 
     @property
     def n(self) -> int:
@@ -204,7 +208,7 @@ class _Work:
         record = dataclasses.replace(
             self.record, token_ids=self.record.token_ids + self.verdict.committed_token_ids
         )
-        return _Work(index=self.index, item=self.item, record=record)
+        return _Work(index=self.index, item=self.item, record=record, grammar=self.grammar)
 
     def goes_on(self) -> bool:
         """Whether the item takes another target step in this call: committed so far, not finished,
@@ -305,7 +309,7 @@ class Verifier:
 
     async def _verify(self, batch: VerifyBatch) -> BatchResult:
         start = time.perf_counter_ns()
-        loaded = await self._prepare_grammars(batch)
+        loaded, grammars = await self._prepare_grammars(batch)
         async with self._lock:
             records = await asyncio.gather(
                 *(self._record(item, loaded.get(item.session_id)) for item in batch.items)
@@ -318,7 +322,8 @@ class Verifier:
                     results[index] = early
                 else:
                     assert isinstance(record, SessionRecord)
-                    work.append(_Work(index=index, item=item, record=record))
+                    grammar = grammars.get(record.sampling.constraint) if record.sampling.constraint else None
+                    work.append(_Work(index=index, item=item, record=record, grammar=grammar))
             forward_ns = positions = 0
             if work:
                 try:
@@ -357,12 +362,15 @@ class Verifier:
 
     # ------------------------------------------------------------------ load / triage
 
-    async def _prepare_grammars(self, batch: VerifyBatch) -> dict[str, SessionRecord | SpecServeError]:
-        """Compile the constraints of the batch's sessions that the engine does not hold, before the lock:
-        off the model thread, so a slow compile holds up this call only, not the batches of other calls
-        (:meth:`SessionGrammars.prepare`). A session's settings come from memory, or from a read of its
-        record the first time this replica sees it; the records read are returned, for :meth:`_record`
-        to use as a hint (the commit's compare-and-set decides, as for :attr:`_known`)."""
+    async def _prepare_grammars(
+        self, batch: VerifyBatch
+    ) -> tuple[dict[str, SessionRecord | SpecServeError], Prepared]:
+        """The compiled grammars of the batch's sessions' constraints, taken before the lock: those the engine
+        does not hold are compiled off the model thread, so a slow compile holds up this call only, not the
+        batches of other calls (:meth:`SessionGrammars.prepare`); the pass gets them from here, never from a
+        compile of its own. A session's settings come from memory, or from a read of its record the first
+        time this replica sees it; the records read are returned too, for :meth:`_record` to use as a hint
+        (the commit's compare-and-set decides, as for :attr:`_known`)."""
         unknown = list(dict.fromkeys(i.session_id for i in batch.items if i.session_id not in self._settings))
         loaded = dict(zip(unknown, await asyncio.gather(*(self._load(sid) for sid in unknown)), strict=True))
         constraints = []
@@ -372,11 +380,10 @@ class Verifier:
             if settings is None and isinstance(record, SessionRecord):
                 settings = record.settings
             constraint = settings.sampling.constraint if settings is not None else None
-            if constraint is not None and not self.grammars.ready(constraint):
+            if constraint is not None:
                 constraints.append(constraint)
-        if constraints:
-            await self.grammars.prepare(constraints)
-        return loaded
+        grammars = await self.grammars.prepare(constraints) if constraints else {}
+        return loaded, grammars
 
     async def _record(
         self, item: VerifyItem, loaded: SessionRecord | SpecServeError | None = None
@@ -604,7 +611,7 @@ class Verifier:
                         w.choices = greedy_tokens(w.logits).cpu()  # [gamma + 1]
                     else:
                         w.probs = self._target_probs(w)  # [gamma + 1, vocab] float64
-                except InvalidArgument as exc:
+                except (InvalidArgument, Aborted) as exc:  # Aborted: its grammar was not prepared (_constrain)
                     w.fail(exc)
         ready = [w for w in work if w.error is None]
         greedy = [w for w in ready if w.record.sampling.greedy]
@@ -650,7 +657,7 @@ class Verifier:
         if constraint is None:
             return
         assert w.logits is not None
-        matcher = self.grammars.at(w.item.session_id, constraint, w.record.generated_token_ids)
+        matcher = self.grammars.at(w.item.session_id, constraint, w.record.generated_token_ids, w.grammar)
         masks = matcher.masks_along(w.item.proposal.token_ids)  # [gamma + 1, words]
         w.logits = apply_masks(w.logits.clone(), masks)
 

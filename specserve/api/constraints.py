@@ -23,6 +23,9 @@ CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_CONSTRAINT_BYTES = 64 * 1024
 #: The most alternatives a choice constraint may list.
 MAX_CHOICES = 1024
+#: The most rules (``::=``) a grammar may define: converting GBNF to the engine's Lark is Python, holding the
+#: GIL, and takes time that grows as the rules times the text (about a second at this many and 64 KiB).
+MAX_GRAMMAR_RULES = 256
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,9 @@ class Constraint:
     def _check_grammar(self) -> None:
         if not self.text.strip():
             raise InvalidArgument("grammar must not be empty (EBNF with a root rule)")
+        rules = self.text.count("::=")
+        if rules > MAX_GRAMMAR_RULES:
+            raise InvalidArgument(f"grammar defines {rules} rules ('::='); at most {MAX_GRAMMAR_RULES} rules are accepted")
 
     @classmethod
     def from_pb(cls, pb: common_pb2.Constraint) -> Constraint | None:

@@ -543,14 +543,15 @@ class PrefixCacheMemoryOptions(Options):
 @dataclass
 class StructuredOptions(Options):
     """``structured``: structured output under speculation through the service: the default request against
-    target-alone constrained decoding (gamma 0) on JSON schemas with long fixed keys, and ordinary streams'
-    inter-token latency beside schemas that take seconds to compile (specserve/bench/structured.py)."""
+    target-alone constrained decoding (gamma 0) on JSON schemas with long fixed keys, ordinary streams'
+    inter-token latency beside schemas that take seconds to compile, and beside one client flooding slow
+    schemas while another's is served (specserve/bench/structured.py, structured_flood.py)."""
 
     out: Path = opt(DEFAULT_OUT, "the folder <name>.json and <name>.md go to")
     name: str = opt("structured", "the files' name")
     target: str | None = opt(None, "a registered model name or a directory (default: the default target)")
     draft: str | None = opt(None, "a registered model name or a directory (default: the default draft)")
-    parts: list[Literal["speed", "isolation"]] = opt(["speed", "isolation"], "the parts to run")
+    parts: list[Literal["speed", "isolation", "flood"]] = opt(["speed", "isolation", "flood"], "the parts to run")
     schemas: Path = opt(Path("tests/data/constraints/long_keys.json"), "the speed part's schemas (name, prompt, schema)")
     limit: int = opt(0, "the first N schemas only (0: all)")
     repeats: int = opt(3, "interleaved pairs (gamma 0, the default request) per schema")
@@ -561,6 +562,11 @@ class StructuredOptions(Options):
     slow_patterns: int = opt(280, "patternProperties per slow schema (compile time grows about as its cube)")
     slow_tokens: int = opt(8, "tokens at most per slow request")
     isolation_repeats: int = opt(2, "times each condition (alone, beside) runs, in ABBA order")
+    flood_requests: int = opt(8, "the flooding client's requests in flight, each a new slow schema")
+    flood_patterns: int = opt(
+        400, "patternProperties per flooding schema (past the coordinator's compile limit: refused, compiling on)"
+    )
+    flood_repeats: int = opt(2, "times each condition (alone, beside a flood) runs, in ABBA order")
     target_threads: int = opt(
         0,
         "the target's torch threads (0: its default, one per core; 1 keeps a pass's cost steady on a machine "
@@ -576,8 +582,11 @@ class StructuredOptions(Options):
         _at_least(self.slow_requests, 1, "--slow-requests")
         _at_least(self.slow_patterns, 1, "--slow-patterns")
         _at_least(self.isolation_repeats, 1, "--isolation-repeats")
-        if self.slow_patterns > 26 * 26:
-            raise ValueError(f"--slow-patterns must be <= {26 * 26}, got {self.slow_patterns}")
+        _at_least(self.flood_requests, 1, "--flood-requests")
+        _at_least(self.flood_repeats, 1, "--flood-repeats")
+        for flag, value in (("--slow-patterns", self.slow_patterns), ("--flood-patterns", self.flood_patterns)):
+            if not 1 <= value <= 26 * 26:
+                raise ValueError(f"{flag} must be 1..{26 * 26}, got {value}")
 
 
 @dataclass

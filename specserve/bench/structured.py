@@ -1,7 +1,7 @@
-"""Structured output under speculation, measured through the service: speed and isolation (issue 41).
+"""Structured output under speculation, measured through the service: speed, isolation, a compile flood.
 
 ``specserve bench structured`` starts one stack of one process per role (``specserve up``'s), the
-default pair, and runs two parts:
+default pair, and runs three parts (issue 41's two, issue 54's flood):
 
 * **Speed.** JSON-schema requests whose keys are long and fixed (``--schemas``,
   tests/data/constraints/long_keys.json: nested objects, enums, bounded strings and integers, every key
@@ -31,6 +31,10 @@ default pair, and runs two parts:
 share, a team of two threads waits on a descheduled one at every barrier, and a step can cost several
 times what it costs on one thread.
 
+* **Flood** (issue 54; :mod:`specserve.bench.structured_flood`): the ordinary streams alone and beside one
+  client flooding distinct slow schemas while another client's new schema is sent; each client has an API
+  key of its own (the stack runs with ``auth_tokens``: the per-client limits key on them).
+
 Writes ``<out>/<name>.json`` and ``<out>/<name>.md``. Results and their reading:
 docs/benchmarks/structured.md.
 """
@@ -39,20 +43,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
-import random
+import secrets
 import statistics
-import string
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specserve.bench import markdown as md
 from specserve.bench.options import StructuredOptions
-from specserve.bench.timing import Stopwatch, Streamed, inter_token_latencies, timed_stream
+from specserve.bench.structured_common import (
+    ISOLATION_BAR,
+    isolation_summary,
+    itl_summary,
+    quantile,
+    slow_schema,
+)
+from specserve.bench.structured_common import constraint_of as _constraint
+from specserve.bench.structured_common import render_prompt as _render
+from specserve.bench.structured_common import stream as _stream
+from specserve.bench.structured_common import verdict as _verdict
+from specserve.bench.structured_flood import measure_flood, render_flood
+from specserve.bench.timing import Stopwatch, inter_token_latencies
 
 #: The two request settings the speed part compares: target-alone constrained decoding in the service,
 #: and the request that sets nothing (the adaptive policy, the forced text drafted for free).
@@ -62,8 +75,6 @@ MODES: dict[str, dict[str, Any]] = {GAMMA0: {"gamma": 0, "proposer": "model"}, D
 SPEED_BAR = 2.0
 #: ... a mask per token below this share of a target step ...
 MASK_BAR = 0.05
-#: ... and ordinary streams' inter-token latency beside a slow compile within this factor of their solo figure.
-ISOLATION_BAR = 1.5
 COMPILES = "specserve_coordinator_constraint_compiles_total"
 COMPILE_SECONDS = "specserve_coordinator_constraint_compile_seconds"
 
@@ -77,38 +88,6 @@ def load_schemas(path: Path, limit: int = 0) -> list[dict[str, Any]]:
     return entries[:limit] if limit else entries
 
 
-def slow_schema(seed: int, patterns: int) -> dict[str, Any]:
-    """A JSON schema that takes llguidance seconds to compile, distinct for each ``seed``: an object
-    whose ``patternProperties`` are ``patterns`` regexes with distinct two-letter prefixes. llguidance
-    proves them disjoint pair by pair before it accepts them, at a cost that grows about as the cube of
-    ``patterns`` (the report gives the seconds one takes alone, measured before the stack starts)."""
-    prefixes = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)]
-    if not 1 <= patterns <= len(prefixes):
-        raise ValueError(f"patterns must be 1..{len(prefixes)}, got {patterns}")
-    rng = random.Random(seed)
-    chosen = rng.sample(prefixes, patterns)
-    tail = rng.choice(("x|yy|zzz", "q|rr|sss", "k|mm|nnn"))
-    return {
-        "type": "object",
-        "patternProperties": {f"^{p}([a-z]|[0-9]{{2}})*({tail})[a-z0-9]{{1,12}}$": {"type": "integer"} for p in chosen},
-        "additionalProperties": False,
-    }
-
-
-def _render(tokenizer: Any, text: str) -> list[int]:
-    """``text`` as a user turn through the tokenizer's chat template (plain tokens where it has none)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return list(tokenizer.encode(text))
-
-
-def _constraint(schema: dict[str, Any]) -> Any:
-    from specserve.api.constraints import Constraint
-
-    return Constraint("json_schema", json.dumps(schema))
-
-
 def _valid(text: str, schema: dict[str, Any]) -> bool:
     import jsonschema
 
@@ -120,17 +99,6 @@ def _valid(text: str, schema: dict[str, Any]) -> bool:
 
 
 # --------------------------------------------------------------------------- the summaries (pure)
-
-
-def quantile(xs: list[float], q: float) -> float:
-    """The ``q`` quantile of ``xs`` (linear between ranks, as numpy's default); nan for none."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    pos = (len(s) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def speed_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -181,32 +149,6 @@ def speed_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def itl_summary(itls: list[float]) -> dict[str, float]:
-    """Median, p90, p99 and max of inter-token latencies (seconds) in ms, and their count."""
-    return {
-        "n": len(itls),
-        "median_ms": 1000 * quantile(itls, 0.5),
-        "p90_ms": 1000 * quantile(itls, 0.9),
-        "p99_ms": 1000 * quantile(itls, 0.99),
-        "max_ms": 1000 * max(itls) if itls else float("nan"),
-    }
-
-
-def isolation_summary(phases: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ordinary streams' inter-token latencies pooled per condition (``solo``, ``beside``), and beside /
-    solo for the median and p90 (the issue's bar: at most :data:`ISOLATION_BAR`). ``phases``: one dict
-    per phase with ``condition`` and ``itls`` (seconds)."""
-    pooled = {c: [x for p in phases if p["condition"] == c for x in p["itls"]] for c in ("solo", "beside")}
-    solo, beside = itl_summary(pooled["solo"]), itl_summary(pooled["beside"])
-    return {
-        "solo": solo,
-        "beside": beside,
-        "median_ratio": beside["median_ms"] / solo["median_ms"],
-        "p90_ratio": beside["p90_ms"] / solo["p90_ms"],
-        "p99_ratio": beside["p99_ms"] / solo["p99_ms"],
-    }
-
-
 def hit_rate(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     """The compiler's outcomes between two scrapes (``outcome -> count``) and its cache hit rate:
     cached / (cached + compiled)."""
@@ -227,39 +169,14 @@ class Metrics:
     def outcomes(self) -> dict[str, float]:
         from specserve.bench.prom import scrape
 
-        return {o: scrape(self.url, COMPILES, {"outcome": o}) for o in ("cached", "compiled", "invalid", "timeout")}
+        outcomes = ("cached", "compiled", "invalid", "timeout", "refused")
+        return {o: scrape(self.url, COMPILES, {"outcome": o}) for o in outcomes}
 
     def compile_seconds(self) -> tuple[float, float]:
         """(sum, count) of the compile-seconds histogram."""
         from specserve.bench.prom import scrape
 
         return scrape(self.url, COMPILE_SECONDS + "_sum"), scrape(self.url, COMPILE_SECONDS + "_count")
-
-
-class _Flagged:
-    """A stream that sets ``first`` when its first chunk with tokens arrives (its ``stats`` once read)."""
-
-    def __init__(self, stream: Any, first: asyncio.Event) -> None:
-        self.stream, self.first = stream, first
-        self.stats: Any = None
-
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self._chunks()
-
-    async def _chunks(self) -> AsyncIterator[Any]:
-        async for chunk in self.stream:
-            if chunk.token_ids:
-                self.first.set()
-            yield chunk
-        self.stats = self.stream.stats
-
-
-async def _stream(
-    client: Any, ids: list[int], max_new: int, first: asyncio.Event | None = None, **request: Any
-) -> Streamed:
-    """One greedy stream, timed at the client; ``first`` is set at its first token."""
-    stream = client.stream(prompt_token_ids=ids, max_new_tokens=max_new, temperature=0.0, **request)
-    return await timed_stream(stream if first is None else _Flagged(stream, first))
 
 
 async def _speed(client: Any, tokenizer: Any, metrics: Metrics, opts: StructuredOptions) -> dict[str, Any]:
@@ -332,7 +249,7 @@ def mask_cost(tokenizer: Any, vocab_size: int, stop_ids: list[int], runs: list[d
             continue
         constraint = _constraint(schemas[r["schema"]])
         sid = f"{r['schema']}/{r['repeat']}"
-        grammars.at(sid, constraint, [])  # compiled (or cached) outside the timing, as the target has it
+        grammars.at(sid, constraint, [], grammars.engine.compile(constraint))  # compiled outside the timing, as the target has it
         tokens = r["token_ids"]
         for i in range(len(tokens)):
             with Stopwatch(time.thread_time_ns) as sw:
@@ -447,30 +364,40 @@ async def _measure(opts: StructuredOptions) -> dict[str, Any]:
         alone_s = local_compile_s(tokenizer, vocab_size, stop_ids, opts.slow_patterns)
         print(f"llguidance compiles one slow schema ({opts.slow_patterns} patternProperties) alone in {alone_s:.2f} s")
     metrics_port = free_port()
+    keys = {who: secrets.token_urlsafe(16) for who in ("streams", "attacker", "victim")}  # this run's only
     with private_redis(opts.redis_url) as redis_url:
         stack = await start_process_stack(
             target_model=opts.target,
             draft_model=opts.draft,
             redis_url=redis_url,
-            coordinator_overrides={"metrics_port": metrics_port},
+            coordinator_overrides={"metrics_port": metrics_port, "auth_tokens": list(keys.values())},
             target_overrides={"threads": opts.target_threads} if opts.target_threads else None,
             start_timeout_s=opts.start_timeout_s,
         )
+        clients = {
+            who: AsyncClient(stack.address, timeout=900, token=key, retries=0 if who == "attacker" else 3)
+            for who, key in keys.items()
+        }
         try:
-            async with AsyncClient(stack.address, timeout=900) as client:
-                await _stream(client, _render(tokenizer, "Hi"), 8)
-                metrics = Metrics(f"http://127.0.0.1:{metrics_port}/metrics")
-                for part, measure in (("speed", _speed), ("isolation", _isolation)):
-                    if part in opts.parts:
-                        load_before = _loadavg()
+            client = clients["streams"]
+            await _stream(client, _render(tokenizer, "Hi"), 8)
+            metrics = Metrics(f"http://127.0.0.1:{metrics_port}/metrics")
+            for part, measure in (("speed", _speed), ("isolation", _isolation), ("flood", None)):
+                if part in opts.parts:
+                    load_before = _loadavg()
+                    if measure is None:
+                        result[part] = await measure_flood(clients, tokenizer, metrics, opts)
+                    else:
                         result[part] = await measure(client, tokenizer, metrics, opts)
-                        result[part].update(
-                            args=result["args"],
-                            load_before=load_before,
-                            load_after=_loadavg(),
-                            date_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-                        )
+                    result[part].update(
+                        args=result["args"],
+                        load_before=load_before,
+                        load_after=_loadavg(),
+                        date_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                    )
         finally:
+            for c in clients.values():
+                await c.close()
             await stack.stop()
     if "isolation" in result:
         result["isolation"]["slow_compile_alone_s"] = alone_s
@@ -488,23 +415,23 @@ def _loadavg() -> list[float]:
 # --------------------------------------------------------------------------- the report
 
 
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "**missed**"
-
-
 def render(result: dict[str, Any]) -> str:
     """The report's Markdown from the figures ``_measure`` returned (each part with the run it came from)."""
     lines = [
-        "# Structured output under speculation: speed and isolation",
+        "# Structured output under speculation: speed, isolation and a compile flood",
         "",
-        "Issue 41's two measured claims, through a `specserve up`-like stack (one process per role, the",
-        "default pair, float32 on the CPU, this repository's 2-core machine shared with other work).",
+        "Issue 41's two measured claims and issue 54's compile flood, through a `specserve up`-like stack (one",
+        "process per role, the default pair, float32 on the CPU, this repository's 2-core machine shared with",
+        "other work: each part gives the load average around it).",
         "",
     ]
     if "speed" in result:
         lines += _render_speed(result["speed"], result["speed"]["args"])
     if "isolation" in result:
         lines += _render_isolation(result["isolation"], result["isolation"]["args"])
+    if "flood" in result:
+        flood, args = result["flood"], result["flood"]["args"]
+        lines += render_flood(flood, args, _run_lines(flood, args))
     return "\n".join(lines)
 
 
@@ -658,6 +585,7 @@ def main(opts: StructuredOptions) -> int:
     path = opts.out / f"{opts.name}.json"
     if path.exists():
         kept = json.loads(path.read_text())
-        result = {**{p: kept[p] for p in ("speed", "isolation") if p in kept and p not in result}, **result}
+        parts = ("speed", "isolation", "flood")
+        result = {**{p: kept[p] for p in parts if p in kept and p not in result}, **result}
     md.write(opts.out, opts.name, render(result), result)
     return 0

@@ -10,11 +10,18 @@ not compile, or uses a JSON Schema keyword the engine cannot enforce, raises
 quotes and the punctuation around it are forced text. A ``grammar`` is GBNF (llama.cpp's EBNF, start
 rule ``root``), converted to Lark by llguidance; a ``choice`` is a Lark alternation of its strings.
 
+Every compile is bounded by :data:`PARSER_LIMITS`, llguidance's own limits on its lexer's and its
+grammar's work (a grammar past one does not compile: InvalidArgument naming the limit). They do not
+meter all of it (the JSON compiler proves ``patternProperties`` disjoint pair by pair), so compiles
+run on threads of their own, and the callers bound who waits for them (the coordinator's
+``ConstraintCompiler``; a worker compiles only constraints the coordinator compiled).
+
 A worker compiles a constraint it has not seen before the batch pass that needs it
 (:meth:`SessionGrammars.prepare`, awaited on the event loop: the compile runs on a thread of its own,
 outside the model thread and the worker's batch lock, at the lowest CPU priority; llguidance releases
-the GIL while it compiles), so a schema that takes seconds delays only its own session; the pass then
-finds it in the cache.
+the GIL while it compiles), so a schema that takes seconds delays only its own session. ``prepare``
+returns the compiled grammars, and the pass holds them (:meth:`SessionGrammars.at` takes one): the
+pass never compiles, whatever the cache evicted meanwhile.
 
 A :class:`ConstraintMatcher` is one session's position in its grammar. It holds the generated
 tokens it has consumed (:attr:`ConstraintMatcher.tokens`) and is brought to a session's committed
@@ -50,7 +57,7 @@ import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from specserve.api.constraints import Constraint
-from specserve.api.errors import InvalidArgument
+from specserve.api.errors import Aborted, InvalidArgument
 
 #: Compiled grammars an engine keeps (least recently used dropped first).
 DEFAULT_CACHE_SIZE = 256
@@ -58,6 +65,18 @@ DEFAULT_CACHE_SIZE = 256
 #: the lowest priority, so a slow compile takes CPU from the model threads' passes only when they leave some.
 PREPARE_THREADS = 2
 PREPARE_NICE = 19
+#: llguidance's limits on a compile's and a mask's work, set explicitly (its documented defaults, which fit
+#: :data:`~specserve.api.constraints.MAX_CONSTRAINT_BYTES` of grammar text), with its errors kept short
+#: (``verbose_errors``: no parser state in a message that goes back to a client or a log).
+PARSER_LIMITS = {
+    "max_items_in_row": 2_000,  # branching of one grammar row
+    "initial_lexer_fuel": 1_000_000,  # building the lexer's regexes at compile (about 20 ms)
+    "step_lexer_fuel": 200_000,  # the lexer's work per mask (about 15 ms)
+    "step_max_items": 50_000,  # Earley items per mask (about 2.5 ms)
+    "max_lexer_states": 250_000,  # lexer states, 1-2 kB each
+    "max_grammar_size": 500_000,  # symbols in the grammar's productions
+    "verbose_errors": False,
+}
 #: JSON is compiled with these separators and no other whitespace (the keys' punctuation is forced).
 JSON_SEPARATORS = (", ", ": ")
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -107,6 +126,7 @@ class GrammarEngine:
         self.vocab_size = int(vocab_size)
         self.stop_token_ids = tuple(stops)
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=stops)
+        self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -114,15 +134,13 @@ class GrammarEngine:
 
     def compile(self, constraint: Constraint) -> Any:
         """The compiled grammar of ``constraint`` (a matcher at its start; from the cache when it holds it);
-        InvalidArgument naming the problem when it does not compile."""
-        with self._lock:
-            compiled = self._cache.get(constraint)
-            if compiled is not None:
-                self._cache.move_to_end(constraint)
-                self.stats.hits += 1
-                return compiled
+        InvalidArgument naming the problem when it does not compile. Slow at worst: call it off the event
+        loop and outside any lock a pass holds."""
+        compiled = self.cached(constraint)
+        if compiled is not None:
+            return compiled
         start = time.perf_counter()
-        compiled = llguidance.LLMatcher(self.tokenizer, grammar_text(constraint), log_level=0)
+        compiled = llguidance.LLMatcher(self.tokenizer, grammar_text(constraint), log_level=0, limits=self._limits)
         if compiled.is_error():
             raise InvalidArgument(
                 f"the {constraint.kind} constraint does not compile: {_engine_message(compiled.get_error())}"
@@ -137,15 +155,26 @@ class GrammarEngine:
                     self._cache.popitem(last=False)
         return compiled
 
+    def cached(self, constraint: Constraint) -> Any | None:
+        """The compiled grammar of ``constraint`` when the cache holds it (then the most recent), else None:
+        a look-up, never a compile."""
+        with self._lock:
+            compiled = self._cache.get(constraint)
+            if compiled is not None:
+                self._cache.move_to_end(constraint)
+                self.stats.hits += 1
+            return compiled
+
     def holds(self, constraint: Constraint) -> bool:
         """Whether the cache holds ``constraint`` compiled (a :meth:`compile` of it is then a look-up);
         touches neither the order nor the statistics."""
         with self._lock:
             return constraint in self._cache
 
-    def matcher(self, constraint: Constraint) -> ConstraintMatcher:
-        """A fresh matcher at the start of ``constraint``'s grammar."""
-        return ConstraintMatcher(self, constraint, self.compile(constraint))
+    def matcher(self, constraint: Constraint, compiled: Any = None) -> ConstraintMatcher:
+        """A fresh matcher at the start of ``constraint``'s grammar: ``compiled`` (its compiled grammar, which
+        the caller holds), else compiled here (:meth:`compile`)."""
+        return ConstraintMatcher(self, constraint, self.compile(constraint) if compiled is None else compiled)
 
     def copy(self, compiled: Any) -> Any:
         """A matcher of its own at the start of a compiled grammar (the cached one is never advanced)."""
@@ -157,7 +186,13 @@ def grammar_text(constraint: Constraint) -> str:
     """The llguidance grammar of ``constraint``; InvalidArgument for a GBNF grammar that does not convert."""
     kind = constraint.kind
     if kind == "json_schema":
-        return str(llguidance.LLMatcher.grammar_from_json_schema(constraint.text, overrides=_JSON_OPTIONS))  # type: ignore[arg-type]
+        try:
+            return str(llguidance.LLMatcher.grammar_from_json_schema(constraint.text, overrides=_JSON_OPTIONS))  # type: ignore[arg-type]
+        except ValueError as exc:  # the engine's reader: its nesting limit, a document it cannot read
+            raise InvalidArgument(
+                f"the json_schema constraint does not compile: {_engine_message(str(exc))}"
+                + (" (the schema is nested too deeply)" if "recursion limit" in str(exc) else "")
+            ) from exc
     if kind == "json_object":
         return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS))  # type: ignore[arg-type]
     if kind == "regex":
@@ -166,6 +201,8 @@ def grammar_text(constraint: Constraint) -> str:
         return str(llguidance.LLMatcher.grammar_from_lark(choice_lark(constraint.choices)))
     try:
         lark = any_to_lark(constraint.text)
+    except RecursionError as exc:
+        raise InvalidArgument("the grammar constraint does not compile: it is nested too deeply") from exc
     except Exception as exc:  # the converter raises its own errors and plain Exception
         raise InvalidArgument(f"the grammar constraint does not compile: {_engine_message(str(exc))}") from exc
     return str(llguidance.LLMatcher.grammar_from_lark(lark))
@@ -329,7 +366,7 @@ class ConstraintMatcher:
             return forced[: exc.start].decode("utf-8") if exc.start > 0 else ""
 
 
-def _lowest_priority() -> None:
+def lowest_thread_priority() -> None:
     """Give the calling thread the nice value :data:`PREPARE_NICE` (Linux: per thread; elsewhere, or where
     it is refused, the thread keeps its priority)."""
     with contextlib.suppress(AttributeError, OSError):
@@ -374,13 +411,27 @@ class GrammarLogitsProcessor:
         return apply_masks(scores.clone(), bitmask)
 
 
+#: What :meth:`SessionGrammars.prepare` returns: each constraint's compiled grammar, or why it does not compile.
+Prepared = dict[Constraint, Any]
+
+
 class SessionGrammars:
     """A worker's matchers, one per constrained session (most recently used kept), over one lazily built
-    engine. A matcher is a cache like a KV cache: :meth:`at` brings it to the session's committed tokens
-    before every use, and one that was dropped (evicted, released, never seen) is rebuilt from them."""
+    engine (the process's one cache of compiled grammars). A matcher is a cache like a KV cache: :meth:`at`
+    brings it to the session's committed tokens before every use, and one that was dropped (evicted,
+    released, never seen) is rebuilt from them and the compiled grammar :meth:`prepare` gave the caller."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int], *, max_sessions: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        *,
+        max_sessions: int,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> None:
         self._tokenizer = tokenizer
+        self._cache_size = cache_size
         self._vocab_size = vocab_size
         self._stop_token_ids = tuple(stop_token_ids)
         self._engine: GrammarEngine | None = None
@@ -388,7 +439,7 @@ class SessionGrammars:
         self._matchers: OrderedDict[str, ConstraintMatcher] = OrderedDict()
         self.max_sessions = max_sessions
         #: Compiles :meth:`prepare` started and that have not finished, by constraint (event loop only).
-        self._preparing: dict[Constraint, asyncio.Future[None]] = {}
+        self._preparing: dict[Constraint, asyncio.Future[Any]] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # started at the first prepare
 
     @property
@@ -396,31 +447,42 @@ class SessionGrammars:
         """The engine (built on first use: the tokenizer's table is read once)."""
         with self._engine_lock:
             if self._engine is None:
-                self._engine = GrammarEngine(self._tokenizer, self._vocab_size, self._stop_token_ids)
+                self._engine = GrammarEngine(
+                    self._tokenizer, self._vocab_size, self._stop_token_ids, cache_size=self._cache_size
+                )
             return self._engine
 
     def ready(self, constraint: Constraint) -> bool:
         """Whether :meth:`at` would find ``constraint`` compiled (no compile on the caller's thread)."""
         return self._engine is not None and self._engine.holds(constraint)
 
-    async def prepare(self, constraints: Iterable[Constraint]) -> None:
-        """Compile the ``constraints`` the engine does not hold, each on a thread of its own (concurrently,
-        one compile per constraint however many callers wait on it), and return when all are done.
+    async def prepare(self, constraints: Iterable[Constraint]) -> Prepared:
+        """Each of ``constraints`` compiled: from the engine's cache, else on a thread of its own
+        (concurrently, one compile per constraint however many callers wait on it); returns when all are
+        done, each constraint's compiled grammar or the InvalidArgument saying why it does not compile.
 
-        Called on the event loop before a batch that needs them joins the model thread, so the batch
-        pass finds them in the cache and a slow compile delays only the callers that wait for it. A
-        constraint that does not compile is left to the pass, whose compile raises the error for its
-        item alone."""
-        waits = [self._prepare_one(c) for c in dict.fromkeys(constraints) if not self.ready(c)]
+        Called on the event loop before a batch that needs them joins the model thread; the caller hands
+        the pass what it returned (:meth:`at`), so a slow compile delays only the callers that wait for
+        it and the pass never compiles, whatever the cache evicted meanwhile. A constraint that does not
+        compile is the error of its items alone."""
+        prepared: Prepared = {}
+        waits: dict[Constraint, asyncio.Future[Any]] = {}
+        for c in dict.fromkeys(constraints):
+            compiled = self._engine.cached(c) if self._engine is not None else None
+            if compiled is not None:
+                prepared[c] = compiled
+            else:
+                waits[c] = self._prepare_one(c)
         if waits:
-            await asyncio.gather(*waits)
+            prepared.update(zip(waits, await asyncio.gather(*waits.values()), strict=True))
+        return prepared
 
-    def _prepare_one(self, constraint: Constraint) -> asyncio.Future[None]:
+    def _prepare_one(self, constraint: Constraint) -> asyncio.Future[Any]:
         future = self._preparing.get(constraint)
         if future is None:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
-                    PREPARE_THREADS, thread_name_prefix="grammar-prepare", initializer=_lowest_priority
+                    PREPARE_THREADS, thread_name_prefix="grammar-prepare", initializer=lowest_thread_priority
                 )
             loop = asyncio.get_running_loop()
             compiling = loop.run_in_executor(self._pool, self._compile_quietly, constraint)
@@ -429,24 +491,39 @@ class SessionGrammars:
             future.add_done_callback(lambda _f: self._preparing.pop(constraint, None))
         return asyncio.shield(future)  # a cancelled caller leaves the compile running for the others
 
-    def _compile_quietly(self, constraint: Constraint) -> None:
+    def _compile_quietly(self, constraint: Constraint) -> Any:
+        """The compiled grammar, or the InvalidArgument saying why there is none (raised for its items)."""
         try:
-            self.engine.compile(constraint)
-        except InvalidArgument:  # raised again, for its item, by the pass's own compile
-            pass
+            return self.engine.compile(constraint)
+        except InvalidArgument as exc:
+            return exc
 
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._matchers
 
-    def at(self, session_id: str, constraint: Constraint, generated: Sequence[int]) -> ConstraintMatcher:
-        """The session's matcher brought to ``generated`` (its committed tokens after the prompt).
+    def at(
+        self, session_id: str, constraint: Constraint, generated: Sequence[int], compiled: Any = None
+    ) -> ConstraintMatcher:
+        """The session's matcher brought to ``generated`` (its committed tokens after the prompt); one that is
+        missing is built from ``compiled`` (what :meth:`prepare` returned for ``constraint``), else from
+        the engine's cache. Nothing is compiled here: this runs in a batch pass.
 
         InvalidArgument when the constraint does not compile or the tokens break it (then the matcher is
-        dropped, to be rebuilt next time).
+        dropped, to be rebuilt next time); Aborted when the grammar was neither prepared nor cached (the
+        item is tried again, and its next call prepares it).
         """
         matcher = self._matchers.get(session_id)
         if matcher is None or matcher.constraint != constraint:
-            matcher = self.engine.matcher(constraint)
+            if compiled is None and self._engine is not None:
+                compiled = self._engine.cached(constraint)
+            if isinstance(compiled, InvalidArgument):
+                raise InvalidArgument(compiled.message)
+            if compiled is None:
+                raise Aborted(
+                    f"session {session_id!r}: its {constraint.kind} constraint was not compiled before the pass; "
+                    "it is compiled for the next call"
+                )
+            matcher = ConstraintMatcher(self.engine, constraint, compiled)
             self._matchers[session_id] = matcher
         self._matchers.move_to_end(session_id)
         while len(self._matchers) > self.max_sessions:

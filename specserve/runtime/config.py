@@ -323,9 +323,26 @@ class CoordinatorSettings(CommonSettings):
     max_stop_string_chars: int = Field(128, ge=1, description="Longest stop string, in characters.")
     max_stop_token_ids: int = Field(64, ge=0, description="Most stop token ids one request may send.")
     constraint_compile_timeout_s: float = Field(
-        10.0, gt=0, description="Longest a request's constraint may take to compile; longer is refused."
+        10.0,
+        gt=0,
+        description="Longest a request's constraint may take to compile, counted from when a thread takes it "
+        "(longer is refused, INVALID_ARGUMENT), and longest it may wait for a thread (RESOURCE_EXHAUSTED).",
     )
-    constraint_compile_threads: int = Field(2, ge=1, description="Threads compiling constraints, off the event loop.")
+    constraint_compile_threads: int = Field(
+        2,
+        ge=2,
+        description="Threads compiling constraints, off the event loop at the lowest CPU priority. A client's "
+        "compiles run one at a time, so another client's finds a thread free unless this many clients compile.",
+    )
+    constraint_compile_queue: int = Field(
+        64, ge=1, description="Constraint compiles waiting for a thread, all clients; more are RESOURCE_EXHAUSTED."
+    )
+    constraint_compile_queue_per_client: int = Field(
+        4,
+        ge=1,
+        description="Constraint compiles one client may have waiting or running (a compile past its time limit "
+        "counts until it ends); more are RESOURCE_EXHAUSTED before they start.",
+    )
     constraint_cache_size: int = Field(256, ge=1, description="Compiled constraints kept (most recently used).")
     max_sessions: int = Field(512, ge=1, description="Concurrent sessions in total.")
     max_sessions_per_client: int = Field(

@@ -71,8 +71,14 @@ VERIFY_BATCH_SIZE = Histogram(
 PROMPT_TOKENS = Counter("specserve_coordinator_prompt_tokens", "Prompt tokens of the sessions started.")
 CONSTRAINT_COMPILES = Counter(
     "specserve_coordinator_constraint_compiles",
-    "Constraints of requests by outcome: cached, compiled, invalid (does not compile), timeout.",
+    "Constraints of requests by outcome: cached, compiled, invalid (does not compile), timeout, refused "
+    "(the compile queue's bounds, or no thread free in time).",
     ["outcome"],
+)
+CONSTRAINT_COMPILE_JOBS = Gauge(
+    "specserve_coordinator_constraint_compile_jobs",
+    "Constraint compiles by state: waiting (for a thread), running (a refused compile runs until it ends).",
+    ["state"],
 )
 CONSTRAINT_COMPILE_SECONDS = Histogram(
     "specserve_coordinator_constraint_compile_seconds",

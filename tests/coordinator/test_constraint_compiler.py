@@ -1,6 +1,11 @@
 """coordinator/constraint_compiler.py over the real grammar engine (the tiny tokenizer): a constraint compiles once
 and is then served from the cache, a bad one is InvalidArgument naming the problem, one past the time limit is
-refused while its compile runs on into the cache, and two requests for one constraint share one compile."""
+refused while its compile runs on into the cache, and two requests for one constraint share one compile.
+
+The queue (issue 54): one client's compiles are bounded (RESOURCE_EXHAUSTED before the compile starts) and run
+one at a time, so a client flooding slow schemas leaves another client's schema a thread; all clients' waiting
+compiles are bounded; the time limit counts the compile, not the wait for a thread; a compile whose callers
+left before it started never runs; a refused compile still running counts against its client until it ends."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from waiting import wait_until
 
 from coordinator.constraint_compiler import ConstraintCompiler
 from specserve.api.constraints import Constraint
-from specserve.api.errors import InvalidArgument
+from specserve.api.errors import InvalidArgument, ResourceExhausted
 from specserve.runtime import metrics
 
 pytestmark = pytest.mark.unit
@@ -118,3 +123,151 @@ async def test_requests_for_one_constraint_share_one_compile(tokenizer):
     assert all(r is results[0] for r in results)
     assert _count("compiled") - compiled_before == 1
     compiler.close()
+
+
+class _GatedEngine:
+    """The real engine, whose compiles of the constraints in ``held`` wait until the test opens ``gate`` (a slow
+    compile that stays slow however loaded the machine); every compile started is recorded."""
+
+    def __init__(self, tokenizer, held=()) -> None:
+        self.inner = _engine(tokenizer)
+        self.held = set(held)
+        self.gate = threading.Event()
+        self.started: list[Constraint] = []
+
+    def compile(self, constraint: Constraint):
+        self.started.append(constraint)
+        if constraint in self.held:
+            assert self.gate.wait(120), "the test never opened the gate"
+        return self.inner.compile(constraint)
+
+
+def _slow(i: int) -> Constraint:
+    return Constraint("regex", f"slow{i}[a-z]{{1,4}}")
+
+
+async def test_a_client_flooding_slow_schemas_is_bounded_and_another_clients_schema_is_served(tokenizer):
+    """The attacker's compiles run one at a time and at most ``per_client`` wait or run; the rest are refused
+    before they start. The victim's new schema takes the other thread and compiles while every one of the
+    attacker's is still held."""
+    slow = [_slow(i) for i in range(8)]
+    engine = _GatedEngine(tokenizer, held=slow)
+    compiler = ConstraintCompiler(lambda: engine, timeout_s=60, threads=2, cache_size=16, queue=64, per_client=4)
+    refused_before = _count("refused")
+    flood = [asyncio.ensure_future(compiler.compile(c, "attacker")) for c in slow]
+    await wait_until(lambda: len(engine.started) == 1, timeout_s=30, what="the attacker's first compile to start")
+    await asyncio.sleep(0)
+    refused = [f for f in flood if f.done()]
+    assert len(refused) == 4  # past the attacker's bound: refused at once, never started
+    for f in refused:
+        with pytest.raises(ResourceExhausted, match="constraint_compile_queue_per_client"):
+            f.result()
+    assert _count("refused") - refused_before == 4
+    assert compiler.pending("attacker") == 4 and compiler.waiting == 3  # one running, three waiting their turn
+
+    victim = Constraint("regex", "[0-9]{3}")
+    compiled = await asyncio.wait_for(compiler.compile(victim, "victim"), 60)  # bounds a hang only
+    assert compiled is compiler.cached(victim)
+    assert engine.started[0] == slow[0] and victim in engine.started and len(engine.started) == 2  # the attacker's
+    # second compile did not take the free thread: a client's compiles run one at a time
+
+    engine.gate.set()
+    accepted = [(c, f) for c, f in zip(slow, flood, strict=True) if f not in refused]
+    results = await asyncio.gather(*(f for _, f in accepted))
+    assert all(r is compiler.cached(c) for r, (c, _) in zip(results, accepted, strict=True))
+    assert compiler.pending("attacker") == 0 and compiler.waiting == 0
+    compiler.close()
+
+
+async def test_the_queue_is_bounded_for_all_clients(tokenizer):
+    slow = [_slow(10 + i) for i in range(4)]
+    engine = _GatedEngine(tokenizer, held=slow)
+    compiler = ConstraintCompiler(lambda: engine, timeout_s=60, threads=2, cache_size=16, queue=2, per_client=4)
+    running = [asyncio.ensure_future(compiler.compile(c, f"client{i}")) for i, c in enumerate(slow[:2])]
+    await wait_until(lambda: len(engine.started) == 2, timeout_s=30, what="two compiles to start")
+    waiting = [asyncio.ensure_future(compiler.compile(c, f"client{i + 2}")) for i, c in enumerate(slow[2:])]
+    await asyncio.sleep(0)
+    assert compiler.waiting == 2
+    with pytest.raises(ResourceExhausted, match="constraint_compile_queue\\)") as info:
+        await compiler.compile(Constraint("regex", "[0-9]{4}"), "client9")
+    assert "2 constraint compiles are waiting" in info.value.message and info.value.retry_after_s
+    assert len(engine.started) == 2  # the refused one never started
+    engine.gate.set()
+    await asyncio.gather(*running, *waiting)
+    compiler.close()
+
+
+async def test_the_time_limit_counts_the_compile_not_the_wait_for_a_thread(tokenizer):
+    """A compile that waited 0.6 of the limit for a thread, then compiled for 0.6 of it, is served (1.2 limits
+    in all); one that compiles past the limit is refused, naming it."""
+    limit = 3.0
+    first, second = _slow(20), _slow(21)
+    engine = _GatedEngine(tokenizer, held=[first, second])
+    gate2 = threading.Event()
+    inner_compile = engine.compile
+
+    def compile_(constraint):  # ``second`` has a gate of its own
+        if constraint == second:
+            engine.started.append(constraint)
+            assert gate2.wait(120)
+            return engine.inner.compile(constraint)
+        return inner_compile(constraint)
+
+    engine.compile = compile_
+    compiler = ConstraintCompiler(lambda: engine, timeout_s=limit, threads=2, cache_size=16, queue=8, per_client=4)
+    a = asyncio.ensure_future(compiler.compile(first, "a"))  # holds one thread
+    b = asyncio.ensure_future(compiler.compile(_slow(22), "a"))  # waits: "a" compiles one at a time
+    await wait_until(lambda: len(engine.started) == 1, timeout_s=30, what="a's compile to start")
+    c = asyncio.ensure_future(compiler.compile(second, "c"))  # the other thread
+    await wait_until(lambda: second in engine.started, timeout_s=30, what="c's compile to start")
+    await asyncio.sleep(0.6 * limit)
+    engine.gate.set()  # "a"'s first ends; its second starts after 0.6 of the limit in the queue
+    assert await a is compiler.cached(first)
+    await asyncio.sleep(0.6 * limit)  # c has compiled 1.2 limits: refused; b waited 0.6, compiled briefly: served
+    with pytest.raises(InvalidArgument, match="did not compile within 3 s"):
+        await c
+    assert await b is compiler.cached(_slow(22))
+    gate2.set()
+    await wait_until(lambda: compiler.pending("c") == 0, timeout_s=30, what="c's compile to end")
+    compiler.close()
+
+
+async def test_a_compile_refused_past_its_limit_counts_against_its_client_until_it_ends(tokenizer):
+    slow = _slow(30)
+    engine = _GatedEngine(tokenizer, held=[slow])
+    compiler = ConstraintCompiler(lambda: engine, timeout_s=0.05, threads=2, cache_size=16, queue=8, per_client=1)
+    with pytest.raises(InvalidArgument, match="did not compile within"):
+        await compiler.compile(slow, "a")
+    assert compiler.pending("a") == 1  # still running on its thread
+    with pytest.raises(ResourceExhausted, match="already has 1 constraint compiles"):
+        await compiler.compile(_slow(31), "a")
+    assert await compiler.compile(Constraint("regex", "x{2}"), "b") is not None  # another client is not held up
+    engine.gate.set()
+    await wait_until(lambda: compiler.pending("a") == 0, timeout_s=30, what="the refused compile to end")
+    assert compiler.cached(slow) is not None  # it ended in the cache: a retry is served from it
+    compiler.close()
+
+
+async def test_a_compile_whose_callers_left_before_it_started_never_runs(tokenizer):
+    slow = _slow(40)
+    engine = _GatedEngine(tokenizer, held=[slow])
+    compiler = ConstraintCompiler(lambda: engine, timeout_s=60, threads=2, cache_size=16, queue=8, per_client=4)
+    running = asyncio.ensure_future(compiler.compile(slow, "a"))
+    await wait_until(lambda: len(engine.started) == 1, timeout_s=30, what="the first compile to start")
+    gone = asyncio.ensure_future(compiler.compile(_slow(41), "a"))  # waits behind a's running compile
+    await asyncio.sleep(0)
+    assert compiler.waiting == 1
+    gone.cancel()  # its client went away
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert compiler.waiting == 0 and compiler.pending("a") == 1
+    engine.gate.set()
+    await running
+    await asyncio.sleep(0.1)
+    assert engine.started == [slow]  # the abandoned compile never ran
+    compiler.close()
+
+
+def test_the_compiler_needs_two_threads_or_more():
+    with pytest.raises(ValueError, match="threads >= 2"):
+        ConstraintCompiler(lambda: None, timeout_s=1, threads=1, cache_size=1)

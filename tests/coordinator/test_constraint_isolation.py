@@ -100,3 +100,37 @@ async def test_a_slow_compile_delays_only_its_own_session(stack, pair, monkeypat
         )
     monkeypatch.undo()  # the reference compiles the same constraint, unheld
     assert slow.token_ids == sf.reference_constrained(pair, slow_prompt, SLOW, 24, eos_token_id=EOS)
+
+
+async def test_a_constraint_fresh_in_the_compilers_cache_is_not_compiled_on_the_event_loop(stack, pair, monkeypatch):
+    """The coordinator keeps one cache of compiled grammars. A constraint kept fresh there while 256 others pass
+    through is served without a compile on the event loop: before, the forced-text proposer asked the engine,
+    whose own cache had aged it out in another order, and compiled it again on the loop, stalling every stream."""
+    from specserve.engine.grammar import DEFAULT_CACHE_SIZE
+
+    on_loop: list[Constraint] = []
+    real = GrammarEngine.compile
+
+    def recording(self: GrammarEngine, constraint: Constraint):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(constraint)
+        except RuntimeError:  # a compiling thread: no event loop runs there
+            pass
+        return real(self, constraint)
+
+    monkeypatch.setattr(GrammarEngine, "compile", recording)
+    compiler = stack.coordinator.coordinator.constraints
+    kept = Constraint("regex", r"(yes|no)( sir)?")
+    prompt = pair.tokenizer.encode("the quick brown", add_special_tokens=False)
+    req = sf.request(prompt, max_new_tokens=8, gamma=2)
+    req.sampling.constraint.CopyFrom(kept.to_pb())
+    first = await sf.generate(stack.address, req)
+    others = [Constraint("choice", (f"other{i}",)) for i in range(DEFAULT_CACHE_SIZE)]
+    for i, other in enumerate(others):
+        await compiler.compile(other)
+        if i == len(others) // 2:
+            await compiler.compile(kept)  # a hit: fresh in the compiler's cache, not in an engine's
+    again = await sf.generate(stack.address, req)
+    assert again.token_ids == first.token_ids
+    assert on_loop == [], f"compiled on the event loop: {on_loop}"

@@ -391,7 +391,8 @@ def test_a_constrained_draft_proposes_inside_the_grammar_and_ships_q_without_mas
     prefix = tuple(draft_model.tokenizer.encode("def "))
     committed = PROMPT + prefix
     sampling = SamplingParams(temperature=temperature, seed=4, constraint=constraint)
-    request = DraftRequest("g", committed, gamma=6, sampling=sampling, seed=4, prompt_len=len(PROMPT))
+    grammar = grammars.engine.compile(constraint)  # what the engine's prepare hands the proposer
+    request = DraftRequest("g", committed, gamma=6, sampling=sampling, seed=4, prompt_len=len(PROMPT), grammar=grammar)
     drafted = proposer.propose(request)
     assert len(drafted.token_ids) >= 1
     assert grammars.held("g") == prefix  # the branch is rolled back: the matcher holds C's generated tokens

@@ -230,3 +230,46 @@ async def test_a_lost_compare_and_set_rolls_the_matcher_back_to_the_log(target, 
         record = await store.load(record.session_id)
     assert list(record.generated_token_ids) == expected
     verifier.close()
+
+
+async def test_a_grammar_evicted_between_prepare_and_the_pass_is_not_compiled_under_the_batch_lock(
+    target, store, monkeypatch
+):
+    """Other calls' compiles evict the session's grammar from the engine's cache after this call prepared it
+    (``_prepare_grammars``) and before its pass: the pass builds the matcher from the grammar the call holds,
+    and no compile runs on the model thread (under the batch lock) on a miss. Before, the pass compiled it
+    again there, holding up every batch."""
+    import threading
+
+    from specserve.engine.grammar import DEFAULT_CACHE_SIZE, SessionGrammars
+
+    constraint = Constraint("regex", r"(def|class) [a-z]{1,6}")
+    on_model_thread: list[Constraint] = []
+    real_compile = GrammarEngine.compile
+
+    def recording(self, c):
+        if threading.current_thread().name.startswith("target-model"):
+            on_model_thread.append(c)
+        return real_compile(self, c)
+
+    real_prepare = SessionGrammars.prepare
+
+    async def prepare_then_evict(self, constraints):
+        prepared = await real_prepare(self, constraints)
+        for i in range(DEFAULT_CACHE_SIZE):  # what other calls' compiles do meanwhile
+            self.engine.compile(Constraint("choice", (f"other{i}",)))
+        assert not self.ready(constraint)
+        return prepared
+
+    monkeypatch.setattr(GrammarEngine, "compile", recording)
+    monkeypatch.setattr(SessionGrammars, "prepare", prepare_then_evict)
+    verifier = make_verifier(target, store)
+    params = SamplingParams(temperature=0.0, constraint=constraint)
+    record = await new_session(store, PROMPT, params, StopConditions(max_new_tokens=6))
+    result = await verify_one(verifier, record)
+    assert result.error is None, result.error
+    assert on_model_thread == [], "compiled on the model thread, under the batch lock"
+    monkeypatch.undo()
+    record = await store.load(record.session_id)
+    assert list(record.generated_token_ids) == reference(target, PROMPT, constraint, 6)[: len(record.generated_token_ids)]
+    verifier.close()

@@ -150,8 +150,34 @@ def test_the_report_renders_from_its_figures():
     assert "SessionGrammars.prepare" in sb.render(result)  # 0.2 s more: only the slow requests waited
 
 
+def test_the_flood_summary_counts_the_victim_and_the_attacker_per_condition_and_renders():
+    from specserve.bench import structured_flood as sf
+
+    victim = {"outcome": "served", "seconds": 1.2, "tokens": 20, "error": ""}
+    phases = [
+        {"condition": "solo", "itls": [0.02, 0.03], "victim": victim, "attacker": {}, "compiler": {"compiled": 1.0}, "settle_s": 0.0},
+        {"condition": "flood", "itls": [0.025, 0.06], "victim": {**victim, "seconds": 1.4}, "settle_s": 14.0,
+         "attacker": {"ResourceExhausted": 30, "InvalidArgument": 1}, "compiler": {"refused": 30.0, "timeout": 1.0}},
+        {"condition": "flood", "itls": [0.03], "victim": {**victim, "outcome": "InvalidArgument"}, "settle_s": 12.0,
+         "attacker": {"ResourceExhausted": 5}, "compiler": {"refused": 5.0}},
+    ]
+    s = sf.flood_summary(phases)
+    assert s["attacker"] == {"ResourceExhausted": 35, "InvalidArgument": 1}
+    assert s["victim"]["flood"]["served"] == 1 and s["victim"]["flood"]["requests"] == 2
+    assert s["victim"]["solo"] == {"served": 1, "requests": 1, "seconds": [1.2], "first_token_s": [None], "outcomes": ["served"]}
+    assert s["streams"]["solo"]["n"] == 2 and s["streams"]["beside"]["n"] == 3
+    args = StructuredOptions(command="specserve bench structured --parts flood").settings()
+    text = "\n".join(sf.render_flood({"phases": phases, "summary": s}, args, ["the command"]))
+    assert "served 1 of 2" in text and "**missed**" in text  # a victim refused is the bar missed
+    assert "35 ResourceExhausted" in text and "35 refused" in text and "14, 12 s" in text
+    assert sf.outcome_of(None) == "served" and sf.outcome_of(ValueError("x")) == "ValueError"
+    assert sf.victim_schema(1) != sf.victim_schema(2)
+
+
 @pytest.mark.parametrize(
-    "field, value", [("repeats", 0), ("streams", 0), ("slow_patterns", 677), ("isolation_repeats", 0)]
+    "field, value",
+    [("repeats", 0), ("streams", 0), ("slow_patterns", 677), ("isolation_repeats", 0), ("flood_patterns", 0),
+     ("flood_requests", 0), ("flood_repeats", 0)],
 )
 def test_options_refuse_what_no_run_can_do(field, value):
     with pytest.raises(ValueError):

@@ -188,40 +188,50 @@ def test_a_length_bounded_string_admits_no_raw_control_character(engine, tokeniz
     assert tokenizer.encode('"')[0] not in allowed(matcher)  # minLength 1
 
 
-def test_prepare_compiles_off_the_calling_thread_once_and_leaves_errors_to_the_pass(tokenizer, monkeypatch):
+def test_prepare_compiles_off_the_calling_thread_once_and_hands_the_pass_its_grammars(tokenizer, monkeypatch):
     """SessionGrammars.prepare: each new constraint compiled once on another thread (at the lowest priority)
-    however many wait on it, then found in the cache by ``at`` (no compile there); one that does not compile
-    raises at ``at``."""
+    however many wait on it, and returned, compiled or with its error; ``at`` builds a matcher from what it was
+    handed and never compiles: a constraint evicted from the cache after prepare is still served from the
+    grammar the caller holds, one neither prepared nor cached is Aborted, and one that does not compile
+    raises its error at ``at``."""
     import asyncio
     import os
     import threading
 
+    from specserve.api.errors import Aborted
     from specserve.engine.grammar import PREPARE_NICE, SessionGrammars
 
-    grammars = SessionGrammars(tokenizer, VOCAB, [EOS], max_sessions=4)
+    grammars = SessionGrammars(tokenizer, VOCAB, [EOS], max_sessions=4, cache_size=1)
     threads: list[str] = []
     nice: list[int] = []
     real = GrammarEngine.compile
 
     def recording(self, constraint):
-        if not self.holds(constraint):
-            threads.append(threading.current_thread().name)
-            nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        threads.append(threading.current_thread().name)
+        nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         return real(self, constraint)
 
     monkeypatch.setattr(GrammarEngine, "compile", recording)
     good, bad = Constraint("regex", "[ab]{2,4}"), Constraint("regex", "(unclosed")
     assert not grammars.ready(good)
 
-    async def main() -> None:
-        await asyncio.gather(grammars.prepare([good, bad]), grammars.prepare([good]))
+    async def main():
+        return await asyncio.gather(grammars.prepare([good, bad]), grammars.prepare([good]))
 
-    asyncio.run(main())
+    first, second = asyncio.run(main())
     assert grammars.ready(good) and not grammars.ready(bad)
     assert len(threads) == 2 and threading.current_thread().name not in threads  # good once, bad once
     assert nice == [PREPARE_NICE] * 2
+    assert first[good] is second[good] and isinstance(first[bad], InvalidArgument)
+    compiles = len(threads)
+    assert grammars.at("s", good, tokenizer.encode("ab"), first[good]).tokens == tuple(tokenizer.encode("ab"))
+    other = Constraint("choice", ("x",))
+    asyncio.run(grammars.prepare([other]))  # another call's compile evicts it between prepare and the pass
+    assert not grammars.ready(good)
+    assert grammars.at("s2", good, tokenizer.encode("a"), first[good]).tokens == tuple(tokenizer.encode("a"))
+    with pytest.raises(Aborted, match="was not compiled before the pass"):
+        grammars.at("s3", good, [])  # neither handed nor cached: refused, not compiled on the pass's thread
+    with pytest.raises(InvalidArgument, match="does not compile"):
+        grammars.at("t", bad, [], first[bad])
+    assert len(threads) == compiles + 1  # ``other``'s: no compile in the pass
     grammars.close()
-    assert grammars.at("s", good, tokenizer.encode("ab")).tokens == tuple(tokenizer.encode("ab"))
-    assert grammars.engine.stats.misses == 1  # the pass's look-up was a hit
-    with pytest.raises(InvalidArgument):
-        grammars.at("t", bad, [])
