@@ -244,7 +244,8 @@ class GateOptions(PairOptions):
         for item in self.setting:
             role, _, rest = item.partition(".")
             key, _, value = rest.partition("=")
-            out[role][key.strip()] = value.strip()
+            value = value.strip()
+            out[role][key.strip()] = {"true": True, "false": False}.get(value.lower(), value)  # a switch: --[no-]key
         return out
 
 
