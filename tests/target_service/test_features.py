@@ -92,7 +92,7 @@ async def test_a_session_that_asks_for_features_attaches_the_prefix_cache_and_ge
     first = await new_session(store, LONG)
     done = (await verifier.verify(VerifyBatch(items=(asking(first, start=0),)))).results[0]
     history = LONG + tuple(done.verdict.committed_token_ids)
-    turn2 = history + (9, 8, 7)
+    turn2 = (*history, 9, 8, 7)
     for uncached in (False, True):
         record = await new_session(store, turn2)
         ask = dataclasses.replace(asking(record, start=0), features_from_uncached=uncached)
