@@ -244,6 +244,7 @@ class Coordinator:
             prediction=r.prediction_token_ids,
             lookup=r.speculation.hybrid_lookup,
             forced=self._forced_text(r),
+            features_max_bytes=self.settings.features_per_session_bytes,
         )
         loop = RoundLoop(
             session,
