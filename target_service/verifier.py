@@ -498,8 +498,8 @@ class Verifier:
         return forward_ns, positions
 
     def _features(self, work: list[_Work]) -> None:
-        """Fill ``w.features`` of the items that asked (``features_from``): positions from there (or from where
-        this call's prefix-cache hit ends, ``features_from_uncached``) up to the new pending token, which its
+        """Fill ``w.features`` of the items that asked (``features_from``): positions from there (or from the
+        last block of this call's prefix-cache hit, ``features_from_uncached``) up to the new pending token, which its
         cache holds after settling. The reply's rows stay within :attr:`features_per_call_bytes`, shared
         fairly (:func:`share_rows`), and each item's within its ``features_max_bytes``; an item whose rows do
         not all fit gets the first ones (the rest is asked for in its next call)."""
@@ -508,8 +508,8 @@ class Verifier:
             start = w.item.features_from
             if start is None or w.verdict is None or w.cache is None:
                 continue
-            if w.item.features_from_uncached:
-                start = max(start, w.cached)
+            if w.item.features_from_uncached:  # the draft's head may hold a block fewer of the shared history
+                start = max(start, w.cached - self.caches.block_tokens)
             stop = w.verdict.committed_len - 1
             if w.cache.features_len < stop:  # not reached for a settled item: kept, not guessed
                 log.warning("features_missing", session_id=w.item.session_id, held=w.cache.features_len, stop=stop)

@@ -87,7 +87,7 @@ LONG = tuple((7 * i + 3) % 250 + 1 for i in range(40))  # two whole blocks of 16
 async def test_a_session_that_asks_for_features_attaches_the_prefix_cache_and_gets_its_features(target, store):
     """The prefix cache with the feature head (issue 53): a feature session's shared blocks keep the features
     they produced, so the next turn attaches them (``cached_tokens``), is not fed them again, and still gets
-    the features of every position it asks for; ``features_from_uncached`` starts them after the hit."""
+    the features of every position it asks for; ``features_from_uncached`` starts them at the hit's last block."""
     verifier = make_verifier(target, store)
     first = await new_session(store, LONG)
     done = (await verifier.verify(VerifyBatch(items=(asking(first, start=0),)))).results[0]
@@ -101,7 +101,7 @@ async def test_a_session_that_asks_for_features_attaches_the_prefix_cache_and_ge
         assert result.cached_tokens == 32
         assert batch.positions_processed == len(turn2) - 32  # the history's blocks are not fed again
         committed = turn2 + tuple(result.verdict.committed_token_ids)
-        assert_rows(result.features, target, committed, 32 if uncached else 0)
+        assert_rows(result.features, target, committed, 16 if uncached else 0)  # the hit's last block on
 
 
 async def test_a_reply_holds_at_most_its_feature_budget_shared_fairly_and_the_rest_comes_later(target, store):
