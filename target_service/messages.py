@@ -41,7 +41,7 @@ class VerifyItem:
     #: Return the target's features of committed positions from here on (None: none; docs/design.md,
     #: "The feature head").
     features_from: int | None = None
-    #: With features_from: start where this call's prefix-cache hit ends, when that is later.
+    #: With features_from: start at the last block of this call's prefix-cache hit, when that is later.
     features_from_uncached: bool = False
     #: With features_from: most bytes of features for the item (whole rows, at least one); 0: no own limit.
     features_max_bytes: int = 0

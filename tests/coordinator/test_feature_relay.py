@@ -122,3 +122,14 @@ def test_a_relay_checks_its_settings():
         FeatureRelay(window=0)
     with pytest.raises(ValueError, match="max_bytes"):
         FeatureRelay(max_bytes=0)
+
+
+def test_the_feature_budgets_default_to_a_quarter_of_the_message_limit_and_refuse_more_than_half():
+    from specserve.runtime.config import CoordinatorSettings, TargetSettings
+
+    for cls, extra in ((CoordinatorSettings, {"target_endpoints": ["x:1"]}), (TargetSettings, {})):
+        settings = cls(host="127.0.0.1", max_message_bytes=64 * 1024, **extra)
+        assert settings.feature_bytes_per_call == 16 * 1024
+        assert cls(host="127.0.0.1", features_per_call_bytes=32 * 1024, max_message_bytes=64 * 1024, **extra)
+        with pytest.raises(ValueError, match="features_per_call_bytes=40000"):
+            cls(host="127.0.0.1", features_per_call_bytes=40_000, max_message_bytes=64 * 1024, **extra)
