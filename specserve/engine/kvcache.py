@@ -61,9 +61,18 @@ branch). :meth:`SessionCacheStore.share` turns each whole committed block of a s
 a shared block (or points it at an identical one already held); :meth:`SessionCacheStore.attach` gives a
 new (empty) session the longest chain of held blocks that its committed tokens start with, so it feeds only
 the rest. A block is keyed by its parent block and its own tokens, so a chain is found only for exactly the
-tokens it was computed from. Blocks count in ``budget_bytes`` once however many sessions hold them; a block
-no session holds stays cached and is evicted least-recently-used, sessions and free blocks in one order;
-a block a session holds is never evicted (the session goes first).
+tokens it was computed from (a chain's first block also by the cache's :attr:`SessionCache.lead`: the tokens
+before its first that its keys and values depend on, the feature head's position 0). Blocks count in
+``budget_bytes`` once however many sessions hold them; a block no session holds stays cached and is evicted
+least-recently-used, sessions and free blocks in one order; a block a session holds is never evicted (the
+session goes first). Stores may share one budget (:class:`KVBudget`: a draft's model and its feature head),
+evicted in one order.
+
+A session that keeps the target's features (:meth:`SessionCache.track_features`, the feature head's) keeps
+them in its blocks too (``Block.features``): it shares its blocks with their features (filling in those of
+a block another session made without), and attaches only blocks that bring theirs, so the next turn of a
+conversation that drafts with the head reads its history's features without computing them again
+(docs/design.md, "The prefix cache", "With the feature head").
 
 Not thread-safe: a worker runs all model work and every mutation of its store
 on its one :class:`~specserve.engine.model_thread.ModelThread` (docs/design.md,
