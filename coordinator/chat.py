@@ -18,11 +18,11 @@ that refuses the conversation (many raise on roles that do not alternate) is
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.json_body import read_json
 from specserve.api.errors import FailedPrecondition, InvalidArgument
 from specserve.v1 import coordinator_pb2
 
@@ -87,10 +87,7 @@ class TemplateOptions:
     def from_pb(cls, pb: coordinator_pb2.ChatMessages) -> TemplateOptions:
         variables: Any = {}
         if pb.template_kwargs_json:
-            try:
-                variables = json.loads(pb.template_kwargs_json)
-            except ValueError:
-                raise InvalidArgument("template_kwargs_json is not valid JSON") from None
+            variables = read_json(pb.template_kwargs_json, "template_kwargs_json")  # strictly: no recursion
             if not isinstance(variables, dict):
                 raise InvalidArgument("template_kwargs_json must be a JSON object of variable names to values")
         return cls(

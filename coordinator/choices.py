@@ -1,7 +1,7 @@
 """The sessions of one HTTP request (its ``n`` choices), run side by side.
 
 :class:`Choices` runs one ``Coordinator.generate`` per choice, each in its own
-task, and merges their events in arrival order. :meth:`Choices.first_events`
+task and in its own admission place (released when its task ends, however it ends), and merges their events in arrival order. :meth:`Choices.first_events`
 waits until every choice has produced its first event, so that an error before
 any token (a refused session, no target reachable) can still become the HTTP
 status of the reply. :meth:`Choices.cancel` cancels every session that is
@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
+from coordinator.admission import Place
+from coordinator.cache_scope import ANONYMOUS
 from coordinator.coordinator import Chunk, Coordinator, Finished
 from coordinator.requests import GenerationRequest
 
@@ -26,15 +28,21 @@ class Choices:
     """``n`` sessions of one request; events come out as ``(choice index, event or exception)``."""
 
     def __init__(
-        self, coordinator: Coordinator, requests: Sequence[GenerationRequest], *, client: str | None
+        self,
+        coordinator: Coordinator,
+        requests: Sequence[GenerationRequest],
+        places: Sequence[Place],
+        *,
+        tenant: str = ANONYMOUS,
     ) -> None:
         self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._open = len(requests)
         self._buffer: list[tuple[int, Event | BaseException]] = []
-        self._tasks = [
-            asyncio.ensure_future(self._run(i, coordinator.generate(r, client=client)))
-            for i, r in enumerate(requests)
-        ]
+        self._tasks = []
+        for i, (request, place) in enumerate(zip(requests, places, strict=True)):
+            task = asyncio.ensure_future(self._run(i, coordinator.generate(request, place, tenant=tenant)))
+            task.add_done_callback(lambda _, place=place: place.release())  # also when cancelled unstarted
+            self._tasks.append(task)
 
     async def _run(self, index: int, events: AsyncIterator[Event]) -> None:
         try:

@@ -1,6 +1,8 @@
 """The coordinator's domain service: one :meth:`Coordinator.generate` per client request.
 
-``generate`` takes an admission slot (:mod:`coordinator.admission`), creates
+A request is admitted first (:meth:`Coordinator.admit`: its session place and rate token under
+:mod:`coordinator.admission`), before any work on it; then :meth:`Coordinator.parse` checks it
+(tokenizing, compiling its constraint), and ``generate`` runs it in its place: it creates
 the session in Redis (the prompt at version 0, the seed recorded with the
 sampling settings), takes the session's owner lease, runs the round loop
 (:mod:`coordinator.rounds`) until a stop condition is committed, and yields a
@@ -28,8 +30,10 @@ from typing import Any
 
 import structlog
 
-from coordinator.admission import Admission, SessionRate
+from coordinator import cache_scope
+from coordinator.admission import Admission, Place, SessionRate
 from coordinator.chat import ChatMessage, TemplateOptions, chat_prompt_ids
+from coordinator.clients import ClientKeys
 from coordinator.constraint_compiler import ConstraintCompiler
 from coordinator.detokenize import IncrementalDetokenizer
 from coordinator.limits import Limits
@@ -138,6 +142,8 @@ class Coordinator:
             max_sessions_per_client=settings.max_sessions_per_client,
             rate=SessionRate(rate=settings.session_rate_per_client, burst=settings.session_burst_per_client),
         )
+        #: How callers are named for the per-client limits (coordinator/clients.py).
+        self.clients = ClientKeys.from_settings(settings)
         self._cleanups: set[asyncio.Task] = set()
         #: Compiles each request's constraint before its session opens (coordinator/constraint_compiler.py).
         self.constraints = ConstraintCompiler(
@@ -148,8 +154,9 @@ class Coordinator:
         )
 
     async def parse(self, pb: coordinator_pb2.GenerateRequest) -> GenerationRequest:
-        """Check a wire request against this server's limits, before any work (InvalidArgument says
-        what to fix); a text prompt is tokenized off the event loop once its size is known to fit."""
+        """Check a wire request against this server's limits (InvalidArgument says what to fix), cheapest
+        checks first; a text prompt is tokenized off the event loop once its size is known to fit, and a
+        constraint compiled. Only for an admitted request (:meth:`admit`): this is the request's work."""
         request = await GenerationRequest.from_pb(
             pb,
             settings=self.settings,
@@ -185,19 +192,21 @@ class Coordinator:
         gamma = request.speculation.gamma
         return self.adaptive if gamma is None else FixedGamma(gamma)
 
-    def check_admission(self, client: str | None, sessions: int = 1) -> None:
-        """Refuse unless ``sessions`` more sessions fit the limits now (the HTTP API's ``n``)."""
-        self.admission.check(client, sessions)
+    def admit(self, client: str | None, sessions: int = 1) -> list[Place]:
+        """``sessions`` places for ``client``'s request (the HTTP API's ``n``), taken before any work on it;
+        ResourceExhausted with a retry hint when they do not fit the limits (nothing is then held).
+        ``client``: a :class:`~coordinator.clients.ClientKeys` name (None: limited by ``max_sessions`` only).
+        The caller releases a place its request does not run a session in."""
+        return self.admission.admit(client, sessions)
 
     async def generate(
-        self, request: GenerationRequest, *, client: str | None = None
+        self, request: GenerationRequest, place: Place, *, tenant: str = cache_scope.ANONYMOUS
     ) -> AsyncIterator[Chunk | Finished]:
-        """Run one session to its end, yielding chunks then the statistics.
-
-        ``client`` identifies the caller for ``max_sessions_per_client`` (None: not limited per client).
-        """
-        async with self.admission.slot(client):
-            session, loop = self._new_session(request)
+        """Run one session to its end in ``place`` (from :meth:`admit`, released at the end), yielding
+        chunks then the statistics. ``tenant`` (:func:`coordinator.cache_scope.tenant`) owns the prefix
+        cache it may share."""
+        with place:
+            session, loop = self._new_session(request, tenant)
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 stop_strings=request.stop.stop_strings,
@@ -231,8 +240,8 @@ class Coordinator:
                 metrics.REQUESTS.labels(status=status).inc()
                 self._clean_up_later(loop, session.session_id)
 
-    def _new_session(self, request: GenerationRequest) -> tuple[Session, RoundLoop]:
-        """A session for ``request`` and its round loop (which counts it in the pool's load)."""
+    def _new_session(self, request: GenerationRequest, tenant: str) -> tuple[Session, RoundLoop]:
+        """A session of ``tenant`` for ``request`` and its round loop (which counts it in the pool's load)."""
         r = request
         session = Session(
             uuid.uuid4().hex,
@@ -245,6 +254,7 @@ class Coordinator:
             lookup=r.speculation.hybrid_lookup,
             forced=self._forced_text(r),
             features_max_bytes=self.settings.features_per_session_bytes,
+            cache_scope=cache_scope.cache_scope(tenant, r.cache_salt, mode=self.settings.prefix_cache_scope),
         )
         loop = RoundLoop(
             session,

@@ -5,24 +5,29 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 (:mod:`coordinator.openapi`) and ``GET /metrics``
 (the process's Prometheus registry, the metrics port's very series, vLLM's names
 included, where vLLM and SGLang serve them: tools such as aiperf look there). Each generation request goes through the same domain object
-as the gRPC servicer, in the same order: the body becomes one ``GenerateRequest``
-per choice (:mod:`coordinator.openai_protocol`), ``Coordinator.parse`` checks
-each against the server's limits, ``Coordinator.check_admission`` checks the
-session limits for all ``n`` at once, and only then do the sessions start
-(:class:`~coordinator.choices.Choices`). The reply waits for every choice's
+as the gRPC servicer, in the same order: the body is read strictly
+(:mod:`coordinator.json_body`: a hostile body is a 400 naming the problem) and
+becomes one ``GenerateRequest`` per choice (:mod:`coordinator.openai_protocol`),
+``Coordinator.admit`` takes the session places and rate tokens of all ``n`` at
+once (or refuses the request whole, before any work on it), ``Coordinator.parse``
+checks the request against the server's limits (tokenizing, compiling its constraint),
+and only then do the sessions start, one per place (:class:`~coordinator.choices.Choices`). The reply waits for every choice's
 first event, so that an error before any token still gets its HTTP status.
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``,
 with the status of :data:`HTTP_STATUS` (the domain error's gRPC code decides):
 400 bad parameters, 401 a missing or unknown API key, 404 an unknown model,
-429 a session limit (with ``Retry-After``), 503 no target replica could serve.
+429 a session limit (with ``Retry-After`` in whole seconds and ``retry-after-ms``), 503 no target
+replica could serve.
 An error after the stream has begun is sent as one ``data: {"error": ...}``
 event before ``data: [DONE]``.
 
 Authentication: with ``auth_tokens`` set, every ``/v1`` route needs
 ``Authorization: Bearer <token>`` with one of the same tokens the gRPC API
 accepts; ``/health``, ``/version`` and ``/metrics`` stay open, as on the metrics port. Per-client session limits key on
-the token (or the peer address without auth), as on the gRPC side.
+the caller's name (:mod:`coordinator.clients`: the token, the client certificate's name, or by opt-in
+the address), as on the gRPC side; the prefix cache a request may share keys on its tenant, with its
+``cache_salt`` and ``prompt_cache_key`` (coordinator/cache_scope.py).
 
 Cancellation: when the client goes away (a streamed reply's connection closes,
 or a non-streamed request's does while it waits), every session of the request
@@ -49,8 +54,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from coordinator.admission import Place
+from coordinator.cache_scope import http_tenant
 from coordinator.choices import Choices
+from coordinator.clients import FORWARDED_FOR, TLS_CLIENT_NAME
 from coordinator.coordinator import Coordinator
+from coordinator.json_body import read_json
 from coordinator.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -62,13 +71,7 @@ from coordinator.openai_replies import ReplyBuilder, TokenStrings
 from coordinator.openapi import openapi_schema
 from coordinator.requests import GenerationRequest
 from specserve.api import errors
-from specserve.runtime.interceptors import (
-    REQUEST_ID_KEY,
-    BearerTokens,
-    bearer_token,
-    clean_request_ids,
-    identity,
-)
+from specserve.runtime.interceptors import REQUEST_ID_KEY, BearerTokens, bearer_token, clean_request_ids
 
 log = structlog.get_logger(__name__)
 
@@ -124,7 +127,9 @@ def error_response(exc: errors.SpecServeError) -> JSONResponse:
     status = http_status(exc)
     headers = {}
     if exc.retry_after_s is not None and status in (429, 503):
+        # Retry-After takes whole seconds (RFC 9110); retry-after-ms (read by OpenAI's SDKs) the precise wait.
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        headers["retry-after-ms"] = str(max(1, math.ceil(exc.retry_after_s * 1000)))
     code = getattr(exc, "openai_code", None) or type(exc).__name__
     body = error_body(status, exc.message, param=getattr(exc, "param", None), code=code)
     return JSONResponse(body, status_code=status, headers=headers)
@@ -184,8 +189,8 @@ class OpenAIServer:
         self.version = _installed_version()
 
     # ---- per request --------------------------------------------------------------------
-    def authorize(self, request: Request) -> str:
-        """The caller's identity for per-client limits; Unauthenticated (401) without a valid key.
+    def authorize(self, request: Request) -> str | None:
+        """The caller's name for per-client limits (None: unnamed); Unauthenticated (401) without a valid key.
 
         Also binds ``request_id`` (the ``x-request-id`` header through ``clean_request_ids``, as over
         gRPC, or a new id) and the path to the log context, so the sessions' log events carry them
@@ -207,8 +212,12 @@ class OpenAIServer:
                 exc = errors.Unauthenticated("the API key is not accepted")
                 exc.openai_code = "invalid_api_key"  # type: ignore[attr-defined]
                 raise exc
-        peer = request.client.host if request.client else "unknown"
-        return identity(token, peer, by_token=self._tokens is not None)
+        return self.coordinator.clients.key(
+            token=token,
+            certificate=request.scope.get("state", {}).get(TLS_CLIENT_NAME),
+            peer=request.client.host if request.client else "unknown",
+            forwarded_for=request.headers.getlist(FORWARDED_FOR),
+        )
 
     async def read_body(self, request: Request) -> bytes:
         """The body, refused (413) past ``max_message_bytes``, the gRPC API's message limit."""
@@ -236,19 +245,20 @@ class OpenAIServer:
     ) -> Any:
         """One completion or chat request: every check, then the sessions, then the reply."""
         client = self.authorize(request)
-        body, parsed = await self.admit(request, cls, client)
-        options = body.reply_options()
-        builder = ReplyBuilder(
-            "chat" if cls is ChatCompletionRequest else "completion",
-            model=self.model_name,
-            n=body.n,
-            options=options,
-            prompt_tokens=len(parsed[0].prompt_token_ids),
-            token_strings=self.token_strings if options.logprobs else None,
-        )
-        choices = Choices(self.coordinator, parsed, client=client)
+        body, parsed, places = await self.admit(request, cls, client)
+        tenant = http_tenant(request.headers.get("authorization"), by_token=self._tokens is not None)
+        choices = Choices(self.coordinator, parsed, places, tenant=tenant)  # each place released when its session ends
         headers = {REQUEST_ID_KEY: structlog.contextvars.get_contextvars().get("request_id", "")}
         try:
+            options = body.reply_options()
+            builder = ReplyBuilder(
+                "chat" if cls is ChatCompletionRequest else "completion",
+                model=self.model_name,
+                n=body.n,
+                options=options,
+                prompt_tokens=len(parsed[0].prompt_token_ids),
+                token_strings=self.token_strings if options.logprobs else None,
+            )
             await choices.first_events()  # an error before the first token keeps its status
         except BaseException:
             choices.cancel()
@@ -270,10 +280,11 @@ class OpenAIServer:
         return JSONResponse(collect.result(), headers=headers)
 
     async def admit(
-        self, request: Request, cls: type[CompletionRequest] | type[ChatCompletionRequest], client: str
-    ) -> tuple[CompletionRequest | ChatCompletionRequest, list[GenerationRequest]]:
-        """Parse and check the body, each choice as a gRPC request would be, then the session
-        limits for all choices at once. Nothing has started when this raises."""
+        self, request: Request, cls: type[CompletionRequest] | type[ChatCompletionRequest], client: str | None
+    ) -> tuple[CompletionRequest | ChatCompletionRequest, list[GenerationRequest], list[Place]]:
+        """Read and validate the body, take the places of all its choices (and their rate tokens) at
+        once, then check each choice as a gRPC request would be. Nothing is held or running when this
+        raises."""
         if self.draining:
             raise errors.Unavailable(
                 "this coordinator is shutting down; send the request to another replica", retry_after_s=1.0
@@ -284,14 +295,18 @@ class OpenAIServer:
         else:
             body = self.parse(cls, data)
         settings = self.coordinator.settings
-        limit = min(settings.max_sessions_per_client, settings.max_sessions)
+        limit = min(settings.max_sessions_per_client, settings.max_sessions, settings.session_burst_per_client)
         if body.n > limit:
             raise bad_param("n", f"n={body.n} is above this server's limit of {limit} sessions per request")
-        self.coordinator.check_admission(client, sessions=body.n)  # before any tokenizing
-        first = await self.coordinator.parse(body.to_pb(0))  # the prompt is tokenized once for all n
+        places = self.coordinator.admit(client, sessions=body.n)  # before any tokenizing or compiling
+        try:
+            first = await self.coordinator.parse(body.to_pb(0))  # the prompt is tokenized once for all n
+        except BaseException:
+            for place in places:
+                place.release()
+            raise
         parsed = [first, *(first.with_seed(body.choice_seed(i)) for i in range(1, body.n))]
-        self.coordinator.check_admission(client, sessions=body.n)  # still, now that the sessions start
-        return body, parsed
+        return body, parsed, places
 
     def parse(
         self, cls: type[CompletionRequest] | type[ChatCompletionRequest], data: bytes
@@ -299,10 +314,7 @@ class OpenAIServer:
         """The body as a request, checked: JSON, the prompt's size before validation builds it, the
         fields, the model, what is supported. Pure CPU work: :meth:`admit` runs it off the loop when
         the body is large."""
-        try:
-            raw = json.loads(data)
-        except ValueError:
-            raise bad_param(None, "the request body is not valid JSON", "invalid_json") from None
+        raw = read_json(data)
         settings = self.coordinator.settings
         check_prompt_size(raw, max_tokens=settings.max_prompt_tokens, max_bytes=settings.max_prompt_bytes)
         body = parse_body(cls, raw, unknown_fields=settings.http_unknown_fields)

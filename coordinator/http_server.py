@@ -5,7 +5,8 @@ picks a free one, as for gRPC; a busy port fails at once with the address in
 the message), serves :func:`coordinator.http_api.create_app` with uvicorn as a
 task of the running loop, and returns an :class:`HttpServer`. The coordinator's
 TLS settings apply here as well (``tls_ca_file`` requires client
-certificates). Signals stay with the role: uvicorn's own handlers are not
+certificates, whose name each request then carries for the per-client limits:
+:data:`coordinator.clients.TLS_CLIENT_NAME` in its ASGI state). Signals stay with the role: uvicorn's own handlers are not
 installed, and :meth:`HttpServer.stop` is called by ``CoordinatorApp.stop``.
 """
 
@@ -22,7 +23,9 @@ from typing import Any
 
 import structlog
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from coordinator.clients import TLS_CLIENT_NAME, certificate_name
 from coordinator.coordinator import Coordinator
 from coordinator.http_api import OpenAIServer, create_app
 from specserve.runtime.config import CoordinatorSettings
@@ -42,6 +45,25 @@ class _Server(uvicorn.Server):
 
     def install_signal_handlers(self) -> None:  # older uvicorn releases
         pass
+
+
+def _naming_protocol(base: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol ``base``, with each request's ASGI state carrying the name on the connection's
+    verified client certificate (uvicorn copies ``app_state`` into every request's scope)."""
+
+    class NamingProtocol(base):  # type: ignore[valid-type,misc]
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            ssl_object = transport.get_extra_info("ssl_object")
+            cert = ssl_object.getpeercert() if ssl_object is not None else None
+            if cert:
+                common = [v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
+                dns = [v for k, v in cert.get("subjectAltName", ()) if k == "DNS"]
+                name = certificate_name(common, dns)
+                if name is not None:
+                    self.app_state = {**self.app_state, TLS_CLIENT_NAME: name}
+
+    return NamingProtocol
 
 
 @dataclass
@@ -122,12 +144,14 @@ async def start_http(coordinator: Coordinator, settings: CoordinatorSettings) ->
         tls = {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}
         if settings.tls_ca_file is not None:
             tls.update(ssl_ca_certs=str(settings.tls_ca_file), ssl_cert_reqs=ssl.CERT_REQUIRED)
+            tls["http"] = _naming_protocol(AutoHTTPProtocol)
     config = uvicorn.Config(
         create_app(api),
         log_config=None,
         access_log=False,
         lifespan="off",
         ws="none",
+        proxy_headers=False,  # X-Forwarded-For is read by coordinator/clients.py, from trusted_proxies only
         timeout_graceful_shutdown=settings.shutdown_grace_s,
         **tls,
     )

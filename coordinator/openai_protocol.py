@@ -54,7 +54,12 @@ from coordinator.structured_outputs import (
     structured_output,
 )
 from specserve.api.errors import InvalidArgument
-from specserve.api.params import MAX_TOP_LOGPROBS, REPETITION_PENALTY_RANGE, GenerationParams
+from specserve.api.params import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_TOP_LOGPROBS,
+    REPETITION_PENALTY_RANGE,
+    GenerationParams,
+)
 from specserve.v1 import coordinator_pb2
 
 log = structlog.get_logger(__name__)
@@ -63,6 +68,8 @@ log = structlog.get_logger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _UINT64 = 2**64
 _UINT32 = 2**32
+#: The longest ``cache_salt`` or ``prompt_cache_key``: both fit one ``GenerateRequest.cache_salt`` together.
+MAX_HTTP_CACHE_KEY_CHARS = (MAX_CACHE_SALT_CHARS - 1) // 2
 #: The largest finite float32, the wire's type of the sampling settings.
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -193,8 +200,9 @@ class _OpenAIRequest(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    cache_salt: str | None = None  # vLLM: salts its prefix cache; no cache is shared between requests here
+    # Honoured: each scopes the prefix cache within the client's own (coordinator/cache_scope.py).
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_HTTP_CACHE_KEY_CHARS)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_HTTP_CACHE_KEY_CHARS)  # vLLM's
     request_id: str | None = None  # vLLM's own request id; the log's is the x-request-id header
     # Extensions (vLLM's names where vLLM has them).
     top_k: int | None = Field(None, ge=-1, lt=_UINT32)
@@ -329,8 +337,16 @@ class _OpenAIRequest(BaseModel):
             hybrid_lookup=spec.hybrid_lookup,
             min_confidence=spec.min_confidence,
             keep_special_tokens=not self.skip_special_tokens,
+            cache_salt=self.salt(),
             constraint=self.structured().constraint,
         )
+
+    def salt(self) -> str | None:
+        """The request's cache salt (``GenerateRequest.cache_salt``): ``cache_salt`` and ``prompt_cache_key``
+        (OpenAI's) together, each a scope of its own within the client's; None when neither is sent."""
+        if self.prompt_cache_key is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00{self.prompt_cache_key}"
 
     def to_pb(self, choice: int = 0) -> coordinator_pb2.GenerateRequest:
         """The ``GenerateRequest`` of choice ``choice`` (its seed is ``seed + choice``)."""

@@ -54,7 +54,7 @@ _ERROR_STATUSES = {
     "401": "a missing or unknown API key (with auth_tokens set)",
     "404": "an unknown model",
     "413": "a body larger than max_message_bytes",
-    "429": "a session limit, with Retry-After",
+    "429": "a session limit, with Retry-After (whole seconds) and retry-after-ms",
     "499": "the client went away",
     "503": "no target replica could serve, or the coordinator is draining",
     "504": "a deadline passed",

@@ -253,7 +253,9 @@ class WorkerPool:
         prompt's first tokens hash to, load bounded (``coordinator/routing.py``)."""
         binding = self._binding(session.session_id)
         if binding.targets is None:
-            key = prefix_key(session.token_ids[: session.prompt_len], self.settings.route_prefix_tokens)
+            key = prefix_key(
+                session.token_ids[: session.prompt_len], self.settings.route_prefix_tokens, session.cache_scope
+            )
             key = key or session.session_id
             factor, slack = self.settings.route_load_factor, self.settings.route_load_slack
             binding.targets = self.targets.order(key, self._homes, factor=factor, slack=slack)
@@ -727,4 +729,5 @@ def _session_propose_request(
         ignore_eos=session.stop.ignore_eos,
         stop_tokens_from=session.prompt_len + session.stop.min_new_tokens if session.stop.min_new_tokens else 0,
         prompt_len=session.prompt_len,
+        cache_scope=session.cache_scope,
     )

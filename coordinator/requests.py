@@ -62,6 +62,7 @@ class GenerationRequest:
     ``top_logprobs``: report each token's log probability with that many alternatives (None: no
     logprobs). ``prediction_token_ids``: Predicted Outputs, the prediction tokenized once (None: none).
     ``keep_special_tokens``: the text keeps the special tokens (else they decode to nothing).
+    ``cache_salt``: salts the session's prefix-cache scope (coordinator/cache_scope.py; None: unsalted).
     """
 
     prompt_token_ids: tuple[int, ...]
@@ -71,6 +72,7 @@ class GenerationRequest:
     top_logprobs: int | None = None
     prediction_token_ids: tuple[int, ...] | None = None
     keep_special_tokens: bool = False  # the text keeps special tokens (vLLM's skip_special_tokens=False)
+    cache_salt: str | None = None
 
     def with_seed(self, seed: int) -> GenerationRequest:
         """This request with another seed (the HTTP API's choice ``i`` of ``n``: tokenized once)."""
@@ -139,6 +141,7 @@ class GenerationRequest:
             top_logprobs=top_logprobs,
             prediction_token_ids=prediction,
             keep_special_tokens=params.keep_special_tokens,
+            cache_salt=params.cache_salt,
         )
 
 

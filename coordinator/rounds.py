@@ -113,7 +113,9 @@ class RoundLoop:
         s.stats.draft_ns += proposed.wall_ns
         if proposed.draft_ns is not None:
             metrics.STAGE_SECONDS.labels(stage="draft").observe(proposed.draft_ns / 1e9)
-        item = target_pb2.VerifyItem(base=s.base.to_pb(), proposal=proposed.proposal, decode_steps=steps)
+        item = target_pb2.VerifyItem(
+            base=s.base.to_pb(), proposal=proposed.proposal, decode_steps=steps, cache_scope=s.cache_scope
+        )
         if s.top_logprobs is not None:
             item.logprobs.CopyFrom(common_pb2.LogprobsParams(top_logprobs=s.top_logprobs))
         if s.features is not None:  # the feature head drafts from the target's features of these positions

@@ -5,9 +5,11 @@ the same reason, to a draft replica. :class:`HashRing` maps a key to an
 ordered list of endpoints (its preference list); :class:`ReplicaSet` walks that
 list and skips replicas marked down.
 
-The key is the session's prompt prefix (:func:`prefix_key`: its first tokens),
-so the turns of one conversation, which each resend the history, go where the
-earlier turns left their prefix cache (docs/design.md, "Routing by prefix").
+The key is the session's prompt prefix within its cache scope (:func:`prefix_key`:
+its first tokens and its tenant's scope), so the turns of one conversation, which
+each resend the history, go where the earlier turns left their prefix cache
+(docs/design.md, "Routing by prefix"), and one tenant's prompts are placed
+independently of another's.
 :meth:`ReplicaSet.order` bounds the load (Mirrokni et al., "Consistent hashing
 with bounded loads", 2018): a replica that already holds more than its share of
 this coordinator's sessions (beyond an absolute slack) is passed over for the next of the key's list, so
@@ -39,12 +41,13 @@ def _hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
 
 
-def prefix_key(token_ids: Sequence[int], tokens: int) -> str | None:
-    """The routing key of a prompt: a hash of its first ``tokens`` token ids (all of them when shorter);
-    None when ``tokens`` is 0 (route by session id)."""
+def prefix_key(token_ids: Sequence[int], tokens: int, scope: bytes = b"") -> str | None:
+    """The routing key of a prompt: a hash of its session's cache ``scope`` (coordinator/cache_scope.py)
+    and its first ``tokens`` token ids (all of them when shorter); None when ``tokens`` is 0 (route by
+    session id)."""
     if tokens <= 0:
         return None
-    head = ",".join(str(int(t)) for t in token_ids[:tokens])
+    head = scope.hex() + ":" + ",".join(str(int(t)) for t in token_ids[:tokens])
     return "prefix:" + hashlib.blake2b(head.encode(), digest_size=16).hexdigest()
 
 

@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from coordinator.cache_scope import grpc_tenant
 from coordinator.coordinator import Coordinator
-from specserve.runtime.interceptors import client_identity
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    """``Generate``: parse and check the request, run the session, stream its events."""
+    """``Generate``: admit the caller, parse and check the request, run the session, stream its events."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
@@ -26,8 +26,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        generation = await self.coordinator.parse(request)
-        client = client_identity(context, by_token=bool(self.coordinator.settings.auth_tokens))
-        async with contextlib.aclosing(self.coordinator.generate(generation, client=client)) as events:
-            async for event in events:
-                yield event.to_pb()
+        # Admission first: a refused request does no work (no tokenizing, no constraint compile).
+        (place,) = self.coordinator.admit(self.coordinator.clients.of_call(context))
+        with place:
+            generation = await self.coordinator.parse(request)
+            tenant = grpc_tenant(context, by_token=bool(self.coordinator.settings.auth_tokens))
+            async with contextlib.aclosing(self.coordinator.generate(generation, place, tenant=tenant)) as events:
+                async for event in events:
+                    yield event.to_pb()

@@ -101,12 +101,17 @@ class Session:
         lookup: bool = False,
         forced: LocalProposer | None = None,
         features_max_bytes: int = DEFAULT_MAX_BYTES,
+        cache_scope: bytes = b"",
     ) -> None:
         """``lookup``: keep a hybrid lookup (:attr:`lookup`) beside the draft model; only for a session that
         drafts with the model and has no prediction (their proposers already run in the coordinator).
         ``forced``: a constrained session's forced-text proposer (:attr:`forced`). ``features_max_bytes``:
-        most bytes of the target's features its relay keeps (a feature session's)."""
+        most bytes of the target's features its relay keeps (a feature session's). ``cache_scope``: its
+        prefix-cache scope (:attr:`cache_scope`)."""
         self.session_id = session_id
+        #: Who may share this session's cached prefix (coordinator/cache_scope.py): sent with every Verify item
+        #: and Propose, and part of its routing key.
+        self.cache_scope = cache_scope
         self.prompt_len = len(prompt_token_ids)
         self.sampling = sampling
         self.stop = stop

@@ -166,6 +166,7 @@ def propose_request(
     min_confidence: float = 0.0,
     stop_tokens_from: int = 0,
     prompt_len: int = 0,
+    cache_scope: bytes = b"",
 ) -> draft_pb2.ProposeRequest:
     """The wire request for one session's proposal (sent alone or as an item of a ProposeBatch)."""
     return draft_pb2.ProposeRequest(
@@ -182,6 +183,7 @@ def propose_request(
         min_confidence=min_confidence,
         stop_tokens_from=stop_tokens_from,
         prompt_len=prompt_len,
+        cache_scope=cache_scope,
     )
 
 

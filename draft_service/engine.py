@@ -210,6 +210,7 @@ class DraftEngine:
             features_reset=call.features_reset,
             stop_tokens_from=call.stop_tokens_from,
             prompt_len=call.prompt_len,
+            cache_scope=call.cache_scope,
         )
         return request, proposer
 

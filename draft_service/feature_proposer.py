@@ -150,16 +150,17 @@ class FeatureProposer(Proposer):
         if self._first_slot.get(session_id) == 1:
             self.caches.share(cache)
 
-    def _start(self, sid: str, committed: Sequence[int], block: wire.FeatureBlock | None, *, reset: bool) -> None:
-        """A new context for the session: the longest chain of true slots the prefix cache holds for
-        ``committed`` (slots ``1 ..``); with ``reset`` and features that start after that chain ends, a fresh
-        context at slot ``block.start + 1`` instead."""
+    def _start(self, request: DraftRequest) -> None:
+        """A new context for the session: the longest chain of true slots the prefix cache holds for its
+        committed tokens (slots ``1 ..``) in its cache scope; with ``features_reset`` and features that start
+        after that chain ends, a fresh context at slot ``features.start + 1`` instead."""
+        sid, committed, block = request.session_id, request.committed, request.features
         self.release(sid)
-        cache, _ = self.caches.get_or_create(sid)
+        cache, _ = self.caches.get_or_create(sid, scope=request.cache_scope)
         cache.lead = (int(committed[0]),)  # slot 1 reads position 0's feature
         attached = self.caches.attach(cache, committed[1:], most=len(committed) - 2)
         self._first_slot[sid] = 1
-        if reset and block is not None and block.start > attached:
+        if request.features_reset and block is not None and block.start > attached:
             cache.reset()
             cache.lead = ()
             self._first_slot[sid] = block.start + 1
@@ -181,9 +182,10 @@ class FeatureProposer(Proposer):
             )
         if n < 2:
             raise FailedPrecondition(f"session {sid!r}: the feature head drafts after at least two committed tokens")
-        if request.features_reset or not self.holds(sid):
-            self._start(sid, committed, block, reset=request.features_reset)
-        cache, _ = self.caches.get_or_create(sid)
+        held = self.caches.get(sid)
+        if request.features_reset or not self.holds(sid) or held is None or held.scope != request.cache_scope:
+            self._start(request)  # (a context held under another cache scope is dropped first)
+        cache, _ = self.caches.get_or_create(sid, scope=request.cache_scope)
         s0 = self._first_slot[sid]
         if n - 1 < s0:
             raise FailedPrecondition(

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 
 from draft_service.proposers import Drafted
 from specserve.api.errors import InvalidArgument, ResourceExhausted, SpecServeError
-from specserve.api.params import SamplingParams, SessionBase, check_min_confidence, resolve_proposer
+from specserve.api.params import (
+    SamplingParams,
+    SessionBase,
+    check_cache_scope,
+    check_min_confidence,
+    resolve_proposer,
+)
 from specserve.api.status import item_code
 from specserve.core.features import FeatureBlock
 from specserve.core.proposal import draft_probs_to_pb
@@ -42,6 +48,7 @@ class ProposeCall:
     features_reset: bool = False  # ... which start a fresh context
     stop_tokens_from: int = 0  # min_new_tokens: stop tokens masked for tokens drafted before this position
     prompt_len: int = 0  # the session's prompt length (a constraint applies after it); 0: not sent
+    cache_scope: bytes = b""  # the session's prefix-cache scope: its cache attaches and shares blocks of it only
 
     @property
     def session_id(self) -> str:
@@ -104,6 +111,7 @@ class ProposeCall:
             features_reset=pb.features_reset,
             stop_tokens_from=pb.stop_tokens_from,
             prompt_len=pb.prompt_len,
+            cache_scope=check_cache_scope(pb.cache_scope),
         )
 
 

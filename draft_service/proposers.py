@@ -98,6 +98,8 @@ class DraftRequest:
     features_reset: bool = False
     #: The session's prompt length: its constraint (``sampling.constraint``) applies to the tokens after it.
     prompt_len: int = 0
+    #: The session's prefix-cache scope: its cache attaches and shares blocks of this scope only.
+    cache_scope: bytes = b""
 
 
 def draft_distribution(
@@ -374,7 +376,7 @@ class ModelProposer(Proposer):
         gamma = request.gamma if limit is None else max(0, min(request.gamma, limit - len(committed)))
         if gamma == 0:
             return None
-        cache, _created = self.caches.get_or_create(request.session_id)
+        cache, _created = self.caches.get_or_create(request.session_id, scope=request.cache_scope)
         self.caches.attach(cache, committed, most=len(committed) - 1)  # a new cache starts from shared blocks
         keep = min(common_prefix_len(cache.tokens, committed), len(committed) - 1)
         cache.truncate(keep)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from draft_service.engine import DraftEngine
 from draft_service.feature_proposer import FeatureProposer
 from draft_service.history import CommittedHistory
+from draft_service.kernel_timing import drafting_kernels
 from draft_service.proposers import ModelProposer, Proposer
 from draft_service.servicer import DraftServicer
 from specserve.engine.grammar import SessionGrammars
@@ -56,7 +57,8 @@ def build_draft(settings: DraftSettings, *, model: LoadedModel | None = None) ->
     grammars = SessionGrammars(
         model.tokenizer, model.vocab_size, model.eos_token_ids, max_sessions=settings.max_sessions
     )
-    proposer = ModelProposer(caches, kernels=settings.kernels, grammars=grammars)
+    kernels = thread.call(drafting_kernels, settings, model)
+    proposer = ModelProposer(caches, kernels=kernels, grammars=grammars)
     proposers: dict[int, Proposer] = {proposer.kind: proposer}
     head = thread.call(load_worker_head, settings, model)
     if head is not None:
@@ -69,7 +71,7 @@ def build_draft(settings: DraftSettings, *, model: LoadedModel | None = None) ->
             block_tokens=settings.prefix_block_tokens,
             on_lookup=metrics.prefix_lookup_counter("head"),
         )
-        feature = FeatureProposer(head, head_caches, kernels=settings.kernels)
+        feature = FeatureProposer(head, head_caches, kernels=kernels)
         proposers[feature.kind] = feature
     engine = DraftEngine(
         proposers,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specserve.api.errors import InvalidArgument, ResourceExhausted, SpecServeError, ZeroDraftProbability
-from specserve.api.params import SessionBase, Verdict, check_top_logprobs
+from specserve.api.params import SessionBase, Verdict, check_cache_scope, check_top_logprobs
 from specserve.api.status import item_code
 from specserve.core.features import FeatureBlock
 from specserve.core.proposal import DraftProposal, draft_probs_from_pb
@@ -45,6 +45,8 @@ class VerifyItem:
     features_from_uncached: bool = False
     #: With features_from: most bytes of features for the item (whole rows, at least one); 0: no own limit.
     features_max_bytes: int = 0
+    #: The session's prefix-cache scope: its cache attaches and shares blocks of this scope only.
+    cache_scope: bytes = b""
 
     @property
     def session_id(self) -> str:
@@ -156,6 +158,7 @@ def _item_from_pb(pb: target_pb2.VerifyItem, *, vocab_size: int, max_gamma: int)
         features_from=features_from,
         features_from_uncached=pb.features_from_uncached,
         features_max_bytes=pb.features_max_bytes,
+        cache_scope=check_cache_scope(pb.cache_scope),
     )
 
 

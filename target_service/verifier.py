@@ -547,7 +547,7 @@ class Verifier:
         catchup_max = self.inline_catchup_max if len(work) > 1 else None
         for w in work:
             try:
-                cache, _created = self.caches.get_or_create(w.item.session_id)
+                cache, _created = self.caches.get_or_create(w.item.session_id, scope=w.item.cache_scope)
                 committed = w.record.token_ids
                 if w.item.features_from is not None:  # before attaching: a tracking cache takes featured blocks
                     cache.track_features()

@@ -36,6 +36,10 @@ MIN_TEMPERATURE = 0.01
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 #: The longest session id (characters) any service accepts.
 MAX_SESSION_ID_CHARS = 128
+#: The longest cache salt (characters) a request may send (``GenerateRequest.cache_salt``).
+MAX_CACHE_SALT_CHARS = 1024
+#: The longest prefix-cache scope (bytes) a worker accepts (``VerifyItem.cache_scope``: a hash).
+MAX_CACHE_SCOPE_BYTES = 64
 
 
 def resolve_proposer(kind: int, default: int = DEFAULT_PROPOSER) -> int:
@@ -278,6 +282,15 @@ def check_top_logprobs(top_logprobs: int) -> int:
     return top_logprobs
 
 
+def check_cache_scope(scope: bytes) -> bytes:
+    """A worker's check of a session's prefix-cache scope (at most :data:`MAX_CACHE_SCOPE_BYTES`)."""
+    if len(scope) > MAX_CACHE_SCOPE_BYTES:
+        raise InvalidArgument(
+            f"cache_scope has {len(scope)} bytes; at most {MAX_CACHE_SCOPE_BYTES} are accepted (send a hash)"
+        )
+    return bytes(scope)
+
+
 def check_min_confidence(min_confidence: float) -> float:
     """``min_confidence`` (dynamic draft length) if it is in ``[0, 1)``; InvalidArgument otherwise (NaN too)."""
     if not 0.0 <= min_confidence < 1.0:  # NaN fails both comparisons
@@ -429,7 +442,8 @@ class GenerationParams:
     alternatives. ``prediction`` (Predicted Outputs): text or token ids the completion is
     expected to largely repeat; the server drafts from it and verifies every drafted token,
     so the output is unchanged, only the speed. ``hybrid_lookup`` and ``min_confidence``
-    change the speed only, never the output (docs/design.md).
+    change the speed only, never the output (docs/design.md). ``cache_salt`` scopes the
+    prefix cache the request may use and fill (docs/design.md, "The prefix cache"): speed only.
     """
 
     max_new_tokens: int | None = _knob(None, "most tokens to generate (None: the server's default)", type=int)
@@ -481,6 +495,13 @@ class GenerationParams:
     )
     keep_special_tokens: bool = _knob(
         False, "the text keeps the special tokens (EOS, chat markers)", action="store_true"
+    )
+    cache_salt: str | None = _knob(
+        None,
+        "salts the prefix cache: the request shares cached prompt prefixes only with this client's requests "
+        f"of the same salt (vLLM's cache_salt; 1..{MAX_CACHE_SALT_CHARS} characters; None: the client's "
+        "unsalted scope)",
+        type=str,
     )
     constraint: Constraint | None = _knob(  # noqa: RUF009 (a field(), as every knob)
         None,
@@ -537,6 +558,14 @@ class GenerationParams:
                 "min_new_tokens cannot be combined with a constraint: where the grammar is complete before "
                 "min_new_tokens, end-of-sequence is the only token it allows and min_new_tokens forbids it"
             )
+        if self.cache_salt is not None:
+            if not isinstance(self.cache_salt, str):
+                raise InvalidArgument(f"cache_salt must be a string (or None), got {type(self.cache_salt).__name__}")
+            if not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
+                raise InvalidArgument(
+                    f"cache_salt has {len(self.cache_salt)} characters; send 1 to {MAX_CACHE_SALT_CHARS} "
+                    "(or leave it out)"
+                )
         if self.min_confidence is not None:
             _check_number("min_confidence", self.min_confidence)
             check_min_confidence(self.min_confidence)
@@ -606,6 +635,7 @@ class GenerationParams:
                 min_confidence=self.min_confidence,
             ),
             keep_special_tokens=self.keep_special_tokens,
+            cache_salt=self.cache_salt or "",
         )
         if self.constraint is not None:
             request.sampling.constraint.CopyFrom(self.constraint.to_pb())
@@ -655,5 +685,6 @@ class GenerationParams:
             hybrid_lookup=spec.hybrid_lookup if spec.HasField("hybrid_lookup") else None,
             min_confidence=spec.min_confidence if spec.HasField("min_confidence") else None,
             keep_special_tokens=pb.keep_special_tokens,
+            cache_salt=pb.cache_salt or None,
             constraint=Constraint.from_pb(sampling.constraint) if sampling.HasField("constraint") else None,
         )

@@ -1,6 +1,7 @@
 """``specserve bench``: the benchmarks, one subcommand each, each with its own typed options
 (:mod:`specserve.bench.options`); docs/benchmarks holds what they write.
 
+    specserve bench gate                                      # the speed gate (a few minutes)
     specserve bench all --prompts 2 --max-new-tokens 64 ...   # every figure of the report (bench.json)
     specserve bench single | load | latency | draft-scaling | sampling-modes | prediction ...
     specserve bench overhead | kernels | invariance | attention | draft-card | head-card | demo-pair ...
@@ -41,6 +42,7 @@ class Subcommand:
 
 HARNESS = "specserve.bench.harness"
 SUBCOMMANDS: tuple[Subcommand, ...] = (
+    Subcommand("gate", o.GateOptions, "specserve.bench.gate:main"),
     Subcommand("all", o.FullOptions, f"{HARNESS}:bench_all"),
     Subcommand("single", o.SingleOptions, f"{HARNESS}:bench_single"),
     Subcommand("load", o.LoadOptions, f"{HARNESS}:bench_load"),

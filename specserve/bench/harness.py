@@ -593,7 +593,7 @@ async def _process_stack(opts: StackOptions):
         redis_url=opts.redis_url,
         # "fastest" reaches here only from `load`, which loads no baselines: a target timing its kernels runs
         # without invariance.
-        target_overrides={"metrics_port": target_port, "kernels": opts.kernels, "invariant": opts.kernels != "fastest"},
+        target_overrides={"metrics_port": target_port, "kernels": opts.kernels},
         draft_overrides={"max_batch_size": opts.draft_batch, **head_overrides(opts)},
         coordinator_overrides={**_coordinator_overrides(opts.draft_batch), "metrics_port": coordinator_port},
     )

@@ -25,7 +25,7 @@ DEFAULT_TARGET = "smollm2-135m-instruct"  # registered names (specserve.engine.m
 DEFAULT_DRAFT = "specserve-smollm2-draft"
 DEFAULT_OUT = Path("docs/benchmarks")
 #: Held-out prompt sets (specserve/bench/sampling_modes.py loads them).
-PROMPT_SETS = ("chat", "chat-code", "copy", "code", "prose")
+PROMPT_SETS = ("chat", "chat-code", "copy", "code", "prose", "translate", "summarize", "passage-qa", "arithmetic", "rewrite")
 #: The sampling-mode comparison's temperatures and gamma settings ("auto": the adaptive policy).
 SAMPLING_TEMPERATURES = (0.7, 1.0)
 SAMPLING_GAMMAS = ("auto", "4")
@@ -199,6 +199,53 @@ class SingleOptions(StackOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         _at_least(self.repeats, 1, "--repeats")
+
+
+#: The speed gate's held-out kinds: chat and code, and the five task kinds of specserve/bench/task_prompts.py.
+GATE_KINDS = ("chat", "chat-code", "translate", "summarize", "passage-qa", "arithmetic", "rewrite")
+
+
+@dataclass
+class GateOptions(PairOptions):
+    """``gate``: the speed gate: HF generate(), HF assisted generation, specserve gamma 0, the default request
+    and llama.cpp on the same GGUF, interleaved on seven held-out kinds with an A/A control; prints the
+    table and the bars, writes gate.json and gate.md and appends the table to docs/benchmarks/history.md
+    (specserve/bench/gate.py)."""
+
+    kinds: list[str] = opt(list(GATE_KINDS), "held-out kinds", choices=PROMPT_SETS)
+    prompts: int = opt(2, "prompts per kind for chat and chat-code")
+    task_prompts: int = opt(1, "prompts per kind for the five task kinds")
+    max_new_tokens: int = opt(64, "tokens per generation (EOS ignored)")
+    repeats: int = opt(2, "passes over the prompts, every other one with the modes in the reverse order")
+    threads: int = opt(2, "torch threads of the HF baselines and llama.cpp threads (the target service takes "
+                       "the machine's cores, as `specserve up` does)")
+    llama_cpp: Literal["auto", "on", "off"] = opt(
+        "auto", "the llama.cpp row (llama-cpp-python on the GGUF the default target comes from): auto runs it "
+        "where llama_cpp imports and the target is the default one"
+    )
+    setting: list[str] = opt([], "ROLE.KEY=VALUE settings of the stack under test (e.g. target.invariant=true), "
+                             "to gate a configuration other than the defaults", nargs="*")
+    history: Path | None = opt(Path("docs/benchmarks/history.md"), "the file the table is appended to")
+    no_history: bool = opt(False, "do not append to --history")
+
+    def __post_init__(self) -> None:
+        _at_least(self.prompts, 1, "--prompts")
+        _at_least(self.task_prompts, 1, "--task-prompts")
+        _at_least(self.repeats, 1, "--repeats")
+        _at_least(self.threads, 1, "--threads")
+        for item in self.setting:
+            role, _, rest = item.partition(".")
+            if role not in ("target", "draft", "coordinator") or "=" not in rest:
+                raise ValueError(f"--setting {item!r}: write ROLE.KEY=VALUE with ROLE target, draft or coordinator")
+
+    def overrides(self) -> dict[str, dict[str, Any]]:
+        """``--setting`` by role: ``{"target": {"invariant": "true"}, ...}``."""
+        out: dict[str, dict[str, Any]] = {"target": {}, "draft": {}, "coordinator": {}}
+        for item in self.setting:
+            role, _, rest = item.partition(".")
+            key, _, value = rest.partition("=")
+            out[role][key.strip()] = value.strip()
+        return out
 
 
 @dataclass

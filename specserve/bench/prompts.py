@@ -4,6 +4,9 @@ of held-out standard-library files.
 * ``chat``, ``chat-code``, ``copy``: first turns of held-out conversations through the tokenizer's chat
   template (:func:`load_prompt_sets`).
 
+* ``translate``, ``summarize``, ``passage-qa``, ``arithmetic``, ``rewrite``: held-out tasks on a given text
+  (:mod:`specserve.bench.task_prompts`), through the chat template.
+
 * ``code``: a held-out file up to and including a ``def`` line (the model
   continues the function body).
 * ``prose``: the opening of a held-out module's docstring (English text as the
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specserve.bench.chat_prompts import copy_prompts, heldout_prompts
+from specserve.bench.task_prompts import KINDS as TASK_KINDS
+from specserve.bench.task_prompts import task_prompts
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,8 @@ def load_prompt_sets(
             out[name] = [(p.name, _chat_ids(tokenizer, p.messages)) for p in prompts]
         elif name == "copy":
             out[name] = [(p.name, _chat_ids(tokenizer, p.messages)) for p in copy_prompts(n)]
+        elif name in TASK_KINDS:
+            out[name] = [(p.name, _chat_ids(tokenizer, p.messages)) for p in task_prompts(name, n)]
         else:
             if files is None:
                 files, _ = heldout_files(target_dir)

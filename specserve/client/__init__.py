@@ -57,7 +57,11 @@ by the server.
 Retries. A call that fails with UNAVAILABLE *before any message arrived* is
 retried up to ``retries`` times with exponential backoff (``backoff`` seconds,
 doubling, capped at ``max_backoff``, times a random factor in [0.5, 1]; a
-server's retry-after hint wins). Once a
+server's retry-after hint wins). One that fails with RESOURCE_EXHAUSTED and a retry hint (a
+session limit or the per-client rate of new sessions; the hint is the server's real wait, never 0)
+is retried after the hint, up to ``rate_limit_retries`` times (3; a hint over 60 s is raised at
+once); after that the :class:`~specserve.api.errors.ResourceExhausted` is raised, with the hint as
+``retry_after_s``. Once a
 token has arrived a request is never re-sent, so output is never duplicated.
 ``timeout`` is the deadline of each attempt.
 """

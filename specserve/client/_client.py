@@ -18,6 +18,10 @@ from specserve.api.status import error_from_rpc
 from specserve.client._methods import AsyncClientMethods, ClientMethods
 from specserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
+#: The longest server retry hint the SDK waits out before retrying RESOURCE_EXHAUSTED (OpenAI's SDKs wait
+#: up to 60 s too); a longer one is raised at once, for the caller to decide.
+RATE_LIMIT_MAX_WAIT_S = 60.0
+
 #: ``ProposerKind`` -> the SDK's name of it.
 PROPOSER_NAMES: dict[int, str] = {kind: name for name, kind in PROPOSER_KINDS.items()}
 
@@ -221,6 +225,7 @@ class _Config:
     address: str
     timeout: float | None
     retries: int
+    rate_limit_retries: int
     backoff: float
     max_backoff: float
     metadata: tuple[tuple[str, str], ...]
@@ -229,8 +234,8 @@ class _Config:
 
     @classmethod
     def build(cls, address: str, **kw: Any) -> _Config:
-        if kw["retries"] < 0 or kw["backoff"] < 0:
-            raise ValueError("retries and backoff must be >= 0")
+        if kw["retries"] < 0 or kw["rate_limit_retries"] < 0 or kw["backoff"] < 0:
+            raise ValueError("retries, rate_limit_retries and backoff must be >= 0")
         token = kw.pop("token")
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
         pems = [_read_pem(kw.pop(k)) for k in ("root_certificates", "private_key", "certificate_chain")]
@@ -255,8 +260,27 @@ class _Config:
         # Equal jitter: many clients reconnecting at once do not retry in lockstep.
         return min(self.max_backoff, self.backoff * 2**attempt) * random.uniform(0.5, 1.0)
 
-    def should_retry(self, err: errors.SpecServeError, attempt: int, received: bool) -> bool:
-        return not received and isinstance(err, errors.Unavailable) and attempt < self.retries
+    def retry_wait(self, err: errors.SpecServeError, tried: dict[str, int], received: bool) -> float | None:
+        """Seconds to wait before sending the request again, or None: ``err`` is final. Only before any
+        message arrived: UNAVAILABLE up to ``retries`` times (:meth:`delay`), RESOURCE_EXHAUSTED with a
+        retry hint of at most :data:`RATE_LIMIT_MAX_WAIT_S` up to ``rate_limit_retries`` times (the hint).
+        ``tried`` counts the retries so far by kind."""
+        if received:
+            return None
+        if isinstance(err, errors.Unavailable) and tried.get("unavailable", 0) < self.retries:
+            wait = self.delay(tried.get("unavailable", 0), err)
+            tried["unavailable"] = tried.get("unavailable", 0) + 1
+            return wait
+        hint = err.retry_after_s
+        if (
+            isinstance(err, errors.ResourceExhausted)
+            and hint is not None
+            and 0 <= hint <= RATE_LIMIT_MAX_WAIT_S
+            and tried.get("exhausted", 0) < self.rate_limit_retries
+        ):
+            tried["exhausted"] = tried.get("exhausted", 0) + 1
+            return hint
+        return None
 
 
 class _Collector:
@@ -320,7 +344,7 @@ class TokenStream(_StreamBase, Iterator[StreamChunk]):
         self._gen = self._run(request)
 
     def _run(self, request: coordinator_pb2.GenerateRequest) -> Generator[StreamChunk, None, None]:
-        cfg, attempt = self._client._cfg, 0
+        cfg, tried = self._client._cfg, dict[str, int]()
         while True:
             collector, received = _Collector(), False
             self._call = self._client._stub.Generate(request, timeout=cfg.timeout, metadata=cfg.metadata)
@@ -332,9 +356,9 @@ class TokenStream(_StreamBase, Iterator[StreamChunk]):
                         yield chunk
             except grpc.RpcError as exc:
                 err = error_from_rpc(exc, cfg.address)
-                if cfg.should_retry(err, attempt, received):
-                    time.sleep(cfg.delay(attempt, err))
-                    attempt += 1
+                wait = cfg.retry_wait(err, tried, received)
+                if wait is not None:
+                    time.sleep(wait)
                     continue
                 raise err from exc
             finally:
@@ -369,6 +393,8 @@ class Client(ClientMethods):
         address: ``host:port`` of the coordinator.
         timeout: deadline of each attempt of a call, in seconds (``None``: none).
         retries: extra attempts after UNAVAILABLE before any token arrived.
+        rate_limit_retries: extra attempts after RESOURCE_EXHAUSTED with a retry hint (a session limit
+            or rate; at most ``RATE_LIMIT_MAX_WAIT_S``, 60 s) before any token arrived, each after the hint.
         backoff: first retry delay in seconds; doubles each retry up to ``max_backoff``.
         token: bearer token, sent as ``authorization: Bearer <token>``.
         tls: use TLS (default: when any PEM below is given; ``True`` alone uses the system roots).
@@ -388,6 +414,7 @@ class Client(ClientMethods):
         *,
         timeout: float | None = 600.0,
         retries: int = 3,
+        rate_limit_retries: int = 3,
         backoff: float = 0.2,
         max_backoff: float = 5.0,
         token: str | None = None,
@@ -399,7 +426,8 @@ class Client(ClientMethods):
         max_message_bytes: int = 16 * 1024 * 1024,
     ) -> None:
         self._cfg = _Config.build(
-            address, timeout=timeout, retries=retries, backoff=backoff, max_backoff=max_backoff,
+            address, timeout=timeout, retries=retries, rate_limit_retries=rate_limit_retries, backoff=backoff,
+            max_backoff=max_backoff,
             token=token, tls=tls, root_certificates=root_certificates, private_key=private_key,
             certificate_chain=certificate_chain, server_name_override=server_name_override,
             max_message_bytes=max_message_bytes,
@@ -447,7 +475,7 @@ class AsyncTokenStream(_StreamBase, AsyncIterator[StreamChunk]):
         self._gen = self._run(request)
 
     async def _run(self, request: coordinator_pb2.GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
-        cfg, attempt = self._client._cfg, 0
+        cfg, tried = self._client._cfg, dict[str, int]()
         stub = self._client._ensure_stub()
         while True:
             collector, received = _Collector(), False
@@ -460,9 +488,9 @@ class AsyncTokenStream(_StreamBase, AsyncIterator[StreamChunk]):
                         yield chunk
             except grpc.RpcError as exc:
                 err = error_from_rpc(exc, cfg.address)
-                if cfg.should_retry(err, attempt, received):
-                    await asyncio.sleep(cfg.delay(attempt, err))
-                    attempt += 1
+                wait = cfg.retry_wait(err, tried, received)
+                if wait is not None:
+                    await asyncio.sleep(wait)
                     continue
                 raise err from exc
             finally:
@@ -510,7 +538,8 @@ class AsyncClient(AsyncClientMethods):
 
     def __init__(self, address: str, **kwargs: Any) -> None:
         defaults: dict[str, Any] = {
-            "timeout": 600.0, "retries": 3, "backoff": 0.2, "max_backoff": 5.0, "token": None,
+            "timeout": 600.0, "retries": 3, "rate_limit_retries": 3, "backoff": 0.2, "max_backoff": 5.0,
+            "token": None,
             "tls": None, "root_certificates": None, "private_key": None, "certificate_chain": None,
             "server_name_override": None, "max_message_bytes": 16 * 1024 * 1024,
         }  # fmt: skip

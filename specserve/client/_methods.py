@@ -57,6 +57,7 @@ class ClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        cache_salt: str | None = None,
         constraint: Constraint | None = None,
     ) -> TokenStream:
         """Start a generation of ``prompt`` (text) or ``prompt_token_ids``; returns its :class:`TokenStream`.
@@ -89,6 +90,7 @@ class ClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                cache_salt=cache_salt,
                 constraint=constraint,
             ),
         )
@@ -120,6 +122,7 @@ class ClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        cache_salt: str | None = None,
         constraint: Constraint | None = None,
     ) -> GenerateResult:
         """Generate a completion of ``prompt`` (text) or ``prompt_token_ids``; the whole
@@ -153,6 +156,7 @@ class ClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                cache_salt=cache_salt,
                 constraint=constraint,
             ),
         )
@@ -183,6 +187,7 @@ class ClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        cache_salt: str | None = None,
         constraint: Constraint | None = None,
     ) -> TokenStream:
         """Start the assistant's reply to ``messages`` (``{"role", "content"}`` mappings, oldest first);
@@ -215,6 +220,7 @@ class ClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                cache_salt=cache_salt,
                 constraint=constraint,
             ),
         )
@@ -245,6 +251,7 @@ class ClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        cache_salt: str | None = None,
         constraint: Constraint | None = None,
     ) -> GenerateResult:
         """The assistant's reply to ``messages`` (``{"role", "content"}`` mappings, oldest first).
@@ -276,6 +283,7 @@ class ClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                cache_salt=cache_salt,
                 constraint=constraint,
             ),
         )
@@ -317,6 +325,7 @@ class AsyncClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        cache_salt: str | None = None,
         constraint: Constraint | None = None,
     ) -> AsyncTokenStream:
         """Start a generation; returns an :class:`AsyncTokenStream` (as :meth:`Client.stream`).
@@ -349,6 +358,7 @@ class AsyncClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                cache_salt=cache_salt,
                 constraint=constraint,
             ),
         )
@@ -380,6 +390,7 @@ class AsyncClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        cache_salt: str | None = None,
         constraint: Constraint | None = None,
     ) -> GenerateResult:
         """Generate a completion; as :meth:`Client.generate`.
@@ -412,6 +423,7 @@ class AsyncClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                cache_salt=cache_salt,
                 constraint=constraint,
             ),
         )
@@ -442,6 +454,7 @@ class AsyncClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        cache_salt: str | None = None,
         constraint: Constraint | None = None,
     ) -> AsyncTokenStream:
         """Start the assistant's reply to ``messages``; as :meth:`Client.stream_chat`.
@@ -473,6 +486,7 @@ class AsyncClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                cache_salt=cache_salt,
                 constraint=constraint,
             ),
         )
@@ -503,6 +517,7 @@ class AsyncClientMethods:
         hybrid_lookup: bool | None = None,
         min_confidence: float | None = None,
         keep_special_tokens: bool = False,
+        cache_salt: str | None = None,
         constraint: Constraint | None = None,
     ) -> GenerateResult:
         """The assistant's reply to ``messages``; as :meth:`Client.chat`.
@@ -534,6 +549,7 @@ class AsyncClientMethods:
                 hybrid_lookup=hybrid_lookup,
                 min_confidence=min_confidence,
                 keep_special_tokens=keep_special_tokens,
+                cache_salt=cache_salt,
                 constraint=constraint,
             ),
         )

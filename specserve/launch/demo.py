@@ -9,12 +9,17 @@
    (docs/design.md, "The hybrid lookup").
 
 Each runs greedy with speculation (adaptive gamma unless ``--gamma``), then the
-same request through the target alone (gamma = 0, same seed), and prints both
-statistics, the speedup, and whether the outputs are token-identical (greedy
-output must be). The closing summary says plainly where speculation paid on
-this machine and where it did not, with the measured numbers.
+target alone twice: Hugging Face ``generate()`` outside the service (stock
+transformers, float32: what a user without specserve runs, and what the speedup
+is against; :mod:`specserve.launch.baseline`), and the same request through the
+service at gamma 0 with the same seed (whose output the speculative one must
+equal). It prints the statistics, the speedup over ``generate()`` and whether the
+outputs are token-identical. The closing summary says plainly where speculation
+paid on this machine and where it did not, with the measured numbers, and names
+the baseline.
 
-Only the SDK is used here; the launcher (:mod:`specserve.launch.cli`) starts the stack.
+Only the SDK is used here (the baseline is passed in); the launcher (:mod:`specserve.launch.cli`) starts
+the stack.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from specserve.client import AsyncClient, GenerateResult
+from specserve.launch.baseline import NAME as HF_NAME
+from specserve.launch.baseline import Baseline
 
 #: Speculation "pays" when it is at least this much faster than the target alone.
 PAYS = 1.10
@@ -71,23 +78,44 @@ SCENARIOS = (
 class Outcome:
     scenario: Scenario
     spec: GenerateResult
-    alone: GenerateResult | None
+    alone: GenerateResult | None  # the same request at gamma 0 through the service
+    baseline: Baseline | None = None  # HF generate() of the target alone, outside the service
+
+    @property
+    def against(self) -> str:
+        """What :attr:`speedup` is over."""
+        return HF_NAME if self.baseline is not None else "gamma 0 through this service"
 
     @property
     def speedup(self) -> float | None:
-        if self.alone is None or not self.alone.stats.tokens_per_s:
+        base = self.baseline.tokens_per_s if self.baseline is not None else None
+        if base is None and self.alone is not None:
+            base = self.alone.stats.tokens_per_s
+        if not base:
             return None
-        return self.spec.stats.tokens_per_s / self.alone.stats.tokens_per_s
+        return self.spec.stats.tokens_per_s / base
 
     @property
     def identical(self) -> bool | None:
         return None if self.alone is None else self.alone.token_ids == self.spec.token_ids
 
 
+#: Runs the target alone outside the service: (messages, max_new_tokens, temperature, seed) -> Baseline.
+BaselineRunner = Callable[[list[dict[str, str]], int, float, "int | None"], Baseline]
+
+
 async def run_scenario(
-    client: AsyncClient, scenario: Scenario, *, gamma: int | None, compare: bool, out: TextIO, **request: Any
+    client: AsyncClient,
+    scenario: Scenario,
+    *,
+    gamma: int | None,
+    compare: bool,
+    out: TextIO,
+    baseline: BaselineRunner | None = None,
+    **request: Any,
 ) -> Outcome:
-    """Stream ``scenario`` with speculation, then (``compare``) the same request through the target alone."""
+    """Stream ``scenario`` with speculation, then (``compare``) the target alone: ``baseline`` outside the
+    service where given, and the same request through the service at gamma 0."""
     messages = [dict(m) for m in scenario.messages]
     out.write(f"user> {messages[-1]['content']}\n\nassistant> ")
     async with client.stream_chat(messages, gamma=gamma, proposer=scenario.proposer, **request) as stream:
@@ -98,15 +126,19 @@ async def run_scenario(
     label = "gamma auto" if gamma is None else f"gamma {gamma}"
     out.write(f"\n\n-- speculative decoding ({_proposer(scenario, spec)}, {label}) --\n")
     out.write(spec.stats.summary() + "\n")
-    alone = None
+    alone = base = None
     if compare:
+        if baseline is not None:
+            base = baseline(messages, request["max_new_tokens"], request["temperature"], spec.stats.seed)
+            out.write(f"-- the target alone: {HF_NAME}, stock transformers, float32, in this process --\n")
+            out.write(f"tokens {len(base.token_ids)} | time {base.seconds:.3f} s ({base.tokens_per_s:.1f} tokens/s)\n")
         alone = await client.chat(messages, gamma=0, **{**request, "seed": spec.stats.seed})
-        out.write("-- the target alone (gamma = 0), same request --\n")
+        out.write("-- the target alone through this service (gamma = 0), same request --\n")
         out.write(alone.stats.summary() + "\n")
-    outcome = Outcome(scenario, spec, alone)
+    outcome = Outcome(scenario, spec, alone, base)
     if outcome.speedup is not None:
         same = {True: "identical to", False: "DIFFERENT from", None: "not compared with"}[outcome.identical]
-        out.write(f"=> {outcome.speedup:.2f}x the target alone | output {same} the target alone's\n")
+        out.write(f"=> {outcome.speedup:.2f}x {outcome.against} | output {same} the target alone's (gamma 0)\n")
     return outcome
 
 
@@ -135,7 +167,12 @@ def _proposer(scenario: Scenario, result: GenerateResult, *, short: bool = False
 
 def summary(outcomes: list[Outcome], *, must_match: bool = True) -> str:
     """A table of the runs and a plain verdict: where speculation paid here and where it did not."""
-    lines = ["", "== summary ==", f"{'request':<34} {'proposer':<15} {'accepted':>9} {'tok/round':>9} {'speedup':>8}"]
+    against = next((o.against for o in outcomes if o.speedup is not None), "the target alone")
+    lines = [
+        "",
+        f"== summary (speedup: over {against}, the target alone) ==",
+        f"{'request':<34} {'proposer':<15} {'accepted':>9} {'tok/round':>9} {'speedup':>8}",
+    ]
     for o in outcomes:
         s = o.spec.stats
         speed = "-" if o.speedup is None else f"{o.speedup:.2f}x"
@@ -169,7 +206,7 @@ def summary(outcomes: list[Outcome], *, must_match: bool = True) -> str:
         )
         lines.append(
             f"On this machine the {PROPOSER_LABELS[_drafter(best.spec, best.scenario)][0]} "
-            f"does not pay: at best {best.speedup:.2f}x the target alone{noise}. "
+            f"does not pay: at best {best.speedup:.2f}x {best.against}, the target alone{noise}. "
             f"A speculative round took {spec_round:.1f} ms and committed {spec.tokens_per_round:.2f} tokens "
             f"({100 * spec.acceptance_rate:.0f}% of draft tokens accepted); a round of the target alone took "
             f"{plain_round:.1f} ms for {alone.tokens_per_round:.2f} tokens."
@@ -190,7 +227,7 @@ def summary(outcomes: list[Outcome], *, must_match: bool = True) -> str:
             )
     if paying:
         names = ", ".join(f"{o.scenario.title.split(' (')[0]} ({o.speedup:.2f}x)" for o in paying)
-        lines.append(f"What pays here: {names}.")
+        lines.append(f"What pays here, against {against}: {names}.")
     return "\n".join(lines)
 
 
@@ -206,6 +243,7 @@ async def run_demo(
     sampling_mode: str | None = None,
     scenarios: tuple[Scenario, ...] = SCENARIOS,
     heading: Callable[[int, Scenario], str] = lambda i, s: f"\n== {i}. {s.title} ==\n",
+    baseline: BaselineRunner | None = None,
 ) -> list[Outcome]:
     """Run every scenario in turn; prints as it goes and returns the outcomes."""
     outcomes = []
@@ -217,7 +255,9 @@ async def run_demo(
     must_match = temperature == 0 or sampling_mode == "coupled"
     for i, scenario in enumerate(scenarios, 1):
         out.write(heading(i, scenario))
-        outcomes.append(await run_scenario(client, scenario, gamma=gamma, compare=compare, out=out, **request))
+        outcomes.append(
+            await run_scenario(client, scenario, gamma=gamma, compare=compare, out=out, baseline=baseline, **request)
+        )
     out.write(summary(outcomes, must_match=must_match) + "\n")
     out.flush()
     return outcomes

@@ -250,18 +250,23 @@ class TargetSettings(WorkerSettings):
     port: int = Field(50052, ge=0, le=65535)
     kernels: Literal["fastest", "auto", "stock", "onednn"] = Field(
         "auto",
-        description="Linear-layer kernels, one path for every replica of a deployment: 'auto' (onednn for "
-        "float32 on a CPU where PyTorch has it, else stock), 'onednn' (weights prepacked for oneDNN, on a "
-        "CPU), 'stock' (PyTorch's), 'fastest' (only with invariant off: both paths timed on the model as it "
-        "loads and the faster kept, so two replicas may run different kernels; docs/benchmarks/kernels.md).",
+        description="Linear-layer kernels: 'auto' (on a CPU in float32, the faster of PyTorch's and packed "
+        "oneDNN for this kind of CPU and model shape, timed by the first replica of the kind to start and "
+        "recorded in the deployment's Redis, so every replica of a kind runs the same path; elsewhere stock), "
+        "'onednn' (weights prepacked for oneDNN, on a CPU), 'stock' (PyTorch's), 'fastest' (only with "
+        "invariant off: both paths timed in each process, so two replicas may differ; "
+        "docs/benchmarks/kernels.md).",
     )
     invariant: bool = Field(
-        True,
-        description="Invariant passes (docs/design.md, 'Numerics'): a position's logits are the same bits from "
-        "a decoding step, a verify pass, a prefill, any batch-mates and padding, and any replica with the same "
-        "software, CPU kind and kernels, so greedy output is the target alone's token for token and a coupled "
-        "session's text survives a failover. Off (--no-invariant): transformers' attention and the kernels' "
-        "own row handling, faster, equal to those only up to float rounding (docs/benchmarks/invariance.md).",
+        False,
+        description="Invariant passes (--invariant; docs/design.md, 'Numerics'): a position's logits are the "
+        "same bits from a decoding step, a verify pass, a prefill, any batch-mates and padding, and any "
+        "replica with the same software, CPU kind and kernels, so greedy output is the target alone's token "
+        "for token with no exception for near-ties, and a coupled session's text survives batch-mates and "
+        "failover bit for bit. They cost speed (docs/benchmarks/invariance.md), so they are opt-in, as vLLM's "
+        "batch-invariant mode is. Off (the default): transformers' attention and the kernels' own row "
+        "handling; a position's logits agree across those to float rounding, so output equals the target "
+        "alone's except where two tokens' logits lie within that rounding.",
     )
     max_batch_size: int = Field(32, ge=1, description="Most sessions in one Verify call.")
     features_per_call_bytes: int | None = Field(
@@ -350,17 +355,34 @@ class CoordinatorSettings(CommonSettings):
     constraint_cache_size: int = Field(256, ge=1, description="Compiled constraints kept (most recently used).")
     max_sessions: int = Field(512, ge=1, description="Concurrent sessions in total.")
     max_sessions_per_client: int = Field(
-        64, ge=1, description="Concurrent sessions per authenticated client."
+        64,
+        ge=1,
+        description="Concurrent sessions per client: an authenticated identity (bearer token or client "
+        "certificate name), or an address with client_limits_by_address.",
     )
     session_rate_per_client: float = Field(
         20.0,
         gt=0,
         allow_inf_nan=False,
-        description="New sessions per second one client may start, sustained (a token bucket refilled at "
-        "this rate); past it a request is refused with RESOURCE_EXHAUSTED (HTTP 429) and a retry hint.",
+        description="New sessions per second one client (as for max_sessions_per_client) may start, sustained "
+        "(a token bucket refilled at this rate); past it a request is refused with RESOURCE_EXHAUSTED (HTTP "
+        "429) and a retry hint of the bucket's wait for its next session.",
     )
     session_burst_per_client: int = Field(
         200, ge=1, description="New sessions one client may start at once before session_rate_per_client applies."
+    )
+    client_limits_by_address: bool = Field(
+        False,
+        description="Apply the per-client limits (max_sessions_per_client, session_rate_per_client) to callers "
+        "no token or client certificate names, by network address (IPv4 address, IPv6 /64). Off: such "
+        "callers are limited by max_sessions only (every caller behind one proxy or NAT would share an "
+        "address; see trusted_proxies).",
+    )
+    trusted_proxies: CommaList = Field(
+        default_factory=list,
+        description="With client_limits_by_address: addresses or networks (CIDR) of proxies in front of this "
+        "coordinator whose X-Forwarded-For header names the caller's address; the header is ignored from "
+        "any other peer.",
     )
     keep_ended_sessions_s: float = Field(
         0.0,
@@ -476,6 +498,16 @@ class CoordinatorSettings(CommonSettings):
         0.5, gt=0, description="A failed target replica is skipped this long; doubles per failure in a row."
     )
     target_max_backoff_s: float = Field(10.0, gt=0, description="Cap of the target replicas' back-off.")
+    prefix_cache_scope: Literal["tenant", "shared"] = Field(
+        "tenant",
+        description="Who shares the workers' prefix caches: 'tenant' (the default), only sessions of the same "
+        "authenticated client (its bearer token, or its client certificate's names; without client "
+        "authentication every client is one anonymous tenant) with the same cache_salt / prompt_cache_key, so "
+        "no client can learn from cached_tokens or timing what another's prompts hold; 'shared', every "
+        "session with the same cache_salt / prompt_cache_key whoever sent it (one tenant, or tenants who trust "
+        "each other: more hits, and each can probe the others' prompts) (docs/operations.md, 'Who shares "
+        "the prefix cache').",
+    )
     route_prefix_tokens: int = Field(
         64,
         ge=0,
@@ -508,7 +540,7 @@ class CoordinatorSettings(CommonSettings):
         """Client bearer tokens, or mutual TLS (client certificates from tls_ca_file), are configured."""
         return bool(self.auth_tokens) or self.tls_ca_file is not None
 
-    @field_validator("draft_endpoints", "target_endpoints", "auth_tokens", mode="before")
+    @field_validator("draft_endpoints", "target_endpoints", "auth_tokens", "trusted_proxies", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         return _split_commas(value)
@@ -526,6 +558,20 @@ class CoordinatorSettings(CommonSettings):
                 "its clients: anyone reaching the port could generate on your models. Set auth_tokens "
                 "(SPECSERVE_AUTH_TOKENS), or tls_ca_file (mutual TLS: client certificates required), or "
                 "listen on 127.0.0.1; insecure=true (--insecure) accepts anyone"
+            )
+        for proxy in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"trusted_proxies: {proxy!r} is not an IP address or network; list addresses or CIDR "
+                    "networks such as 10.0.0.0/8"
+                ) from None
+        if self.trusted_proxies and not self.client_limits_by_address:
+            raise ValueError(
+                "trusted_proxies names whose X-Forwarded-For gives a caller's address for the per-client "
+                "limits, which apply by address only with client_limits_by_address=true: set it too, or "
+                "leave trusted_proxies empty"
             )
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")

@@ -155,38 +155,27 @@ def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     return None
 
 
-def identity(token: str | None, peer: str, *, by_token: bool) -> str:
-    """Who is calling, for per-client limits: ``token:<fingerprint>`` when ``by_token`` (auth is on)
-    and the caller sent a bearer token, else :func:`peer_key` of the caller's address. Both the
-    gRPC API (:func:`client_identity`) and the HTTP API key their limits on this."""
-    if by_token and token:
-        return f"token:{token_fingerprint(token)}"
-    return peer_key(peer)
-
-
-def client_identity(context: grpc.aio.ServicerContext, *, by_token: bool) -> str:
-    """:func:`identity` of a gRPC call."""
-    return identity(
-        bearer_token(context.invocation_metadata()), context.peer() or "unknown", by_token=by_token
-    )
+def peer_host(peer: str) -> str:
+    """The host of a caller: a gRPC peer's address (``ipv4:1.2.3.4:5678`` -> ``1.2.3.4``,
+    ``ipv6:%5B2001:db8::1%5D:5678`` -> ``2001:db8::1``, without a zone id), or ``peer`` itself (the HTTP
+    API's bare ``1.2.3.4``; a Unix socket)."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return urllib.parse.unquote(rest).rsplit(":", 1)[0].strip("[]").split("%", 1)[0]
+    return peer.strip("[]")
 
 
 def peer_key(peer: str) -> str:
-    """The per-client key of a caller: a gRPC peer (``ipv4:1.2.3.4:5678``,
+    """The per-client key of a caller by its address: a gRPC peer (``ipv4:1.2.3.4:5678``,
     ``ipv6:%5B2001:db8::1%5D:5678``) or a bare address (the HTTP API's ``1.2.3.4``, ``::1``).
 
     IPv4: the address. IPv6: its /64 network, the block one subscriber usually holds, so one
     client cannot take a fresh limit per address it picks (an IPv4-mapped address is its IPv4
     address). Anything else (a Unix socket): the peer string itself.
     """
-    kind, _, rest = peer.partition(":")
-    host = (
-        urllib.parse.unquote(rest).rsplit(":", 1)[0].strip("[]").split("%", 1)[0]
-        if kind in ("ipv4", "ipv6")
-        else peer
-    )
+    host = peer_host(peer)
     try:
-        address = ipaddress.ip_address(host.strip("[]"))
+        address = ipaddress.ip_address(host)
     except ValueError:
         return f"peer:{host}"
     if isinstance(address, ipaddress.IPv6Address):

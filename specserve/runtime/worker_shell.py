@@ -66,6 +66,8 @@ def load_worker_model(
         dtype=settings.dtype,
         kernels=kernels,
         warmup=settings.warmup,
+        # Replicas of one kind of machine run one kernel path, recorded in the deployment's Redis.
+        kernel_store=settings.redis_url.get_secret_value() if kernels == "auto" else None,
     )
 
 

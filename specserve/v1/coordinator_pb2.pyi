@@ -48,7 +48,7 @@ class SpeculationParams(_message.Message):
     def __init__(self, gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ..., hybrid_lookup: _Optional[bool] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "tokens", "chat", "sampling", "stop", "speculation", "logprobs", "prediction", "keep_special_tokens")
+    __slots__ = ("text", "tokens", "chat", "sampling", "stop", "speculation", "logprobs", "prediction", "keep_special_tokens", "cache_salt")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_FIELD_NUMBER: _ClassVar[int]
     KEEP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     text: str
     tokens: PromptTokens
     chat: ChatMessages
@@ -67,7 +68,8 @@ class GenerateRequest(_message.Message):
     logprobs: _common_pb2.LogprobsParams
     prediction: Prediction
     keep_special_tokens: bool
-    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[_common_pb2.StopConditions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsParams, _Mapping]] = ..., prediction: _Optional[_Union[Prediction, _Mapping]] = ..., keep_special_tokens: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[_common_pb2.StopConditions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsParams, _Mapping]] = ..., prediction: _Optional[_Union[Prediction, _Mapping]] = ..., keep_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Prediction(_message.Message):
     __slots__ = ("text", "tokens")

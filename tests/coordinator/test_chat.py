@@ -104,7 +104,12 @@ def test_template_options_from_the_wire_and_their_refusals():
     options = TemplateOptions.from_pb(pb)
     assert options == TemplateOptions(add_generation_prompt=False, continue_final_message=True, variables={"greeting": "hi"})
     assert TemplateOptions.from_pb(coordinator_pb2.ChatMessages(omit_generation_prompt=True)).add_generation_prompt is False
-    for bad, message in (("{", "not valid JSON"), ("[1]", "must be a JSON object"), ('{"tokenize": 1}', "'tokenize'")):
+    hostile = (
+        ('{"a": ' * 5000 + "1" + "}" * 5000, "template_kwargs_json nests arrays and objects more than 64 levels"),
+        ('{"a": 1, "a": 2}', "the key 'a' appears twice"),
+        ('{"a": 1e999}', "out of range"),
+    )
+    for bad, message in (("{", "not valid JSON"), ("[1]", "must be a JSON object"), ('{"tokenize": 1}', "'tokenize'"), *hostile):
         with pytest.raises(InvalidArgument, match=message):
             TemplateOptions.from_pb(coordinator_pb2.ChatMessages(template_kwargs_json=bad))
     with pytest.raises(InvalidArgument, match="leave add_generation_prompt off"):

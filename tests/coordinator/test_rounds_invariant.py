@@ -1,6 +1,6 @@
 """Greedy output through the whole system is stock Hugging Face ``generate()``'s, token for token, however it is
-served: alone or batched with seven others, at gamma 0, 1 and 4, on the target's default settings (invariant
-passes, kernels "auto").
+served: alone or batched with seven others, at gamma 0, 1 and 4, on the target's default settings (kernels
+"auto", the passes not invariant) and with invariant passes (``--invariant``).
 
 Real Redis, real gRPC target/draft/coordinator servers, the tiny float32 pair, and as the reference the
 target loaded by plain transformers (stock kernels and attention: code this project did not write).
@@ -29,10 +29,12 @@ MAX_NEW = 24
 PROMPTS = 8  # one batch: each prompt beside the seven others
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(pair, redis_server):
-    """The system with the target's default pass settings (the fixture's usual stock kernels overridden)."""
-    async with sf.local_stack(pair, redis_server.url, target_overrides={"kernels": "auto"}) as s:
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["default", "invariant"])
+async def stack(pair, redis_server, request):
+    """The system with the target's default pass settings (the fixture's usual stock kernels overridden), and
+    with invariant passes."""
+    target = {"kernels": "auto", "invariant": request.param == "invariant"}
+    async with sf.local_stack(pair, redis_server.url, target_overrides=target) as s:
         yield s
 
 

@@ -95,6 +95,31 @@ def test_prefix_key_is_the_first_tokens_only():
     assert prefix_key(turn1, 0) is None
 
 
+def test_the_prefix_key_stays_inside_a_cache_scope():
+    """Issue 54: the routing key holds the session's cache scope, so one tenant's prompt is placed apart
+    from another's (no replica is a guess at another tenant's prefix); one scope's turns keep one key."""
+    from coordinator.cache_scope import cache_scope
+
+    turn1 = list(range(1, 80))
+    turn2 = [*turn1, 500, 501]
+    a = cache_scope("token:a", None, mode="tenant")
+    b = cache_scope("token:b", None, mode="tenant")
+    assert prefix_key(turn1, 64, a) == prefix_key(turn2, 64, a) == prefix_key(list(turn1), 64, a)
+    assert prefix_key(turn1, 64, a) != prefix_key(turn1, 64, b)
+    assert prefix_key(turn1, 64, a) != prefix_key(turn1, 64)
+    # Over many tenants, the same prompt's home replica is spread over the ring, not one replica.
+    ring = HashRing(EPS)
+    homes = {
+        ring.preference(prefix_key(turn1, 64, cache_scope(f"token:{i}", None, mode="tenant")) or "")[0]
+        for i in range(40)
+    }
+    assert len(homes) > 1
+    # Shared mode: every tenant of a salt has one key; the salt still separates.
+    shared = [cache_scope(t, "s", mode="shared") for t in ("token:a", "token:b", "anonymous")]
+    assert len({prefix_key(turn1, 64, s) for s in shared}) == 1
+    assert prefix_key(turn1, 64, shared[0]) != prefix_key(turn1, 64, cache_scope("token:a", "t", mode="shared"))
+
+
 def test_two_coordinators_order_a_prefix_alike_and_failover_walks_the_order():
     a, b = ReplicaSet(EPS), ReplicaSet(list(reversed(EPS)))
     for key in KEYS[:50]:

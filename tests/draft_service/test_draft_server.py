@@ -220,6 +220,9 @@ async def test_bad_input_is_refused_precisely_and_the_session_stays_usable(llama
     bad_temp = request("bad", PROMPT)
     bad_temp.sampling.temperature = -1.0
     await expect_code(llama_stub.Propose(bad_temp), grpc.StatusCode.INVALID_ARGUMENT, "temperature")
+    long_scope = request("bad", PROMPT)
+    long_scope.cache_scope = b"s" * 65
+    await expect_code(llama_stub.Propose(long_scope), grpc.StatusCode.INVALID_ARGUMENT, "cache_scope has 65 bytes")
     await expect_code(
         llama_stub.ReleaseDraftSession(draft_pb2.ReleaseDraftSessionRequest(session_id="never-seen")),
         grpc.StatusCode.NOT_FOUND,

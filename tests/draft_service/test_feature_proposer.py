@@ -175,6 +175,9 @@ def test_a_new_session_takes_the_heads_context_of_its_history_from_the_prefix_ca
     # A different first token: its slots read another feature of position 0, so nothing is attached.
     other = proposer.propose(DraftRequest("t3", (1, *turn2[1:]), 4, params, 0))
     assert other.features_needed_from == 0
+    # Another tenant's session (its own cache scope, issue 54 finding 1) attaches nothing of this history.
+    tenant = proposer.propose(DraftRequest("t4", turn2, 4, params, 0, cache_scope=b"other"))
+    assert tenant.features_needed_from == 0
 
 
 @pytest.mark.unit

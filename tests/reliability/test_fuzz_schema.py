@@ -15,6 +15,11 @@ fields). Each is sent over HTTP to the running server with a deadline, and its r
 
 Afterwards the coordinator still serves a well-formed request. Bounded: ``MAX_EXAMPLES`` per operation
 and mode, no example database. The counts are printed (``-s``) for docs/reliability.md.
+
+Beside the drawn requests, :data:`HOSTILE_BODIES` are sent as they are (issue 54): bodies a JSON parser
+or what follows it could choke on (nesting past the recursion limit, numbers too large for any field,
+invalid UTF-8, a lone surrogate, duplicate keys, deep nesting inside a field, a schema nested 1,000
+deep or of 1 MB): each is a 400 in OpenAI's shape whose ``code`` and message name the problem.
 """
 
 from __future__ import annotations
@@ -77,7 +82,6 @@ def stack(tmp_path_factory, redis_server):
                 "max_new_tokens_limit": MAX_NEW_LIMIT,
                 "default_max_new_tokens": MAX_NEW_LIMIT,
                 "max_prompt_tokens": 64,
-                "session_rate_per_client": 1e9,
             },
         )
 
@@ -127,6 +131,99 @@ def test_the_description_covers_every_route_with_its_bodies(http_url):
         assert body["additionalProperties"] is False
         assert {"max_tokens", "temperature", "top_p", "n", "stream", "seed"} <= set(body["properties"])
         assert {"200", "400", "413", "429"} <= set(post["responses"])
+
+
+def _deep(depth: int) -> str:
+    return '{"type": "array", "items": ' * depth + '{"type": "integer"}' + "}" * depth
+
+
+def _schema_format(schema_text: str) -> str:
+    return '{"type": "json_schema", "json_schema": {"name": "s", "schema": ' + schema_text + "}}"
+
+
+#: name -> (route, body, OpenAI ``code``, words of the message). Each was a 500, or a 200 or a 400 that
+#: did not say what was wrong, before issue 54.
+HOSTILE_BODIES: dict[str, tuple[str, bytes, str, str]] = {
+    "arrays 5,000 deep": ("/v1/completions", b"[" * 5000 + b"]" * 5000, "too_deep", "more than 64 levels"),
+    "a field 5,000 deep": (
+        "/v1/completions",
+        b'{"prompt": "x", "logit_bias": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001,
+        "too_deep",
+        "more than 64 levels",
+    ),
+    "a field 100 deep": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": ' + b"[" * 100 + b"]" * 100 + b"}]}",
+        "too_deep",
+        "the field 'messages' nests",
+    ),
+    "a schema 1,000 deep": (
+        "/v1/chat/completions",
+        ('{"messages": [{"role": "user", "content": "hi"}], "response_format": ' + _schema_format(_deep(1000)) + "}")
+        .encode(),
+        "too_deep",
+        "levels",
+    ),
+    "a schema 70 deep": (
+        "/v1/chat/completions",
+        ('{"messages": [{"role": "user", "content": "hi"}], "response_format": ' + _schema_format(_deep(70)) + "}")
+        .encode(),
+        "too_deep",
+        "the field 'response_format' nests",
+    ),
+    "a schema of 1 MB": (
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": json.loads(_schema_format(json.dumps({"description": "x" * 1_000_000}))),
+            }
+        ).encode(),
+        "invalid_value",
+        "at most 65536 are accepted",
+    ),
+    "a 100,000-value enum": (
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": json.loads(_schema_format(json.dumps({"enum": list(range(100_000))}))),
+            }
+        ).encode(),
+        "invalid_value",
+        "at most 65536 are accepted",
+    ),
+    "1e999999": ("/v1/completions", b'{"prompt": "x", "temperature": 1e999999}', "number_too_large", "out of range"),
+    "a 100,000-digit integer": (
+        "/v1/completions",
+        b'{"prompt": "x", "max_tokens": ' + b"7" * 100_000 + b"}",
+        "number_too_large",
+        "100000 digits",
+    ),
+    "NaN": ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "invalid_number", "not JSON"),
+    "invalid UTF-8": ("/v1/completions", b'{"prompt": "caf\xe9 \xff"}', "invalid_encoding", "not valid UTF-8"),
+    "a lone surrogate": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "a\\udc00b"}]}',
+        "invalid_encoding",
+        "lone UTF-16 surrogate",
+    ),
+    "a duplicate key": ("/v1/completions", b'{"prompt": "x", "max_tokens": 1, "max_tokens": 9}', "duplicate_key", "twice"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_BODIES), ids=list(HOSTILE_BODIES))
+def test_a_hostile_body_is_a_400_naming_the_problem(http_url, case):
+    route, body, code, words = HOSTILE_BODIES[case]
+    headers = {"content-type": "application/json"}
+    response = httpx.post(f"{http_url}{route}", content=body, headers=headers, timeout=REQUEST_TIMEOUT_S)
+    assert response.status_code == 400, response.text[:500]
+    _assert_openai_error(response)
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == code and words in error["message"], error
+    good = httpx.post(f"{http_url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=REQUEST_TIMEOUT_S)
+    assert good.status_code == 200, good.text
 
 
 def _fuzz(operation, mode, http_url: str, tried: Counter[str], statuses: Counter[str]) -> None:

@@ -81,3 +81,29 @@ async def running_roles(
         if draft is not None:
             await draft.stop(0)
         await target.stop(0)
+
+
+@contextlib.asynccontextmanager
+async def extra_coordinator(roles: Roles, pair: TinyPair, **settings: Any) -> AsyncIterator[Any]:
+    """Another coordinator (gRPC, and HTTP with ``http_port=0``) on ``roles``' workers, with its own settings."""
+    from coordinator.server import start_coordinator
+
+    base = roles.coordinator.settings
+    app = await start_coordinator(
+        CoordinatorSettings(
+            **{
+                "host": "127.0.0.1",
+                "port": 0,
+                "redis_url": base.redis_url,
+                "target_endpoints": base.target_endpoints,
+                "draft_endpoints": base.draft_endpoints,
+                "tokenizer": pair.target_dir,
+                "rpc_timeout_s": 10.0,
+                **settings,
+            }
+        )
+    )
+    try:
+        yield app
+    finally:
+        await app.stop(0.5)

@@ -176,7 +176,7 @@ async def test_session_limits_refuse_with_a_retry_hint_while_others_are_served(r
         assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "this client" in refused.details()
         assert dict(refused.trailing_metadata() or ())[RETRY_AFTER_KEY] == "1"
-        async with AsyncClient(roles.address, token=TOKENS["a"], retries=0) as client:
+        async with AsyncClient(roles.address, token=TOKENS["a"], retries=0, rate_limit_retries=0) as client:
             with pytest.raises(errors.ResourceExhausted) as info:
                 await client.generate(prompt_token_ids=PROMPT, max_new_tokens=2, gamma=0)
             assert info.value.retry_after_s == 1.0
@@ -243,9 +243,13 @@ def secret_redis_url() -> str:
     return f"redis://:{REDIS_PASSWORD}@127.0.0.1/0"
 
 
-async def test_without_auth_the_per_client_limit_keys_on_the_peer_address(sec_pair, sec_models, redis_server):
-    """Auth off: every local client is 127.0.0.1, so a second concurrent session from here is refused."""
-    limits = {"max_sessions_per_client": 1}
+async def test_without_auth_the_per_client_limit_keys_on_the_peer_address_where_opted_in(
+    sec_pair, sec_models, redis_server
+):
+    """Auth off and client_limits_by_address on: every local client is 127.0.0.1, so a second concurrent
+    session from here is refused. (Without the opt-in such callers have no per-client limit:
+    tests/security/test_client_limits.py.)"""
+    limits = {"max_sessions_per_client": 1, "client_limits_by_address": True}
     async with running_roles(
         sec_pair, sec_models, redis_server.url, coordinator=limits, proxy_target=True
     ) as r:

@@ -135,3 +135,36 @@ async def test_the_coordinators_worker_clients_without_a_certificate_are_refused
             assert info.model.vocab_size == roles.target.model.vocab_size
         finally:
             await admitted.close()
+
+
+async def test_clients_with_different_certificates_are_different_prefix_cache_tenants(roles, pki):
+    """Issue 54: under mutual TLS without tokens the tenant is the client certificate's names: a client with
+    another certificate of the same CA finds nothing of the first's prompt in the cache, the same one does."""
+    from coordinator.server import start_coordinator
+
+    settings = roles.coordinator.settings.model_copy(update={"port": 0, "tls_ca_file": pki.ca})
+    app = await start_coordinator(settings)
+    prompt = list(range(5, 45))  # 40 tokens: 2 whole blocks of 16 to attach
+    want = sf.reference_greedy(roles.target.settings.model, prompt, 4, ignore_eos=True)
+
+    async def cached(client_pair) -> int:
+        async with AsyncClient(
+            f"localhost:{app.port}",
+            root_certificates=pki.ca,
+            private_key=client_pair.key,
+            certificate_chain=client_pair.cert,
+            retries=0,
+        ) as client:
+            result = await client.generate(
+                prompt_token_ids=prompt, max_new_tokens=4, temperature=0, gamma=2, ignore_eos=True
+            )
+        assert list(result.token_ids) == want
+        return result.stats.cached_tokens
+
+    try:
+        assert await cached(pki.client) == 0
+        assert await cached(pki.other_client) == 0  # another certificate: another tenant
+        assert await cached(pki.client) == 32
+        assert await cached(pki.other_client) == 32
+    finally:
+        await app.stop(0.5)

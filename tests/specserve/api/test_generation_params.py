@@ -47,6 +47,7 @@ FULL = GenerationParams(
     hybrid_lookup=False,
     min_confidence=0.25,
     keep_special_tokens=True,
+    cache_salt="salt-7",
     constraint=Constraint("regex", "[a-z]+"),
 )
 #: What ``FULL`` cannot hold beside it (``min_new_tokens`` is refused with stop strings and with a constraint).
@@ -224,6 +225,7 @@ FULL_BODY = {
     "prediction": {"type": "content", "content": "def f("},
     "skip_special_tokens": False,
     "guided_regex": "[a-z]+",
+    "cache_salt": "salt-7",
 }
 
 
@@ -247,3 +249,25 @@ def test_a_bad_setting_over_http_is_the_same_refusal():
     body = parse_body(ChatCompletionRequest, {**FULL_BODY, "temperature": 0.001})
     with pytest.raises(InvalidArgument, match=r"temperature=0\.001 is too small"):
         body.to_pb()
+
+
+def test_a_cache_salt_out_of_bounds_is_refused_naming_it():
+    for bad in ("", "s" * 1025):
+        with pytest.raises(InvalidArgument, match="cache_salt has"):
+            GenerationParams(cache_salt=bad)
+    with pytest.raises(InvalidArgument, match="cache_salt must be a string"):
+        GenerationParams(cache_salt=7)  # type: ignore[arg-type]
+    assert GenerationParams(cache_salt="s" * 1024).cache_salt == "s" * 1024
+
+
+def test_http_cache_salt_and_prompt_cache_key_each_make_a_salt_of_their_own():
+    """Over HTTP both fields scope the cache: each value, and each pair, is a salt no other value gives."""
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+
+    def salt(**fields: str) -> str | None:
+        return GenerationParams.from_pb(parse_body(ChatCompletionRequest, {**base, **fields}).to_pb()).cache_salt
+
+    salts = [salt(), salt(cache_salt="a"), salt(prompt_cache_key="a"), salt(cache_salt="a", prompt_cache_key="b")]
+    assert salts[0] is None and salts[1] == "a"
+    assert len(set(salts)) == len(salts)
+    assert salt(cache_salt="a", prompt_cache_key="b") == salt(prompt_cache_key="b", cache_salt="a")

@@ -12,7 +12,9 @@ Part 2 runs the SDK against the real system (coordinator, draft, target, Redis).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
+import time
 
 import grpc
 import pytest
@@ -38,17 +40,21 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
     * ``raise:<Class>``: raise that domain error (the server interceptor maps it).
     * ``named:<Class>``: abort with the class's code and name it in trailing metadata.
     * ``flaky:<k>:<n>``: UNAVAILABLE for the first k calls with this text, then ``ok:<n>``.
+    * ``exhausted:<k>:<hint>:<n>``: RESOURCE_EXHAUSTED with a retry hint of ``hint`` seconds for the
+      first k calls with this text, then ``ok:<n>``.
     * ``chunk-then-unavailable``: one chunk, then UNAVAILABLE.
     * ``hang``: one chunk, then wait until cancelled.
     """
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict[str, str]]] = []
+        self.arrivals: dict[str, list[float]] = {}  # text -> time.monotonic() of each call
         self.cancelled = threading.Event()
 
     async def Generate(self, request, context):
         text = request.text
         self.calls.append((text, dict(context.invocation_metadata())))
+        self.arrivals.setdefault(text, []).append(time.monotonic())
         verb, _, arg = text.partition(":")
         if verb == "raise":
             cls = {c.__name__: c for c in errors.all_error_classes()}[arg]
@@ -62,6 +68,11 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if sum(1 for t, _ in self.calls if t == text) <= k:
                 raise errors.Unavailable("the script says: not yet")
             arg = str(n)
+        if verb == "exhausted":
+            k, hint, n = arg.split(":")
+            if sum(1 for t, _ in self.calls if t == text) <= int(k):
+                raise errors.ResourceExhausted("the script says: slow down", retry_after_s=float(hint))
+            arg = n
         if verb == "chunk-then-unavailable":
             yield chunk_response([1])
             raise errors.Unavailable("the script drops the stream after one chunk")
@@ -370,6 +381,43 @@ async def test_retries_give_up_with_unavailable(fake):
         with pytest.raises(errors.Unavailable, match="not yet"):
             await client.generate("flaky:5:1")
     assert sum(1 for t, _ in fake.calls if t == "flaky:5:1") == 2
+
+
+@pytest.mark.system
+@module_loop
+async def test_resource_exhausted_with_a_hint_is_retried_after_the_hint(fake):
+    """A session limit or rate (issue 54): the SDK waits the server's hint, then sends again."""
+    async with AsyncClient(fake.address, rate_limit_retries=3) as client:
+        result = await client.generate("exhausted:2:0.05:3")
+    assert result.token_ids == (10, 11, 12)
+    arrivals = fake.arrivals["exhausted:2:0.05:3"]
+    assert len(arrivals) == 3
+    assert all(later - earlier >= 0.05 for earlier, later in itertools.pairwise(arrivals)), "sent again before the hint"
+
+    def sync_run():
+        with Client(fake.address, rate_limit_retries=1) as client:
+            return client.generate("exhausted:1:0.01:1")
+
+    assert (await asyncio.to_thread(sync_run)).token_ids == (10,)
+    assert len(fake.arrivals["exhausted:1:0.01:1"]) == 2
+
+
+@pytest.mark.system
+@module_loop
+async def test_resource_exhausted_is_raised_once_the_bounded_retries_are_spent(fake):
+    async with AsyncClient(fake.address, rate_limit_retries=2) as client:
+        with pytest.raises(errors.ResourceExhausted, match="slow down") as info:
+            await client.generate("exhausted:9:0.01:1")
+    assert info.value.retry_after_s == 0.01
+    assert len(fake.arrivals["exhausted:9:0.01:1"]) == 3
+    # Not retried: no hint (a limit that waiting cannot help), a hint past 60 s (the caller's decision).
+    async with AsyncClient(fake.address) as client:
+        with pytest.raises(errors.ResourceExhausted):
+            await client.generate("raise:ResourceExhausted")
+        with pytest.raises(errors.ResourceExhausted) as info:
+            await client.generate("exhausted:9:61:1")
+    assert info.value.retry_after_s == 61
+    assert len(fake.arrivals["raise:ResourceExhausted"]) == 1 and len(fake.arrivals["exhausted:9:61:1"]) == 1
 
 
 @pytest.mark.system

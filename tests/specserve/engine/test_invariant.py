@@ -234,12 +234,12 @@ def test_prepare_swaps_every_linear_and_the_attention(model_dir):
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in stock.parameters())
 
 
-def test_the_target_settings_refuse_a_kernel_path_timed_per_process():
+def test_the_target_settings_refuse_a_kernel_path_timed_per_process_with_invariance():
     settings = TargetSettings(host="127.0.0.1")
-    assert settings.invariant and settings.kernels == "auto"
+    assert not settings.invariant and settings.kernels == "auto"  # invariance is opt-in
     with pytest.raises(ValueError, match="fastest"):
-        TargetSettings(host="127.0.0.1", kernels="fastest")
-    assert TargetSettings(host="127.0.0.1", kernels="fastest", invariant=False).kernels == "fastest"
+        TargetSettings(host="127.0.0.1", kernels="fastest", invariant=True)
+    assert TargetSettings(host="127.0.0.1", kernels="fastest").kernels == "fastest"
 
 
 def test_with_invariance_off_a_positions_logits_agree_only_to_rounding_as_the_readme_says(model_dir):

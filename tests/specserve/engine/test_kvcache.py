@@ -477,3 +477,45 @@ def test_stores_sharing_a_budget_evict_from_both_least_recently_used_first(model
     assert first.session_ids() == [] and second.session_ids() == ["new", "newest"]
     with pytest.raises(ValueError, match="budget_bytes"):
         KVBudget(0)
+def test_blocks_attach_only_within_their_cache_scope(model):
+    """Issue 54: a block made under one cache scope (a tenant, a salt) is never attached by another; the same
+    scope attaches it, and the same tokens shared under two scopes are two chains."""
+    store = _shared_store(model)
+    a, _ = store.get_or_create("a", scope=b"tenant-a")
+    a.reconcile(LONG)
+    assert store.share(a) == 4
+    other, _ = store.get_or_create("other", scope=b"tenant-b")
+    assert store.attach(other, LONG, most=len(LONG) - 1) == 0 and other.seq_len == 0
+    unscoped, _ = store.get_or_create("unscoped")
+    assert store.attach(unscoped, LONG, most=len(LONG) - 1) == 0
+    same, _ = store.get_or_create("same", scope=b"tenant-a")
+    assert store.attach(same, LONG, most=len(LONG) - 1) == 32 and same.blocks == a.blocks
+    # tenant-b computes the prefix itself; sharing it makes its own blocks, not a's.
+    r = other.reconcile(LONG)
+    assert (r.kept, r.fed) == (0, len(LONG))
+    torch.testing.assert_close(r.logits, fresh_logits(model, LONG)[-1], atol=ATOL, rtol=0)
+    assert store.share(other) == 4 and store.block_count == 8
+    assert not set(other.blocks) & set(a.blocks)
+    again, _ = store.get_or_create("again", scope=b"tenant-b")
+    assert store.attach(again, LONG, most=len(LONG) - 1) == 32 and again.blocks == other.blocks
+    # Every block of tenant-a evicted: tenant-b's chain is untouched and still found.
+    for sid in ("a", "same"):
+        store.release(sid)
+    store.budget_bytes = store.total_bytes - store.shared_bytes // 2
+    store.trim(protect=("other", "again", "unscoped"))
+    fresh, _ = store.get_or_create("fresh", scope=b"tenant-a")
+    assert store.attach(fresh, LONG, most=len(LONG) - 1) == 0
+    late, _ = store.get_or_create("late", scope=b"tenant-b")
+    assert store.attach(late, LONG, most=len(LONG) - 1) == 32
+
+
+def test_a_session_met_under_another_scope_starts_a_fresh_cache(model):
+    store = _shared_store(model)
+    a, _ = store.get_or_create("a", scope=b"one")
+    a.reconcile(LONG)
+    store.share(a)
+    same, created = store.get_or_create("a", scope=b"one")
+    assert same is a and not created
+    moved, created = store.get_or_create("a", scope=b"two")
+    assert created and moved is not a and moved.seq_len == 0 and moved.scope == b"two"
+    assert store.attach(moved, LONG, most=len(LONG) - 1) == 0

@@ -390,11 +390,12 @@ def test_demo_runs_each_scenario_beside_the_target_alone(pair, capsys, monkeypat
         assert f"user> {scenario.messages[-1]['content']}" in out
     # A fixed gamma is a request for the draft model's proposals: no prompt lookup in any of the three.
     assert out.count("-- speculative decoding (draft model, gamma 3) --") == 3
-    assert out.count("-- the target alone (gamma = 0), same request --") == 3
-    assert out.count("output identical to the target alone's") == 3
+    assert out.count("-- the target alone: HF generate(), stock transformers, float32, in this process --") == 3
+    assert out.count("-- the target alone through this service (gamma = 0), same request --") == 3
+    assert out.count("x HF generate() | output identical to the target alone's") == 3
     assert len(re.findall(r"tokens 8 \(prompt \d+\)", out)) == 6
     assert (
-        "== summary ==" in out
+        "== summary (speedup: over HF generate(), the target alone) ==" in out
         and "every speculative output was token-identical to the target alone, as it must be" in out
     )
     coupled = ["--temperature", "1", "--seed", "3", "--sampling-mode", "coupled", "--gamma", "3"]
@@ -538,7 +539,16 @@ def test_the_demo_summary_tells_probes_from_speculating(draft_rounds, verdict):
     assert "the draft model does not pay" in text and verdict in text
     assert "noise" not in text, "0.91x is not a gain to explain away"
     lucky = summary([Outcome(chat, demo_result(1_600_000_000), demo_result(2_000_000_000))])
-    assert "at best 1.25x the target alone (no draft token was accepted, so the difference is the machine's noise)" in lucky
+    assert (
+        "at best 1.25x gamma 0 through this service, the target alone (no draft token was accepted, so the "
+        "difference is the machine's noise)" in lucky
+    )
+    # With the baseline outside the service, the verdict names it.
+    from specserve.launch.baseline import Baseline
+
+    hf = Baseline((1,) * 40, 1.8)
+    named = summary([Outcome(chat, drafted, demo_result(2_000_000_000), hf)])
+    assert "at best 0.82x HF generate(), the target alone" in named and "over HF generate()" in named
 
 
 @pytest.mark.unit
@@ -551,7 +561,7 @@ def test_the_demo_names_the_proposer_the_server_defaulted_to():
     head = demo_result(2_200_000_000, proposed=3, draft_rounds=3, proposer="feature")
     assert _proposer(chat, head) == "feature head" and _proposer(chat, head, short=True) == "feature"
     text = summary([Outcome(chat, head, demo_result(2_000_000_000))])
-    assert "the feature head does not pay: at best 0.91x" in text
+    assert "the feature head does not pay: at best 0.91x gamma 0 through this service" in text
     assert re.search(r"a chat answer +feature +0% ", text), text
     unsaid = demo_result(2_200_000_000, proposed=3, draft_rounds=3)
     assert _proposer(chat, unsaid) == "draft model"
@@ -574,7 +584,7 @@ def test_the_demo_summary_keeps_the_prompt_lookups_copy_out_of_the_draft_models_
     ]
     text = summary(outcomes)
     assert "the draft model does not pay: at best 1.00x" in text
-    assert "What pays here: output that repeats its input (2.00x)." in text
+    assert "What pays here, against gamma 0 through this service: output that repeats its input (2.00x)." in text
     assert re.search(r"output that repeats its input +model \+ lookup +75% ", text), text
     assert re.search(r"a chat answer +model +0% ", text), text
     assert "of which from the prompt lookup: proposed 40, accepted 30" in copied.stats.summary()
