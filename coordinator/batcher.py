@@ -190,6 +190,28 @@ class Batcher(abc.ABC, Generic[ItemT, ResultT]):
             self._wakeup.set()
         return await future
 
+    def _batch_len(self) -> int:
+        """How many queued items the next call takes: at most ``max_batch_size``, and no more than fit
+        within :meth:`_bytes_limit` (at least one)."""
+        n = min(len(self._queue), self.max_batch_size)
+        limit = self._bytes_limit()
+        if limit is None:
+            return n
+        total = 0
+        for i in range(n):
+            total += self._item_bytes(self._queue[i].item)
+            if i and total > limit:
+                return i
+        return n
+
+    def _bytes_limit(self) -> int | None:
+        """Most bytes of :meth:`_item_bytes` one call carries (None: no limit)."""
+        return None
+
+    def _item_bytes(self, item: ItemT) -> int:
+        """An item's bytes that :meth:`_bytes_limit` bounds."""
+        return 0
+
     @abc.abstractmethod
     async def _send(self, items: list[ItemT]) -> Any:
         """Make the call for ``items``; raises when the whole call fails."""
@@ -212,7 +234,8 @@ class Batcher(abc.ABC, Generic[ItemT, ResultT]):
                 await self._slots.acquire()
                 if len(self._queue) < self.max_batch_size and self.max_wait_s > 0:
                     await self._wait_for_more()
-                batch, self._queue = self._queue[: self.max_batch_size], self._queue[self.max_batch_size :]
+                take = self._batch_len()
+                batch, self._queue = self._queue[:take], self._queue[take:]
                 self._set_depth()
                 batch = [p for p in batch if not p.future.done()]  # cancelled while queued
                 if not batch:
@@ -342,7 +365,9 @@ class VerifyBatcher(Batcher[target_pb2.VerifyItem, BatchedResult]):
 
 
 class ProposeBatcher(Batcher[draft_pb2.ProposeRequest, BatchedProposal]):
-    """Batches Propose requests for one draft replica into ``ProposeBatch`` calls."""
+    """Batches Propose requests for one draft replica into ``ProposeBatch`` calls, each carrying at most
+    ``max_feature_bytes`` of the target's features (its items together; an item alone may carry that much:
+    the relay sends no more per item)."""
 
     def __init__(
         self,
@@ -351,8 +376,10 @@ class ProposeBatcher(Batcher[draft_pb2.ProposeRequest, BatchedProposal]):
         max_batch_size: int,
         max_wait_s: float,
         expected: Callable[[], int] | None = None,
+        max_feature_bytes: int | None = None,
     ) -> None:
         self.client = client
+        self.max_feature_bytes = max_feature_bytes
         super().__init__(
             client.endpoint,
             max_batch_size=max_batch_size,
@@ -361,6 +388,12 @@ class ProposeBatcher(Batcher[draft_pb2.ProposeRequest, BatchedProposal]):
             expected=expected,
             depth=metrics.PROPOSE_QUEUE_DEPTH.labels(draft=client.endpoint),
         )
+
+    def _bytes_limit(self) -> int | None:
+        return self.max_feature_bytes
+
+    def _item_bytes(self, item: draft_pb2.ProposeRequest) -> int:
+        return len(item.features.float16_le)
 
     async def _send(self, items: list[draft_pb2.ProposeRequest]) -> ProposeBatchReply:
         return await self.client.propose_batch(items)

@@ -263,6 +263,7 @@ class Coordinator:
             prediction=r.prediction_token_ids,
             lookup=r.speculation.hybrid_lookup,
             forced=self._forced_text(r),
+            features_max_bytes=self.settings.features_per_session_bytes,
             cache_scope=cache_scope.cache_scope(tenant, r.cache_salt, mode=self.settings.prefix_cache_scope),
         )
         loop = RoundLoop(

@@ -2,70 +2,112 @@
 
 The coordinator never decodes features: it keeps the bytes the target's
 verdicts bring (:class:`~specserve.core.features.FeatureBlock`), asks the target
-for the positions it lacks, and sends the draft what it has not sent it yet.
+for the positions the draft needs, and sends the draft what it has not sent it
+yet, in bounded messages.
 
-* **Asking the target**: every Verify item of a feature session sets
-  ``features_from`` to the first position the relay lacks (:meth:`FeatureRelay.ask_from`);
-  the result's features (:meth:`FeatureRelay.add`) continue what it keeps. A
-  result without them (a replayed verdict) costs nothing: the next item asks
-  from the same position.
-* **What it keeps**: every row not yet sent to the draft, and the last
-  ``window`` rows besides. A draft replica that has never seen the session (a
-  failover, an eviction) is sent those rows with ``features_reset``; the head
-  then attends over that window only (docs/design.md says what that costs).
-* **Sending the draft**: a round can draft with the head when the relay holds
-  the features of every position before the last committed token
-  (:meth:`FeatureRelay.ready`); :meth:`FeatureRelay.outgoing` gives the rows the
-  replica lacks (all kept rows, with reset, for a replica other than the last
-  one it sent to, or after :meth:`FeatureRelay.refused`). :meth:`FeatureRelay.sent`
-  records that a replica took them.
+* **Asking the target** (:meth:`FeatureRelay.ask`): every Verify item of a
+  feature session asks for features from the first position the relay lacks,
+  at most ``max_bytes`` of them. A session's first item asks from where the
+  target's prefix-cache hit ends (``features_from_uncached``): the draft tier's
+  prefix cache most likely holds the feature head's context of the shared
+  history, so the history's rows need not travel. The result's features
+  (:meth:`FeatureRelay.add`) continue what the relay keeps; a result without
+  them (a replayed verdict) costs nothing: the next item asks from the same
+  position.
+* **What the draft needs**: a draft replica that lacks features answers with
+  the first position it needs (:meth:`FeatureRelay.needed`). Rows the relay
+  keeps from there are sent again at once; rows it lacks are asked of the
+  target (the session drafts at gamma 0 meanwhile), when they fit in
+  ``max_bytes``; otherwise the replica rebuilds its context from the rows kept
+  (a reset).
+* **What it keeps**: every row not yet sent to the draft and the last
+  ``window`` rows besides, never more than ``max_bytes`` in any state: past
+  it the oldest rows go, and when those were not sent yet the next send
+  resets the draft's context, which then starts at the oldest row kept
+  (docs/design.md says what that costs).
+* **Sending the draft** (:meth:`FeatureRelay.outgoing`): the rows the replica
+  lacks, at most ``send_bytes`` per message (the rest in later rounds); all
+  kept rows with reset to a replica other than the last one sent to, or after
+  :meth:`FeatureRelay.refused`. The first send of a session goes without reset,
+  so the replica may continue from its prefix cache. :meth:`FeatureRelay.ready`
+  says whether a Propose has anything to carry; :meth:`FeatureRelay.sent`
+  records that a replica took the rows.
 """
 
 from __future__ import annotations
 
-from specserve.core.features import FeatureBlock
+from dataclasses import dataclass
+
+from specserve.core.features import VALUE_BYTES, FeatureBlock
 
 #: Rows kept beyond those not yet sent, per session: the context a new draft replica is rebuilt from.
 DEFAULT_WINDOW = 256
+#: Most bytes of features the relay keeps for one session (``CoordinatorSettings.features_per_session_bytes``).
+DEFAULT_MAX_BYTES = 2 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FeatureAsk:
+    """What a Verify item asks the target for (``VerifyItem.features_*``)."""
+
+    start: int  # features_from
+    uncached: bool  # features_from_uncached: from where the target's prefix-cache hit ends, when later
+    max_bytes: int  # features_max_bytes
 
 
 class FeatureRelay:
     """One session's features in the coordinator (see the module docstring)."""
 
-    def __init__(self, window: int = DEFAULT_WINDOW) -> None:
+    def __init__(self, window: int = DEFAULT_WINDOW, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.window = window
+        self.max_bytes = max_bytes
         self.kept: FeatureBlock | None = None
         self.endpoint: str | None = None  # the draft replica sent to last
         self.sent_upto = 0  # that replica holds the features of positions before this
-        self._reset = True
+        self.want_from: int | None = None  # the draft needs rows from here that the relay lacks
+        self._reset = False
 
-    def ask_from(self) -> int:
-        """The first position whose features the relay lacks (``VerifyItem.features_from``)."""
-        return 0 if self.kept is None else self.kept.stop
+    def ask(self) -> FeatureAsk:
+        """What the next Verify item asks for: the rows the draft needs that the relay lacks."""
+        if self.want_from is not None:
+            return FeatureAsk(self.want_from, False, self.max_bytes)
+        if self.kept is None:
+            return FeatureAsk(0, True, self.max_bytes)
+        return FeatureAsk(self.kept.stop, False, self.max_bytes)
 
     def add(self, block: FeatureBlock) -> None:
-        """The features a verdict brought. A block that does not continue the kept rows replaces them
-        (the next send resets the draft's context)."""
-        if self.kept is None or block.start > self.kept.stop or block.hidden != self.kept.hidden:
+        """The features a verdict brought. Rows the draft asked for, or rows that do not continue the kept
+        ones, replace them (the latter reset the draft's context at the next send)."""
+        if self.want_from is not None and block.start <= self.want_from:
+            self.kept, self.want_from = block, None
+        elif self.kept is None or block.start > self.kept.stop or block.hidden != self.kept.hidden:
+            self._reset = self.kept is not None and self.endpoint is not None
             self.kept = block
-            self._reset = True
         else:
             self.kept = self.kept.join(block)
         self._trim()
 
     def ready(self, committed_len: int) -> bool:
-        """Whether the relay holds the features of every position before the last committed token."""
-        return self.kept is not None and self.kept.count > 0 and self.kept.stop >= committed_len - 1
+        """Whether a Propose has something to carry: rows the draft lacks, or every row up to the last
+        committed token's predecessor (it then drafts)."""
+        if self.kept is None or self.want_from is not None:
+            return False
+        if self.kept.count > 0 and self.kept.stop >= committed_len - 1:
+            return True
+        return self.kept.stop > self._send_start(self.endpoint)
 
-    def outgoing(self, endpoint: str, committed_len: int) -> tuple[FeatureBlock, bool]:
+    def outgoing(self, endpoint: str, committed_len: int, max_bytes: int) -> tuple[FeatureBlock, bool]:
         """``(rows, reset)``: what the replica at ``endpoint`` lacks for a proposal after ``committed_len``
-        tokens (call only when :meth:`ready`)."""
+        tokens, at most ``max_bytes`` of it (at least one row; call only when :meth:`ready`)."""
         assert self.kept is not None
-        reset = self._reset or endpoint != self.endpoint
-        start = self.kept.start if reset else max(self.sent_upto, self.kept.start)
-        return self.kept.slice(start, committed_len - 1), reset
+        reset = self._reset or (self.endpoint is not None and endpoint != self.endpoint)
+        start = self._send_start(endpoint)
+        rows = max(1, max_bytes // self._row_bytes())
+        return self.kept.slice(start, min(committed_len - 1, start + rows)), reset
 
     def sent(self, endpoint: str, block: FeatureBlock) -> None:
         """The replica at ``endpoint`` took ``block`` (its Propose succeeded)."""
@@ -74,14 +116,52 @@ class FeatureRelay:
         self._reset = False
         self._trim()
 
+    def needed(self, endpoint: str, position: int, committed_len: int) -> bool:
+        """The replica at ``endpoint`` lacks the features from ``position`` on (its reply said so). Returns
+        whether to send again at once: it lacks rows it was thought to hold, and the relay holds them (a
+        replica that took every row it was sent gets the next ones with the next round)."""
+        self.endpoint = endpoint
+        kept = self.kept
+        if kept is not None and kept.start <= position <= kept.stop:
+            again = position < min(self.sent_upto, kept.stop)
+            self.sent_upto = position
+            self._reset = False
+            return again
+        rows = committed_len - 1 - position
+        if kept is None or rows * self._row_bytes() <= self.max_bytes:
+            self.want_from = position  # the target sends them; the draft continues its context with them
+            self.sent_upto = position
+            self._reset = False
+            return False
+        self._reset = True  # too far back to keep: the replica rebuilds from the rows kept
+        return False
+
     def refused(self) -> None:
-        """The replica lacked earlier features (FAILED_PRECONDITION): the next send starts a fresh context."""
+        """The replica lost the session's context (FAILED_PRECONDITION, a failure): the next send rebuilds it."""
         self._reset = True
 
+    def _row_bytes(self) -> int:
+        return (self.kept.hidden if self.kept is not None else 1) * VALUE_BYTES
+
+    def _send_start(self, endpoint: str | None) -> int:
+        """The first kept position the replica at ``endpoint`` lacks."""
+        assert self.kept is not None
+        if self._reset or endpoint is None or endpoint != self.endpoint:
+            return self.kept.start
+        return max(self.sent_upto, self.kept.start)
+
     def _trim(self) -> None:
-        """Keep unsent rows and the last ``window`` rows."""
+        """Keep unsent rows and the last ``window`` rows, at most ``max_bytes`` in all: past that the oldest
+        go, and when the replica has not had them its context is rebuilt at the next send."""
         if self.kept is None:
             return
-        start = min(self.sent_upto if not self._reset else self.kept.start, self.kept.stop - self.window)
+        start = self.kept.start
+        if self.endpoint is not None and not self._reset:
+            start = max(start, min(self.sent_upto, self.kept.stop - self.window))
+        cap = max(1, self.max_bytes // self._row_bytes())
+        if self.kept.stop - start > cap:
+            start = self.kept.stop - cap
+            if self.endpoint is not None and start > self.sent_upto:
+                self._reset = True
         if start > self.kept.start:
             self.kept = self.kept.slice(start, self.kept.stop)

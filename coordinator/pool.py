@@ -203,6 +203,7 @@ class WorkerPool:
                     max_batch_size=draft_max_batch_size,
                     max_wait_s=settings.draft_batch_wait_ms / 1000.0,
                     expected=lambda ep=ep: self._expected_drafting(ep),
+                    max_feature_bytes=settings.feature_bytes_per_call,
                 )
                 for ep, client in self.draft_clients.items()
             }
@@ -419,14 +420,23 @@ class WorkerPool:
         sid = session.session_id
         start, tokens = session.unseen_by_draft(endpoint)
         try:
-            return await self._shielded(sid, self._send_propose(endpoint, session, start, tokens, gamma))
+            reply = await self._shielded(sid, self._send_propose(endpoint, session, start, tokens, gamma))
         except errors.FailedPrecondition:
-            # The draft lacks tokens before start_position (or the head, features): resend everything.
+            # The draft lacks tokens before start_position: resend everything (and the head's context).
             if session.features is not None:
                 session.features.refused()
-            return await self._shielded(
-                sid, self._send_propose(endpoint, session, 0, session.token_ids, gamma)
-            )
+            reply = await self._shielded(sid, self._send_propose(endpoint, session, 0, session.token_ids, gamma))
+        relay = session.features
+        if relay is not None and reply.features_needed_from is not None:
+            # The head lacks features from there: sent again at once when the relay holds them, else asked of
+            # the target (the round runs at gamma 0 meanwhile).
+            session.draft_caught_up(endpoint)
+            if relay.needed(endpoint, reply.features_needed_from, session.committed_len):
+                start, tokens = session.unseen_by_draft(endpoint)
+                reply = await self._shielded(sid, self._send_propose(endpoint, session, start, tokens, gamma))
+                if reply.features_needed_from is not None:
+                    relay.needed(endpoint, reply.features_needed_from, session.committed_len)
+        return reply
 
     async def _send_propose(
         self, endpoint: str, session: Session, start: int, tokens: tuple[int, ...], gamma: int
@@ -436,7 +446,7 @@ class WorkerPool:
         request = _session_propose_request(session, session.base, start, tokens, gamma)
         relay = session.features
         if relay is not None:
-            block, reset = relay.outgoing(endpoint, session.committed_len)
+            block, reset = relay.outgoing(endpoint, session.committed_len, self.settings.feature_bytes_per_call)
             request.features.CopyFrom(block.to_pb())
             request.features_reset = reset
         if self._batched(session, endpoint):

@@ -119,7 +119,10 @@ class RoundLoop:
         if s.top_logprobs is not None:
             item.logprobs.CopyFrom(common_pb2.LogprobsParams(top_logprobs=s.top_logprobs))
         if s.features is not None:  # the feature head drafts from the target's features of these positions
-            item.features_from = s.features.ask_from()
+            ask = s.features.ask()
+            item.features_from = ask.start
+            item.features_from_uncached = ask.uncached
+            item.features_max_bytes = ask.max_bytes
         drafting = self.overlap.start(proposed)
         try:
             batched, item = await self._verify(item, drafted=proposed.source == "model" and proposed.wall_ns > 0)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from coordinator.feature_relay import FeatureRelay
+from coordinator.feature_relay import DEFAULT_MAX_BYTES, FeatureRelay
 from coordinator.local_proposers import LocalProposer, NgramProposer, PredictionProposer
 from coordinator.requests import SpeculationSettings
 from specserve.api.errors import FailedPrecondition
@@ -100,11 +100,13 @@ class Session:
         prediction: Sequence[int] | None = None,
         lookup: bool = False,
         forced: LocalProposer | None = None,
+        features_max_bytes: int = DEFAULT_MAX_BYTES,
         cache_scope: bytes = b"",
     ) -> None:
         """``lookup``: keep a hybrid lookup (:attr:`lookup`) beside the draft model; only for a session that
         drafts with the model and has no prediction (their proposers already run in the coordinator).
-        ``forced``: a constrained session's forced-text proposer (:attr:`forced`). ``cache_scope``: its
+        ``forced``: a constrained session's forced-text proposer (:attr:`forced`). ``features_max_bytes``:
+        most bytes of the target's features its relay keeps (a feature session's). ``cache_scope``: its
         prefix-cache scope (:attr:`cache_scope`)."""
         self.session_id = session_id
         #: Who may share this session's cached prefix (coordinator/cache_scope.py): sent with every Verify item
@@ -136,7 +138,11 @@ class Session:
         #: no call where the grammar allows one continuation only; None: the session has no constraint.
         self.forced = forced
         #: The target's features on their way to the feature head (None: the session drafts with another proposer).
-        self.features = FeatureRelay() if speculation.proposer == common_pb2.PROPOSER_KIND_FEATURE else None
+        self.features = (
+            FeatureRelay(max_bytes=features_max_bytes)
+            if speculation.proposer == common_pb2.PROPOSER_KIND_FEATURE
+            else None
+        )
         self.start_ns = time.perf_counter_ns() if start_ns is None else start_ns
         self.status = SessionStatus.RUNNING
         self.finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED

@@ -69,6 +69,8 @@ class ProposeReply:
     draft_ns: int  # the draft's own account of the call
     prefill_tokens: int  # committed tokens it fed to catch up before drafting
     queue_ns: int = 0  # waiting in the coordinator for its ProposeBatch call to leave
+    #: The feature head lacks the target's features from this position on (nothing drafted); None: none lacking.
+    features_needed_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,8 @@ def propose_request(
 
 
 def _propose_reply(pb: draft_pb2.ProposeResponse) -> ProposeReply:
-    return ProposeReply(pb.proposal, pb.draft_ns, pb.prefill_tokens)
+    needed = pb.features_needed_from if pb.HasField("features_needed_from") else None
+    return ProposeReply(pb.proposal, pb.draft_ns, pb.prefill_tokens, features_needed_from=needed)
 
 
 class DraftClient(_WorkerClient):

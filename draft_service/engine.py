@@ -71,7 +71,8 @@ class _Job:
 class DraftEngine:
     """Proposes tokens for many sessions; see the module docstring.
 
-    ``caches``: the model proposer's cache store, reported in the cache gauges (None: no gauges).
+    ``caches``: the model proposer's cache store, reported in the cache gauges with the stores that share its
+    budget (the feature head's; None: no gauges).
     ``max_batch_size``: most items drafted in one pass (1: every session alone).
     ``eos_token_ids``: the model's end-of-sequence tokens (drafting ends after one unless the call ignores EOS).
     ``grammars``: the model proposer's constrained sessions' matchers, whose constraints a call compiles
@@ -306,9 +307,10 @@ class DraftEngine:
             self._update_gauges()
 
     def _update_gauges(self) -> None:
-        if self.caches is not None:
-            metrics.CACHED_SESSIONS.labels(role="draft").set(len(self.caches))
-            metrics.KV_CACHE_BYTES.labels(role="draft").set(self.caches.total_bytes)
+        if self.caches is not None:  # with the stores that share its budget (the feature head's)
+            budget = self.caches.budget
+            metrics.CACHED_SESSIONS.labels(role="draft").set(sum(len(store) for store in budget.stores))
+            metrics.KV_CACHE_BYTES.labels(role="draft").set(budget.total_bytes)
 
     def _kinds(self) -> list[str]:
         return [common_pb2.ProposerKind.Name(k) for k in self.proposers]

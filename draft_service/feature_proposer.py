@@ -10,18 +10,30 @@ with each Propose (``ProposeRequest.features``). Per session the proposer keeps:
   (the head's own outputs as features) live only during a call: their KV is
   dropped when the proposal is made, so the next round feeds the accepted
   tokens' slots again, with the target's features this time;
-* ``s0``, the first slot's position (1 for a session whose features came from
+* ``s0``, the first slot's position (1 for a session whose context starts at
   position 0; later for one rebuilt from the coordinator's window after a
   failover, which then attends over fewer slots);
 * the input feature of its last true slot, to feed that slot again when a
   round brings no new committed tokens (a retried Propose).
 
+**The prefix cache.** The head's store shares true slots between sessions as the
+draft model's does (``SessionCacheStore``): a context that starts at position 0
+shares its whole blocks of slots, keyed by their tokens and, for the first block,
+by ``C[0]`` too (slot 1 reads position 0's feature: the cache's ``lead``). A
+session the proposer holds nothing for (a new turn of a chat, a failover) first
+attaches the longest chain its committed tokens start with, so only the features
+after it need to travel: the next turn of a conversation sends none of its
+history's.
+
 A Propose brings the features of positions ``[start, stop)``. The proposer
 needs those of ``[T - 1, n - 1)`` (``n = len(C)``): it feeds slots ``T .. n - 1``
-(at least slot ``n - 1``, whose output gives the first draft token). Features
-that ``reset`` (or a session it holds nothing for) start a fresh context at slot
-``start + 1``. Features it lacks are a FAILED_PRECONDITION naming the first
-position it needs; the coordinator then resends with ``reset`` from what it kept.
+(at least slot ``n - 1``, whose output gives the first draft token). Where they
+end early (the coordinator sends features in bounded messages) or do not
+continue its context, it feeds the slots it can and drafts nothing: the reply
+names the first position it needs (``Drafted.features_needed_from``), and the
+coordinator sends on from there. Features with ``reset`` rebuild the context:
+from the prefix cache where it reaches ``start``, else a fresh context at slot
+``start + 1``.
 
 Batching and sampling are the token draft's: one row-invariant pass per draft
 step for all the sessions of a call (a session gets the same tokens and ``q``
@@ -92,7 +104,9 @@ class FeatureProposer(Proposer):
             except SpecServeError as exc:
                 outcomes[i] = exc
                 continue
-            if row is None:
+            if isinstance(row, Drafted):
+                outcomes[i] = row
+            elif row is None:
                 outcomes[i] = Drafted(token_ids=(), probs_f32=None)
             else:
                 rows.append(row)
@@ -105,10 +119,11 @@ class FeatureProposer(Proposer):
                 raise
             for row in rows:
                 outcomes[row.index] = row.drafted()
-            self.caches.trim(protect=[row.request.session_id for row in rows])
-            for sid in list(self._first_slot):
-                if sid not in self.caches:  # evicted: its bookkeeping goes too
-                    self._forget(sid)
+                self._share(row.request.session_id, row.cache)
+        self.caches.trim(protect=[r.session_id for r in requests])
+        for sid in list(self._first_slot):
+            if sid not in self.caches:  # evicted: its bookkeeping goes too
+                self._forget(sid)
         assert all(o is not None for o in outcomes)
         return outcomes  # type: ignore[return-value]
 
@@ -129,8 +144,30 @@ class FeatureProposer(Proposer):
         self._first_slot.pop(session_id, None)
         self._last_input.pop(session_id, None)
 
-    def _row(self, index: int, request: DraftRequest) -> _HeadRow | None:
-        """Bring the session's head context up to ``C``; None when there is nothing to draft."""
+    def _share(self, session_id: str, cache: SessionCache) -> None:
+        """The session's whole blocks of true slots into the prefix cache (a context from position 0 only:
+        one rebuilt from a window attends over fewer slots, so its keys and values are its own)."""
+        if self._first_slot.get(session_id) == 1:
+            self.caches.share(cache)
+
+    def _start(self, request: DraftRequest) -> None:
+        """A new context for the session: the longest chain of true slots the prefix cache holds for its
+        committed tokens (slots ``1 ..``) in its cache scope; with ``features_reset`` and features that start
+        after that chain ends, a fresh context at slot ``features.start + 1`` instead."""
+        sid, committed, block = request.session_id, request.committed, request.features
+        self.release(sid)
+        cache, _ = self.caches.get_or_create(sid, scope=request.cache_scope)
+        cache.lead = (int(committed[0]),)  # slot 1 reads position 0's feature
+        attached = self.caches.attach(cache, committed[1:], most=len(committed) - 2)
+        self._first_slot[sid] = 1
+        if request.features_reset and block is not None and block.start > attached:
+            cache.reset()
+            cache.lead = ()
+            self._first_slot[sid] = block.start + 1
+
+    def _row(self, index: int, request: DraftRequest) -> _HeadRow | Drafted | None:
+        """Bring the session's head context up to ``C``; None when there is nothing to draft, a
+        :class:`Drafted` naming the first position whose features are missing when they are."""
         sid, committed = request.session_id, request.committed
         n = len(committed)
         gamma = request.gamma
@@ -143,14 +180,12 @@ class FeatureProposer(Proposer):
             raise InvalidArgument(
                 f"features have {block.hidden} values per position; this head reads {self.hidden_size}"
             )
-        if block is not None and (request.features_reset or not self.holds(sid)):
-            self.release(sid)
-            self._first_slot[sid] = block.start + 1
-        if sid not in self._first_slot:
-            raise FailedPrecondition(
-                f"the feature head holds no context for session {sid!r}: send its features with reset"
-            )
-        cache, _ = self.caches.get_or_create(sid)
+        if n < 2:
+            raise FailedPrecondition(f"session {sid!r}: the feature head drafts after at least two committed tokens")
+        held = self.caches.get(sid)
+        if request.features_reset or not self.holds(sid) or held is None or held.scope != request.cache_scope:
+            self._start(request)  # (a context held under another cache scope is dropped first)
+        cache, _ = self.caches.get_or_create(sid, scope=request.cache_scope)
         s0 = self._first_slot[sid]
         if n - 1 < s0:
             raise FailedPrecondition(
@@ -168,13 +203,19 @@ class FeatureProposer(Proposer):
             elif p == held - 2 and sid in self._last_input:
                 rows.append(self._last_input[sid])
             else:
-                raise FailedPrecondition(
-                    f"session {sid!r}: the feature head needs the target's features from position {p} on; "
-                    "send them (with reset, from the features kept)"
-                )
-        feats = torch.stack(rows).to(self.device)  # [n - first, hidden]
+                break
         cache.truncate(keep)
         cache.commit(cache.branch_len)
+        if first - 1 + len(rows) < n - 1:  # features missing: feed the slots it can, draft nothing
+            if rows:
+                feats = torch.stack(rows).to(self.device)  # [fed, hidden]
+                self._prefill(cache, tuple(committed[first : first + len(rows)]), feats)
+                self._last_input[sid] = feats[-1]
+                self._share(sid, cache)
+            missing = first - 1 + len(rows)
+            log.debug("head_needs_features", session_id=sid, position=missing, fed=len(rows))
+            return Drafted(token_ids=(), probs_f32=None, prefill_tokens=len(rows), features_needed_from=missing)
+        feats = torch.stack(rows).to(self.device)  # [n - first, hidden]
         feed = tuple(committed[first:])
         if len(feed) - 1 > self.inline_catchup_max:
             self._prefill(cache, feed[:-1], feats[:-1])

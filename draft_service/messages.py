@@ -127,9 +127,10 @@ class ProposeResult:
         proposal = common_pb2.Proposal(token_ids=list(d.token_ids))
         if d.probs_f32 is not None and d.token_ids:
             proposal.distributions.extend(draft_probs_to_pb(d.probs_f32, sparse=d.sparse))
-        return draft_pb2.ProposeResponse(
-            proposal=proposal, draft_ns=self.draft_ns, prefill_tokens=d.prefill_tokens
-        )
+        reply = draft_pb2.ProposeResponse(proposal=proposal, draft_ns=self.draft_ns, prefill_tokens=d.prefill_tokens)
+        if d.features_needed_from is not None:
+            reply.features_needed_from = d.features_needed_from
+        return reply
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,8 @@ class Drafted:
     probs_f32: torch.Tensor | None  # [gamma, vocab] float32 wire vectors; None = point mass on each token
     sparse: bool = False  # ship the non-zero support instead of dense bytes
     prefill_tokens: int = 0  # tokens fed to catch up with C
+    #: The feature head lacks the target's features from this position on (nothing drafted); None: it lacks none.
+    features_needed_from: int | None = None
 
 
 @dataclass(frozen=True)

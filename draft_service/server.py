@@ -22,6 +22,7 @@ from specserve.engine.grammar import SessionGrammars
 from specserve.engine.kvcache import SessionCacheStore
 from specserve.engine.model_thread import ModelThread
 from specserve.engine.models import LoadedModel
+from specserve.runtime import metrics
 from specserve.runtime.config import DraftSettings
 from specserve.runtime.server import Registration, run_role
 from specserve.runtime.worker_shell import WorkerApp, load_worker_head, load_worker_model, session_caches
@@ -64,9 +65,11 @@ def build_draft(settings: DraftSettings, *, model: LoadedModel | None = None) ->
         head_caches = SessionCacheStore(
             head,
             max_sessions=settings.max_sessions,
-            budget_bytes=settings.kv_budget_bytes,
+            budget_bytes=caches.budget,  # one kv_budget_bytes for the draft model's and the head's caches
             ttl_s=settings.session_ttl_s,
-            prefix_cache=False,  # the head's keys and values follow the target's features: kept per session
+            prefix_cache=settings.prefix_cache,
+            block_tokens=settings.prefix_block_tokens,
+            on_lookup=metrics.prefix_lookup_counter("head"),
         )
         feature = FeatureProposer(head, head_caches, kernels=kernels)
         proposers[feature.kind] = feature

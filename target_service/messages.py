@@ -41,6 +41,10 @@ class VerifyItem:
     #: Return the target's features of committed positions from here on (None: none; docs/design.md,
     #: "The feature head").
     features_from: int | None = None
+    #: With features_from: start at the last block of this call's prefix-cache hit, when that is later.
+    features_from_uncached: bool = False
+    #: With features_from: most bytes of features for the item (whole rows, at least one); 0: no own limit.
+    features_max_bytes: int = 0
     #: The session's prefix-cache scope: its cache attaches and shares blocks of this scope only.
     cache_scope: bytes = b""
 
@@ -152,6 +156,8 @@ def _item_from_pb(pb: target_pb2.VerifyItem, *, vocab_size: int, max_gamma: int)
         top_logprobs=top_logprobs,
         decode_steps=steps,
         features_from=features_from,
+        features_from_uncached=pb.features_from_uncached,
+        features_max_bytes=pb.features_max_bytes,
         cache_scope=check_cache_scope(pb.cache_scope),
     )
 

@@ -79,7 +79,7 @@ def build_target(
     if store is None:
         store = SessionStore.from_url(settings.redis_url.get_secret_value())
     caches = session_caches(model, settings, "target")
-    verifier = Verifier(model, caches, store, thread=thread)
+    verifier = Verifier(model, caches, store, thread=thread, features_per_call_bytes=settings.feature_bytes_per_call)
     servicer = TargetServicer(
         verifier, model, max_gamma=settings.max_gamma, max_batch_size=settings.max_batch_size
     )

@@ -251,11 +251,16 @@ class Verifier:
         *,
         inline_catchup_max: int = 32,
         thread: ModelThread | None = None,
+        features_per_call_bytes: int = 4 * 1024 * 1024,
     ) -> None:
+        if features_per_call_bytes < 1:
+            raise ValueError(f"features_per_call_bytes must be >= 1, got {features_per_call_bytes}")
         self.model = model
         self.caches = caches
         self.store = store
         self.inline_catchup_max = inline_catchup_max
+        #: Most bytes of features one reply carries, all its items together (at least one row).
+        self.features_per_call_bytes = features_per_call_bytes
         self.eos_token_ids = _eos_token_ids(model)
         self.max_positions = model.max_positions
         #: Constrained sessions' matchers, beside their caches (built from the committed tokens when missing).
@@ -491,25 +496,43 @@ class Verifier:
             for w, nxt in zip(going, nexts, strict=True):
                 w.absorb(nxt)
             going = [w for w in going if w.goes_on()]
+        self._features(work)
         for w in work:
-            w.features = self._features(w)
             if w.cache is not None and w.error is None:
                 self.caches.share(w.cache)  # its whole committed blocks, for the sessions after it
         self.caches.trim(protect=[w.item.session_id for w in work])  # the caches grew: keep the budget
         self._update_cache_gauges()
         return forward_ns, positions
 
-    def _features(self, w: _Work) -> FeatureBlock | None:
-        """The features ``w`` asked for: positions ``features_from`` up to its new pending token (its cache
-        holds exactly those after settling); None when it did not ask or has no verdict."""
-        start = w.item.features_from
-        if start is None or w.verdict is None or w.cache is None:
-            return None
-        stop = w.verdict.committed_len - 1
-        if w.cache.features_len < stop:  # not reached for a settled item: kept, not guessed
-            log.warning("features_missing", session_id=w.item.session_id, held=w.cache.features_len, stop=stop)
-            return None
-        return feature_wire.encode(w.cache.feature_rows(start, stop), start)
+    def _features(self, work: list[_Work]) -> None:
+        """Fill ``w.features`` of the items that asked (``features_from``): positions from there (or from the
+        last block of this call's prefix-cache hit, ``features_from_uncached``) up to the new pending token, which its
+        cache holds after settling. The reply's rows stay within :attr:`features_per_call_bytes`, shared
+        fairly (:func:`share_rows`), and each item's within its ``features_max_bytes``; an item whose rows do
+        not all fit gets the first ones (the rest is asked for in its next call)."""
+        asks: list[tuple[_Work, int, int]] = []
+        for w in work:
+            start = w.item.features_from
+            if start is None or w.verdict is None or w.cache is None:
+                continue
+            if w.item.features_from_uncached:  # the draft's head may hold a block fewer of the shared history
+                start = max(start, w.cached - self.caches.block_tokens)
+            stop = w.verdict.committed_len - 1
+            if w.cache.features_len < stop:  # not reached for a settled item: kept, not guessed
+                log.warning("features_missing", session_id=w.item.session_id, held=w.cache.features_len, stop=stop)
+                continue
+            asks.append((w, start, stop))
+        if not asks:
+            return
+        hidden = self.model.model.config.get_text_config(decoder=True).hidden_size
+        row = hidden * feature_wire.VALUE_BYTES
+        wants = []
+        for w, start, stop in asks:
+            own = w.item.features_max_bytes
+            wants.append(stop - start if own == 0 else min(stop - start, max(1, own // row)))
+        rows = share_rows(wants, max(1, self.features_per_call_bytes // row))
+        for (w, start, _), n in zip(asks, rows, strict=True):
+            w.features = feature_wire.encode(w.cache.feature_rows(start, start + n), start)  # type: ignore[union-attr]
 
     def _step(self, work: list[_Work]) -> tuple[int, int]:
         """One pass for ``work`` and its decision, each cache settled on its verdict; (forward_ns, positions)."""
@@ -533,11 +556,11 @@ class Verifier:
             try:
                 cache, _created = self.caches.get_or_create(w.item.session_id, scope=w.item.cache_scope)
                 committed = w.record.token_ids
-                if w.item.features_from is None:  # features are a session's own: a tracking cache feeds all
-                    w.cached = self.caches.attach(cache, committed, most=w.n - 1)
+                if w.item.features_from is not None:  # before attaching: a tracking cache takes featured blocks
+                    cache.track_features()
+                w.cached = self.caches.attach(cache, committed, most=w.n - 1)
                 keep = min(common_prefix_len(cache.tokens, committed), w.n - 1)
                 if w.item.features_from is not None:  # positions without their features are fed again
-                    cache.track_features()
                     keep = min(keep, cache.features_len)
                 if catchup_max is not None and w.n - 1 - keep > catchup_max:
                     t0 = time.perf_counter_ns()
@@ -823,6 +846,25 @@ class Verifier:
     def _update_cache_gauges(self) -> None:
         metrics.CACHED_SESSIONS.labels(role="target").set(len(self.caches))
         metrics.KV_CACHE_BYTES.labels(role="target").set(self.caches.total_bytes)
+
+
+def share_rows(wants: Sequence[int], budget: int) -> list[int]:
+    """Rows of features each item gets from a reply's ``budget`` rows, for ``wants`` rows asked: every item
+    its ask or an equal share of what the smaller asks leave (max-min fairness), so one long prompt's
+    features never crowd out its batch-mates' and the reply stays within the budget."""
+    out = [0] * len(wants)
+    left = budget
+    order = sorted(range(len(wants)), key=lambda i: wants[i])
+    for k, i in enumerate(order):
+        out[i] = min(wants[i], left // (len(order) - k))
+        left -= out[i]
+    for i in order[::-1]:  # rounding leaves fewer rows than items: the largest asks take one each
+        if left <= 0:
+            break
+        if out[i] < wants[i]:
+            out[i] += 1
+            left -= 1
+    return out
 
 
 def _verify_sampled(sampled: Sequence[_Work]) -> list[VerifyOutcome]:

@@ -60,7 +60,9 @@ from specserve.engine.kvcache import SessionCacheStore, features_of
 
 
 def _proposer(head: FeatureHead) -> FeatureProposer:
-    return FeatureProposer(head, SessionCacheStore(head, max_sessions=8, budget_bytes=1 << 30, ttl_s=3600))
+    # No prefix cache: each prompt's context is computed from its own features, as the card has always read it.
+    store = SessionCacheStore(head, max_sessions=8, budget_bytes=1 << 30, ttl_s=3600, prefix_cache=False)
+    return FeatureProposer(head, store)
 
 
 @torch.inference_mode()

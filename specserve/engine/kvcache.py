@@ -62,10 +62,19 @@ a shared block (or points it at an identical one already held); :meth:`SessionCa
 new (empty) session the longest chain of held blocks that its committed tokens start with, so it feeds only
 the rest. A block is keyed by its parent block and its own tokens, and a chain's first block also by its
 session's **cache scope** (:attr:`SessionCache.scope`: the coordinator's hash of the tenant and any salt,
-docs/design.md, "The prefix cache"), so a chain is found only for exactly the tokens it was computed from and
-only by sessions of the scope it was made under. Blocks count in ``budget_bytes`` once however many sessions hold them; a block
-no session holds stays cached and is evicted least-recently-used, sessions and free blocks in one order;
-a block a session holds is never evicted (the session goes first).
+docs/design.md, "The prefix cache") and its **lead** (:attr:`SessionCache.lead`: the tokens before its first
+that its keys and values depend on, the feature head's position 0), so a chain is found only for exactly the
+tokens it was computed from and only by sessions of the scope it was made under. Blocks count in
+``budget_bytes`` once however many sessions hold them; a block no session holds stays cached and is evicted
+least-recently-used, sessions and free blocks in one order; a block a session holds is never evicted (the
+session goes first). Stores may share one budget (:class:`KVBudget`: a draft's model and its feature head),
+evicted in one order.
+
+A session that keeps the target's features (:meth:`SessionCache.track_features`, the feature head's) keeps
+them in its blocks too (``Block.features``): it shares its blocks with their features (filling in those of
+a block another session made without), and attaches only blocks that bring theirs, so the next turn of a
+conversation that drafts with the head reads its history's features without computing them again
+(docs/design.md, "The prefix cache", "With the feature head").
 
 Not thread-safe: a worker runs all model work and every mutation of its store
 on its one :class:`~specserve.engine.model_thread.ModelThread` (docs/design.md,
@@ -74,6 +83,8 @@ on its one :class:`~specserve.engine.model_thread.ModelThread` (docs/design.md,
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -120,12 +131,21 @@ class Block:
     parent: Block | None  # the block before it (None: it starts at position 0)
     tokens: tuple[int, ...]
     kv: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values), each [1, kv_heads, B, head_dim]
-    nbytes: int
+    nbytes: int  # keys, values and features
     start: int  # absolute position of its first token
     scope: bytes = b""  # the cache scope of the sessions that may hold it (its parent's, for a later block)
     refs: int = 0
     last_used: float = 0.0
     children: dict[tuple[int, ...], Block] = field(default_factory=dict)
+    #: The target's features of its positions (``[B, hidden]`` float16), kept when a session that tracks them
+    #: computed or shared it (None: not known; a tracking session does not attach it).
+    features: torch.Tensor | None = None
+    lead: tuple[int, ...] = ()  # a root block's chain key beside its tokens (``SessionCache.lead``)
+
+    @property
+    def root_key(self) -> tuple[bytes, tuple[int, ...]]:
+        """What a chain's first block is found under beside its tokens: its scope and lead."""
+        return self.scope, self.lead
 
 
 class SharedPrefixLayer(DynamicLayer):
@@ -207,13 +227,23 @@ class SessionCache:
         self._tokens: list[int] = []
         self._committed = 0
         self._nbytes: int | None = 0  # KV bytes held; None: recount (after a change)
-        #: The target's features of the first cached positions (``[features_len, hidden]`` float16), kept
-        #: once :meth:`track_features` was called (docs/design.md, "The feature head").
+        #: The target's features of the private tail's first positions (``[rows, hidden]`` float16, from
+        #: :attr:`shared_len` on; the shared blocks hold their own), kept once :meth:`track_features` was
+        #: called (docs/design.md, "The feature head").
         self._features: torch.Tensor | None = None
+        #: Tokens before the first cached one that its keys and values depend on, part of the key of the
+        #: first shared block (the feature head's cache starts at slot 1, which reads position 0's feature:
+        #: its lead is that token). Empty for a model's own cache, which starts at position 0.
+        self.lead: tuple[int, ...] = ()
         self._clock = clock
         self.last_used = clock()
 
     # ------------------------------------------------------------------ views
+
+    @property
+    def root_key(self) -> tuple[bytes, tuple[int, ...]]:
+        """What the first shared block of this cache is found under beside its tokens: scope and lead."""
+        return self.scope, self.lead
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -261,14 +291,33 @@ class SessionCache:
 
     @property
     def features_len(self) -> int:
-        """How many leading cached positions have their features kept (0 when none are tracked)."""
-        return 0 if self._features is None else int(self._features.shape[0])
+        """How many leading cached positions have their features kept (0 when none are tracked): the shared
+        blocks' (up to the first that has none) and then the private tail's."""
+        if self._features is None:
+            return 0
+        held = 0
+        for block in self._blocks:
+            if block.features is None:
+                return held
+            held += len(block.tokens)
+        return held + int(self._features.shape[0])
 
     def feature_rows(self, start: int, stop: int) -> torch.Tensor:
         """The kept features of positions ``[start, stop)``: ``[stop - start, hidden]`` float16."""
         if self._features is None or not 0 <= start <= stop <= self.features_len:
             raise InvalidArgument(f"features of positions [{start}, {stop}) are not held ({self.features_len} are)")
-        return self._features[start:stop]
+        parts = []
+        for block in self._blocks:
+            lo, hi = max(start, block.start), min(stop, block.start + len(block.tokens))
+            if lo < hi:
+                assert block.features is not None  # within features_len
+                parts.append(block.features[lo - block.start : hi - block.start])
+        base = self.shared_len
+        if stop > max(start, base):
+            parts.append(self._features[max(start, base) - base : stop - base])
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts) if parts else self._features[:0]
 
     def track_features(self) -> None:
         """Keep the features of every position fed from now on. Positions fed before have none: a
@@ -279,8 +328,9 @@ class SessionCache:
             self._nbytes = None
 
     def _append_features(self, rows: torch.Tensor, start: int) -> None:
-        """Add the features ``rows`` ``[n, hidden]`` of positions ``start ..`` when they extend the kept ones."""
-        if self._features is not None and start == self.features_len:
+        """Add the features ``rows`` ``[n, hidden]`` of positions ``start ..`` when they extend the kept ones
+        (the private tail's: ``start`` is past the shared blocks)."""
+        if self._features is not None and start == self.features_len and start >= self.shared_len:
             self._features = torch.cat([self._features, rows.to(torch.float16)])
             self._nbytes = None
 
@@ -370,8 +420,9 @@ class SessionCache:
             self._cache.crop(-remove)
             del self._tokens[length:]
             self._nbytes = None
-        if self._features is not None and self.features_len > length:
-            self._features = self._features[:length]
+        tail = max(0, length - self.shared_len)
+        if self._features is not None and self._features.shape[0] > tail:
+            self._features = self._features[:tail]
             self._nbytes = None
         self._committed = min(self._committed, length)
         self.touch()
@@ -406,6 +457,8 @@ class SessionCache:
                 layer.set_tail(layer.keys[..., n:, :].clone(), layer.values[..., n:, :].clone())
             else:
                 layer.set_tail(None, None)
+        if self._features is not None and not attaching:  # the blocks hold these positions' features now
+            self._features = self._features[n:].clone()
         now = self._clock()
         for b in blocks:
             b.refs += 1
@@ -432,6 +485,9 @@ class SessionCache:
                 layer.set_tail(k[..., :partial, :].clone(), v[..., :partial, :].clone())
             else:
                 layer.set_tail(None, None)
+        if self._features is not None:  # the tail's features: the cut block's first rows, where it has them
+            rows = self._blocks[keep].features if partial else None
+            self._features = self._features[:0] if rows is None else rows[:partial].clone()
         self._drop_blocks(self._blocks[keep:])
         del self._blocks[keep:]
         del self._tokens[length:]
@@ -565,16 +621,34 @@ class PrefixStats:
     blocks_evicted: int = 0  # shared blocks evicted for the budget
 
 
+class KVBudget:
+    """One memory budget for the stores of a process that share it (a draft's model and its feature head):
+    :meth:`SessionCacheStore.trim` on any of them evicts from all of them, least recently used first."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 1:
+            raise ValueError(f"budget_bytes must be >= 1, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.stores: list[SessionCacheStore] = []
+
+    @property
+    def total_bytes(self) -> int:
+        """The bytes every store sharing the budget holds."""
+        return sum(store.total_bytes for store in self.stores)
+
+
 class SessionCacheStore:
     """The session caches of one service and their shared blocks: LRU eviction by count and bytes,
-    TTL release (see the module docstring, "The prefix cache")."""
+    TTL release (see the module docstring, "The prefix cache").
+
+    ``budget_bytes``: the store's own budget, or a :class:`KVBudget` it shares with other stores."""
 
     def __init__(
         self,
         model: Any,
         *,
         max_sessions: int,
-        budget_bytes: int,
+        budget_bytes: int | KVBudget,
         ttl_s: float,
         prefix_cache: bool = True,
         block_tokens: int = 16,
@@ -583,15 +657,15 @@ class SessionCacheStore:
     ) -> None:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
-        if budget_bytes < 1:
-            raise ValueError(f"budget_bytes must be >= 1, got {budget_bytes}")
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.model = model
         self.max_sessions = max_sessions
-        self.budget_bytes = budget_bytes
+        #: The budget this store counts against (its own, or one shared with other stores).
+        self.budget = budget_bytes if isinstance(budget_bytes, KVBudget) else KVBudget(budget_bytes)
+        self.budget.stores.append(self)
         self.ttl_s = ttl_s
         #: Whether sessions share committed blocks (off: every session prefills its own).
         self.prefix_cache = prefix_cache
@@ -600,11 +674,21 @@ class SessionCacheStore:
         self._on_lookup = on_lookup  # (tokens queried, tokens hit) of each lookup, for the worker's metrics
         self._clock = clock
         self._sessions: OrderedDict[str, SessionCache] = OrderedDict()  # least recently used first
-        #: Blocks at position 0, by cache scope, then by their tokens: a chain starts only in its own scope.
-        self._roots: dict[bytes, dict[tuple[int, ...], Block]] = {}
+        #: Blocks at position 0, by cache scope and lead (:attr:`SessionCache.root_key`), then by their tokens: a
+        #: chain starts only in its own scope.
+        self._roots: dict[tuple[bytes, tuple[int, ...]], dict[tuple[int, ...], Block]] = {}
         self._blocks: dict[int, Block] = {}  # every shared block, by id
         self._block_bytes = 0
         self._next_id = 1
+
+    @property
+    def budget_bytes(self) -> int:
+        """The bytes the store (with the stores it shares its budget with) may hold."""
+        return self.budget.budget_bytes
+
+    @budget_bytes.setter
+    def budget_bytes(self, value: int) -> None:
+        self.budget.budget_bytes = value
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -671,12 +755,12 @@ class SessionCacheStore:
             return 0
         b = self.block_tokens
         chain: list[Block] = []
-        children = self._roots.get(cache.scope, {})
+        children = self._roots.get(cache.root_key, {})
         pos = 0
         while pos + b <= most:
             block = children.get(tuple(int(t) for t in committed[pos : pos + b]))
-            if block is None:
-                break
+            if block is None or (cache.tracks_features and block.features is None):
+                break  # a session that keeps features attaches only blocks that bring theirs
             chain.append(block)
             children = block.children
             pos += b
@@ -697,7 +781,8 @@ class SessionCacheStore:
             return 0
         b = self.block_tokens
         start = cache.shared_len
-        whole = (cache.committed_len - start) // b
+        end = min(cache.committed_len, cache.features_len) if cache.tracks_features else cache.committed_len
+        whole = (end - start) // b
         if whole <= 0 or start % b:
             return 0
         tokens = cache.tokens
@@ -706,24 +791,36 @@ class SessionCacheStore:
         taken: list[Block] = []
         for i in range(whole):
             pos = start + i * b
+            off = pos - start  # in the private tail
             key = tokens[pos : pos + b]
-            siblings = self._roots.setdefault(cache.scope, {}) if parent is None else parent.children
+            siblings = self._roots.setdefault(cache.root_key, {}) if parent is None else parent.children
             block = siblings.get(key)
             if block is None:
-                off = pos - start  # in the private tail
                 kv = tuple(
                     (layer.keys[..., off : off + b, :].clone(), layer.values[..., off : off + b, :].clone())
                     for layer in layers
                 )
                 nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
                 block = Block(
-                    id=self._next_id, parent=parent, tokens=key, kv=kv, nbytes=nbytes, start=pos, scope=cache.scope
+                    id=self._next_id,
+                    parent=parent,
+                    tokens=key,
+                    kv=kv,
+                    nbytes=nbytes,
+                    start=pos,
+                    scope=cache.scope,
+                    lead=cache.lead,
                 )
                 self._next_id += 1
                 siblings[key] = block
                 self._blocks[block.id] = block
                 self._block_bytes += nbytes
                 self.stats.blocks_made += 1
+            if cache.tracks_features and block.features is None:  # the block keeps the features too
+                rows = cache._features[off : off + b].clone()  # type: ignore[index]
+                block.features = rows
+                block.nbytes += rows.numel() * rows.element_size()
+                self._block_bytes += rows.numel() * rows.element_size()
             taken.append(block)
             parent = block
         cache._take_blocks(taken)
@@ -735,10 +832,10 @@ class SessionCacheStore:
         freed = 0
         for child in list(block.children.values()):
             freed += self._evict_block(child)
-        siblings = self._roots.get(block.scope, {}) if block.parent is None else block.parent.children
+        siblings = self._roots.get(block.root_key, {}) if block.parent is None else block.parent.children
         siblings.pop(block.tokens, None)
         if block.parent is None and not siblings:
-            self._roots.pop(block.scope, None)
+            self._roots.pop(block.root_key, None)
         self._blocks.pop(block.id, None)
         self._block_bytes -= block.nbytes
         self.stats.blocks_evicted += 1
@@ -764,41 +861,42 @@ class SessionCacheStore:
         return expired
 
     def trim(self, protect: Sequence[str] = ()) -> list[str]:
-        """Evict until the KV bytes fit the budget: sessions (not in ``protect``) and free shared blocks,
-        least recently used first; returns the evicted sessions."""
+        """Evict until the KV bytes fit the budget: sessions (not in ``protect``) and free shared blocks of
+        every store sharing the budget, least recently used first (a chain's end before its start, a session
+        before a block of the same time); returns the evicted sessions."""
         evicted: list[str] = []
-        total = self.total_bytes
+        stores = self.budget.stores
+        total = self.budget.total_bytes
         if total <= self.budget_bytes:
             return evicted
+        order = itertools.count()  # ties never compare stores or blocks
+        heap: list[tuple[float, int, int, int, SessionCacheStore, Block | str]] = []
 
-        def order(block: Block) -> tuple[float, int]:
-            return (block.last_used, -block.start)  # the end of a chain before its start
+        def free(store: SessionCacheStore, block: Block) -> None:
+            heapq.heappush(heap, (block.last_used, 1, -block.start, next(order), store, block))
 
-        free = sorted((blk for blk in self._blocks.values() if blk.refs == 0), key=order)
-        sessions = [sid for sid in self._sessions if sid not in protect]
-        fi = si = 0
-        while total > self.budget_bytes:
-            while fi < len(free) and free[fi].id not in self._blocks:
-                fi += 1  # evicted with a block before it
-            block = free[fi] if fi < len(free) else None
-            sid = sessions[si] if si < len(sessions) else None
-            if block is None and sid is None:
-                break
-            if sid is not None and (block is None or self._sessions[sid].last_used <= block.last_used):
-                cache = self._sessions[sid]
+        for store in stores:
+            for block in store._blocks.values():
+                if block.refs == 0:
+                    free(store, block)
+            for sid, cache in store._sessions.items():
+                if sid not in protect:
+                    heapq.heappush(heap, (cache.last_used, 0, 0, next(order), store, sid))
+        while total > self.budget_bytes and heap:
+            *_, store, what = heapq.heappop(heap)
+            if isinstance(what, str):
+                cache = store._sessions.get(what)
+                if cache is None:
+                    continue
                 total -= cache.nbytes
                 held = cache.blocks
-                self._drop(sid, "kv_budget")
-                evicted.append(sid)
-                si += 1
-                newly = [blk for blk in held if blk.refs == 0]
-                if newly:
-                    free = sorted(free[fi:] + newly, key=order)
-                    fi = 0
-            else:
-                assert block is not None
-                total -= self._evict_block(block)
-                fi += 1
+                store._drop(what, "kv_budget")
+                evicted.append(what)
+                for block in held:
+                    if block.refs == 0:
+                        free(store, block)
+            elif store._blocks.get(what.id) is what and what.refs == 0:  # not gone with a block before it
+                total -= store._evict_block(what)
         if total > self.budget_bytes:
             log.warning(
                 "kv_budget_exceeded", bytes=total, budget_bytes=self.budget_bytes, protected=list(protect)

@@ -53,6 +53,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def features_call_bytes(setting: int | None, max_message_bytes: int) -> int:
+    """A ``features_per_call_bytes`` setting resolved (unset: a quarter of ``max_message_bytes``); raises
+    ``ValueError`` above half of it, where the rest of a message might no longer fit."""
+    if setting is None:
+        return max(1, max_message_bytes // 4)
+    if setting > max_message_bytes // 2:
+        raise ValueError(
+            f"features_per_call_bytes={setting} leaves too little of max_message_bytes={max_message_bytes} for "
+            f"the rest of a message; set it to at most {max_message_bytes // 2}, or unset it (a quarter)"
+        )
+    return setting
+
+
 class CommonSettings(BaseSettings):
     """What every role's server needs."""
 
@@ -256,6 +269,13 @@ class TargetSettings(WorkerSettings):
         "alone's except where two tokens' logits lie within that rounding.",
     )
     max_batch_size: int = Field(32, ge=1, description="Most sessions in one Verify call.")
+    features_per_call_bytes: int | None = Field(
+        None,
+        ge=1024,
+        description="Most bytes of the target's features (for the feature head) in one Verify reply, its items "
+        "together, shared fairly; a session's rows that do not fit come with its next calls (it drafts with "
+        "the head once they are all there). Unset: a quarter of max_message_bytes; at most half of it.",
+    )
     measure_verify_cost: bool = Field(
         True,
         description="Time one session's verify pass for 1..max_gamma+1 positions at start-up (a few seconds "
@@ -270,7 +290,13 @@ class TargetSettings(WorkerSettings):
                 "different bits; with invariant passes choose kernels 'auto', 'onednn' or 'stock' (the same on "
                 "every replica), or turn invariant off (--no-invariant)"
             )
+        features_call_bytes(self.features_per_call_bytes, self.max_message_bytes)
         return self
+
+    @property
+    def feature_bytes_per_call(self) -> int:
+        """``features_per_call_bytes`` resolved (unset: a quarter of ``max_message_bytes``)."""
+        return features_call_bytes(self.features_per_call_bytes, self.max_message_bytes)
 
 
 class CoordinatorSettings(CommonSettings):
@@ -422,6 +448,21 @@ class CoordinatorSettings(CommonSettings):
         "replica serves one, else the token draft. The default pair's head beats its token draft on held-out "
         "chat and code (docs/benchmarks/single.md), so 'auto' is the default.",
     )
+    features_per_call_bytes: int | None = Field(
+        None,
+        ge=1024,
+        description="Most bytes of the target's features in one Propose or ProposeBatch call to a draft "
+        "replica (the feature head's input), its items together; a session's rows that do not fit go with "
+        "its next rounds, which run at gamma 0 until they are all there. Unset: a quarter of "
+        "max_message_bytes; at most half of it.",
+    )
+    features_per_session_bytes: int = Field(
+        2 * 1024 * 1024,
+        ge=1024,
+        description="Most bytes of the target's features the coordinator keeps for one session on their way "
+        "to the draft (and asks the target for in one call). Past it the oldest rows go and the draft "
+        "rebuilds the head's context from the newest (docs/design.md, 'The feature head').",
+    )
     overlap: bool = Field(
         False,
         description="Proactive drafting: while the target verifies a round, the draft already drafts the "
@@ -554,4 +595,10 @@ class CoordinatorSettings(CommonSettings):
         for tier in ("draft", "target"):
             if getattr(self, f"{tier}_max_backoff_s") < getattr(self, f"{tier}_backoff_s"):
                 raise ValueError(f"{tier}_max_backoff_s must be at least {tier}_backoff_s")
+        features_call_bytes(self.features_per_call_bytes, self.max_message_bytes)
         return self
+
+    @property
+    def feature_bytes_per_call(self) -> int:
+        """``features_per_call_bytes`` resolved (unset: a quarter of ``max_message_bytes``)."""
+        return features_call_bytes(self.features_per_call_bytes, self.max_message_bytes)

@@ -91,7 +91,7 @@ REPLICA_FAILURES = Counter("specserve_coordinator_replica_failures", "Worker cal
 # --- workers: the prefix cache (vLLM's names; counted in tokens as vLLM does) ---------------
 PREFIX_CACHE_QUERIES = Counter(
     "specserve_prefix_cache_queries",
-    "Committed tokens of new session caches looked up in the prefix cache, by role (draft, target).",
+    "Committed tokens of new session caches looked up in the prefix cache, by role (draft, head, target).",
     ["role"],
 )
 PREFIX_CACHE_HITS = Counter(

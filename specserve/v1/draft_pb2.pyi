@@ -44,14 +44,16 @@ class ProposeRequest(_message.Message):
     def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_confidence: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., features_reset: _Optional[bool] = ..., stop_tokens_from: _Optional[int] = ..., prompt_len: _Optional[int] = ..., cache_scope: _Optional[bytes] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("proposal", "draft_ns", "prefill_tokens")
+    __slots__ = ("proposal", "draft_ns", "prefill_tokens", "features_needed_from")
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_NEEDED_FROM_FIELD_NUMBER: _ClassVar[int]
     proposal: _common_pb2.Proposal
     draft_ns: int
     prefill_tokens: int
-    def __init__(self, proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ..., draft_ns: _Optional[int] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
+    features_needed_from: int
+    def __init__(self, proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ..., draft_ns: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., features_needed_from: _Optional[int] = ...) -> None: ...
 
 class ProposeBatchRequest(_message.Message):
     __slots__ = ("items",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/target.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xe8\x01\n\nVerifyItem\x12\'\n\x04\x62\x61se\x18\x01 \x01(\x0b\x32\x19.specserve.v1.SessionBase\x12(\n\x08proposal\x18\x02 \x01(\x0b\x32\x16.specserve.v1.Proposal\x12.\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.LogprobsParams\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x04 \x01(\r\x12\x1a\n\rfeatures_from\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x06 \x01(\x0c\x42\x10\n\x0e_features_from\"8\n\rVerifyRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.specserve.v1.VerifyItem\"*\n\tItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd4\x01\n\x0cVerifyResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x07verdict\x18\x02 \x01(\x0b\x32\x15.specserve.v1.VerdictH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specserve.v1.ItemErrorH\x00\x12\x10\n\x08replayed\x18\x04 \x01(\x08\x12(\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x16.specserve.v1.Features\x12\x15\n\rcached_tokens\x18\x06 \x01(\rB\t\n\x07outcome\"\x81\x01\n\x0eVerifyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.VerifyResult\x12\x11\n\tverify_ns\x18\x02 \x01(\x04\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x1b\n\x13positions_processed\x18\x04 \x01(\r\"1\n\x1bReleaseTargetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x1e\n\x1cReleaseTargetSessionResponse\"\x16\n\x14GetTargetInfoRequest\"\x83\x01\n\x15GetTargetInfoResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.specserve.v1.ModelInfo\x12\x11\n\tmax_gamma\x18\x02 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\r\x12\x17\n\x0fverify_curve_ns\x18\x04 \x03(\x04\x32\x9d\x02\n\rTargetService\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12m\n\x14ReleaseTargetSession\x12).specserve.v1.ReleaseTargetSessionRequest\x1a*.specserve.v1.ReleaseTargetSessionResponse\x12X\n\rGetTargetInfo\x12\".specserve.v1.GetTargetInfoRequest\x1a#.specserve.v1.GetTargetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/target.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xa4\x02\n\nVerifyItem\x12\'\n\x04\x62\x61se\x18\x01 \x01(\x0b\x32\x19.specserve.v1.SessionBase\x12(\n\x08proposal\x18\x02 \x01(\x0b\x32\x16.specserve.v1.Proposal\x12.\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.LogprobsParams\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x04 \x01(\r\x12\x1a\n\rfeatures_from\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x16\x66\x65\x61tures_from_uncached\x18\x07 \x01(\x08\x12\x1a\n\x12\x66\x65\x61tures_max_bytes\x18\x08 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x06 \x01(\x0c\x42\x10\n\x0e_features_from\"8\n\rVerifyRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.specserve.v1.VerifyItem\"*\n\tItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd4\x01\n\x0cVerifyResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x07verdict\x18\x02 \x01(\x0b\x32\x15.specserve.v1.VerdictH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specserve.v1.ItemErrorH\x00\x12\x10\n\x08replayed\x18\x04 \x01(\x08\x12(\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x16.specserve.v1.Features\x12\x15\n\rcached_tokens\x18\x06 \x01(\rB\t\n\x07outcome\"\x81\x01\n\x0eVerifyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.VerifyResult\x12\x11\n\tverify_ns\x18\x02 \x01(\x04\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x1b\n\x13positions_processed\x18\x04 \x01(\r\"1\n\x1bReleaseTargetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x1e\n\x1cReleaseTargetSessionResponse\"\x16\n\x14GetTargetInfoRequest\"\x83\x01\n\x15GetTargetInfoResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.specserve.v1.ModelInfo\x12\x11\n\tmax_gamma\x18\x02 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\r\x12\x17\n\x0fverify_curve_ns\x18\x04 \x03(\x04\x32\x9d\x02\n\rTargetService\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12m\n\x14ReleaseTargetSession\x12).specserve.v1.ReleaseTargetSessionRequest\x1a*.specserve.v1.ReleaseTargetSessionResponse\x12X\n\rGetTargetInfo\x12\".specserve.v1.GetTargetInfoRequest\x1a#.specserve.v1.GetTargetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.target_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYITEM']._serialized_start=71
-  _globals['_VERIFYITEM']._serialized_end=303
-  _globals['_VERIFYREQUEST']._serialized_start=305
-  _globals['_VERIFYREQUEST']._serialized_end=361
-  _globals['_ITEMERROR']._serialized_start=363
-  _globals['_ITEMERROR']._serialized_end=405
-  _globals['_VERIFYRESULT']._serialized_start=408
-  _globals['_VERIFYRESULT']._serialized_end=620
-  _globals['_VERIFYRESPONSE']._serialized_start=623
-  _globals['_VERIFYRESPONSE']._serialized_end=752
-  _globals['_RELEASETARGETSESSIONREQUEST']._serialized_start=754
-  _globals['_RELEASETARGETSESSIONREQUEST']._serialized_end=803
-  _globals['_RELEASETARGETSESSIONRESPONSE']._serialized_start=805
-  _globals['_RELEASETARGETSESSIONRESPONSE']._serialized_end=835
-  _globals['_GETTARGETINFOREQUEST']._serialized_start=837
-  _globals['_GETTARGETINFOREQUEST']._serialized_end=859
-  _globals['_GETTARGETINFORESPONSE']._serialized_start=862
-  _globals['_GETTARGETINFORESPONSE']._serialized_end=993
-  _globals['_TARGETSERVICE']._serialized_start=996
-  _globals['_TARGETSERVICE']._serialized_end=1281
+  _globals['_VERIFYITEM']._serialized_end=363
+  _globals['_VERIFYREQUEST']._serialized_start=365
+  _globals['_VERIFYREQUEST']._serialized_end=421
+  _globals['_ITEMERROR']._serialized_start=423
+  _globals['_ITEMERROR']._serialized_end=465
+  _globals['_VERIFYRESULT']._serialized_start=468
+  _globals['_VERIFYRESULT']._serialized_end=680
+  _globals['_VERIFYRESPONSE']._serialized_start=683
+  _globals['_VERIFYRESPONSE']._serialized_end=812
+  _globals['_RELEASETARGETSESSIONREQUEST']._serialized_start=814
+  _globals['_RELEASETARGETSESSIONREQUEST']._serialized_end=863
+  _globals['_RELEASETARGETSESSIONRESPONSE']._serialized_start=865
+  _globals['_RELEASETARGETSESSIONRESPONSE']._serialized_end=895
+  _globals['_GETTARGETINFOREQUEST']._serialized_start=897
+  _globals['_GETTARGETINFOREQUEST']._serialized_end=919
+  _globals['_GETTARGETINFORESPONSE']._serialized_start=922
+  _globals['_GETTARGETINFORESPONSE']._serialized_end=1053
+  _globals['_TARGETSERVICE']._serialized_start=1056
+  _globals['_TARGETSERVICE']._serialized_end=1341
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyItem(_message.Message):
-    __slots__ = ("base", "proposal", "logprobs", "decode_steps", "features_from", "cache_scope")
+    __slots__ = ("base", "proposal", "logprobs", "decode_steps", "features_from", "features_from_uncached", "features_max_bytes", "cache_scope")
     BASE_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FROM_UNCACHED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     base: _common_pb2.SessionBase
     proposal: _common_pb2.Proposal
     logprobs: _common_pb2.LogprobsParams
     decode_steps: int
     features_from: int
+    features_from_uncached: bool
+    features_max_bytes: int
     cache_scope: bytes
-    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsParams, _Mapping]] = ..., decode_steps: _Optional[int] = ..., features_from: _Optional[int] = ..., cache_scope: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsParams, _Mapping]] = ..., decode_steps: _Optional[int] = ..., features_from: _Optional[int] = ..., features_from_uncached: _Optional[bool] = ..., features_max_bytes: _Optional[int] = ..., cache_scope: _Optional[bytes] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)

@@ -144,6 +144,27 @@ async def test_propose_items_of_many_sessions_share_calls_and_get_their_own_resu
         await client.close()
 
 
+async def test_a_propose_call_carries_at_most_its_feature_bytes(draft_stack):
+    """Bounded features on the draft hop (issue 54, finding 4): items whose features together pass
+    ``max_feature_bytes`` go in separate calls, in order; an item alone may carry that much."""
+    from coordinator.batcher import ProposeBatcher
+    from coordinator.worker_clients import DraftClient
+    from specserve.core.features import FeatureBlock
+
+    client = DraftClient(f"127.0.0.1:{draft_stack.draft_port}", SETTINGS)
+    batcher = ProposeBatcher(client, max_batch_size=8, max_wait_s=0.05, expected=lambda: 6, max_feature_bytes=2500)
+    try:
+        items = [_propose_item(f"fb-{uuid.uuid4().hex}") for _ in range(6)]
+        for item in items:  # 1,000 bytes each (the token draft ignores them)
+            item.features.CopyFrom(FeatureBlock(start=0, hidden=100, data=bytes(1000)).to_pb())
+        results = await asyncio.gather(*(batcher.submit(item) for item in items))
+        assert batcher.calls_made == 3 and [r.batch_size for r in results] == [2] * 6
+        assert all(r.item.error is None for r in results)
+    finally:
+        await batcher.close()
+        await client.close()
+
+
 @pytest.mark.unit
 async def test_a_failed_propose_call_fails_every_item_of_its_batch():
     from coordinator.batcher import ProposeBatcher

@@ -12,7 +12,6 @@ from transformers import DynamicCache
 from draft_service.feature_proposer import FeatureProposer
 from draft_service.proposers import Drafted, DraftRequest
 from draft_service.server import start_draft
-from specserve.api.errors import FailedPrecondition
 from specserve.api.params import SamplingParams, SessionBase
 from specserve.core import features as wire
 from specserve.core.proposal import draft_probs_to_pb
@@ -119,24 +118,84 @@ def test_greedy_drafts_are_the_heads_own_chain(target, head):
 
 
 @pytest.mark.unit
-def test_missing_features_are_refused_by_position_and_a_reset_rebuilds(target, head):
+def test_missing_features_are_named_by_position_and_a_reset_rebuilds(target, head):
     proposer = _proposer(head)
     committed = tuple(range(1, 30))
     full = _features(target, committed)
     params = SamplingParams(temperature=0.0)
-    with pytest.raises(FailedPrecondition, match="no context"):
-        proposer.propose(DraftRequest("w", committed, 3, params, 0))
-    proposer.propose(DraftRequest("w", committed[:20], 3, params, 0, features=full.slice(0, 19)))
-    # Features that skip positions 19..24: the head says where it must restart.
-    with pytest.raises(FailedPrecondition, match="from position 19"):
-        proposer.propose(DraftRequest("w", committed, 3, params, 0, features=full.slice(25, 28)))
+    bare = proposer.propose(DraftRequest("w", committed, 3, params, 0))
+    assert (bare.token_ids, bare.features_needed_from) == ((), 0)  # nothing held, nothing cached: all of them
+    assert len(proposer.propose(DraftRequest("w", committed[:20], 3, params, 0, features=full.slice(0, 19))).token_ids) == 3
+    # Features that skip positions 19..24: the head says where they must start.
+    gap = proposer.propose(DraftRequest("w", committed, 3, params, 0, features=full.slice(25, 28)))
+    assert (gap.token_ids, gap.features_needed_from) == ((), 19)
     # A window of recent features with reset: a context of its own, drafted from at once.
     window = proposer.propose(
         DraftRequest("w", committed, 3, params, 0, features=full.slice(20, 28), features_reset=True)
     )
     assert len(window.token_ids) == 3
-    fresh = _proposer(head).propose(DraftRequest("x", committed, 3, params, 0, features=full.slice(20, 28)))
+    fresh = _proposer(head).propose(
+        DraftRequest("x", committed, 3, params, 0, features=full.slice(20, 28), features_reset=True)
+    )
     assert window.token_ids == fresh.token_ids
+
+
+@pytest.mark.unit
+def test_features_that_end_early_are_fed_and_the_rest_named_then_drafted_from(target, head):
+    """Bounded messages (issue 54): features in pieces build the same context as at once; each piece that
+    does not reach the last committed token's predecessor drafts nothing and names where the next starts."""
+    committed = tuple((5 * i) % 300 + 2 for i in range(60))
+    full = _features(target, committed)
+    params = SamplingParams(temperature=0.0)
+    proposer = _proposer(head)
+    for start, stop in ((0, 20), (20, 41)):
+        part = proposer.propose(DraftRequest("p", committed, 4, params, 0, features=full.slice(start, stop)))
+        assert (part.token_ids, part.features_needed_from, part.prefill_tokens) == ((), stop, stop - start)
+    last = proposer.propose(DraftRequest("p", committed, 4, params, 0, features=full.slice(41, 59)))
+    whole = _proposer(head).propose(DraftRequest("q", committed, 4, params, 0, features=full))
+    assert last.features_needed_from is None and last.token_ids == whole.token_ids and len(whole.token_ids) == 4
+
+
+@pytest.mark.unit
+def test_a_new_session_takes_the_heads_context_of_its_history_from_the_prefix_cache(target, head):
+    """The prefix cache with the head (issue 53): the next turn of a conversation attaches the head's true
+    slots of the shared history, so it needs only the features after them, and drafts what a head given
+    every feature drafts."""
+    params = SamplingParams(temperature=0.0)
+    turn1 = tuple((7 * i) % 300 + 2 for i in range(40))
+    proposer = _proposer(head)
+    proposer.propose(DraftRequest("t1", turn1, 4, params, 0, features=_features(target, turn1)))
+    turn2 = (*turn1, 9, 8, 7, 6)
+    full = _features(target, turn2)
+    asked = proposer.propose(DraftRequest("t2", turn2, 4, params, 0))
+    assert asked.features_needed_from == 32  # slots 1..32: two whole blocks of the 39 turn 1 held
+    drafted = proposer.propose(DraftRequest("t2", turn2, 4, params, 0, features=full.slice(32, len(turn2) - 1)))
+    alone = _proposer(head).propose(DraftRequest("t2", turn2, 4, params, 0, features=full))
+    assert drafted.token_ids == alone.token_ids and len(alone.token_ids) == 4
+    # A different first token: its slots read another feature of position 0, so nothing is attached.
+    other = proposer.propose(DraftRequest("t3", (1, *turn2[1:]), 4, params, 0))
+    assert other.features_needed_from == 0
+    # Another tenant's session (its own cache scope, issue 54 finding 1) attaches nothing of this history.
+    tenant = proposer.propose(DraftRequest("t4", turn2, 4, params, 0, cache_scope=b"other"))
+    assert tenant.features_needed_from == 0
+
+
+@pytest.mark.unit
+def test_the_heads_caches_count_against_the_draft_models_budget(target, head):
+    """One kv_budget_bytes for the draft model's and the head's caches (issue 54, finding 5): the head's
+    growth evicts the model store's older sessions."""
+    from specserve.engine.kvcache import KVBudget
+
+    budget = KVBudget(10**9)
+    model_store = SessionCacheStore(target, max_sessions=64, budget_bytes=budget, ttl_s=600)
+    old, _ = model_store.get_or_create("old")
+    old.reconcile([5, 6, 7, 8, 9])
+    proposer = FeatureProposer(head, SessionCacheStore(head, max_sessions=64, budget_bytes=budget, ttl_s=600))
+    committed = tuple(range(2, 40))
+    proposer.propose(DraftRequest("h", committed, 3, SamplingParams(temperature=0.0), 0, features=_features(target, committed)))
+    budget.budget_bytes = budget.total_bytes - 1
+    proposer.propose(DraftRequest("h", committed, 3, SamplingParams(temperature=0.0), 0))
+    assert "old" not in model_store and proposer.holds("h")
 
 
 @pytest.mark.unit
@@ -166,7 +225,7 @@ def head_dirs(tmp_path_factory, target, head):
 
 
 @pytest.mark.system
-async def test_the_draft_server_serves_the_head_and_refuses_an_item_without_features(head_dirs, target, head):
+async def test_the_draft_server_serves_the_head_and_names_the_features_an_item_lacks(head_dirs, target, head):
     target_dir, draft_dir, head_dir = head_dirs
     app = await start_draft(
         draft_settings(model=str(draft_dir), feature_head=str(head_dir), feature_head_target=str(target_dir))
@@ -193,8 +252,9 @@ async def test_the_draft_server_serves_the_head_and_refuses_an_item_without_feat
             DraftRequest("h", committed, 3, SamplingParams(temperature=0.0), 0, features=_features(target, committed))
         )
         assert list(reply.results[0].proposal.proposal.token_ids) == list(expected.token_ids)
-        assert reply.results[1].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
-        assert "features" in reply.results[1].error.message
+        assert not reply.results[0].proposal.HasField("features_needed_from")
+        assert not reply.results[1].proposal.proposal.token_ids
+        assert reply.results[1].proposal.features_needed_from == 0  # no features: it names the first it needs
         assert list(info.proposers) == [common_pb2.PROPOSER_KIND_MODEL, common_pb2.PROPOSER_KIND_FEATURE]
     finally:
         await app.stop(0)

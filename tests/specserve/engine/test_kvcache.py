@@ -381,6 +381,102 @@ def test_the_prefix_cache_off_shares_nothing(model):
     assert store.attach(b, LONG, most=36) == 0 and b.seq_len == 0
 
 
+@torch.inference_mode()
+def fresh_features(model, tokens) -> torch.Tensor:
+    """``[len(tokens), hidden]`` float16: the model's features of ``tokens`` from one fresh pass."""
+    from specserve.engine.feature_head import FinalNormInput
+    from specserve.engine.kvcache import features_of
+
+    with FinalNormInput(model) as tap:
+        model(input_ids=torch.tensor([tokens]))
+    return features_of(model, tap.hidden[0]).to(torch.float16)
+
+
+def test_shared_blocks_keep_their_features_and_a_tracking_session_attaches_them(model):
+    """A session that keeps features (the feature head's) shares its blocks with their features, counted once;
+    the next one attaches them and reads every position's features without feeding them again."""
+    store = _shared_store(model)
+    a, _ = store.get_or_create("a")
+    a.track_features()
+    a.reconcile(LONG)
+    own = store.total_bytes
+    assert store.share(a) == 4 and all(blk.features is not None for blk in a.blocks)
+    assert store.total_bytes == own  # the features moved into the blocks with the KV
+    want = fresh_features(model, LONG)
+    torch.testing.assert_close(a.feature_rows(0, len(LONG)), want, atol=2e-3, rtol=2e-3)
+    b, _ = store.get_or_create("b")
+    b.track_features()
+    turn2 = [*LONG, 9, 8, 7]
+    assert store.attach(b, turn2, most=len(turn2) - 1) == 32 and b.features_len == 32
+    assert b.reconcile(turn2).fed == len(turn2) - 32
+    torch.testing.assert_close(b.feature_rows(3, len(turn2)), fresh_features(model, turn2)[3:], atol=2e-3, rtol=2e-3)
+    # Cut inside the shared part: the cut block's first rows move to the tail with its keys and values.
+    b.truncate(20)
+    assert b.features_len == 20
+    torch.testing.assert_close(b.feature_rows(0, 20), want[:20], atol=2e-3, rtol=2e-3)
+
+
+def test_blocks_without_features_are_not_attached_by_a_tracking_session_and_gain_them_when_it_shares(model):
+    store = _shared_store(model)
+    plain, _ = store.get_or_create("plain")
+    plain.reconcile(LONG)
+    store.share(plain)
+    tracking, _ = store.get_or_create("tracking")
+    tracking.track_features()
+    assert store.attach(tracking, LONG, most=36) == 0  # the blocks bring no features: it feeds them
+    tracking.reconcile(LONG)
+    made = store.stats.blocks_made
+    assert store.share(tracking) == 4 and store.stats.blocks_made == made  # the same blocks, now with features
+    assert all(blk.features is not None for blk in tracking.blocks) and tracking.blocks == plain.blocks
+    later, _ = store.get_or_create("later")
+    later.track_features()
+    assert store.attach(later, LONG, most=36) == 32
+
+
+def test_a_lead_is_part_of_the_first_blocks_key(model):
+    """A cache whose keys and values depend on a token before its first (the feature head's, on position 0)
+    finds only blocks made after that same token."""
+    store = _shared_store(model)
+    a, _ = store.get_or_create("a")
+    a.lead = (1,)
+    a.reconcile(LONG)
+    store.share(a)
+    for name, lead, hit in (("two", (2,), 0), ("none", (), 0), ("one", (1,), 32)):
+        other, _ = store.get_or_create(name)
+        other.lead = lead
+        assert store.attach(other, LONG, most=36) == hit, lead
+    store.release("a")
+    store.budget_bytes = 1
+    store.trim(protect=("one",))
+    assert store.block_count == 4  # held by the session that attached them
+    store.release("one")
+    store.trim()
+    assert store.block_count == 0 and store.total_bytes == 0  # a lead's blocks are evicted like any
+
+
+def test_stores_sharing_a_budget_evict_from_both_least_recently_used_first(model):
+    """One budget for two stores (a draft's model and its feature head): growing one evicts the other's older
+    sessions, not its own newer ones."""
+    from specserve.engine.kvcache import KVBudget
+
+    clock = FakeClock()
+    budget = KVBudget(10**9)
+    first = _shared_store(model, budget_bytes=budget, clock=clock, prefix_cache=False)
+    second = _shared_store(model, budget_bytes=budget, clock=clock, prefix_cache=False)
+    old, _ = first.get_or_create("old")
+    old.reconcile(LONG)
+    clock.now += 1
+    new, _ = second.get_or_create("new")
+    new.reconcile(LONG)
+    clock.now += 1
+    newest, _ = second.get_or_create("newest")
+    newest.reconcile(LONG)
+    assert budget.total_bytes == first.total_bytes + second.total_bytes
+    budget.budget_bytes = second.total_bytes  # room for the second store's two sessions only
+    assert second.trim(protect=("newest",)) == ["old"]
+    assert first.session_ids() == [] and second.session_ids() == ["new", "newest"]
+    with pytest.raises(ValueError, match="budget_bytes"):
+        KVBudget(0)
 def test_blocks_attach_only_within_their_cache_scope(model):
     """Issue 54: a block made under one cache scope (a tenant, a salt) is never attached by another; the same
     scope attaches it, and the same tokens shared under two scopes are two chains."""
