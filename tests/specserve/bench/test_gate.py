@@ -73,7 +73,7 @@ def test_settings_are_given_per_role_and_checked():
     assert opts.overrides() == {
         "target": {"invariant": True, "dtype": "bfloat16"}, "draft": {"threads": "1"}, "coordinator": {}
     }
-    with pytest.raises(ValueError, match="ROLE.KEY=VALUE"):
+    with pytest.raises(ValueError, match=r"ROLE\.KEY=VALUE"):
         GateOptions(setting=["invariant=true"])
 
 
