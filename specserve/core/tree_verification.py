@@ -133,7 +133,8 @@ def verify_tree(target_probs: torch.Tensor, tree: DraftTree, seed: int, position
     """
     p = _check_target(target_probs, tree, position)  # [nodes + 1, vocab] float64
     q = _check_draft(tree, p.device)  # [nodes, vocab] float64, or None for point masses
-    node, path = -1, list[int]()
+    node = -1
+    path: list[int] = []
     while True:
         kids = tree.children(node)
         index = position + len(path)  # the children's index in the sequence
@@ -154,9 +155,9 @@ def _try_children(
     seed: int,
     index: int,
 ) -> tuple[int | None, torch.Tensor]:
-    """Try ``kids`` in order against ``p_row`` ``[1, vocab]``: the accepted child, or None and the final ``p'`` ``[1, vocab]``.
+    """Try ``kids`` in order against ``p_row`` ``[1, vocab]``: the accepted child, or None and the last ``p'``.
 
-    ``index``: the children's index in the sequence. The ``r``-th test draws
+    ``p'`` is ``[1, vocab]``; ``index`` is the children's index in the sequence. The ``r``-th test draws
     ``ranked_uniform(seed, index, ACCEPT, r)``. With no children ``p'`` is
     ``p_row`` itself (the bonus's distribution).
     """
@@ -226,7 +227,8 @@ def _walk_matching(tree: DraftTree, target_tokens: Sequence[int]) -> TreeOutcome
 
     ``target_tokens``: ``[nodes + 1]``, the target's token after the root (0) and after each node.
     """
-    node, path = -1, list[int]()
+    node = -1
+    path: list[int] = []
     while True:
         want = target_tokens[node + 1]
         kids = tree.children(node)

@@ -120,10 +120,16 @@ MALFORMED = {
         lambda: DraftTree(tuple(range(MAX_TREE_NODES + 1)), (-1,) * (MAX_TREE_NODES + 1)),
         f"at most {MAX_TREE_NODES} nodes",
     ),
-    "too deep": (lambda: DraftTree.from_chain([0] * (MAX_TREE_DEPTH + 1)), f"at most {MAX_TREE_DEPTH} levels"),
+    "too deep": (
+        lambda: DraftTree.from_chain([0] * (MAX_TREE_DEPTH + 1)),
+        f"at most {MAX_TREE_DEPTH} levels",
+    ),
     "q with too few rows": (lambda: DraftTree((1, 2), (-1, 0), torch.full((1, 3), 1 / 3)), "q must be"),
     "q not a matrix": (lambda: DraftTree((1,), (-1,), torch.full((3,), 1 / 3)), "q must be"),
-    "a token outside q's vocabulary": (lambda: DraftTree((3,), (-1,), torch.full((1, 3), 1 / 3)), "< the vocab"),
+    "a token outside q's vocabulary": (
+        lambda: DraftTree((3,), (-1,), torch.full((1, 3), 1 / 3)),
+        "< the vocab",
+    ),
 }
 
 

@@ -44,7 +44,7 @@ from specserve.api.errors import (
 from specserve.api.params import SamplingParams
 from specserve.core.proposal import DraftProposal
 from specserve.core.rng import Purpose, gumbel_noise, ranked_uniform
-from specserve.core.sampling import gumbel_argmax, logits_to_probs, sample_rows
+from specserve.core.sampling import logits_to_probs, sample_rows
 from specserve.core.tree import DraftTree
 from specserve.core.tree_verification import (
     TreeOutcome,
@@ -123,7 +123,9 @@ def draw_trees(Q: np.ndarray, c0: int, shape: Shape) -> list[Drawn]:
     """
     vocab = Q.shape[0]
 
-    def subtrees(context: int, parent: int, shapes: Shape, next_id: int) -> list[tuple[list, list, list, float, int]]:
+    def subtrees(
+        context: int, parent: int, shapes: Shape, next_id: int
+    ) -> list[tuple[list, list, list, float, int]]:
         out = []
         for seq in itertools.permutations(range(vocab), len(shapes)):
             prob, used = 1.0, 0.0
@@ -136,7 +138,7 @@ def draw_trees(Q: np.ndarray, c0: int, shape: Shape) -> list[Drawn]:
             partial = [([], [], [], prob, next_id)]
             for t, sub in zip(seq, shapes, strict=True):
                 partial = [
-                    (toks + [t, *st], pars + [parent, *sp], qs + [Q[context], *sq], pr * spr, nid2)
+                    ([*toks, t, *st], [*pars, parent, *sp], [*qs, Q[context], *sq], pr * spr, nid2)
                     for toks, pars, qs, pr, nid in partial
                     for st, sp, sq, spr, nid2 in subtrees(t, nid, sub, nid + 1)
                 ]
@@ -208,7 +210,9 @@ def routes(
                 u = ((cdf[y - 1] if y else 0.0) + cdf[y]) / 2 / cdf[-1]
                 emitted = (*(tree.tokens[v] for v in path), y)
                 out.append(
-                    Route(prob * final[y], path, emitted, not kids, {**draws, (index, Purpose.RESAMPLE, 0): u})
+                    Route(
+                        prob * final[y], path, emitted, not kids, {**draws, (index, Purpose.RESAMPLE, 0): u}
+                    )
                 )
 
     walk(-1, 1.0, (), {})
@@ -313,8 +317,14 @@ def test_worked_example_as_a_tree_of_two_children(scripted):
     Q = np.stack([Q_WORKED] * 3)
     tree = DraftTree((0, 2), (-1, -1), torch.tensor(np.stack([Q_WORKED] * 2), dtype=F64))
     by_route = {(r.path, r.emitted): r.prob for r in routes(tree, P[[0, 0, 2]])}
-    assert by_route == pytest.approx({((0,), (0, 0)): 5 / 6 * 0.5, ((0,), (0, 1)): 5 / 6 * 0.3,
-                                      ((0,), (0, 2)): 5 / 6 * 0.2, ((), (1,)): 1 / 6})
+    assert by_route == pytest.approx(
+        {
+            ((0,), (0, 0)): 5 / 6 * 0.5,
+            ((0,), (0, 1)): 5 / 6 * 0.3,
+            ((0,), (0, 2)): 5 / 6 * 0.2,
+            ((), (1,)): 1 / 6,
+        }
+    )
     check_exact(scripted, P, Q, 0, ((), ()))
 
 
@@ -426,7 +436,9 @@ def test_a_sure_rejection_at_the_boundary(scripted):
     ratio = 0.5 / 0.6
     scripted.load(1, {(N0, Purpose.ACCEPT, 0): ratio, (N0, Purpose.RESAMPLE, 0): 0.0})
     assert verify_tree(target, tree, 1, N0) == TreeOutcome((), (1,), False)
-    scripted.load(2, {(N0, Purpose.ACCEPT, 0): math.nextafter(ratio, 0.0), (N0 + 1, Purpose.RESAMPLE, 0): 0.99})
+    scripted.load(
+        2, {(N0, Purpose.ACCEPT, 0): math.nextafter(ratio, 0.0), (N0 + 1, Purpose.RESAMPLE, 0): 0.99}
+    )
     assert verify_tree(target, tree, 2, N0) == TreeOutcome((0,), (0, 2), True)
 
 
@@ -436,8 +448,18 @@ ALPHA = 0.001
 N_STAT = 4000
 SHAPE_STAT = (((),), (), ())  # a root with three children, the first of which has one child
 # Fixed logits over 4 tokens, the rows of a Markov chain, processed at temperature 0.7.
-LOGITS_P = [[-1.53, -0.75, -0.65, -1.61], [-0.1, -0.61, -0.98, -1.61], [-0.71, 0.3, -0.78, -0.25], [-0.22, 1.69, 0.23, 0.47]]
-LOGITS_Q = [[-0.7, -1.16, 0.7, 0.2], [0.87, 0.24, -0.66, 0.81], [1.1, -0.18, -2.25, -1.45], [0.06, -0.62, -0.8, -0.13]]
+LOGITS_P = [
+    [-1.53, -0.75, -0.65, -1.61],
+    [-0.1, -0.61, -0.98, -1.61],
+    [-0.71, 0.3, -0.78, -0.25],
+    [-0.22, 1.69, 0.23, 0.47],
+]
+LOGITS_Q = [
+    [-0.7, -1.16, 0.7, 0.2],
+    [0.87, 0.24, -0.66, 0.81],
+    [1.1, -0.18, -2.25, -1.45],
+    [0.06, -0.62, -0.8, -0.13],
+]
 T_07 = SamplingParams(temperature=0.7)
 P_STAT = logits_to_probs(torch.tensor(LOGITS_P), T_07, None).numpy()
 Q_STAT = logits_to_probs(torch.tensor(LOGITS_Q), T_07, None).numpy()
@@ -873,7 +895,9 @@ def _verdict(call: Callable[[], object]) -> object:
     position=st.integers(0, 2**40),
     removed=st.booleans(),
 )
-def test_a_chain_shaped_tree_gives_the_chain_rules_verdict(vocab, gamma, data_seed, q_kind, seed, position, removed):
+def test_a_chain_shaped_tree_gives_the_chain_rules_verdict(
+    vocab, gamma, data_seed, q_kind, seed, position, removed
+):
     """Each tree rule on ``DraftTree.from_chain`` returns exactly the chain rule's verdict (or raises the
     same error: a token the draft gave probability 0), for random p and q (with tokens removed by
     the processing when ``removed``), any seed and position."""
@@ -986,7 +1010,9 @@ def test_invalid_arguments():
     for rule in (verify_tree, verify_tree_coupled):
         _exact_raises(InvalidArgument, lambda rule=rule: rule(target[:2], tree, 0, 0))  # rows != nodes + 1
         _exact_raises(InvalidArgument, lambda rule=rule: rule(target[0], tree, 0, 0))  # not [rows, vocab]
-        _exact_raises(InvalidArgument, lambda rule=rule: rule(target[:, :2], tree, 0, 0))  # token 2 >= vocab 2
+        _exact_raises(
+            InvalidArgument, lambda rule=rule: rule(target[:, :2], tree, 0, 0)
+        )  # token 2 >= vocab 2
         _exact_raises(InvalidArgument, lambda rule=rule: rule(target, tree, 0, -1))  # negative position
         _exact_raises(InvalidArgument, lambda rule=rule: rule(target, tree, 2**64, 0))  # seed out of range
         with_q = DraftTree((1, 2), (-1, 0), torch.full((2, 4), 0.25, dtype=F64))
