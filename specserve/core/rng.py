@@ -26,6 +26,19 @@ that is, the top 53 bits of a 64-bit keyed hash, the full mantissa of a float64.
 BLAKE2b is a cryptographic hash, so the outputs for distinct inputs behave as
 independent uniforms; one call costs about a microsecond.
 
+**Ranked uniforms** (:func:`ranked_uniform`): where one position needs several
+numbers of one purpose, tried in order (the acceptance tests of a draft tree's
+siblings, :mod:`specserve.core.tree_verification`), the ``r``-th is
+:func:`uniform` itself for ``r = 0`` and, for ``r >= 1``, also a documented
+contract::
+
+    digest = blake2b(pack("<QQBQ", seed, position, purpose, r),
+                     digest_size=8, person=b"specserve.rng.1")
+    uniform = (int.from_bytes(digest, "little") >> 11) * 2**-53
+
+The message is 25 bytes where :func:`uniform`'s is 17, so no ranked input is
+ever an unranked one, and every rank draws an independent stream.
+
 **Gumbel noise** (:func:`gumbel_noise`, the shared randomness of the coupled
 sampling mode, docs/design.md "Two sampling modes"): one Gumbel(0, 1) number
 per (seed, position, token id), over the whole vocabulary. Also a documented
@@ -67,6 +80,7 @@ if TYPE_CHECKING:  # torch is imported when noise is drawn: the uniforms need no
 
 _PERSON = b"specserve.rng.1"
 _PACK = struct.Struct("<QQB")
+_PACK_RANKED = struct.Struct("<QQBQ")
 _SCALE = 2.0**-53
 _U64 = 2**64
 
@@ -92,6 +106,26 @@ def uniform(seed: int, position: int, purpose: Purpose) -> float:
     Raises :class:`~specserve.api.errors.InvalidArgument` outside those ranges.
     """
     return (_digest64(seed, position, purpose) >> 11) * _SCALE
+
+
+def ranked_uniform(seed: int, position: int, purpose: Purpose, rank: int) -> float:
+    """The ``rank``-th uniform in ``[0, 1)`` for ``(seed, position, purpose)``; a pure function.
+
+    ``rank = 0`` is :func:`uniform` (so a chain, whose positions need one number
+    each, draws what it always drew); ``rank >= 1`` is the ranked construction
+    of the module docstring. Raises :class:`~specserve.api.errors.InvalidArgument`
+    for a seed, position or rank outside ``[0, 2**64)``.
+    """
+    if rank == 0:
+        return uniform(seed, position, purpose)
+    if not (0 <= seed < _U64 and 0 <= position < _U64 and 0 < rank < _U64):
+        raise InvalidArgument(
+            f"seed, position and rank must be in [0, 2**64), got seed={seed} position={position} rank={rank}"
+        )
+    digest = hashlib.blake2b(
+        _PACK_RANKED.pack(seed, position, int(Purpose(purpose)), rank), digest_size=8, person=_PERSON
+    ).digest()
+    return (int.from_bytes(digest, "little") >> 11) * _SCALE
 
 
 def _digest64(seed: int, position: int, purpose: Purpose) -> int:
