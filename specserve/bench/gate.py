@@ -87,6 +87,11 @@ class Generation:
     seconds: float
     token_ids: list[int] = field(default_factory=list)
     proposer: str = ""
+    #: specserve's own account (GenerationStats): rounds, rounds that drafted, draft tokens proposed and accepted.
+    rounds: int = 0
+    draft_rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
 
     @property
     def ms_per_token(self) -> float:
@@ -142,7 +147,7 @@ def llama_cpp_peer(opts: GateOptions) -> tuple[LlamaCpp | None, str]:
     if opts.llama_cpp == "off":
         return None, "off (--llama-cpp off)"
     source = model_registry.REGISTRY.get(DEFAULT_TARGET)
-    is_default = Path(opts.target) == model_registry.resolve_model(DEFAULT_TARGET, progress=False)
+    is_default = Path(opts.target) == Path(model_registry.resolve_model(DEFAULT_TARGET, progress=False))
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -278,15 +283,19 @@ async def measure(opts: GateOptions) -> dict[str, Any]:
                 if llama is not None:
                     runners[LLAMA_CPP] = lambda ids: llama.generate(ids, opts.max_new_tokens)
 
-                async def one(mode: str, ids: list[int]) -> tuple[list[int], float, str]:
+                async def one(mode: str, ids: list[int]) -> tuple[list[int], float, dict[str, Any]]:
                     if mode in runners:
                         new, seconds = runners[mode](ids)
-                        return new, seconds, ""
+                        return new, seconds, {}
                     spec = GAMMA0 if mode == GAMMA_0 else ADAPTIVE  # ADAPTIVE sets nothing: the default
                     stream = client.stream(prompt_token_ids=ids, max_new_tokens=opts.max_new_tokens, temperature=0.0,
                                            seed=opts.seed, ignore_eos=True, **spec.request())
                     streamed = await timed_stream(stream)
-                    return streamed.token_ids, streamed.seconds, streamed.stats.proposer
+                    st = streamed.stats
+                    return streamed.token_ids, streamed.seconds, {
+                        "proposer": st.proposer, "rounds": st.rounds, "draft_rounds": st.draft_rounds,
+                        "proposed": st.proposed_tokens, "accepted": st.accepted_tokens,
+                    }
 
                 modes = [m for m in ORDER if m in runners or m in (GAMMA_0, DEFAULT)]
                 warm = next(iter(prompts.values()))[0][1]
@@ -297,8 +306,8 @@ async def measure(opts: GateOptions) -> dict[str, Any]:
                 for repeat in range(opts.repeats):
                     for kind, name, ids in jobs:
                         for mode in modes if repeat % 2 == 0 else modes[::-1]:
-                            new, seconds, proposer = await one(mode, ids)
-                            gens.append(Generation(kind, name, repeat, mode, len(new), seconds, new, proposer))
+                            new, seconds, stats = await one(mode, ids)
+                            gens.append(Generation(kind, name, repeat, mode, len(new), seconds, new, **stats))
                             bar.update()
                 bar.close()
         finally:

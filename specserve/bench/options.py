@@ -214,7 +214,7 @@ class GateOptions(PairOptions):
 
     kinds: list[str] = opt(list(GATE_KINDS), "held-out kinds", choices=PROMPT_SETS)
     prompts: int = opt(2, "prompts per kind for chat and chat-code")
-    task_prompts: int = opt(1, "prompts per kind for the five task kinds")
+    task_prompts: int = opt(2, "prompts per kind for the five task kinds")
     max_new_tokens: int = opt(64, "tokens per generation (EOS ignored)")
     repeats: int = opt(2, "passes over the prompts, every other one with the modes in the reverse order")
     threads: int = opt(2, "torch threads of the HF baselines and llama.cpp threads (the target service takes "
