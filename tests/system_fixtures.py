@@ -289,7 +289,7 @@ async def local_stack(pair: TinyPair, redis_url: str, **kwargs: Any) -> AsyncIte
     }
     overrides = {"warmup": False, **kwargs.pop("worker_overrides", {})}
     # The target on PyTorch's stock kernels (in invariant passes, the default), as the references here
-    # (load_reference) are; tests/coordinator/test_rounds_invariant.py runs the default kernels ("auto").
+    # (load_reference) are; tests/specserve/coordinator/test_rounds_invariant.py runs the default kernels ("auto").
     target = {**overrides, "kernels": "stock", **kwargs.pop("target_overrides", {})}
     stack = await start_local_stack(
         target_model=pair.target_dir,

@@ -8,11 +8,11 @@
   and ``api`` import only ``api``, ``v1``, grpc, protobuf and the standard
   library: no torch, transformers or numpy, by layout. Their ``__init__.py``
   files hold a docstring only (the SDK's re-exports its names).
-* The roles (``coordinator``, ``draft_service``, ``target_service``) import only
+* The roles (``specserve.coordinator``, ``specserve.draft``, ``specserve.target``) import only
   ``api``, ``v1``, ``core``, ``engine`` and ``runtime``; no role imports another;
   only the launcher (``specserve/launch/``) and the benchmark
   (``specserve/bench/``) import a role.
-* ``coordinator/rounds.py`` uses no attribute of the pool but its public methods.
+* ``specserve/coordinator/rounds.py`` uses no attribute of the pool but its public methods.
 * ``Coordinator.generate`` and ``verify_batch`` stay under 50 lines.
 * ``docs/internals.md`` names only files that exist, and walks one round through them.
 * Nothing in the repository points at design notes outside it.
@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("specserve", "coordinator", "draft_service", "target_service")
-ROLES = ("coordinator", "draft_service", "target_service")
+PACKAGES = ("specserve",)  # one top-level package: the roles live under it
+ROLES = ("specserve.coordinator", "specserve.draft", "specserve.target")
 #: The only parts of specserve that import roles: the composition roots.
 ABOVE_ROLES = ("specserve.launch", "specserve.bench")
 #: What the roles build on.
@@ -119,6 +119,11 @@ def _within(module: str, part: str) -> bool:
     return module == part or module.startswith(part + ".")
 
 
+def _role(module: str) -> str | None:
+    """The role ``module`` belongs to (None: not a role's)."""
+    return next((role for role in ROLES if _within(module, role)), None)
+
+
 def _part(module: str) -> str | None:
     """The entry of :data:`MAY_IMPORT` that ``module`` belongs to (None: above every rule)."""
     return next((part for part in MAY_IMPORT if _within(module, part)), None)
@@ -137,17 +142,18 @@ def _third_party(module: str) -> set[str]:
 @pytest.mark.unit
 def test_the_graph_is_read_from_real_imports():
     """Guards the tests below: known edges are found (so an empty graph cannot pass them)."""
-    assert "coordinator.pool" in GRAPH["coordinator.rounds"]
+    assert "specserve.coordinator.pool" in GRAPH["specserve.coordinator.rounds"]
     assert "specserve.api.status" in GRAPH["specserve.client._client"]
     assert "specserve.bench.cli" in GRAPH["specserve.launch.cli"]  # a lazy import inside a function
     assert "specserve.api" not in GRAPH["specserve.client._client"]  # "from specserve.api import errors" is specserve.api.errors
-    hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import coordinator.pool\n")
-    assert "coordinator.pool" not in _imported_names(hidden, "specserve.launch.cli")
+    hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import specserve.coordinator.pool\n")
+    assert "specserve.coordinator.pool" not in _imported_names(hidden, "specserve.launch.cli")
     assert len(GRAPH) > 60
     assert "torch" in _third_party("specserve.core.sampling")
     assert "grpc" in _third_party("specserve.client._client")
     assert _part("specserve.engine.models") == "specserve.engine" and _part("specserve.launch.cli") is None
     assert {_part(m) for m in MODULES} >= set(MAY_IMPORT)  # every part has modules
+    assert _role("specserve.draft.engine") == "specserve.draft" and _role("specserve.core.rng") is None
 
 
 @pytest.mark.unit
@@ -178,9 +184,9 @@ def test_the_import_graph_has_no_cycle():
 @pytest.mark.unit
 def test_only_the_launcher_and_the_benchmark_import_a_role():
     offenders = {
-        module: sorted(m for m in GRAPH[module] if _package(m) in ROLES)
+        module: sorted(m for m in GRAPH[module] if _role(m) is not None)
         for module in GRAPH
-        if _package(module) == "specserve" and not any(_within(module, p) for p in ABOVE_ROLES)
+        if _role(module) is None and not any(_within(module, p) for p in ABOVE_ROLES)
     }
     assert {m: found for m, found in offenders.items() if found} == {}
 
@@ -223,9 +229,9 @@ def test_subpackage_inits_hold_a_docstring_only(part):
 @pytest.mark.unit
 def test_no_role_imports_another_role():
     offenders = {
-        module: sorted(m for m in GRAPH[module] if _package(m) in ROLES and _package(m) != _package(module))
+        module: sorted(m for m in GRAPH[module] if _role(m) not in (None, _role(module)))
         for module in GRAPH
-        if _package(module) in ROLES
+        if _role(module) is not None
     }
     assert {m: found for m, found in offenders.items() if found} == {}
 
@@ -235,13 +241,13 @@ def test_no_role_imports_another_role():
 
 @pytest.mark.unit
 def test_the_round_loop_uses_only_the_pools_public_methods():
-    from coordinator.pool import WorkerPool
+    from specserve.coordinator.pool import WorkerPool
 
     public = {
         name for name, value in vars(WorkerPool).items() if not name.startswith("_") and callable(value)
     }
     assert {"propose", "verify", "release"} <= public
-    tree = ast.parse((ROOT / "coordinator" / "rounds.py").read_text())
+    tree = ast.parse((ROOT / "specserve" / "coordinator" / "rounds.py").read_text())
     used: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
@@ -260,7 +266,7 @@ def test_the_round_loop_uses_only_the_pools_public_methods():
 @pytest.mark.unit
 @pytest.mark.parametrize(
     ("path", "qualname"),
-    [("coordinator/coordinator.py", "Coordinator.generate"), ("specserve/core/verification.py", "verify_batch")],
+    [("specserve/coordinator/coordinator.py", "Coordinator.generate"), ("specserve/core/verification.py", "verify_batch")],
 )
 def test_key_functions_stay_under_50_lines(path, qualname):
     tree = ast.parse((ROOT / path).read_text())
@@ -298,19 +304,19 @@ def test_internals_walks_one_round_through_the_files_in_order():
     walked = [n for n in FILE_NAME.findall(section) if "/" in n]
     order = [
         "specserve/client/_client.py",
-        "coordinator/servicer.py",
-        "coordinator/coordinator.py",
-        "coordinator/rounds.py",
-        "coordinator/pool.py",
-        "draft_service/servicer.py",
-        "draft_service/engine.py",
-        "draft_service/proposers.py",
+        "specserve/coordinator/servicer.py",
+        "specserve/coordinator/coordinator.py",
+        "specserve/coordinator/rounds.py",
+        "specserve/coordinator/pool.py",
+        "specserve/draft/servicer.py",
+        "specserve/draft/engine.py",
+        "specserve/draft/proposers.py",
         "specserve/core/proposal.py",
-        "coordinator/batcher.py",
-        "target_service/servicer.py",
-        "target_service/verifier.py",
+        "specserve/coordinator/batcher.py",
+        "specserve/target/servicer.py",
+        "specserve/target/verifier.py",
         "specserve/core/verification.py",
-        "coordinator/detokenize.py",
+        "specserve/coordinator/detokenize.py",
     ]
     firsts = [walked.index(n) for n in order]  # each is named (ValueError otherwise) ...
     assert firsts == sorted(firsts), "... and first named in the order the data flows"

@@ -20,12 +20,12 @@ INTERNALS = ROOT / "docs" / "internals.md"
 DOCS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 
 #: The repository's top-level folders a document may name a path under.
-TOP = "coordinator draft_service target_service specserve protos deploy tests scripts docs models .ci".split()
-#: A path under one of them (``coordinator/rounds.py``, ``specserve/v1/``, ``models/specserve-demo-*``), not
+TOP = "specserve protos deploy tests scripts docs models benchmarks .ci".split()
+#: A path under one of them (``specserve/coordinator/rounds.py``, ``specserve/v1/``, ``models/specserve-demo-*``), not
 #: the tail of a longer path or a URL.
 PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(map(re.escape, TOP)) + r")/(?:[\w.*-]+/)*[\w.*-]*)")
 #: A module run with ``python -m`` from one of the packages.
-MODULE = re.compile(r"python3?\s+-m\s+((?:coordinator|draft_service|target_service|specserve)(?:\.\w+)+)")
+MODULE = re.compile(r"python3?\s+-m\s+(specserve(?:\.\w+)+)")
 #: A Markdown link's target.
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
@@ -50,9 +50,9 @@ def anchor(heading: str) -> str:
 
 @pytest.mark.unit
 def test_the_path_pattern_reads_paths_and_nothing_else():
-    text = "`coordinator/rounds.py`, specserve/v1/ and models/specserve-demo-*; not a/coordinator/x.py or http://h/docs/x"
-    assert named_paths(text) == {"coordinator/rounds.py", "specserve/v1/", "models/specserve-demo-*"}
-    assert not exists("coordinator/no_such_module.py") and exists("models/specserve-demo-*")
+    text = "`specserve/coordinator/rounds.py`, specserve/v1/ and models/specserve-demo-*; not a/coordinator/x.py or http://h/docs/x"
+    assert named_paths(text) == {"specserve/coordinator/rounds.py", "specserve/v1/", "models/specserve-demo-*"}
+    assert not exists("specserve/coordinator/no_such_module.py") and exists("models/specserve-demo-*")
 
 
 @pytest.mark.unit
@@ -69,7 +69,7 @@ def test_internals_names_only_paths_and_modules_that_exist():
 def test_the_round_walk_names_the_feature_head_where_proposals_and_verdicts_pass():
     walk = INTERNALS.read_text().split("## One round, file by file", 1)[1].split("\n## ", 1)[0]
     named = named_paths(walk)
-    for path in ("coordinator/feature_relay.py", "draft_service/feature_proposer.py", "specserve/engine/feature_head.py"):
+    for path in ("specserve/coordinator/feature_relay.py", "specserve/draft/feature_proposer.py", "specserve/engine/feature_head.py"):
         assert path in named, f"docs/internals.md's round walk does not name {path}"
 
 

@@ -421,12 +421,12 @@ class GenerationParams:
 
     The SDK's ``generate`` / ``stream`` / ``chat`` take these fields as keyword arguments
     (their signatures are generated from this class), ``specserve generate`` as flags,
-    the HTTP API maps its body onto them (coordinator/openai_protocol.py), and the
+    the HTTP API maps its body onto them (specserve/coordinator/openai_protocol.py), and the
     coordinator reads them from the wire with :meth:`from_pb`. Construction checks
     every value that needs no server limit and raises
     :class:`~specserve.api.errors.InvalidArgument` naming it; the server's limits
     (``max_new_tokens``, ``gamma``, the vocabulary) are checked by the coordinator
-    (coordinator/requests.py). ``None`` leaves a setting to the server.
+    (specserve/coordinator/requests.py). ``None`` leaves a setting to the server.
 
     Sampling follows Hugging Face ``generate()``: ``temperature`` 0 is greedy; ``top_k`` 0,
     ``top_p`` 1, ``min_p`` 0 and ``repetition_penalty`` 1 disable those. ``sampling_mode``

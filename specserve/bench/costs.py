@@ -12,7 +12,7 @@ target in float32) through the caches between two proposals, Hugging Face
 assisted generation as much as the draft service.
 
 The speculation bound these costs predict is the coordinator's own cost model
-(:func:`coordinator.cost_model.predicted_speedup`), not a copy of it.
+(:func:`specserve.coordinator.cost_model.predicted_speedup`), not a copy of it.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from coordinator.cost_model import predicted_speedup as cost_model_speedup
 from specserve.bench.pair import forward, prefilled
 from specserve.bench.timing import Laps
+from specserve.coordinator.cost_model import predicted_speedup as cost_model_speedup
 
 
 @dataclass

@@ -13,7 +13,7 @@ answer tokens, drawn as ``data_size.png``.
 
 In float32 on the CPU, batch 1, on the held-out prompts of
 :mod:`specserve.bench.chat_prompts` (subjects never seen in training), the head
-drafting through the draft tier's own code (:class:`draft_service.feature_proposer.FeatureProposer`)
+drafting through the draft tier's own code (:class:`specserve.draft.feature_proposer.FeatureProposer`)
 from the target's features, as the service relays them:
 
 * **Greedy acceptance per gamma** (temperature 0): each round is replayed on the
@@ -42,8 +42,6 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from draft_service.feature_proposer import FeatureProposer
-from draft_service.proposers import DraftRequest
 from specserve.api.params import SamplingParams
 from specserve.bench import markdown as md
 from specserve.bench.chat_prompts import heldout_prompts
@@ -55,6 +53,8 @@ from specserve.core import features as wire
 from specserve.core.proposal import DraftProposal
 from specserve.core.sampling import logits_to_probs
 from specserve.core.verification import verify_batch
+from specserve.draft.feature_proposer import FeatureProposer
+from specserve.draft.proposers import DraftRequest
 from specserve.engine.feature_head import FeatureHead, FinalNormInput, load_feature_head
 from specserve.engine.kvcache import SessionCacheStore, features_of
 

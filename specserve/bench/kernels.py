@@ -16,7 +16,7 @@ kernels and one with packed oneDNN weights (:mod:`specserve.engine.cpu_kernels`)
   each copy, token for token;
 * **the draft's drafting step**: one session's proposals of ``--draft-gamma``
   tokens through the draft service's row-invariant pass
-  (:class:`draft_service.proposers.ModelProposer`), with the stock kernels (in
+  (:class:`specserve.draft.proposers.ModelProposer`), with the stock kernels (in
   16-row blocks) and with packed weights (rows unpadded where the kernel
   allows), each round catching up on two committed tokens as a real round
   does; beside them the plain model's one-position step, the cost model's
@@ -50,8 +50,8 @@ def _load(target: str, kernels: str):
 
 def draft_steps(args: KernelsOptions) -> dict[str, float]:
     """ms per drafted token: the row-invariant pass with each kernel path, and the plain model's step."""
-    from draft_service.proposers import DraftRequest, ModelProposer
     from specserve.api.params import SamplingParams
+    from specserve.draft.proposers import DraftRequest, ModelProposer
     from specserve.engine.kvcache import SessionCacheStore
     from specserve.engine.models import load_model, resolve_model_path
 

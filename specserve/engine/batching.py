@@ -1,7 +1,7 @@
 """One padded forward pass for many sessions, the steps after it, and the split of the results.
 
 Both tiers batch sessions with this module: the target for its verify pass,
-the draft for each drafting step (``draft_service/proposers.py``).
+the draft for each drafting step (``specserve/draft/proposers.py``).
 
 Every session brings the key/value tensors it already holds (its *past*,
 ``past_len`` tokens, batch 1) and the tokens to feed now (committed tokens its

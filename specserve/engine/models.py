@@ -273,7 +273,7 @@ def pass_timer(
     """``time(k)``: ``clock`` nanoseconds of one pass of ``model`` over ``k <= most`` new positions after
     ``context`` cached tokens (fewer where the model's context is shorter), the cache cropped back after
     each pass. Shared by the kernel choice (:func:`specserve.engine.cpu_kernels.use_faster_linears`) and the
-    target's start-up verify curve (``target_service/calibration.py``); run it where the model runs."""
+    target's start-up verify curve (``specserve/target/calibration.py``); run it where the model runs."""
     from transformers import DynamicCache
 
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)

@@ -28,7 +28,7 @@ The cure is to make every row's arithmetic a function of that row alone:
    covers too).
 3. Everything else in the pass is row-wise already: embeddings, norms,
    activations, rotary or learned positions; the logits processing and the
-   sampling run per row (``draft_service/proposers.py``).
+   sampling run per row (``specserve/draft/proposers.py``).
 
 :func:`prepare` registers the attention function with transformers (as
 :data:`ATTENTION`) and switches a model to it; called without a

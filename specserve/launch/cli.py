@@ -13,7 +13,7 @@
     specserve models list|fetch NAME|path NAME   # registered models (the default pair)
 
 This module and :mod:`specserve.launch.local` are the launcher: the composition root
-that sits above the roles (``coordinator``, ``draft_service``, ``target_service``)
+that sits above the roles (``specserve.coordinator``, ``specserve.draft``, ``specserve.target``)
 and ``bench``, and the only modules under ``specserve/`` that import them.
 Imports are lazy: ``generate`` and ``chat`` need only grpcio and protobuf; ``up``, ``demo``
 and ``serve`` load the serving stack (torch, transformers, redis) when they run.
@@ -39,9 +39,9 @@ from specserve.launch.redis_server import RedisServerError, private_redis
 
 #: role -> (settings class in specserve.runtime.config, module with ``async serve(settings)``)
 ROLES = {
-    "draft": ("DraftSettings", "draft_service.server"),
-    "target": ("TargetSettings", "target_service.server"),
-    "coordinator": ("CoordinatorSettings", "coordinator.server"),
+    "draft": ("DraftSettings", "specserve.draft.server"),
+    "target": ("TargetSettings", "specserve.target.server"),
+    "coordinator": ("CoordinatorSettings", "specserve.coordinator.server"),
 }
 
 

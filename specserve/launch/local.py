@@ -53,9 +53,9 @@ class LocalStack:
     """Running targets, draft and coordinator of one process; see the module docstring."""
 
     host: str
-    coordinator: Any  # coordinator.server.CoordinatorApp
-    targets: list[Any]  # target_service.server.TargetApp, one per replica
-    draft: Any | None  # draft_service.server.DraftApp, or None without a draft
+    coordinator: Any  # specserve.coordinator.server.CoordinatorApp
+    targets: list[Any]  # specserve.target.server.TargetApp, one per replica
+    draft: Any | None  # specserve.draft.server.DraftApp, or None without a draft
     _stopped_targets: set[int] = field(default_factory=set)
     _draft_stopped: bool = False
 
@@ -130,8 +130,8 @@ async def start_local_stack(
     given, returns the address the coordinator dials instead of a started
     worker's own: a proxy that adds network latency, in the benchmark.
     """
-    from coordinator.server import start_coordinator
-    from target_service.server import start_target
+    from specserve.coordinator.server import start_coordinator
+    from specserve.target.server import start_target
 
     if n_targets < 1:
         raise ValueError(f"n_targets must be >= 1, got {n_targets}")
@@ -144,7 +144,7 @@ async def start_local_stack(
             settings = TargetSettings(**{**worker, "model": target_model, **(target_overrides or {})})
             targets.append(await start_target(settings))
         if with_draft:
-            from draft_service.server import start_draft
+            from specserve.draft.server import start_draft
 
             settings = DraftSettings(**{**worker, "model": draft_model, **(draft_overrides or {})})
             draft = await start_draft(settings)
@@ -377,7 +377,7 @@ async def start_process_stack(
     )
     try:
         # The draft first, then the target: the target times its verify pass as it starts
-        # (target_service/calibration.py), which a draft loading beside it on the same cores would skew.
+        # (specserve/target/calibration.py), which a draft loading beside it on the same cores would skew.
         if draft_port is not None:
             settings = {
                 **worker,

@@ -31,9 +31,9 @@ MISSING_DRAFTS = [f"draft-{i}.draft-headless.specserve.invalid:50053" for i in (
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def partly_scaled_stack(redis_server, tmp_path_factory):
-    from coordinator.server import start_coordinator
-    from draft_service.server import start_draft
-    from target_service.server import start_target
+    from specserve.coordinator.server import start_coordinator
+    from specserve.draft.server import start_draft
+    from specserve.target.server import start_target
 
     pair = sf.tiny_pair(tmp_path_factory)
     worker = {

@@ -240,7 +240,7 @@ async def start_test_coordinator(
     streams are compared with them afterwards); ``settings`` override ``CoordinatorSettings``."""
     from pydantic import SecretStr
 
-    from coordinator.server import start_coordinator
+    from specserve.coordinator.server import start_coordinator
     from specserve.runtime.config import CoordinatorSettings
 
     return await start_coordinator(

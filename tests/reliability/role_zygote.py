@@ -26,10 +26,10 @@ def main() -> None:
     import torch  # noqa: F401  (imported for the children)
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    import coordinator.server  # noqa: F401
-    import draft_service.server  # noqa: F401
+    import specserve.coordinator.server
+    import specserve.draft.server
     import specserve.launch.cli
-    import target_service.server  # noqa: F401
+    import specserve.target.server
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     print("ready", flush=True)

@@ -189,9 +189,9 @@ class DropVerifyReply(grpc.aio.UnaryUnaryClientInterceptor):
 async def proxied(pair, redis_server):
     """Target + draft in this process, the draft behind a DelayProxy, a coordinator whose
     target channel carries :class:`DropVerifyReply`. Yields (coordinator app, proxy, dropper)."""
-    from coordinator.server import start_coordinator
-    from draft_service.server import start_draft
-    from target_service.server import start_target
+    from specserve.coordinator.server import start_coordinator
+    from specserve.draft.server import start_draft
+    from specserve.target.server import start_target
 
     worker = {
         "host": "127.0.0.1",

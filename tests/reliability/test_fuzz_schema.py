@@ -2,7 +2,7 @@
 
 One real stack (target, draft, coordinator with its HTTP API; tiny float32 Llama pair) runs on a loop in
 a background thread, against the session's real Redis. schemathesis loads ``GET /openapi.json``
-(:mod:`coordinator.openapi`) and, for every operation, generates requests that fit the schema
+(:mod:`specserve.coordinator.openapi`) and, for every operation, generates requests that fit the schema
 (positive) and requests that break it (negative: wrong types, out-of-range numbers, missing or extra
 fields). Each is sent over HTTP to the running server with a deadline, and its reply must:
 

@@ -33,8 +33,8 @@ import system_fixtures as sf
 from pydantic import SecretStr
 from waiting import wait_until
 
-from coordinator.constraint_compiler import ConstraintCompiler
 from specserve.api.constraints import Constraint
+from specserve.coordinator.constraint_compiler import ConstraintCompiler
 from specserve.engine.grammar import GrammarEngine
 from specserve.v1 import common_pb2
 

@@ -25,9 +25,9 @@ from specserve.runtime.config import CoordinatorSettings, DraftSettings, TargetS
 class Roles:
     """One target, one draft and a coordinator; ``proxy`` (if any) sits between coordinator and target."""
 
-    target: Any  # target_service.server.TargetApp
-    draft: Any  # draft_service.server.DraftApp
-    coordinator: Any  # coordinator.server.CoordinatorApp
+    target: Any  # specserve.target.server.TargetApp
+    draft: Any  # specserve.draft.server.DraftApp
+    coordinator: Any  # specserve.coordinator.server.CoordinatorApp
     proxy: DelayProxy | None
 
     @property
@@ -46,9 +46,9 @@ async def running_roles(
     proxy_target: bool = False,
 ) -> AsyncIterator[Roles]:
     """Start target, draft (``worker`` settings on both) and coordinator; stop them on exit."""
-    from coordinator.server import start_coordinator
-    from draft_service.server import start_draft
-    from target_service.server import start_target
+    from specserve.coordinator.server import start_coordinator
+    from specserve.draft.server import start_draft
+    from specserve.target.server import start_target
 
     common = {"host": "127.0.0.1", "port": 0, "redis_url": SecretStr(redis_url)}
     worker_kw = {**common, "device": "cpu", "dtype": "float32", "warmup": False, **(worker or {})}
@@ -86,7 +86,7 @@ async def running_roles(
 @contextlib.asynccontextmanager
 async def extra_coordinator(roles: Roles, pair: TinyPair, **settings: Any) -> AsyncIterator[Any]:
     """Another coordinator (gRPC, and HTTP with ``http_port=0``) on ``roles``' workers, with its own settings."""
-    from coordinator.server import start_coordinator
+    from specserve.coordinator.server import start_coordinator
 
     base = roles.coordinator.settings
     app = await start_coordinator(

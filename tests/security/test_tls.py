@@ -16,9 +16,9 @@ import pytest_asyncio
 import system_fixtures as sf
 from security_helpers import running_roles
 
-from coordinator.worker_clients import DraftClient, TargetClient
 from specserve.api import errors
 from specserve.client import AsyncClient
+from specserve.coordinator.worker_clients import DraftClient, TargetClient
 from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -140,7 +140,7 @@ async def test_the_coordinators_worker_clients_without_a_certificate_are_refused
 async def test_clients_with_different_certificates_are_different_prefix_cache_tenants(roles, pki):
     """Issue 54: under mutual TLS without tokens the tenant is the client certificate's names: a client with
     another certificate of the same CA finds nothing of the first's prompt in the cache, the same one does."""
-    from coordinator.server import start_coordinator
+    from specserve.coordinator.server import start_coordinator
 
     settings = roles.coordinator.settings.model_copy(update={"port": 0, "tls_ca_file": pki.ca})
     app = await start_coordinator(settings)

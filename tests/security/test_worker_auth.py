@@ -27,9 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import SecretStr, ValidationError
 from security_helpers import running_roles
 
-from coordinator.worker_clients import DraftClient, TargetClient
 from specserve.api import errors
 from specserve.api.params import SamplingParams, StopConditions
+from specserve.coordinator.worker_clients import DraftClient, TargetClient
 from specserve.runtime.config import CoordinatorSettings, TargetSettings
 from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc

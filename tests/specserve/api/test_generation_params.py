@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from coordinator.openai_protocol import ChatCompletionRequest, parse_body
 from specserve.api.constraints import Constraint
 from specserve.api.errors import InvalidArgument
 from specserve.api.params import GenerationParams
 from specserve.client import AsyncClient, Client, _codegen
+from specserve.coordinator.openai_protocol import ChatCompletionRequest, parse_body
 from specserve.launch import cli
 from specserve.v1 import coordinator_pb2
 
@@ -230,7 +230,7 @@ FULL_BODY = {
 
 
 #: Fields no HTTP body reaches (every one does; ``constraint`` through the structured-output fields,
-#: coordinator/structured_outputs.py).
+#: specserve/coordinator/structured_outputs.py).
 NOT_OVER_HTTP: set[str] = set()
 
 

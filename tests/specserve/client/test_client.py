@@ -721,7 +721,7 @@ async def test_chat_is_the_greedy_continuation_of_the_rendered_chat_template(sta
 @module_loop
 async def test_chat_with_a_model_without_a_chat_template_is_a_failed_precondition(stack, pair):
     """A second coordinator on the same workers whose tokenizer has no chat template."""
-    from coordinator.server import start_coordinator
+    from specserve.coordinator.server import start_coordinator
     from specserve.runtime.config import CoordinatorSettings
 
     plain = pair.tokenizer

@@ -13,7 +13,7 @@ import pytest
 import redis
 import tiny_models
 
-from draft_service.kernel_timing import drafting_kernels
+from specserve.draft.kernel_timing import drafting_kernels
 from specserve.engine import cpu_kernels, kernel_choice
 from specserve.engine.models import load_model
 from specserve.runtime.config import DraftSettings

@@ -76,7 +76,7 @@ def test_without_it_the_main_thread_s_tensor_work_starts_a_second_team():
 WORKER_SCRIPT = textwrap.dedent(
     """
     import os, sys, torch
-    from draft_service.server import build_draft
+    from specserve.draft.server import build_draft
     from specserve.runtime.config import DraftSettings
 
     settings = DraftSettings(model=sys.argv[1], threads=int(sys.argv[2]), host="127.0.0.1", port=0, warmup=False)

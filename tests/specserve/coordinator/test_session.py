@@ -1,0 +1,105 @@
+"""Session state: the one mutator emits each committed token once, and refuses a log that disagrees."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.api.errors import FailedPrecondition
+from specserve.api.params import SamplingParams, StopConditions, Verdict
+from specserve.coordinator.requests import SpeculationSettings
+from specserve.coordinator.session import Session, SessionStats, SessionStatus
+from specserve.v1 import common_pb2
+
+pytestmark = pytest.mark.unit
+
+PROMPT = (1, 2, 3)
+
+
+def _session() -> Session:
+    return Session(
+        "s1",
+        PROMPT,
+        SamplingParams(temperature=0.0, seed=7),
+        StopConditions(max_new_tokens=8),
+        SpeculationSettings(gamma=2, proposer=common_pb2.PROPOSER_KIND_MODEL),
+    )
+
+
+def _verdict(tokens, committed_len, version, finish=0, accepted=0):
+    return Verdict(accepted, tuple(tokens), False, version, committed_len, finish)
+
+
+def test_verdicts_then_a_full_log_reread_emit_each_token_once():
+    s = _session()
+    assert s.apply_verdict(_verdict([4, 5], 5, 1)) == (4, 5)
+    assert s.base.committed_len == 5 and s.version == 1
+    # A re-read of the whole log (after a conflict) emits only what is new.
+    assert s.advance((1, 2, 3, 4, 5, 6, 7), start=0, version=3, finish_reason=0) == (6, 7)
+    assert s.generated_token_ids == (4, 5, 6, 7)
+    # Re-reading the same log again emits nothing.
+    assert s.advance((1, 2, 3, 4, 5, 6, 7), start=0, version=3, finish_reason=0) == ()
+    assert s.stats.first_token_ns > 0
+
+
+def test_a_log_that_disagrees_or_goes_back_is_refused():
+    s = _session()
+    s.apply_verdict(_verdict([4, 5], 5, 1))
+    with pytest.raises(FailedPrecondition):
+        s.advance((1, 2, 3, 9), start=0, version=2, finish_reason=0)
+    with pytest.raises(FailedPrecondition):
+        s.advance((1, 2, 3, 4, 5), start=0, version=0, finish_reason=0)
+    with pytest.raises(FailedPrecondition):
+        s.apply_verdict(_verdict([6], 7, 2))  # starts at 6, beyond the 5 held
+    assert s.token_ids == (1, 2, 3, 4, 5) and s.version == 1
+
+
+def test_finish_reason_finishes_the_session():
+    s = _session()
+    s.apply_verdict(_verdict([4, 0], 5, 1, finish=common_pb2.FINISH_REASON_EOS))
+    assert s.finished and s.status == SessionStatus.FINISHED
+    s.end(SessionStatus.RUNNING)  # status never goes back
+    assert s.status == SessionStatus.FINISHED
+    pb = s.stats_pb()
+    assert pb.completion_tokens == 2 and pb.finish_reason == common_pb2.FINISH_REASON_EOS and pb.seed == 7
+
+
+def test_draft_sees_only_new_tokens_and_everything_after_a_switch():
+    s = _session()
+    assert s.unseen_by_draft("d1") == (0, PROMPT)
+    s.draft_caught_up("d1")
+    s.apply_verdict(_verdict([4, 5], 5, 1))
+    assert s.unseen_by_draft("d1") == (3, (4, 5))
+    assert s.unseen_by_draft("d2") == (0, (1, 2, 3, 4, 5))
+
+
+def test_stats_count_acceptance_per_position():
+    st = SessionStats()
+    st.observe_round(proposed=3, accepted=2)
+    st.observe_round(proposed=4, accepted=4)
+    st.observe_round(proposed=0, accepted=0)
+    assert st.rounds == 3 and st.proposed_tokens == 7 and st.accepted_tokens == 6
+    assert st.accepted_per_position == [2, 2, 1, 1]
+    assert st.draft_rounds == 2, 'a gamma = 0 round proposes nothing and is no draft'
+
+
+def test_the_sessions_local_proposers_follow_every_committed_token():
+    """The prediction and the n-gram lookup see each committed token once, whichever way it arrived
+    (a verdict, a re-read of the log), and the prediction's counts reach the statistics."""
+    s = Session(
+        "s2",
+        PROMPT,
+        SamplingParams(temperature=0.0),
+        StopConditions(max_new_tokens=8),
+        SpeculationSettings(gamma=2, proposer=common_pb2.PROPOSER_KIND_NGRAM),
+        prediction=(4, 5, 6, 7),
+    )
+    assert [p.name for p in s.local_proposers] == ["prediction", "ngram"]
+    assert s.prediction is not None and s.prediction.propose(2) == (4, 5)
+    s.apply_verdict(_verdict([4, 9], 5, 1, accepted=1))
+    s.advance((1, 2, 3, 4, 9, 1, 2), start=0, version=2, finish_reason=0)  # a re-read adds 1, 2
+    assert s.local_proposers[1].propose(2) == (3, 4), "the lookup saw prompt, 4, 9, 1, 2"
+    pb = s.stats_pb()
+    assert (pb.accepted_prediction_tokens, pb.rejected_prediction_tokens) == (1, 1)
+    plain = _session()
+    assert plain.local_proposers == () and plain.prediction is None
+    assert plain.stats_pb().accepted_prediction_tokens == 0
