@@ -41,6 +41,7 @@ from specserve.bench.pair import hf_generate
 from specserve.bench.prompts import load_prompt_sets
 from specserve.bench.runner import now_utc, resolve_pair
 from specserve.bench.timing import timed_stream
+from specserve.engine import kernel_choice
 from specserve.engine.kernel_choice import cpu_model_and_flags
 
 HF = "HF generate()"
@@ -218,6 +219,10 @@ def render(data: dict[str, Any]) -> str:
         "interleaved passes. Cells: median ms/token, then the median (min-max over prompts and passes) speed over "
         "HF generate() in the same turn. The default request drafted with: "
         f"{', '.join(summary['default_proposers']) or '-'}. llama.cpp: {data['llama_cpp']}.",
+        "Kernel paths the stack's workers run (recorded for this kind of machine; ms each path took when timed): "
+        + ("; ".join(f"{k['role']} {k['kernels']} ("
+                     + ", ".join(f"{p} {ms:.1f}" for p, ms in sorted(k['timings_ms'].items())) + ")"
+                     for k in sorted(data.get("kernels", []), key=lambda k: k["role"])) or "-") + ".",
         "",
     ]
     kinds = list(summary["table"])
@@ -273,6 +278,8 @@ async def measure(opts: GateOptions) -> dict[str, Any]:
             target_overrides=overrides["target"], draft_overrides=overrides["draft"],
             coordinator_overrides=overrides["coordinator"],
         )  # fmt: skip
+        kernels = [{"role": c.role, "kernels": c.kernels, "timings_ms": c.timings_ms, "kind": c.kind}
+                   for c in kernel_choice.recorded(url)]
         try:
             async with AsyncClient(stack.address) as client:
                 runners = {
@@ -314,6 +321,7 @@ async def measure(opts: GateOptions) -> dict[str, Any]:
             await stack.stop()
     return {
         "gens": gens,
+        "kernels": kernels,
         "llama_cpp": llama_note if llama is None else f"llama-cpp-python {llama.version}, {opts.threads} threads",
     }
 
@@ -336,6 +344,7 @@ def main(opts: GateOptions) -> int:
         "lscpu_model": _lscpu_model(),
         "settings": opts.settings(),
         "llama_cpp": measured["llama_cpp"],
+        "kernels": measured["kernels"],
         "load_average": {"before": list(before), "after": list(os.getloadavg())},
         "summary": summarize(gens, list(opts.kinds)),
         "generations": [{k: v for k, v in asdict(g).items() if k != "token_ids"} for g in gens],

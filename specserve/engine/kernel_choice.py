@@ -107,16 +107,18 @@ class Choice:
     measured_by: str
     measured_at: float
     shared: bool  # read from (or recorded in) the deployment's Redis; False: timed here alone
+    kind: str = ""  # HardwareKind.describe() of the kind it was measured for
+    role: str = ""  # what was timed: "target" or "draft"
 
     def to_json(self) -> str:
-        return json.dumps({"kernels": self.kernels, "timings_ms": self.timings_ms,
-                           "measured_by": self.measured_by, "measured_at": self.measured_at})
+        return json.dumps({"kernels": self.kernels, "timings_ms": self.timings_ms, "measured_by": self.measured_by,
+                           "measured_at": self.measured_at, "kind": self.kind, "role": self.role})
 
     @classmethod
     def from_json(cls, raw: str | bytes, *, shared: bool = True) -> Choice:
         data = json.loads(raw)
         return cls(str(data["kernels"]), dict(data.get("timings_ms", {})), str(data.get("measured_by", "")),
-                   float(data.get("measured_at", 0.0)), shared)
+                   float(data.get("measured_at", 0.0)), shared, str(data.get("kind", "")), str(data.get("role", "")))
 
 
 Measure = Callable[[], tuple[str, dict[str, float]]]
@@ -136,7 +138,7 @@ def shared_choice(redis_url: str | None, kind: HardwareKind, measure: Measure) -
             return held
         path, timings = measure()
         mine = Choice(path, {p: round(ms, 3) for p, ms in timings.items()},
-                      f"{socket.gethostname()}:{os.getpid()}", time.time(), shared=False)
+                      f"{socket.gethostname()}:{os.getpid()}", time.time(), False, kind.describe(), kind.role)
         recorded = _record(client, kind.key(), mine)
         if recorded is None:
             log.warning("kernels_timed_alone", kernels=path, kind=kind.describe(), role=kind.role, **_ms(timings))
@@ -183,6 +185,17 @@ def _record(client: Any, key: str, mine: Choice) -> Choice | None:
     except _UNREACHABLE as exc:
         log.warning("kernels_store_unreachable", error=str(exc))
         return None
+
+
+def recorded(redis_url: str) -> list[Choice]:
+    """Every choice recorded in the Redis at ``redis_url`` (what the deployment's replicas run)."""
+    client = _client(redis_url)
+    if client is None:
+        return []
+    try:
+        return [Choice.from_json(client.get(key)) for key in client.scan_iter(match=KEY_PREFIX + "*")]
+    finally:
+        client.close()
 
 
 def forget(redis_url: str, kind: HardwareKind | None = None) -> int:

@@ -100,3 +100,7 @@ def test_the_gate_runs_on_the_tiny_pair_and_appends_to_the_history(tmp_path_fact
     text = history.read_text()
     assert text.startswith("# History\n") and "### Speed gate" in text and data["cpu_kind"]["cpu"] in text
     assert (tmp_path / "gate.md").read_text().count("Bars:") == 1
+    # The kernel paths the stack's workers recorded for this kind of machine (the target's and the draft's).
+    assert {k["role"] for k in data["kernels"]} <= {"target", "draft"}
+    assert all(k["kernels"] in ("stock", "onednn") for k in data["kernels"])
+    assert "Kernel paths the stack's workers run" in text
