@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import specserve.engine.draft_model  # noqa: F401  (registers the draft's model type)
-from specserve.bench.chat_prompts import heldout_prompts
+from specserve.prompts.chat import heldout_prompts
 from specserve.engine.kernel_choice import cpu_model_and_flags
 from specserve.engine.models import resolve_model_path
 

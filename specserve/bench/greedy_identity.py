@@ -4,7 +4,7 @@ Run (docs/benchmarks/invariance.md, "Greedy identity, the default pair", comes f
 
     specserve bench greedy-identity --n 200 --max-new-tokens 32 --out DIR
 
-The held-out chat and code prompts of :mod:`specserve.bench.chat_prompts` (code first, then chat, ``--n``
+The held-out chat and code prompts of :mod:`specserve.prompts.chat` (code first, then chat, ``--n``
 in all), each rendered with the target's chat template into token ids. The reference is the target loaded
 by plain transformers in float32 (stock kernels and attention: code this project did not write),
 ``generate(do_sample=False)``, EOS ignored, batch 1. The system is one ``specserve serve`` process per role
@@ -45,7 +45,7 @@ CONFIGS = GREEDY_CONFIGS  # name -> (requests at a time, gamma; None: the automa
 
 def prompts(tokenizer: Any, n: int) -> list[tuple[str, list[int]]]:
     """``n`` held-out prompts (code, then chat) as (name, token ids of the rendered conversation)."""
-    from specserve.bench.chat_prompts import heldout_prompts
+    from specserve.prompts.chat import heldout_prompts
 
     chosen = [*heldout_prompts("code"), *heldout_prompts("chat")][:n]
     if len(chosen) < n:
@@ -244,7 +244,7 @@ def render(data: dict) -> str:
         f"Measured {data['when_utc']} ({data['machine']}); one run of:",
         "",
         *md.command_block(data["command"]),
-        f"{data['done']} held-out chat and code prompts (`specserve/bench/chat_prompts.py`), "
+        f"{data['done']} held-out chat and code prompts (`specserve/prompts/chat.py`), "
         f"{data['max_new_tokens']} tokens each (EOS ignored), through the system (one `specserve serve` process "
         "per role, float32 on CPU, the target on its defaults, the model draft) against stock transformers "
         "`generate(do_sample=False)` of the target in float32, batch 1:",

@@ -89,7 +89,7 @@ def greedy_outputs(models: dict, tokenizer, prompts_per_kind: int, max_new_token
     """HF ``generate()`` of ``prompts_per_kind`` held-out chat and code prompts with each of two ``models``
     (name -> model), greedy, ``max_new_tokens`` each (EOS ignored): per prompt, whether the two agree token
     for token, the first token where they differ (None: nowhere) and each model's seconds."""
-    from specserve.bench.chat_prompts import heldout_prompts
+    from specserve.prompts.chat import heldout_prompts
 
     first_name, second_name = models
     prompts = [p for kind in ("chat", "code") for p in heldout_prompts(kind, prompts_per_kind)]

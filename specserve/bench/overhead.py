@@ -55,7 +55,7 @@ from specserve.bench.timing import timed_generate
 
 
 def _prompts(tokenizer, n: int) -> list[list[int]]:
-    from specserve.bench.chat_prompts import heldout_prompts
+    from specserve.prompts.chat import heldout_prompts
 
     out = []
     for p in heldout_prompts("chat", n):

@@ -43,7 +43,7 @@ TURNS = 6
 
 def _user_messages(tokenizer: Any, turns: int, conversation: int, tokens: int) -> list[str]:
     """``turns`` user messages of about ``tokens`` tokens each, held-out questions joined."""
-    from specserve.bench.chat_prompts import heldout_prompts
+    from specserve.prompts.chat import heldout_prompts
 
     pool = [p.messages[0]["content"] for p in heldout_prompts("chat")]
     rng = random.Random(conversation)

@@ -22,7 +22,7 @@ in the JSON (``verdict``) and the report; the default itself is
 production pair says so.
 
 Prompt sets: ``chat`` and ``chat-code`` are the held-out chat and code
-conversations of :mod:`specserve.bench.chat_prompts` (first turn, the tokenizer's chat
+conversations of :mod:`specserve.prompts.chat` (first turn, the tokenizer's chat
 template applied), for a chat pair such as the default SmolLM2 pair; ``code``
 and ``prose`` are the held-out standard-library cuts of :mod:`specserve.bench.prompts`
 (the embedded demo pair). The default is ``chat chat-code`` when the target's

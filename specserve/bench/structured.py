@@ -270,7 +270,7 @@ def mask_cost(tokenizer: Any, vocab_size: int, stop_ids: list[int], runs: list[d
 
 
 async def _isolation(client: Any, tokenizer: Any, metrics: Metrics, opts: StructuredOptions) -> dict[str, Any]:
-    from specserve.bench.chat_prompts import heldout_prompts
+    from specserve.prompts.chat import heldout_prompts
 
     prompts = [_render(tokenizer, p.messages[0]["content"]) for p in heldout_prompts("chat", opts.streams)]
     slow_prompt = _render(tokenizer, "Reply with a JSON object.")

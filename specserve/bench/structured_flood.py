@@ -153,7 +153,7 @@ async def _settled(metrics_url: str, timeout_s: float = 600.0) -> float:
 async def measure_flood(clients: dict[str, Any], tokenizer: Any, metrics: Any, opts: Any) -> dict[str, Any]:
     """The flood part (see the module docstring); ``clients``: ``streams``, ``attacker`` and ``victim``, one API
     key each."""
-    from specserve.bench.chat_prompts import heldout_prompts
+    from specserve.prompts.chat import heldout_prompts
 
     prompts = [render_prompt(tokenizer, p.messages[0]["content"]) for p in heldout_prompts("chat", opts.streams)]
     ask = render_prompt(tokenizer, "Reply with a JSON object.")
