@@ -56,7 +56,6 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specserve.prompts import chat as cp  # noqa: E402
 from specserve.engine.feature_head import (  # noqa: E402
     FeatureHead,
     FinalNormInput,
@@ -65,6 +64,7 @@ from specserve.engine.feature_head import (  # noqa: E402
     save_feature_head,
     target_features,
 )
+from specserve.prompts import chat as cp  # noqa: E402
 
 DEFAULT_DATA = ROOT / "data" / "smollm2-answers"
 DEFAULT_WORK = Path(os.environ.get("SPECSERVE_HEAD_DIR", Path.home() / ".cache" / "specserve" / "feature-head"))

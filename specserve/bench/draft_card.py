@@ -40,13 +40,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import specserve.engine.draft_model  # noqa: F401  (registers the draft's model type)
 from specserve.api.params import SamplingParams
 from specserve.bench import markdown as md
-from specserve.prompts.chat import heldout_prompts
 from specserve.bench.options import DraftCardOptions
 from specserve.bench.timing import Laps
 from specserve.core.proposal import DraftProposal
 from specserve.core.rng import Purpose, uniform
 from specserve.core.sampling import check_distribution, logits_to_probs, sample_from
 from specserve.core.verification import verify_batch
+from specserve.prompts.chat import heldout_prompts
 
 GAMMAS = (1, 2, 3, 4, 6, 8)
 

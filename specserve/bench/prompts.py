@@ -26,9 +26,9 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.prompts.chat import copy_prompts, heldout_prompts
 from specserve.bench.task_prompts import KINDS as TASK_KINDS
 from specserve.bench.task_prompts import task_prompts
+from specserve.prompts.chat import copy_prompts, heldout_prompts
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specserve.bench.demo_pair import speculative_greedy
+from benchmarks.demo_pair import speculative_greedy
 
 pytestmark = pytest.mark.system
 
-MODELS = Path(os.environ.get("SPECSERVE_DEMO_MODELS_DIR", Path(__file__).resolve().parents[1] / "models"))
+MODELS = Path(os.environ.get("SPECSERVE_DEMO_MODELS_DIR", Path(__file__).resolve().parents[2] / "models"))
 TARGET = MODELS / "specserve-demo-target"
 DRAFT = MODELS / "specserve-demo-draft"
 BUDGET_BYTES = 40 * 1000 * 1000

@@ -8,7 +8,7 @@ each a greedy generation of ``--new`` tokens at gamma 0 with the model proposer 
 attaches nothing: docs/design.md, "The prefix cache"). Reported per case: ``GenerationStats.first_token_ns``
 (median, quartiles) and ``cached_tokens``.
 
-    python scripts/prefix_cache_tenancy.py --prompts 12 --out docs/benchmarks
+    python -m benchmarks prefix-cache-tenancy --prompts 12 --out docs/benchmarks
 
 Writes ``<out>/prefix_cache_tenancy.json``.
 """
@@ -30,7 +30,7 @@ async def run(args: argparse.Namespace) -> dict:
     import grpc
     from pydantic import SecretStr
 
-    from specserve.bench.prefix_cache import _render, _user_messages
+    from benchmarks.prefix_cache import _render, _user_messages
     from specserve.launch.local import start_local_stack
     from specserve.launch.redis_server import RedisServer
     from specserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -100,19 +100,16 @@ async def run(args: argparse.Namespace) -> dict:
             "summary": {case: quartiles(case) for case in CASES}}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=200, help="user-message tokens per prompt")
     parser.add_argument("--new", type=int, default=4, help="tokens generated per request")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     result = asyncio.run(run(args))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prefix_cache_tenancy.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["summary"], indent=1), flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

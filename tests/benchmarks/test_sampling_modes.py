@@ -1,6 +1,6 @@
-"""specserve.bench.sampling_modes: the coupled-against-optimal comparison runs end to end on a tiny pair.
+"""benchmarks.sampling_modes: the coupled-against-optimal comparison runs end to end on a tiny pair.
 
-``specserve bench sampling-modes`` against the tiny test pair (a real local
+``python -m benchmarks sampling-modes`` against the tiny test pair (a real local
 stack, the session's Redis), a few tokens per generation: the JSON and the
 Markdown section are written, every (set, temperature, gamma) has both modes,
 the live drafter-invariance check holds, and the verdict follows the 5% rule.
@@ -15,8 +15,7 @@ import json
 import pytest
 import system_fixtures as sf
 
-from specserve.bench import sampling_modes
-from specserve.launch import cli
+from benchmarks import cli, sampling_modes
 
 
 @pytest.fixture
@@ -29,7 +28,7 @@ def quiet_logging(monkeypatch):
 def test_only_sampling_modes_writes_json_and_report(tmp_path_factory, tmp_path, redis_server, quiet_logging):
     pair = sf.tiny_pair(tmp_path_factory)
     args = [
-        "bench", "sampling-modes", "--target", str(pair.target_dir), "--draft", str(pair.draft_dir),
+        "sampling-modes", "--target", str(pair.target_dir), "--draft", str(pair.draft_dir),
         "--redis-url", redis_server.url, "--out", str(tmp_path), "--prompts", "1",
         "--max-new-tokens", "12", "--gammas", "auto", "3", "--prompt-chars", "200",
         "--prompt-sets", "code", "prose",

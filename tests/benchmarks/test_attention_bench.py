@@ -1,4 +1,4 @@
-"""specserve.bench.attention on the tiny pair's target (grouped-query attention): both copies are timed at every k and
+"""benchmarks.attention on the tiny pair's target (grouped-query attention): both copies are timed at every k and
 context, every pass compared bit for bit, greedy output compared token for token, and the report renders."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import system_fixtures as sf
 
-from specserve.bench.cli import main
+from benchmarks.cli import main
 
 pytestmark = pytest.mark.system
 

@@ -3,7 +3,7 @@ whether greedy output stays the same.
 
 Run (one run, one machine; docs/benchmarks/kernels.md comes from it)::
 
-    specserve bench kernels --out docs/benchmarks
+    python -m benchmarks kernels --out docs/benchmarks
 
 Two copies of the target in this process, one with PyTorch's stock linear
 kernels and one with packed oneDNN weights (:mod:`specserve.engine.cpu_kernels`):
@@ -31,15 +31,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from benchmarks.options import KernelsOptions
 from specserve.bench import markdown as md
 from specserve.bench.costs import random_context, time_pass
-from specserve.bench.options import KernelsOptions
 from specserve.bench.pair import hf_generate
 from specserve.bench.runner import Header
 from specserve.bench.timing import Stopwatch
 
 #: kernels.md: what follows this line is written by hand and kept when the measurements are rerun.
-NOTES = "<!-- notes: kept by specserve.bench.kernels -->"
+NOTES = "<!-- notes: kept by benchmarks.kernels -->"
 
 
 def _load(target: str, kernels: str):
@@ -192,7 +192,7 @@ def render(data: dict) -> str:
 
 
 def main(opts: KernelsOptions) -> int:
-    """``specserve bench kernels``: ``<out>/kernels.json`` and ``kernels.md`` (the hand-written notes after
+    """``python -m benchmarks kernels``: ``<out>/kernels.json`` and ``kernels.md`` (the hand-written notes after
     the marker in an earlier kernels.md stay)."""
     opts.threads = opts.threads or torch.get_num_threads()
     data = measure(opts)

@@ -1,11 +1,11 @@
-"""The flood part of ``specserve bench structured`` (issue 54): one client floods slow schemas, another's is served.
+"""The flood part of ``python -m benchmarks structured`` (issue 54): one client floods slow schemas, another's is served.
 
 ``--streams`` ordinary requests (the isolation part's: held-out chat prompts, greedy, ``--stream-tokens``
 each, EOS ignored) run alone, then beside a flood, ``--flood-repeats`` times each in ABBA order. Each
 client has an API key of its own (the coordinator's per-client limits key on it):
 
 * **The attacker** keeps ``--flood-requests`` constrained requests in flight once every stream has its
-  first token, each with a distinct schema (:func:`~specserve.bench.structured.slow_schema`, with
+  first token, each with a distinct schema (:func:`~benchmarks.structured.slow_schema`, with
   ``--flood-patterns`` ``patternProperties``: more than the compile limit's worth of llguidance's work), a new
   one as soon as one ends, half a second after one refused at once, until the streams end.
 * **The victim** sends one request with a new, ordinary schema (distinct per phase, so never cached) a
@@ -25,7 +25,7 @@ import json
 import time
 from typing import Any
 
-from specserve.bench.structured_common import (
+from benchmarks.structured_common import (
     ISOLATION_BAR,
     constraint_of,
     isolation_summary,

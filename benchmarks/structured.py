@@ -1,6 +1,6 @@
 """Structured output under speculation, measured through the service: speed, isolation, a compile flood.
 
-``specserve bench structured`` starts one stack of one process per role (``specserve up``'s), the
+``python -m benchmarks structured`` starts one stack of one process per role (``specserve up``'s), the
 default pair, and runs three parts (issue 41's two, issue 54's flood):
 
 * **Speed.** JSON-schema requests whose keys are long and fixed (``--schemas``,
@@ -31,7 +31,7 @@ default pair, and runs three parts (issue 41's two, issue 54's flood):
 share, a team of two threads waits on a descheduled one at every barrier, and a step can cost several
 times what it costs on one thread.
 
-* **Flood** (issue 54; :mod:`specserve.bench.structured_flood`): the ordinary streams alone and beside one
+* **Flood** (issue 54; :mod:`benchmarks.structured_flood`): the ordinary streams alone and beside one
   client flooding distinct slow schemas while another client's new schema is sent; each client has an API
   key of its own (the stack runs with ``auth_tokens``: the per-client limits key on them).
 
@@ -51,20 +51,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specserve.bench import markdown as md
-from specserve.bench.options import StructuredOptions
-from specserve.bench.structured_common import (
+from benchmarks.options import StructuredOptions
+from benchmarks.structured_common import (
     ISOLATION_BAR,
     isolation_summary,
     itl_summary,
     quantile,
     slow_schema,
 )
-from specserve.bench.structured_common import constraint_of as _constraint
-from specserve.bench.structured_common import render_prompt as _render
-from specserve.bench.structured_common import stream as _stream
-from specserve.bench.structured_common import verdict as _verdict
-from specserve.bench.structured_flood import measure_flood, render_flood
+from benchmarks.structured_common import constraint_of as _constraint
+from benchmarks.structured_common import render_prompt as _render
+from benchmarks.structured_common import stream as _stream
+from benchmarks.structured_common import verdict as _verdict
+from benchmarks.structured_flood import measure_flood, render_flood
+from specserve.bench import markdown as md
 from specserve.bench.timing import Stopwatch, inter_token_latencies
 
 #: The two request settings the speed part compares: target-alone constrained decoding in the service,
@@ -441,7 +441,7 @@ def _run_lines(part: dict[str, Any], a: dict[str, Any]) -> list[str]:
     return [
         f"One run ({part.get('date_utc', '?')} UTC) of:",
         "",
-        *md.command_block(a["command"] or "specserve bench structured"),
+        *md.command_block(a["command"] or "python -m benchmarks structured"),
         f"Load average (1, 5, 15 min) before {part.get('load_before')}, after {part.get('load_after')}.{threads}",
         "",
     ]
@@ -579,7 +579,7 @@ def _stage_lines(phases: list[dict[str, Any]], slow: list[dict[str, Any]], alone
 
 
 def main(opts: StructuredOptions) -> int:
-    """``specserve bench structured``: ``<out>/<name>.json`` and ``<out>/<name>.md``. A part not run
+    """``python -m benchmarks structured``: ``<out>/<name>.json`` and ``<out>/<name>.md``. A part not run
     (``--parts``) keeps its figures from the file already there, with the command they came from."""
     result = asyncio.run(_measure(opts))
     path = opts.out / f"{opts.name}.json"

@@ -3,7 +3,7 @@ place (:mod:`specserve.engine.attention`), what a pass over k positions costs, a
 
 Run (one run, one machine; docs/benchmarks/attention.md comes from it)::
 
-    specserve bench attention --out docs/benchmarks
+    python -m benchmarks attention --out docs/benchmarks
 
 Two copies of the target in this process, on the same linear kernels
 (``--kernels``, the target service's path), one on transformers' SDPA attention
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from benchmarks.kernels import greedy_outputs
+from benchmarks.options import AttentionOptions
 from specserve.bench import markdown as md
 from specserve.bench.costs import random_context, time_pass
-from specserve.bench.kernels import greedy_outputs
-from specserve.bench.options import AttentionOptions
 from specserve.bench.pair import forward, prefilled
 from specserve.bench.runner import Header
 
@@ -132,7 +132,7 @@ def render(data: dict) -> str:
 
 
 def main(opts: AttentionOptions) -> int:
-    """``specserve bench attention``: ``<out>/attention.json`` and ``attention.md``."""
+    """``python -m benchmarks attention``: ``<out>/attention.json`` and ``attention.md``."""
     opts.threads = opts.threads or torch.get_num_threads()
     data = measure(opts)
     print(render(data))

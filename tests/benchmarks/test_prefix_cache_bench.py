@@ -1,11 +1,11 @@
-"""specserve.bench.prefix_cache: the memory check at a small size, and the report's arithmetic."""
+"""benchmarks.prefix_cache: the memory check at a small size, and the report's arithmetic."""
 
 from __future__ import annotations
 
 import pytest
 
-from specserve.bench import prefix_cache
-from specserve.bench.options import PrefixCacheMemoryOptions
+from benchmarks import prefix_cache
+from benchmarks.options import PrefixCacheMemoryOptions
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,7 @@
 
 Run (one run, one machine; docs/benchmarks/invariance.md comes from it)::
 
-    specserve bench invariance --out docs/benchmarks
+    python -m benchmarks invariance --out docs/benchmarks
 
 Copies of the target in this process, for each linear kernel path of
 ``--kernels``: the stock passes (:func:`specserve.engine.models.load_model`,
@@ -35,10 +35,10 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from benchmarks.kernels import greedy_outputs
+from benchmarks.options import InvarianceOptions
 from specserve.bench import markdown as md
 from specserve.bench.costs import random_context
-from specserve.bench.kernels import greedy_outputs
-from specserve.bench.options import InvarianceOptions
 from specserve.bench.pair import forward, prefilled
 from specserve.bench.runner import Header
 from specserve.bench.timing import Stopwatch
@@ -215,7 +215,7 @@ def render(data: dict) -> str:
 
 
 def main(opts: InvarianceOptions) -> int:
-    """``specserve bench invariance``: ``<out>/invariance.json`` and ``invariance.md``."""
+    """``python -m benchmarks invariance``: ``<out>/invariance.json`` and ``invariance.md``."""
     data = measure(opts)
     print(render(data))
     md.write(opts.out, "invariance", render(data), data)

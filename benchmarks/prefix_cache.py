@@ -1,6 +1,6 @@
 """The prefix cache measured: time to first token per turn of a chat with the cache on and off, and memory.
 
-``specserve bench prefix-cache`` starts two stacks of one process per role (``specserve up``'s),
+``python -m benchmarks prefix-cache`` starts two stacks of one process per role (``specserve up``'s),
 the default pair, one with the prefix cache on (the default) and one with it off on both tiers
 (``prefix_cache=false``), and runs greedy 6-turn chats on both, turn by turn, interleaved (the stack
 that goes first alternates), ``--repeats`` conversations each: every turn is the conversation so far
@@ -11,7 +11,7 @@ turn's new tokens runs on both. Recorded per turn: the server's time to first to
 answer (greedy: they must). Writes ``<out>/prefix_cache.json``, ``<out>/prefix-cache.md`` and
 ``<out>/prefix_cache.png``.
 
-``specserve bench prefix-cache-memory`` runs the memory check at full size: ``--prefixes`` distinct ``--tokens``-token
+``python -m benchmarks prefix-cache-memory`` runs the memory check at full size: ``--prefixes`` distinct ``--tokens``-token
 prompts through one KV-cache store (the workers' :class:`~specserve.engine.kvcache.SessionCacheStore`,
 driven as the target drives it: attach, prefill to the pending token, share, trim, release) whose budget
 holds ``--keep`` of them, on ``--memory-model`` (``tiny``, the default: a 2-layer Llama of width 64
@@ -34,8 +34,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.options import PrefixCacheMemoryOptions, PrefixCacheOptions
 from specserve.bench import markdown as md
-from specserve.bench.options import PrefixCacheMemoryOptions, PrefixCacheOptions
 from specserve.bench.timing import Stopwatch
 
 TURNS = 6
@@ -335,7 +335,7 @@ def render(result: dict[str, Any], memory: dict[str, Any] | None) -> str:
         "time to first token (request arrival to the first committed token, `GenerationStats.first_token_ns`).",
         "",
         *md.command_block(
-            f"specserve bench prefix-cache --repeats {a['repeats']} --answer-tokens {a['answer_tokens']} "
+            f"python -m benchmarks prefix-cache --repeats {a['repeats']} --answer-tokens {a['answer_tokens']} "
             f"--user-tokens {a['user_tokens']}"
         ),
         f"{s.get('conversations', a['repeats'])} conversation(s) of the {a['repeats']} asked, medians over them; "
@@ -376,7 +376,7 @@ def render(result: dict[str, Any], memory: dict[str, Any] | None) -> str:
             "## Memory: many distinct prefixes, a budget for a tenth of them",
             "",
             *md.command_block(
-                f"specserve bench prefix-cache-memory --prefixes {ma['prefixes']} --tokens {ma['tokens']} --keep {ma['keep']}"
+                f"python -m benchmarks prefix-cache-memory --prefixes {ma['prefixes']} --tokens {ma['tokens']} --keep {ma['keep']}"
             ),
             f"{ma['prefixes']} distinct {ma['tokens']}-token prompts through one KV-cache store (the workers' code, "
             f"driven as the target drives it) on model {ma['memory_model']} ({m['kv_bytes_per_token']} KV bytes "
@@ -397,7 +397,7 @@ def render(result: dict[str, Any], memory: dict[str, Any] | None) -> str:
 
 
 def main(opts: PrefixCacheOptions) -> int:
-    """``specserve bench prefix-cache``: ``<out>/prefix_cache.json`` and its plot, and ``prefix-cache.md``."""
+    """``python -m benchmarks prefix-cache``: ``<out>/prefix_cache.json`` and its plot, and ``prefix-cache.md``."""
     result = asyncio.run(_ttft(opts))
     md.write_json(opts.out / "prefix_cache.json", result)
     _plot(result, opts.out / "prefix_cache.png")
@@ -405,7 +405,7 @@ def main(opts: PrefixCacheOptions) -> int:
 
 
 def main_memory(opts: PrefixCacheMemoryOptions) -> int:
-    """``specserve bench prefix-cache-memory``: ``<out>/prefix_cache_memory.json`` (and ``prefix-cache.md``
+    """``python -m benchmarks prefix-cache-memory``: ``<out>/prefix_cache_memory.json`` (and ``prefix-cache.md``
     again where the TTFT figures are there)."""
     md.write_json(opts.out / "prefix_cache_memory.json", _memory(opts))
     return _write_report(opts.out)

@@ -1,4 +1,4 @@
-"""What the parts of ``specserve bench structured`` share (specserve/bench/structured.py, structured_flood.py):
+"""What the parts of ``python -m benchmarks structured`` share (benchmarks/structured.py, structured_flood.py):
 the slow schemas, the requests and their streams, and the inter-token latency summaries (pure)."""
 
 from __future__ import annotations

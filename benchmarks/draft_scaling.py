@@ -1,6 +1,6 @@
 """How the draft tier scales with concurrent sessions, with draft batching on and off.
 
-``specserve bench draft-scaling``
+``python -m benchmarks draft-scaling``
 starts a stack like ``specserve up`` (one process per role, as in a deployment,
 so the draft, the target and the coordinator share no GIL) once per setting:
 
@@ -23,9 +23,8 @@ The draft's batches and the proposals they held come from its ``/metrics``
 ``--repeats`` times after one warm-up group;
 the JSON keeps every repeat, the table their medians.
 
-Writes ``<out>/draft_scaling.json``, and ``specserve.bench.report`` renders it as
-``draft_scaling.md`` with a plot (``draft_scaling.png``), and as a section of
-the full report whenever that is rendered.
+Writes ``<out>/draft_scaling.json`` and renders it as ``draft_scaling.md`` with a
+plot (``draft_scaling.png``); ``python -m benchmarks report`` renders them again.
 """
 
 from __future__ import annotations
@@ -39,7 +38,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specserve.bench.options import DraftScalingOptions
+from benchmarks.options import DraftScalingOptions
+from specserve.bench import markdown as md
+from specserve.bench.runner import run_mode
 from specserve.bench.timing import Stopwatch, timed_stream
 
 SESSIONS = (1, 2, 4, 8, 16, 32)
@@ -209,7 +210,7 @@ def to_json(runs: list[ScalingRun], settings: dict) -> dict:
 
 
 async def measure_for(opts: DraftScalingOptions) -> dict:
-    """``specserve bench draft-scaling``: every point on 8 held-out code prompts, with the run's settings."""
+    """``python -m benchmarks draft-scaling``: every point on 8 held-out code prompts, with the run's settings."""
     from transformers import AutoTokenizer
 
     from specserve.bench.runner import code_prompts_for, now_utc, stack_of
@@ -240,3 +241,94 @@ async def measure_for(opts: DraftScalingOptions) -> dict:
         "draft_batch": opts.draft_batch,
     }
     return to_json(runs, settings)
+
+
+def draft_scaling_section(scaling: dict) -> list[str]:
+    """The draft-scaling table  as Markdown lines."""
+    st = scaling["settings"]
+    rows = {(r["batching"], r["sessions"]): r for r in scaling["summary"]}
+    sessions = sorted({n for _, n in rows})
+    lines = [
+        f"## The draft tier under concurrent sessions (greedy, gamma {st['gamma']}, "
+        f"{st['max_new_tokens']} tokens, median of {st['repeats']} run(s))",
+        "",
+        f"Measured {st['date_utc']} UTC through a stack of one process per role (as `specserve up`); "
+        f"target `{st['target']}`, draft `{st['draft']}`. Batching on: the draft drafts up to "
+        f"{st['draft_batch']} sessions per forward pass; off: each session alone. Per round, from the "
+        "clients' `GenerationStats`: draft = the Propose call as the round saw it (batching wait included), "
+        "verify = the Verify call.",
+        "",
+    ]
+
+    def cell(batching: bool, n: int, field: str, fmt: str = "{:.1f}") -> str:
+        r = rows.get((batching, n))
+        return fmt.format(r[field]) if r else "-"
+
+    header = ("sessions", "draft ms/round on", "off", "verify ms/round on", "off", "tok/s on", "off",
+              "sessions per draft batch on")  # fmt: skip
+    cells = [
+        (n, cell(True, n, "draft_ms_per_round"), cell(False, n, "draft_ms_per_round"),
+         cell(True, n, "verify_ms_per_round"), cell(False, n, "verify_ms_per_round"),
+         cell(True, n, "throughput_tok_s", "{:.0f}"), cell(False, n, "throughput_tok_s", "{:.0f}"),
+         cell(True, n, "sessions_per_draft_batch"))
+        for n in sessions
+    ]  # fmt: skip
+    lines += md.table(header, cells)
+    one_on, one_off = rows.get((True, 1)), rows.get((False, 1))
+    lines.append("")
+    for n in sessions:
+        on, off = rows.get((True, n)), rows.get((False, n))
+        if n == 16 and on and one_on and off:
+            lines.append(
+                f"At 16 sessions, draft ms per round is {on['draft_ms_per_round'] / one_on['draft_ms_per_round']:.1f}x "
+                f"the single-session figure with batching (without: "
+                f"{off['draft_ms_per_round'] / one_off['draft_ms_per_round']:.1f}x), and throughput is "
+                f"{on['throughput_tok_s'] / off['throughput_tok_s']:.2f}x the unbatched draft's."
+            )
+    errors = sum(r["errors"] for r in scaling["summary"])
+    if errors:
+        lines.append(f"**{errors} generations failed** during the measurement (see `draft_scaling.json`).")
+    lines.append("")
+    return lines
+
+
+def _draft_scaling_plot(scaling: dict, out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for batching, style in ((True, "-"), (False, "--")):
+        rows = sorted(
+            (r for r in scaling["summary"] if r["batching"] == batching), key=lambda r: r["sessions"]
+        )
+        if not rows:
+            continue
+        label = "batching on" if batching else "batching off"
+        n = [r["sessions"] for r in rows]
+        axes[0].plot(n, [r["draft_ms_per_round"] for r in rows], style, marker="o", label=f"draft, {label}")
+        axes[0].plot(n, [r["verify_ms_per_round"] for r in rows], style, marker="s", label=f"verify, {label}")
+        axes[1].plot(n, [r["throughput_tok_s"] for r in rows], style, marker="o", label=label)
+    axes[0].set(
+        xscale="log", xlabel="concurrent sessions", ylabel="ms per round", title="draft and verify per round"
+    )
+    axes[1].set(xscale="log", xlabel="concurrent sessions", ylabel="committed tokens/s", title="throughput")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "draft_scaling.png", dpi=110)
+    plt.close(fig)
+    return "draft_scaling.png"
+
+
+def write_draft_scaling(scaling: dict, out: Path) -> Path:
+    """``draft_scaling.json``'s section alone, with its plot, as ``<out>/draft_scaling.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    plot = _draft_scaling_plot(scaling, out)
+    return md.write(out, "draft_scaling", [*draft_scaling_section(scaling), f"![{plot}]({plot})", ""])
+
+
+def main(opts: DraftScalingOptions) -> int:
+    """``python -m benchmarks draft-scaling``: ``draft_scaling.json``, ``.md`` and ``.png``."""
+    return run_mode(opts, measure_for, "draft_scaling", write_draft_scaling)

@@ -2,7 +2,7 @@
 
 Run (one run, one machine; docs/benchmarks/constraints.md comes from it)::
 
-    specserve bench constraints --out docs/benchmarks
+    python -m benchmarks constraints --out docs/benchmarks
 
 For each engine, each constraint of the validity set (``--set``, by default
 ``tests/data/constraints``: JSON schemas, regexes and choice lists, each with a
@@ -53,8 +53,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.options import ConstraintsOptions
 from specserve.bench import markdown as md
-from specserve.bench.options import ConstraintsOptions
 from specserve.bench.runner import Header
 from specserve.bench.timing import Stopwatch
 
@@ -551,7 +551,7 @@ def render(data: dict) -> str:
 
 
 def main(opts: ConstraintsOptions) -> int:
-    """``specserve bench constraints``: the report printed, and with ``--out`` written as
+    """``python -m benchmarks constraints``: the report printed, and with ``--out`` written as
     ``constraint_engines.json`` and ``constraint_engines.md``."""
     data = measure(opts)
     text = render(data)

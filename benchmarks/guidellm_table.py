@@ -1,12 +1,11 @@
 """The table docs/benchmarks/tools.md shows from guidellm's own JSON reports (``guidellm-c{1,4,8}.json``).
 
-    python scripts/guidellm_table.py guidellm-c1.json guidellm-c4.json guidellm-c8.json
+    python -m benchmarks guidellm-table guidellm-c1.json guidellm-c4.json guidellm-c8.json
 """
 
 from __future__ import annotations
 
 import json
-import sys
 
 
 def row(path: str) -> str:
@@ -32,6 +31,3 @@ def main(paths: list[str]) -> None:
     for path in paths:
         print(row(path))
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -2,7 +2,7 @@
 
 Run (one run, one machine; the figures in docs/benchmarks come from it)::
 
-    specserve bench overhead --json docs/benchmarks/overhead.json
+    python -m benchmarks overhead --json docs/benchmarks/overhead.json
 
 The same held-out chat prompts go, greedy (or all sampled at ``--temperature``)
 and with ``ignore_eos`` (so every run commits exactly ``--max-new-tokens``
@@ -45,11 +45,12 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from benchmarks.options import OverheadOptions
 from specserve.bench import markdown as md
-from specserve.bench.options import OverheadOptions
 from specserve.bench.pair import hf_generate
 from specserve.bench.timing import timed_generate
 
@@ -195,7 +196,7 @@ def _sampling(data: dict) -> str:
 
 
 def section(data: dict) -> list[str]:
-    """The report's section (``specserve.bench.report`` renders it whenever ``overhead.json`` is there)."""
+    """The report's section: ``overhead.md`` (:func:`write`)."""
     settings = data["decode_steps"]
     default = str(data["default_decode_steps"])
     shown = sorted(settings, key=int)
@@ -248,11 +249,17 @@ def section(data: dict) -> list[str]:
     return [*lines, *md.table(["", *(f"decode_steps = {k}" for k in shown)], rows), ""]
 
 
+def write(data: dict, out: Path) -> Path:
+    """``overhead.json``'s section alone, as ``<out>/overhead.md``."""
+    return md.write(out, "overhead", section(data))
+
+
 def main(opts: OverheadOptions) -> int:
-    """``specserve bench overhead``: prints the section, and writes the figures to ``--json`` (the report
-    renders the section from ``overhead.json``)."""
+    """``python -m benchmarks overhead``: prints the section, and writes the figures to ``--json`` and the
+    section beside them as ``overhead.md``."""
     result = asyncio.run(measure(opts))
     print("\n".join(section(result)))
     if opts.json is not None:
         md.write_json(opts.json, result)
+        write(result, opts.json.parent)
     return 0

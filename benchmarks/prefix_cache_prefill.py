@@ -1,6 +1,6 @@
 """The target's prefill work per turn of a chat, prefix cache on and off, in CPU time (issue 42).
 
-A stand-in for the end-to-end time to first token (``specserve bench prefix-cache``) on a machine too busy
+A stand-in for the end-to-end time to first token (``python -m benchmarks prefix-cache``) on a machine too busy
 for wall-clock figures: the default target, loaded and prepared as a target replica loads it (invariant
 passes, ``kernels=auto``), and two KV-cache stores as the target's (``SessionCacheStore``), the prefix cache
 on in one and off in the other. Each turn of a 6-turn chat (the target's chat template; about 160-token
@@ -11,7 +11,7 @@ store in turn (the order alternating); then a fresh chat as long as the last tur
 the model thread's CPU time (``time.thread_time``, torch on one thread, so that it is all the work) and
 wall time of that work, and the tokens fed.
 
-    python scripts/prefix_cache_prefill.py --repeats 2 --out docs/benchmarks
+    python -m benchmarks prefix-cache-prefill --repeats 2 --out docs/benchmarks
 
 Writes ``<out>/prefix_cache_prefill.json`` (``prefix_cache_prefill_stock.json`` with ``--no-invariant``); docs/benchmarks/prefix-cache.md reads it.
 """
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--turns", type=int, default=6)
@@ -33,11 +33,11 @@ def main() -> int:
     parser.add_argument("--answer-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--no-invariant", action="store_true", help="the target's passes as with --no-invariant")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import torch
 
-    from specserve.bench.prefix_cache import _render, _user_messages
+    from benchmarks.prefix_cache import _render, _user_messages
     from specserve.engine import invariant
     from specserve.engine.kvcache import SessionCacheStore
     from specserve.engine.models import load_model, resolve_model_path
@@ -108,6 +108,3 @@ def main() -> int:
     print(json.dumps(summary), flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

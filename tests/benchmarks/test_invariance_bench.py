@@ -1,4 +1,4 @@
-"""specserve.bench.invariance on the tiny pair's target: stock and invariant passes timed at every k and context on
+"""benchmarks.invariance on the tiny pair's target: stock and invariant passes timed at every k and context on
 each kernel path, each copy's bits checked across decoding steps, one pass and a prefill, and the report renders."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import system_fixtures as sf
 
-from specserve.bench.cli import main
+from benchmarks.cli import main
 
 pytestmark = pytest.mark.system
 

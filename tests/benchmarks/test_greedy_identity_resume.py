@@ -1,4 +1,4 @@
-"""``specserve bench greedy-identity`` continues an interrupted run of the same settings, and only that."""
+"""``python -m benchmarks greedy-identity`` continues an interrupted run of the same settings, and only that."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specserve.bench.greedy_identity import CHUNK, resumed
+from benchmarks.greedy_identity import CHUNK, resumed
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
 """Predicted Outputs: ms per token with a prediction against the target alone (gamma = 0).
 
-``specserve bench prediction``
+``python -m benchmarks prediction``
 starts a local stack (all three roles in this process, draft included) and, per
 held-out code prompt, greedy, EOS ignored:
 
@@ -25,8 +25,8 @@ divided by the mode's, per prompt), accepted and rejected prediction tokens as
 a share of the completion, tokens per round. Issue 14 asks for a 3x speedup of
 ``prediction`` over ``gamma=0``; the summary says whether it was met.
 
-Writes ``<out>/prediction.json``; ``specserve.bench.report`` renders it as
-``prediction.md`` and, once the JSON is there, as a section of the full report.
+Writes ``<out>/prediction.json`` and renders it as ``prediction.md``; ``python -m benchmarks report`` renders
+it again.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specserve.bench.options import PredictionOptions
+from benchmarks.options import PredictionOptions
+from specserve.bench import markdown as md
+from specserve.bench.runner import run_mode
 from specserve.bench.timing import timed_generate
 
 #: The speedup of an exact prediction over gamma = 0 that issue 14 asks for.
@@ -206,7 +208,7 @@ def to_json(runs: list[PredictionRun], settings: dict) -> dict:
 
 
 async def measure_for(opts: PredictionOptions) -> dict:
-    """``specserve bench prediction``: every mode on held-out code prompts, with the run's settings."""
+    """``python -m benchmarks prediction``: every mode on held-out code prompts, with the run's settings."""
     from transformers import AutoTokenizer
 
     from specserve.bench.runner import Header, code_prompts_for, stack_of
@@ -229,3 +231,50 @@ async def measure_for(opts: PredictionOptions) -> dict:
         "fixed_gamma": gamma,
     }
     return to_json(runs, settings)
+
+
+def prediction_section(data: dict) -> list[str]:
+    """The Predicted Outputs table as Markdown lines."""
+    st, verdict = data["settings"], data["verdict"]
+    lines = [
+        f"## Predicted Outputs (greedy, {st['max_new_tokens']} tokens, {st['prompts']} held-out code prompts, "
+        f"{st['repeats']} repeat(s))",
+        "",
+        f"Measured {st['date_utc']} UTC through the benchmark's in-process stack (all three roles in one Python process); target "
+        f"`{st['target']}`, draft `{st['draft']}`. The prediction is the target's own greedy continuation "
+        "(the `gamma=0` run's tokens): as token ids, as text (tokenized by the server), and half wrong (every "
+        f"other block of {st['block']} tokens taken from another prompt's continuation). Speedup: median over "
+        "runs of the prompt's `gamma=0` ms/token over the run's.",
+        "",
+    ]
+    header = ("mode", "ms/token (median)", "speedup vs gamma=0", "accepted prediction / completion",
+              "rejected prediction / completion", "tokens/round", "identical to gamma=0")  # fmt: skip
+    cells = [
+        (r["mode"], f"{r['ms_per_token']:.2f}", f"{r['speedup']:.2f}x", f"{100 * r['accepted_prediction_share']:.0f}%",
+         f"{100 * r['rejected_prediction_share']:.0f}%", f"{r['tokens_per_round']:.2f}",
+         "yes" if r["identical"] else "**no**")
+        for r in data["summary"]
+    ]  # fmt: skip
+    lines += md.table(header, cells)
+    met = "met" if verdict["met"] else "**missed**"
+    lines += [
+        "",
+        f"An exact prediction (adaptive gamma) runs at {verdict['prediction_speedup']:.2f}x the target alone "
+        f"through the service; the issue's target of {verdict['target_speedup']:g}x is {met} in this run.",
+    ]
+    if not verdict["all_identical"]:
+        lines.append(
+            "**Some output differed from gamma = 0** (see `prediction.json`): a bug, greedy output must not."
+        )
+    lines.append("")
+    return lines
+
+
+def write_prediction(data: dict, out: Path) -> Path:
+    """``prediction.json``'s section alone, as ``<out>/prediction.md``."""
+    return md.write(out, "prediction", prediction_section(data))
+
+
+def main(opts: PredictionOptions) -> int:
+    """``python -m benchmarks prediction``: ``prediction.json`` and ``prediction.md``."""
+    return run_mode(opts, measure_for, "prediction", write_prediction)

@@ -2,7 +2,7 @@
 
 Run (docs/benchmarks/invariance.md, "Greedy identity, the default pair", comes from it)::
 
-    specserve bench greedy-identity --n 200 --max-new-tokens 32 --out DIR
+    python -m benchmarks greedy-identity --n 200 --max-new-tokens 32 --out DIR
 
 The held-out chat and code prompts of :mod:`specserve.prompts.chat` (code first, then chat, ``--n``
 in all), each rendered with the target's chat template into token ids. The reference is the target loaded
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.options import GREEDY_CONFIGS, GreedyIdentityOptions
 from specserve.bench import markdown as md
-from specserve.bench.options import GREEDY_CONFIGS, GreedyIdentityOptions
 from specserve.bench.timing import Stopwatch
 
 CHUNK = 8  # prompts per step: one batch of eight
@@ -277,7 +277,7 @@ def render(data: dict) -> str:
 
 
 def main(opts: GreedyIdentityOptions) -> int:
-    """``specserve bench greedy-identity``: ``<out>/greedy_identity.json`` and ``.md``, the report printed."""
+    """``python -m benchmarks greedy-identity``: ``<out>/greedy_identity.json`` and ``.md``, the report printed."""
     data = asyncio.run(measure(opts))
     print(render(data))
     return 0

@@ -2,7 +2,7 @@
 
 Run::
 
-    specserve bench demo-pair --target models/specserve-demo-target --draft models/specserve-demo-draft
+    python -m benchmarks demo-pair --target models/specserve-demo-target --draft models/specserve-demo-draft
 
 Everything runs in float32, batch 1, on the CPU (``--threads``, default 2). It
 measures, on the held-out files named in ``<target>/heldout_files.json``:
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from specserve.bench.options import DemoPairOptions
+from benchmarks.options import DemoPairOptions
 from specserve.bench.pair import forward as _fwd
 from specserve.bench.pair import load_pair
 from specserve.bench.prompts import heldout_files
@@ -251,7 +251,7 @@ def greedy_acceptance(target, draft, prompts, gamma: int, max_new: int, eos_id: 
 
 
 def main(args: DemoPairOptions) -> int:
-    """``specserve bench demo-pair``: the figures, printed and written to ``--json``."""
+    """``python -m benchmarks demo-pair``: the figures, printed and written to ``--json``."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 

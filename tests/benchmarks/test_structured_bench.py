@@ -1,4 +1,4 @@
-"""specserve.bench.structured's pure parts: the speed and isolation summaries, the cache's hit rate, the slow
+"""benchmarks.structured's pure parts: the speed and isolation summaries, the cache's hit rate, the slow
 schemas (distinct per seed, and compiled by the real engine) and the report rendered from its figures."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 import tiny_models
 
+from benchmarks import structured as sb
+from benchmarks.options import StructuredOptions
 from specserve.api.constraints import Constraint
-from specserve.bench import structured as sb
-from specserve.bench.options import StructuredOptions
 from specserve.bench.timing import inter_token_latencies
 from specserve.engine.grammar import GrammarEngine
 
 pytestmark = pytest.mark.unit
 
-SCHEMAS = Path(__file__).resolve().parents[2] / "data" / "constraints" / "long_keys.json"
+SCHEMAS = Path(__file__).resolve().parents[1] / "data" / "constraints" / "long_keys.json"
 
 
 def run(schema: str, repeat: int, mode: str, ms: float, tokens: int = 100, forced: int = 0, accepted: int = 0, **kw):
@@ -115,7 +115,7 @@ def test_slow_schemas_and_the_bench_set_compile_in_the_real_engine(tmp_path):
 
 def test_the_report_renders_from_its_figures():
     runs = [run("a", 0, sb.GAMMA0, 30.0), run("a", 0, sb.DEFAULT, 10.0, forced=60, accepted=70)]
-    args = StructuredOptions(command="specserve bench structured --repeats 1").settings()
+    args = StructuredOptions(command="python -m benchmarks structured --repeats 1").settings()
     run_info = {"args": args, "load_before": [1.0, 1.0, 1.0], "load_after": [1.5, 1.0, 1.0], "date_utc": "2026-12-05 07:00"}
     stages = {"first_token_s": 7.0, "draft_s": 0.1, "verify_s": 7.5, "target_outside_forward_s": 6.0}
     result = {
@@ -140,7 +140,7 @@ def test_the_report_renders_from_its_figures():
         },
     }
     text = sb.render(result)
-    assert "specserve bench structured --repeats 1" in text
+    assert "python -m benchmarks structured --repeats 1" in text
     assert "3.00x" in text and "met" in text  # the speed-up of the one pair
     assert "median 2.00x" in text and "**missed**" in text  # isolation: 40 ms against 20 ms
     assert "50%" in text  # the hit rate
@@ -151,7 +151,7 @@ def test_the_report_renders_from_its_figures():
 
 
 def test_the_flood_summary_counts_the_victim_and_the_attacker_per_condition_and_renders():
-    from specserve.bench import structured_flood as sf
+    from benchmarks import structured_flood as sf
 
     victim = {"outcome": "served", "seconds": 1.2, "tokens": 20, "error": ""}
     phases = [
@@ -166,7 +166,7 @@ def test_the_flood_summary_counts_the_victim_and_the_attacker_per_condition_and_
     assert s["victim"]["flood"]["served"] == 1 and s["victim"]["flood"]["requests"] == 2
     assert s["victim"]["solo"] == {"served": 1, "requests": 1, "seconds": [1.2], "first_token_s": [None], "outcomes": ["served"]}
     assert s["streams"]["solo"]["n"] == 2 and s["streams"]["beside"]["n"] == 3
-    args = StructuredOptions(command="specserve bench structured --parts flood").settings()
+    args = StructuredOptions(command="python -m benchmarks structured --parts flood").settings()
     text = "\n".join(sf.render_flood({"phases": phases, "summary": s}, args, ["the command"]))
     assert "served 1 of 2" in text and "**missed**" in text  # a victim refused is the bar missed
     assert "35 ResourceExhausted" in text and "35 refused" in text and "14, 12 s" in text

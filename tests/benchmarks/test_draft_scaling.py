@@ -1,4 +1,4 @@
-"""specserve.bench.draft_scaling: the draft-scaling mode on the tiny pair through real local stacks (batching on and
+"""benchmarks.draft_scaling: the draft-scaling mode on the tiny pair through real local stacks (batching on and
 off), its summary and its report section."""
 
 from __future__ import annotations
@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import system_fixtures as sf
 
-from specserve.bench.draft_scaling import measure, summarize, to_json
-from specserve.bench.report import draft_scaling_section, write_draft_scaling
+from benchmarks.draft_scaling import draft_scaling_section, measure, summarize, to_json, write_draft_scaling
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""specserve.bench.prediction: the Predicted Outputs mode of the harness on the tiny pair, end to end through
-``specserve bench prediction`` (``specserve.bench.cli.main``) (a real local stack and Redis), its summary, verdict and report section."""
+"""benchmarks.prediction: the Predicted Outputs mode of the harness on the tiny pair, end to end through
+``python -m benchmarks prediction`` (``benchmarks.cli.main``) (a real local stack and Redis), its summary, verdict and report section."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import json
 import pytest
 import system_fixtures as sf
 
-from specserve.bench.cli import main
-from specserve.bench.prediction import TARGET_SPEEDUP, half_wrong
-from specserve.bench.report import prediction_section
+from benchmarks.cli import main
+from benchmarks.prediction import TARGET_SPEEDUP, half_wrong, prediction_section
 
 
 @pytest.fixture(scope="module")

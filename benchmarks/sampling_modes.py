@@ -1,6 +1,6 @@
 """Coupled against optimal sampling: what the drafter-invariant mode costs, measured through the service.
 
-``specserve bench sampling-modes`` runs, on held-out prompt sets, every prompt at each temperature
+``python -m benchmarks sampling-modes`` runs, on held-out prompt sets, every prompt at each temperature
 (default 0.7 and 1.0) and gamma setting (default adaptive and 4) in both
 sampling modes, back to back with the same seed (the order alternating from
 prompt to prompt, so drift on a shared machine hits both modes alike), through
@@ -39,8 +39,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from benchmarks.options import SAMPLING_GAMMAS, SAMPLING_TEMPERATURES, SamplingModesOptions
 from specserve.bench import markdown as md
-from specserve.bench.options import SAMPLING_GAMMAS, SAMPLING_TEMPERATURES, SamplingModesOptions
 from specserve.bench.prompts import default_prompt_sets, load_prompt_sets
 from specserve.bench.timing import timed_stream
 
@@ -240,7 +240,7 @@ async def run_phase(client, tokenizer, opts: SamplingModesOptions) -> dict[str, 
 
 
 async def measure_alone(opts: SamplingModesOptions) -> dict[str, Any]:
-    """``specserve bench sampling-modes``: one local stack, no models loaded in this process."""
+    """``python -m benchmarks sampling-modes``: one local stack, no models loaded in this process."""
     from transformers import AutoTokenizer
 
     from specserve.bench.runner import Machine, now_utc
@@ -266,7 +266,7 @@ async def measure_alone(opts: SamplingModesOptions) -> dict[str, Any]:
 
 
 def write(data: dict[str, Any], out: Path) -> Path:
-    """``<out>/sampling_modes.md`` of a ``specserve bench sampling-modes`` run (its JSON beside it)."""
+    """``<out>/sampling_modes.md`` of a ``python -m benchmarks sampling-modes`` run (its JSON beside it)."""
     header = [
         "# specserve: sampling modes",
         "",
@@ -277,3 +277,10 @@ def write(data: dict[str, Any], out: Path) -> Path:
         *md.command_block(data["command"]),
     ]
     return md.write(out, "sampling_modes", header + section(data["sampling_modes"]))
+
+
+def main(opts: SamplingModesOptions) -> int:
+    """``python -m benchmarks sampling-modes``: ``sampling_modes.json`` and ``sampling_modes.md``."""
+    from specserve.bench.runner import run_mode
+
+    return run_mode(opts, measure_alone, "sampling_modes", write)

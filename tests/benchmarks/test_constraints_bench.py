@@ -1,4 +1,4 @@
-"""The validity set (tests/data/constraints) and specserve.bench.constraints (xgrammar, llguidance and specserve's engine).
+"""The validity set (tests/data/constraints) and benchmarks.constraints (xgrammar, llguidance and specserve's engine).
 
 The set: its sizes and shapes as issue 41 asks (at least 30 JSON schemas of varied shape, 10 regexes,
 5 choice lists), every schema a valid draft 2020-12 schema and every example valid under its constraint
@@ -15,10 +15,10 @@ import jsonschema
 import pytest
 import system_fixtures as sf
 
-from specserve.bench import constraints as bench
-from specserve.bench.cli import main
+from benchmarks import constraints as bench
+from benchmarks.cli import main
 
-SET = Path(__file__).resolve().parents[2] / "data" / "constraints"
+SET = Path(__file__).resolve().parents[1] / "data" / "constraints"
 
 
 def _keywords(schema: object) -> set[str]:
