@@ -7,7 +7,7 @@ one thread (little moved by other processes on a shared machine), median of alte
 greedy HF generate() of held-out chat prompts in both dtypes, and where bfloat16's output first leaves
 float32's. Writes a Markdown table to stdout and JSON to --json.
 
-    python benchmarks/bf16.py --json docs/benchmarks/bf16.json > docs/benchmarks/bf16.md
+    python -m benchmarks bf16 --json docs/benchmarks/bf16.json > docs/benchmarks/bf16.md
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import specserve.engine.draft_model  # noqa: F401  (registers the draft's model type)
-from specserve.bench.chat_prompts import heldout_prompts
 from specserve.engine.kernel_choice import cpu_model_and_flags
 from specserve.engine.models import resolve_model_path
+from specserve.prompts.chat import heldout_prompts
 
 
 def pass_ms(model, batch: int, k: int, context: int, rounds: int) -> float:
@@ -47,13 +47,13 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cpu, flags = cpu_model_and_flags()
     target = resolve_model_path("smollm2-135m-instruct", "target")
@@ -91,7 +91,7 @@ def main() -> None:
     print(f"# bfloat16 against float32 on {cpu}\n")
     print(f"Flags: {' '.join(flags)}; torch {torch.__version__}; one thread, the model thread's CPU time; "
           "a pass over k new positions after 128 tokens for a batch of b sessions (median of 3 x "
-          f"{args.rounds} alternating rounds). Command: `python benchmarks/bf16.py`.\n")
+          f"{args.rounds} alternating rounds). Command: `python -m benchmarks bf16`.\n")
     print("| model | batch | k | float32 ms | bfloat16 ms | bfloat16 / float32 |\n| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['role']} | {r['batch']} | {r['k']} | {r['float32_ms']:.1f} | {r['bfloat16_ms']:.1f} | {r['bf16_over_f32']:.2f} |")
@@ -101,6 +101,3 @@ def main() -> None:
           f"ignored: bfloat16 identical to float32 on {same}; elsewhere it first differs at token "
           f"{', '.join(map(str, diffs)) or '-'}.")
 
-
-if __name__ == "__main__":
-    main()

@@ -11,7 +11,7 @@ chat whose prompt is as long as the last turn's new tokens runs on the cache-on 
 records the time to the first streamed token as the client sees it, the prompt and cached tokens, and
 whether both stacks answered the same.
 
-    python benchmarks/prefix_cache_openai.py --json docs/benchmarks/prefix_cache_openai.json
+    python -m benchmarks prefix-cache-openai --json docs/benchmarks/prefix_cache_openai.json
 """
 
 from __future__ import annotations
@@ -64,13 +64,13 @@ def user_messages(turns: int, seed: int) -> list[str]:
     return [" ".join(rng.sample(pool, 4)) for _ in range(turns)]
 
 
-async def main() -> None:
+async def chat_turns(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--conversations", type=int, default=2)
     parser.add_argument("--answer-tokens", type=int, default=96)
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from specserve.launch.local import start_process_stack
     from specserve.launch.redis_server import private_redis
@@ -144,5 +144,9 @@ async def main() -> None:
             json.dump({"runs": runs, "fresh": fresh, "summary": summary, "args": vars(args)}, f, indent=1)
 
 
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(chat_turns(argv))
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()

@@ -3,7 +3,7 @@
 One-off check, not shipped: start `specserve up` (its defaults: no auth, so the client is
 unauthenticated and local), then
 
-    python benchmarks/session_churn.py --addr 127.0.0.1:50051 --sessions 3000 --concurrency 16
+    python -m benchmarks session-churn --addr 127.0.0.1:50051 --sessions 3000 --concurrency 16
 
 Each session is a greedy request for one token of a short prompt, through the SDK's AsyncClient with its
 defaults (it retries RESOURCE_EXHAUSTED after the server's hint, a bounded number of times). Prints how
@@ -20,13 +20,13 @@ import time
 from specserve.client import AsyncClient
 
 
-async def main() -> None:
+async def churn(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--addr", default="127.0.0.1:50051")
     parser.add_argument("--sessions", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--token", default=None, help="an API token (default: none, an unauthenticated client)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     failures: collections.Counter[str] = collections.Counter()
     done = 0
     gate = asyncio.Semaphore(args.concurrency)
@@ -51,5 +51,6 @@ async def main() -> None:
         print(f"  {n} x {reason}")
 
 
-if __name__ == "__main__":
-    asyncio.run(main())
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(churn(argv))

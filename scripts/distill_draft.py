@@ -8,7 +8,7 @@ Stages (each resumable; run them in order, or ``all``)::
     python scripts/distill_draft.py all
 
 ``generate`` runs the target (bfloat16 for speed) over the training prompts of
-:mod:`specserve.bench.chat_prompts` (held-out subjects never appear), greedy for some
+:mod:`specserve.prompts.chat` (held-out subjects never appear), greedy for some
 prompts and sampled at temperature 0.7 for the rest, then a second turn for
 prompts with a follow-up question. It keeps, for every generated position, the
 target's top-``K`` log-probabilities (raw logits, before any warper): the
@@ -45,7 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specserve.bench.chat_prompts import ChatPrompt, heldout_prompts, training_prompts  # noqa: E402
+from specserve.prompts.chat import ChatPrompt, heldout_prompts, training_prompts  # noqa: E402
 
 TOP_K = 20
 DEFAULT_WORK = Path(os.environ.get("SPECSERVE_DISTILL_DIR", Path.home() / ".cache" / "specserve" / "distill"))

@@ -10,7 +10,7 @@ Stages (each resumable; CUDA when present, else the CPU)::
 ``generate`` keeps token ids only (``data/smollm2-answers/*.npz.xz``, a few MB in
 the repository): the target's features and distributions are recomputed from
 them by one forward pass when training, so data accumulates across machines.
-The prompts (``specserve.bench.chat_prompts``; held-out subjects never appear):
+The prompts (``specserve.prompts.chat``; held-out subjects never appear):
 
 1. every training prompt, answered greedy and sampled at T = 0.7;
 2. questions and programming tasks the target writes itself about training
@@ -56,7 +56,6 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specserve.bench import chat_prompts as cp  # noqa: E402
 from specserve.engine.feature_head import (  # noqa: E402
     FeatureHead,
     FinalNormInput,
@@ -65,6 +64,7 @@ from specserve.engine.feature_head import (  # noqa: E402
     save_feature_head,
     target_features,
 )
+from specserve.prompts import chat as cp  # noqa: E402
 
 DEFAULT_DATA = ROOT / "data" / "smollm2-answers"
 DEFAULT_WORK = Path(os.environ.get("SPECSERVE_HEAD_DIR", Path.home() / ".cache" / "specserve" / "feature-head"))

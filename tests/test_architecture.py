@@ -12,6 +12,7 @@
   ``api``, ``v1``, ``core``, ``engine`` and ``runtime``; no role imports another;
   only the launcher (``specserve/launch/``) and the benchmark
   (``specserve/bench/``) import a role.
+* Nothing in ``specserve`` imports the one-off experiments (``benchmarks/``, not installed) or ``scripts/``.
 * ``specserve/coordinator/rounds.py`` uses no attribute of the pool but its public methods.
 * ``Coordinator.generate`` and ``verify_batch`` stay under 50 lines.
 * ``docs/internals.md`` names only files that exist, and walks one round through them.
@@ -44,6 +45,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "specserve.core": ("specserve.api", "specserve.v1"),
     "specserve.engine": ("specserve.api", "specserve.v1", "specserve.core"),
     "specserve.runtime": ("specserve.api", "specserve.v1", "specserve.core", "specserve.engine"),
+    "specserve.prompts": (),  # data: the prompt lists the training scripts and the benchmark share
     **{role: FLOORS for role in ROLES},
 }
 #: The SDK's parts, and the only third-party packages they may import (with the standard library).
@@ -219,11 +221,24 @@ def test_the_sdk_and_api_import_no_torch_by_layout():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("part", ["api", "core", "engine", "runtime", "launch", "bench"])
+@pytest.mark.parametrize("part", ["api", "core", "engine", "runtime", "launch", "bench", "prompts"])
 def test_subpackage_inits_hold_a_docstring_only(part):
     """Importing ``specserve.core`` (say) runs nothing, so it never pulls in torch by itself."""
     tree = ast.parse((ROOT / "specserve" / part / "__init__.py").read_text())
     assert all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in tree.body)
+
+
+@pytest.mark.unit
+def test_nothing_installed_imports_what_is_not():
+    """``benchmarks/`` and ``scripts/`` sit beside the package and are not in the wheel: the package may not
+    import them (they import it)."""
+    hidden = ast.parse("def f():\n    from benchmarks import kernels\n")
+    assert "benchmarks" in {_package(n) for n in _imported_names(hidden, "specserve.bench.cli")}  # lazy ones count
+    offenders = {
+        module: sorted(n for n in _imported_names(ast.parse(path.read_text()), module) if _package(n) in ("benchmarks", "scripts"))
+        for module, path in MODULES.items()
+    }
+    assert {m: found for m, found in offenders.items() if found} == {}
 
 
 @pytest.mark.unit

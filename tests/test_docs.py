@@ -24,8 +24,12 @@ TOP = "specserve protos deploy tests scripts docs models benchmarks .ci".split()
 #: A path under one of them (``specserve/coordinator/rounds.py``, ``specserve/v1/``, ``models/specserve-demo-*``), not
 #: the tail of a longer path or a URL.
 PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(map(re.escape, TOP)) + r")/(?:[\w.*-]+/)*[\w.*-]*)")
-#: A module run with ``python -m`` from one of the packages.
-MODULE = re.compile(r"python3?\s+-m\s+(specserve(?:\.\w+)+)")
+#: A module run with ``python -m`` from one of the packages, or the experiments' entry point.
+MODULE = re.compile(r"python3?\s+-m\s+(specserve(?:\.\w+)+|benchmarks)\b")
+#: A benchmark's command line: ``specserve bench NAME`` (the package's) or ``python -m benchmarks NAME`` (a checkout's).
+BENCH_COMMAND = re.compile(r"(specserve\s+bench|python3?\s+-m\s+(?:specserve\.bench|benchmarks))\s+([a-z][\w-]*)")
+#: The model cards, which quote the commands their figures come from.
+CARDS = [*sorted(ROOT.glob("models/*/README.md")), *sorted(ROOT.glob("specserve/models/*/README.md"))]
 #: A Markdown link's target.
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
@@ -43,6 +47,11 @@ def module_exists(module: str) -> bool:
     return base.with_suffix(".py").exists() or (base / "__main__.py").exists()
 
 
+def bench_commands(text: str) -> list[tuple[str, str]]:
+    """Each benchmark command quoted in ``text``: (its entry point, the subcommand it names)."""
+    return [(" ".join(entry.split()), name) for entry, name in BENCH_COMMAND.findall(text)]
+
+
 def anchor(heading: str) -> str:
     """GitHub's anchor for a Markdown heading."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
@@ -53,6 +62,44 @@ def test_the_path_pattern_reads_paths_and_nothing_else():
     text = "`specserve/coordinator/rounds.py`, specserve/v1/ and models/specserve-demo-*; not a/coordinator/x.py or http://h/docs/x"
     assert named_paths(text) == {"specserve/coordinator/rounds.py", "specserve/v1/", "models/specserve-demo-*"}
     assert not exists("specserve/coordinator/no_such_module.py") and exists("models/specserve-demo-*")
+
+
+@pytest.mark.unit
+def test_the_command_pattern_reads_both_entry_points():
+    text = "`specserve bench gate`, `python -m\n  benchmarks kernels --out x`, python3 -m specserve.bench load, specserve benchmark"
+    assert bench_commands(text) == [
+        ("specserve bench", "gate"), ("python -m benchmarks", "kernels"), ("python3 -m specserve.bench", "load")
+    ]
+
+
+def commands_that_do_not_exist(doc: Path) -> list[str]:
+    """The benchmark commands and ``python -m`` modules ``doc`` quotes that name nothing: ``specserve bench X``
+    must name one of the package's benchmarks, ``python -m benchmarks X`` one of the experiments."""
+    from benchmarks import cli as experiments
+    from specserve.bench import cli as bench
+
+    product = {n for c in bench.SUBCOMMANDS for n in (c.name, *c.aliases)}
+    text = doc.read_text()
+    missing = [
+        f"{entry} {name}"
+        for entry, name in bench_commands(text)
+        if name not in (set(experiments.names()) if entry.endswith("benchmarks") else product)
+    ]
+    return missing + [m for m in MODULE.findall(text) if not module_exists(m)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_quoted_benchmark_command_names_a_subcommand_that_exists(doc: Path):
+    """The reports in docs/benchmarks regenerate from the commands the docs quote."""
+    assert commands_that_do_not_exist(doc) == []
+
+
+@pytest.mark.system  # a model's directory is a real model's (tests/tiers.py)
+@pytest.mark.parametrize("card", CARDS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_command_a_model_card_quotes_exists(card: Path):
+    assert len(CARDS) >= 4
+    assert commands_that_do_not_exist(card) == []
 
 
 @pytest.mark.unit

@@ -1,15 +1,15 @@
-"""``specserve bench``: the benchmarks, one subcommand each, each with its own typed options
-(:mod:`specserve.bench.options`); docs/benchmarks holds what they write.
+"""``specserve bench``: the benchmarks a user or an operator runs, one subcommand each, each with its own typed
+options (:mod:`specserve.bench.options`); docs/benchmarks holds what they write.
 
     specserve bench gate                                      # the speed gate (a few minutes)
     specserve bench all --prompts 2 --max-new-tokens 64 ...   # every figure of the report (bench.json)
-    specserve bench single | load | latency | draft-scaling | sampling-modes | prediction ...
-    specserve bench overhead | kernels | invariance | attention | draft-card | head-card | demo-pair ...
-    specserve bench constraints | greedy-identity | prefix-cache | prefix-cache-memory | structured ...
+    specserve bench single | load | latency ...               # one part of it alone
+    specserve bench draft-card | head-card ...                # a draft's or a feature head's model card
     specserve bench report docs/benchmarks                    # render the reports again from their JSON
 
 ``python -m specserve.bench`` is the same command. A subcommand's module is imported only when it runs, so
-``--help`` loads no model code.
+``--help`` loads no model code. The one-off experiments behind the other reports in docs/benchmarks are not
+part of the package: ``python -m benchmarks`` in a checkout runs them, with this module's parser.
 """
 
 from __future__ import annotations
@@ -47,21 +47,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("single", o.SingleOptions, f"{HARNESS}:bench_single"),
     Subcommand("load", o.LoadOptions, f"{HARNESS}:bench_load"),
     Subcommand("latency", o.LatencyOptions, f"{HARNESS}:bench_latency", aliases=("rtt",)),
-    Subcommand("draft-scaling", o.DraftScalingOptions, f"{HARNESS}:bench_draft_scaling"),
-    Subcommand("sampling-modes", o.SamplingModesOptions, f"{HARNESS}:bench_sampling_modes"),
-    Subcommand("prediction", o.PredictionOptions, f"{HARNESS}:bench_prediction"),
-    Subcommand("overhead", o.OverheadOptions, "specserve.bench.overhead:main"),
-    Subcommand("kernels", o.KernelsOptions, "specserve.bench.kernels:main"),
-    Subcommand("invariance", o.InvarianceOptions, "specserve.bench.invariance:main"),
-    Subcommand("attention", o.AttentionOptions, "specserve.bench.attention:main"),
     Subcommand("draft-card", o.DraftCardOptions, "specserve.bench.draft_card:main"),
     Subcommand("head-card", o.HeadCardOptions, "specserve.bench.head_card:main"),
-    Subcommand("demo-pair", o.DemoPairOptions, "specserve.bench.demo_pair:main"),
-    Subcommand("constraints", o.ConstraintsOptions, "specserve.bench.constraints:main"),
-    Subcommand("greedy-identity", o.GreedyIdentityOptions, "specserve.bench.greedy_identity:main"),
-    Subcommand("prefix-cache", o.PrefixCacheOptions, "specserve.bench.prefix_cache:main"),
-    Subcommand("prefix-cache-memory", o.PrefixCacheMemoryOptions, "specserve.bench.prefix_cache:main_memory"),
-    Subcommand("structured", o.StructuredOptions, "specserve.bench.structured:main"),
     Subcommand("report", o.ReportOptions, "specserve.bench.report:main"),
 )
 
@@ -78,8 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="The benchmarks, one subcommand each, each with options of its own (specserve bench "
         "SUBCOMMAND --help); docs/benchmarks holds what they write.",
     )
-    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
-    for command in SUBCOMMANDS:
+    add_subcommands(parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND"), SUBCOMMANDS)
+    return parser
+
+
+def add_subcommands(sub: Any, subcommands: Sequence[Subcommand]) -> None:
+    """One subparser of ``sub`` (``add_subparsers()``'s action) per subcommand, its options from its class."""
+    for command in subcommands:
         p = sub.add_parser(
             command.name,
             aliases=list(command.aliases),
@@ -89,15 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
         )
         o.add_arguments(p, command.options)
         p.set_defaults(_command=command, _parser=p)
-    return parser
 
 
-def parse(argv: Sequence[str]) -> tuple[Subcommand, o.Options]:
-    """The subcommand ``argv`` names and its options (argparse's usage error, exit status 2, for bad ones)."""
-    ns = build_parser().parse_args(list(argv))
+def parse(argv: Sequence[str], parser: argparse.ArgumentParser | None = None) -> tuple[Subcommand, o.Options]:
+    """The subcommand ``argv`` names and its options (argparse's usage error, exit status 2, for bad ones);
+    ``parser``: another command line built with :func:`add_subcommands` (default: ``specserve bench``'s)."""
+    parser = parser or build_parser()
+    ns = parser.parse_args(list(argv))
     command: Subcommand = ns._command
     try:
-        return command, o.parse(command.options, ns, "specserve bench " + shlex.join(argv))
+        return command, o.parse(command.options, ns, f"{parser.prog} {shlex.join(argv)}")
     except ValueError as exc:
         ns._parser.error(str(exc))
         raise  # unreachable: error() exits

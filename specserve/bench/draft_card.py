@@ -5,7 +5,7 @@ Run (the figures in ``specserve/models/specserve-smollm2-draft/README.md`` come 
     specserve bench draft-card --json specserve/models/specserve-smollm2-draft/card.json
 
 In float32 on the CPU (``--threads``, default 2), batch 1, on the held-out
-prompts of :mod:`specserve.bench.chat_prompts` (subjects never seen in training), chat
+prompts of :mod:`specserve.prompts.chat` (subjects never seen in training), chat
 template applied:
 
 * **Greedy acceptance per gamma** (temperature 0): the mean fraction of
@@ -40,13 +40,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import specserve.engine.draft_model  # noqa: F401  (registers the draft's model type)
 from specserve.api.params import SamplingParams
 from specserve.bench import markdown as md
-from specserve.bench.chat_prompts import heldout_prompts
 from specserve.bench.options import DraftCardOptions
 from specserve.bench.timing import Laps
 from specserve.core.proposal import DraftProposal
 from specserve.core.rng import Purpose, uniform
 from specserve.core.sampling import check_distribution, logits_to_probs, sample_from
 from specserve.core.verification import verify_batch
+from specserve.prompts.chat import heldout_prompts
 
 GAMMAS = (1, 2, 3, 4, 6, 8)
 
@@ -274,7 +274,7 @@ def render_card(card: dict, meta: dict, name: str = "specserve-smollm2-draft") -
         "## Training",
         "",
         f"- Data: the target's own answers ({meta['train_rows']} answers: first turns, and second turns",
-        "  where the prompt has a follow-up) to training prompts of `specserve/bench/chat_prompts.py` (everyday",
+        "  where the prompt has a follow-up) to training prompts of `specserve/prompts/chat.py` (everyday",
         "  questions, explanations, how-tos, short code requests), greedy for some prompts and sampled at",
         "  temperature 0.7 for the rest, in bfloat16, with the",
         f"  target's top-20 log-probabilities at every one of the {meta['train_positions']:,} generated positions.",

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specserve.bench import report, sampling_modes
+from specserve.bench import report
 from specserve.bench.costs import Costs, measure_costs
 from specserve.bench.head_projection import run_figures
 from specserve.bench.modes import (
@@ -60,13 +60,10 @@ from specserve.bench.modes import (
     may_use_head,
 )
 from specserve.bench.options import (
-    DraftScalingOptions,
     FullOptions,
     LatencyOptions,
     LoadOptions,
-    PredictionOptions,
     PromptOptions,
-    SamplingModesOptions,
     SingleOptions,
     StackOptions,
 )
@@ -766,22 +763,3 @@ def bench_latency(opts: LatencyOptions) -> int:
     from specserve.bench.latency import measure_for
 
     return run_mode(opts, measure_for, opts.name, lambda data, out: report.write_latency(data, out, opts.name))
-
-
-def bench_draft_scaling(opts: DraftScalingOptions) -> int:
-    """``specserve bench draft-scaling``: ``draft_scaling.json``, ``.md`` and ``.png``."""
-    from specserve.bench.draft_scaling import measure_for
-
-    return run_mode(opts, measure_for, "draft_scaling", report.write_draft_scaling)
-
-
-def bench_prediction(opts: PredictionOptions) -> int:
-    """``specserve bench prediction``: ``prediction.json`` and ``prediction.md``."""
-    from specserve.bench.prediction import measure_for
-
-    return run_mode(opts, measure_for, "prediction", report.write_prediction)
-
-
-def bench_sampling_modes(opts: SamplingModesOptions) -> int:
-    """``specserve bench sampling-modes``: ``sampling_modes.json`` and ``sampling_modes.md``."""
-    return run_mode(opts, sampling_modes.measure_alone, "sampling_modes", sampling_modes.write)

@@ -12,7 +12,7 @@ JSON, which keeps its curve's points), their held-out acceptance against their
 answer tokens, drawn as ``data_size.png``.
 
 In float32 on the CPU, batch 1, on the held-out prompts of
-:mod:`specserve.bench.chat_prompts` (subjects never seen in training), the head
+:mod:`specserve.prompts.chat` (subjects never seen in training), the head
 drafting through the draft tier's own code (:class:`specserve.draft.feature_proposer.FeatureProposer`)
 from the target's features, as the service relays them:
 
@@ -44,7 +44,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from specserve.api.params import SamplingParams
 from specserve.bench import markdown as md
-from specserve.bench.chat_prompts import heldout_prompts
 from specserve.bench.draft_card import _prompt_ids, target_greedy
 from specserve.bench.head_projection import gpu_like_speedup, wire_mb_per_s
 from specserve.bench.options import HeadCardOptions
@@ -57,6 +56,7 @@ from specserve.draft.feature_proposer import FeatureProposer
 from specserve.draft.proposers import DraftRequest
 from specserve.engine.feature_head import FeatureHead, FinalNormInput, load_feature_head
 from specserve.engine.kvcache import SessionCacheStore, features_of
+from specserve.prompts.chat import heldout_prompts
 
 
 def _proposer(head: FeatureHead) -> FeatureProposer:

@@ -24,11 +24,8 @@ from specserve.bench.modes import SINGLE_MODES
 DEFAULT_TARGET = "smollm2-135m-instruct"  # registered names (specserve.engine.model_registry), or directories
 DEFAULT_DRAFT = "specserve-smollm2-draft"
 DEFAULT_OUT = Path("docs/benchmarks")
-#: Held-out prompt sets (specserve/bench/sampling_modes.py loads them).
+#: Held-out prompt sets (specserve/bench/prompts.py loads them).
 PROMPT_SETS = ("chat", "chat-code", "copy", "code", "prose", "translate", "summarize", "passage-qa", "arithmetic", "rewrite")
-#: The sampling-mode comparison's temperatures and gamma settings ("auto": the adaptive policy).
-SAMPLING_TEMPERATURES = (0.7, 1.0)
-SAMPLING_GAMMAS = ("auto", "4")
 #: The gammas a feature head's card replays greedily.
 HEAD_GAMMAS = (1, 2, 3, 4, 6, 8)
 #: The feature head's fixed gamma in the load and RTT sweeps (its card's best projected chat gamma).
@@ -97,7 +94,7 @@ def parse(cls: type, ns: argparse.Namespace, command: str) -> Any:
     return cls(**{k: v for k, v in vars(ns).items() if k in names}, command=command)
 
 
-def _at_least(value: int | float, minimum: int | float, flag: str) -> None:
+def at_least(value: int | float, minimum: int | float, flag: str) -> None:
     if value < minimum:
         raise ValueError(f"{flag} must be >= {minimum}, got {value}")
 
@@ -142,7 +139,7 @@ class PromptOptions(PairOptions):
     prompt_chars: int = opt(600, "characters of each prompt (code, prose)")
 
     def __post_init__(self) -> None:
-        _at_least(self.prompts, 1, "--prompts")
+        at_least(self.prompts, 1, "--prompts")
 
 
 @dataclass
@@ -155,7 +152,7 @@ class StackOptions(PromptOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _at_least(self.draft_batch, 1, "--draft-batch")
+        at_least(self.draft_batch, 1, "--draft-batch")
 
 
 @dataclass
@@ -183,8 +180,8 @@ class FullOptions(StackOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _at_least(self.single_repeats, 1, "--single-repeats")
-        _at_least(self.load_repeats, 1, "--load-repeats")
+        at_least(self.single_repeats, 1, "--single-repeats")
+        at_least(self.load_repeats, 1, "--load-repeats")
 
 
 @dataclass
@@ -198,7 +195,7 @@ class SingleOptions(StackOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _at_least(self.repeats, 1, "--repeats")
+        at_least(self.repeats, 1, "--repeats")
 
 
 #: The speed gate's held-out kinds: chat and code, and the five task kinds of specserve/bench/task_prompts.py.
@@ -229,10 +226,10 @@ class GateOptions(PairOptions):
     no_history: bool = opt(False, "do not append to --history")
 
     def __post_init__(self) -> None:
-        _at_least(self.prompts, 1, "--prompts")
-        _at_least(self.task_prompts, 1, "--task-prompts")
-        _at_least(self.repeats, 1, "--repeats")
-        _at_least(self.threads, 1, "--threads")
+        at_least(self.prompts, 1, "--prompts")
+        at_least(self.task_prompts, 1, "--task-prompts")
+        at_least(self.repeats, 1, "--repeats")
+        at_least(self.threads, 1, "--threads")
         for item in self.setting:
             role, _, rest = item.partition(".")
             if role not in ("target", "draft", "coordinator") or "=" not in rest:
@@ -266,8 +263,8 @@ class LoadOptions(StackOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _at_least(self.repeats, 1, "--repeats")
-        _at_least(self.duration_s, 0.0, "--duration-s")
+        at_least(self.repeats, 1, "--repeats")
+        at_least(self.duration_s, 0.0, "--duration-s")
 
 
 @dataclass
@@ -293,126 +290,6 @@ class LatencyOptions(PromptOptions):
         "machines of their own; needs 2 CPUs); shared: every role on every core",
     )
     name: str = opt("latency", "the files' name: <out>/<name>.json and <name>.md (latency_<x> for further runs)")
-
-
-@dataclass
-class DraftScalingOptions(PairOptions):
-    """``draft-scaling``: 1..32 concurrent sessions with the draft's batching on and off, into
-    draft_scaling.json, .md and .png (specserve/bench/draft_scaling.py)."""
-
-    prompt_chars: int = opt(600, "characters of each prompt (code)")
-    sessions: list[int] = opt([1, 2, 4, 8, 16, 32], "concurrent sessions")
-    gamma: int = opt(4, "the fixed gamma")
-    max_new_tokens: int = opt(48, "tokens per generation")
-    repeats: int = opt(1, "runs per point")
-    draft_batch: int = opt(32, "sessions the draft drafts per pass with batching on")
-
-    def __post_init__(self) -> None:
-        _at_least(self.draft_batch, 2, "--draft-batch")
-
-
-@dataclass
-class SamplingModesOptions(PromptOptions):
-    """``sampling-modes``: the coupled sampling mode against the optimal one, into sampling_modes.json and
-    sampling_modes.md (specserve/bench/sampling_modes.py)."""
-
-    prompts: int = opt(8, "prompts per set")
-    temperatures: list[float] = opt(SAMPLING_TEMPERATURES, "temperatures")
-    gammas: list[str] = opt(SAMPLING_GAMMAS, "'auto' (adaptive) or integers")
-    max_new_tokens: int = opt(128, "tokens per generation")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for g in self.gammas:
-            if g != "auto" and not g.isdigit():
-                raise ValueError(f"--gammas takes 'auto' or integers >= 0, got {g!r}")
-
-
-@dataclass
-class PredictionOptions(PairOptions):
-    """``prediction``: Predicted Outputs against gamma 0, into prediction.json and prediction.md
-    (specserve/bench/prediction.py)."""
-
-    prompts: int = opt(4, "held-out code prompts")
-    prompt_chars: int = opt(600, "characters of each prompt (code)")
-    max_new_tokens: int = opt(128, "tokens per generation")
-    block: int = opt(16, "half-wrong: every other block of this many tokens")
-    repeats: int = opt(1, "runs per prompt and mode")
-
-
-@dataclass
-class OverheadOptions(Options):
-    """``overhead``: gamma 0 through the whole system against HF generate() (specserve/bench/overhead.py)."""
-
-    target: str | None = opt(None, "registered name or directory (default: the default target)")
-    prompts: int = opt(6, "held-out chat prompts")
-    repeats: int = opt(1, "passes over the prompts")
-    max_new_tokens: int = opt(64, "tokens per generation")
-    threads: int = opt(2, "torch threads, here and in the target process")
-    redis_url: str | None = opt(None, "default: a private redis-server")
-    kernels: Kernels = opt("fastest", "the target's linear kernels, in the service and in HF alike")
-    decode_steps: list[int] = opt([1, 4], "the coordinator's decode_steps for each stack measured")
-    temperature: float = opt(0.0, "0: greedy; above 0: HF and specserve both sample at this temperature")
-    json: Path | None = opt(None, "where to write the figures (overhead.json; the report renders its section)")
-
-
-@dataclass
-class PassOptions(Options):
-    """A benchmark of two copies of the target: passes over 1..--max-k positions, then greedy output."""
-
-    target: str = opt(DEFAULT_TARGET, "a registered model name or a directory")
-    max_k: int = opt(9, "the longest pass, in positions")
-    prompts: int = opt(6, "held-out prompts per kind (chat, code)")
-    max_new_tokens: int = opt(64, "tokens per greedy output")
-    threads: int | None = opt(None, "torch threads (default: torch's)")
-    out: Path = opt(DEFAULT_OUT, "the folder the JSON and the Markdown go to")
-
-
-@dataclass
-class KernelsOptions(PassOptions):
-    """``kernels``: stock against packed oneDNN linear kernels (specserve/bench/kernels.py)."""
-
-    draft: str = opt(DEFAULT_DRAFT, "a registered model name or a directory")
-    draft_gamma: int = opt(4, "tokens per proposal in the draft's timing")
-    rounds: int = opt(5, "rounds of timings")
-    repeats: int = opt(5, "timings per round")
-
-
-@dataclass
-class InvarianceOptions(Options):
-    """``invariance``: what the row-invariant target passes cost (specserve/bench/invariance.py)."""
-
-    target: str = opt(DEFAULT_TARGET, "a registered model name or a directory")
-    kernels: list[Literal["stock", "onednn"]] = opt(["stock", "onednn"], "the linear kernels, each measured")
-    contexts: list[int] = opt([128, 512], "context lengths before the timed pass")
-    ks: list[int] = opt([5], "verify pass widths timed besides k = 1", nargs="*")
-    pairs: int = opt(30, "pairs of timings (one pass of each copy) per k")
-    prefills: list[int] = opt([128, 512], "prompt lengths prefilled", nargs="*")
-    prefill_pairs: int = opt(5, "pairs of timings per prefill length")
-    prompts: int = opt(3, "held-out prompts per kind (chat, code); 0: none")
-    max_new_tokens: int = opt(64, "tokens per greedy output")
-    clock: Literal["cpu", "wall"] = opt(
-        "cpu",
-        "cpu: the model thread's CPU time, with --threads 1 (what a pass costs, little moved by other processes "
-        "on a shared machine); wall: elapsed time",
-    )
-    threads: int = opt(1, "torch threads")
-    out: Path = opt(DEFAULT_OUT, "the folder the JSON and the Markdown go to")
-
-    def __post_init__(self) -> None:
-        if self.clock == "cpu" and self.threads != 1:
-            raise ValueError("--clock cpu measures one thread: use --threads 1")
-
-
-@dataclass
-class AttentionOptions(PassOptions):
-    """``attention``: transformers' SDPA against grouped heads read in place (specserve/bench/attention.py)."""
-
-    kernels: Literal["stock", "onednn"] = opt("onednn", "the linear kernels of both copies")
-    contexts: list[int] = opt([128, 512], "context lengths before the timed pass")
-    pairs: int = opt(30, "pairs of timings (one pass of each copy) per k")
-    prompts: int = opt(3, "held-out prompts per kind (chat, code)")
-    max_new_tokens: int = opt(48, "tokens per greedy output")
 
 
 @dataclass
@@ -453,141 +330,6 @@ class HeadCardOptions(CardOptions):
     readme: Path | None = opt(None, "render the model card here")
     curve: list[Path] = opt([], "training runs of the data-size curve", nargs="*")
     from_json: Path | None = opt(None, "render from these figures, measuring nothing")
-
-
-@dataclass
-class DemoPairOptions(Options):
-    """``demo-pair``: the embedded demo pair's acceptance and costs (specserve/bench/demo_pair.py)."""
-
-    target: str = opt("models/specserve-demo-target", "the target's directory")
-    draft: str = opt("models/specserve-demo-draft", "the draft's directory")
-    gamma: int = opt(4, "the fixed gamma")
-    prompts: int = opt(16, "held-out prompts for (a)")
-    prompt_len: int = opt(96, "prompt tokens")
-    max_new: int = opt(96, "tokens per generation")
-    windows: int = opt(32, "held-out windows for (b), (c)")
-    window_len: int = opt(256, "tokens per window")
-    steps: int = opt(200, "timed decode steps for (d)")
-    warmup: int = opt(30, "untimed steps before them")
-    context: int = opt(128, "KV cache length before timing (d)")
-    threads: int = opt(2, "torch threads")
-    json: Path = opt(Path("demo_pair_bench.json"), "where to write the JSON results")
-
-
-@dataclass
-class ConstraintsOptions(Options):
-    """``constraints``: the constraint engines, xgrammar and llguidance, compared on the validity set
-    (specserve/bench/constraints.py)."""
-
-    target: str = opt(DEFAULT_TARGET, "whose tokenizer (a registered name or a directory)")
-    vocab_size: int = opt(0, "the mask's width (0: the tokenizer's length)")
-    set: Path = opt(Path("tests/data/constraints"), "the validity set's directory")
-    repeats: int = opt(5, "cold compiles and example passes per constraint")
-    walks: int = opt(20, "uniform walks under the mask per constraint")
-    byte_walks: int = opt(20, "walks among the allowed single-byte tokens per constraint")
-    max_walk: int = opt(256, "tokens at most per walk")
-    threads: int = opt(2, "xgrammar compiler threads")
-    seed: int = opt(0, "the walks' seed")
-    out: Path | None = opt(None, "write constraint_engines.json/.md here")
-
-
-#: greedy-identity's configurations: name -> (requests at a time, gamma; None: the automatic policy).
-GREEDY_CONFIGS: dict[str, tuple[int, int | None]] = {
-    "batched": (8, None),
-    "gamma4": (8, 4),
-    "gamma1": (8, 1),
-    "gamma0": (8, 0),
-    "alone": (1, None),
-}
-
-
-@dataclass
-class GreedyIdentityOptions(Options):
-    """``greedy-identity``: greedy output through the whole system against stock HF generate(), prompt by
-    prompt (specserve/bench/greedy_identity.py)."""
-
-    n: int = opt(200, "held-out prompts")
-    max_new_tokens: int = opt(32, "tokens per reply")
-    configs: list[str] = opt(list(GREEDY_CONFIGS), "the configurations", choices=list(GREEDY_CONFIGS))
-    target: str = opt(DEFAULT_TARGET, "a registered model name or a directory")
-    draft: str = opt(DEFAULT_DRAFT, "a registered model name or a directory")
-    out: Path = opt(Path("greedy-identity-out"), "the folder greedy_identity.json and .md go to")
-    only: list[str] = opt([], "run only these of the --n prompts, by name (a recheck of some)")
-
-
-@dataclass
-class PrefixCacheOptions(Options):
-    """``prefix-cache``: time to first token per turn of greedy chats with the prefix cache on and off
-    (specserve/bench/prefix_cache.py)."""
-
-    out: Path = opt(DEFAULT_OUT, "the folder prefix_cache.json, prefix-cache.md and the plot go to")
-    repeats: int = opt(2, "conversations per stack")
-    turns: int = opt(6, "turns per conversation")
-    answer_tokens: int = opt(150, "tokens of each answer (EOS ignored)")
-    user_tokens: int = opt(70, "tokens of each user message, about")
-    redis_url: str | None = opt(None, "a Redis to use (default: a throw-away one)")
-    start_timeout_s: float = opt(1200.0, "longest a stack may take to start")
-
-
-@dataclass
-class PrefixCacheMemoryOptions(Options):
-    """``prefix-cache-memory``: many distinct prefixes through one KV-cache store with a budget for a few of
-    them (specserve/bench/prefix_cache.py)."""
-
-    out: Path = opt(DEFAULT_OUT, "the folder prefix_cache_memory.json goes to (prefix-cache.md is rendered again)")
-    prefixes: int = opt(1000, "distinct prompts")
-    tokens: int = opt(1000, "tokens per prompt")
-    keep: int = opt(100, "prompts the store's budget holds")
-    memory_model: str = opt("tiny", "'tiny' (a 2-layer Llama from a config) or a model name or directory")
-
-
-@dataclass
-class StructuredOptions(Options):
-    """``structured``: structured output under speculation through the service: the default request against
-    target-alone constrained decoding (gamma 0) on JSON schemas with long fixed keys, ordinary streams'
-    inter-token latency beside schemas that take seconds to compile, and beside one client flooding slow
-    schemas while another's is served (specserve/bench/structured.py, structured_flood.py)."""
-
-    out: Path = opt(DEFAULT_OUT, "the folder <name>.json and <name>.md go to")
-    name: str = opt("structured", "the files' name")
-    target: str | None = opt(None, "a registered model name or a directory (default: the default target)")
-    draft: str | None = opt(None, "a registered model name or a directory (default: the default draft)")
-    parts: list[Literal["speed", "isolation", "flood"]] = opt(["speed", "isolation", "flood"], "the parts to run")
-    schemas: Path = opt(Path("tests/data/constraints/long_keys.json"), "the speed part's schemas (name, prompt, schema)")
-    limit: int = opt(0, "the first N schemas only (0: all)")
-    repeats: int = opt(3, "interleaved pairs (gamma 0, the default request) per schema")
-    max_new_tokens: int = opt(320, "tokens at most per constrained generation (each stops where its schema is complete)")
-    streams: int = opt(8, "ordinary streams at once in the isolation part")
-    stream_tokens: int = opt(96, "tokens per ordinary stream (EOS ignored)")
-    slow_requests: int = opt(3, "slow-compiling requests sent beside the streams, each schema distinct")
-    slow_patterns: int = opt(280, "patternProperties per slow schema (compile time grows about as its cube)")
-    slow_tokens: int = opt(8, "tokens at most per slow request")
-    isolation_repeats: int = opt(2, "times each condition (alone, beside) runs, in ABBA order")
-    flood_requests: int = opt(8, "the flooding client's requests in flight, each a new slow schema")
-    flood_patterns: int = opt(
-        400, "patternProperties per flooding schema (past the coordinator's compile limit: refused, compiling on)"
-    )
-    flood_repeats: int = opt(2, "times each condition (alone, beside a flood) runs, in ABBA order")
-    target_threads: int = opt(
-        0,
-        "the target's torch threads (0: its default, one per core; 1 keeps a pass's cost steady on a machine "
-        "whose cores other processes share, where a second thread team waits on descheduled threads)",
-    )
-    redis_url: str | None = opt(None, "a Redis to use (default: a throw-away one)")
-    start_timeout_s: float = opt(1200.0, "longest the stack may take to start")
-
-    def __post_init__(self) -> None:
-        _at_least(self.repeats, 1, "--repeats")
-        _at_least(self.streams, 1, "--streams")
-        _at_least(self.stream_tokens, 2, "--stream-tokens")
-        _at_least(self.slow_requests, 1, "--slow-requests")
-        _at_least(self.slow_patterns, 1, "--slow-patterns")
-        _at_least(self.isolation_repeats, 1, "--isolation-repeats")
-        _at_least(self.flood_requests, 1, "--flood-requests")
-        _at_least(self.flood_repeats, 1, "--flood-repeats")
-        for flag, value in (("--slow-patterns", self.slow_patterns), ("--flood-patterns", self.flood_patterns)):
-            if not 1 <= value <= 26 * 26:
-                raise ValueError(f"{flag} must be 1..{26 * 26}, got {value}")
 
 
 @dataclass

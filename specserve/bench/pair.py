@@ -1,7 +1,7 @@
 """The draft/target pair in this process, without the serving stack.
 
 Shared by the benchmark harness (its Hugging Face baselines and model costs,
-:mod:`specserve.bench.costs`) and :mod:`specserve.bench.demo_pair`: loading the pair in float32,
+:mod:`specserve.bench.costs`) and the experiments in benchmarks/: loading the pair in float32,
 one forward pass with a KV cache, a cache prefilled with a prompt, and Hugging Face ``generate()`` timed.
 """
 

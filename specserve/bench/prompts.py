@@ -1,4 +1,4 @@
-"""Prompt sets for the benchmark: held-out chat conversations (:mod:`specserve.bench.chat_prompts`) and cuts
+"""Prompt sets for the benchmark: held-out chat conversations (:mod:`specserve.prompts.chat`) and cuts
 of held-out standard-library files.
 
 * ``chat``, ``chat-code``, ``copy``: first turns of held-out conversations through the tokenizer's chat
@@ -26,9 +26,9 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.bench.chat_prompts import copy_prompts, heldout_prompts
 from specserve.bench.task_prompts import KINDS as TASK_KINDS
 from specserve.bench.task_prompts import task_prompts
+from specserve.prompts.chat import copy_prompts, heldout_prompts
 
 
 @dataclass(frozen=True)

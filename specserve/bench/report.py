@@ -1,12 +1,12 @@
 """Render ``bench.json`` (from ``specserve bench all``) as a Markdown report with PNG plots.
 
-``specserve bench report docs/benchmarks`` re-renders without re-measuring. When the folder holds
-``draft_scaling.json`` (``specserve bench draft-scaling``), the report gains its section and plot;
-:func:`write_draft_scaling` writes that section alone as ``draft_scaling.md``. Likewise ``prediction.json``
-(``specserve bench prediction``) and :func:`write_prediction`, ``latency.json`` (``specserve bench latency``;
-further runs kept as ``latency_<name>.json``) and :func:`write_latency`, ``sampling_modes.json``
-(``specserve bench sampling-modes``), and ``load.json`` (``specserve bench load``), whose load sweep then
-replaces the full run's in the report, and :func:`write_load`. Tables come from :mod:`specserve.bench.markdown`.
+``specserve bench report docs/benchmarks`` re-renders without re-measuring: ``README.md`` from ``bench.json``
+with the latency runs' sections (``latency.json`` from ``specserve bench latency``, further runs kept as
+``latency_<name>.json``; :func:`write_latency` writes each alone), and ``load.json`` (``specserve bench
+load``), whose load sweep then replaces the full run's in the report (:func:`write_load`), and
+``single.json`` (:func:`write_single`). The README links every other report in its folder (the one-off
+experiments' reports, which ``python -m benchmarks report`` renders). Tables come from
+:mod:`specserve.bench.markdown`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ from specserve.bench.modes import (
     fixed,
 )
 from specserve.bench.options import ReportOptions
-from specserve.bench.overhead import section as overhead_section
-from specserve.bench.sampling_modes import section as sampling_modes_section
 from specserve.coordinator.cost_model import expected_tokens_iid
 
 BASE = GAMMA0.name
@@ -549,22 +547,6 @@ def write_report(data: dict, out: Path) -> Path:
         lines += round_parts_section(rows)
     if data["load"]:
         lines += load_section(data.get("load_run") or data)
-    if "sampling_modes" in data:
-        lines += sampling_modes_section(data["sampling_modes"])
-    scaling_file = out / "draft_scaling.json"
-    if scaling_file.exists():
-        scaling = json.loads(scaling_file.read_text())
-        lines += draft_scaling_section(scaling)
-        plots.append(_draft_scaling_plot(scaling, out))
-    prediction_file = out / "prediction.json"
-    if prediction_file.exists():
-        lines += prediction_section(json.loads(prediction_file.read_text()))
-    modes_file = out / "sampling_modes.json"
-    if "sampling_modes" not in data and modes_file.exists():  # from `bench sampling-modes`
-        lines += sampling_modes_section(json.loads(modes_file.read_text())["sampling_modes"])
-    overhead_file = out / "overhead.json"
-    if overhead_file.exists():
-        lines += overhead_section(json.loads(overhead_file.read_text()))
     for latency_file in latency_files(out):
         lines += latency_section(json.loads(latency_file.read_text()))
     lines += ["## Plots", ""] + [f"![{n}]({n})" for n in plots] + [""]
@@ -582,124 +564,6 @@ def other_reports(out: Path) -> list[str]:
         heading = next((line[2:].strip() for line in path.read_text().splitlines() if line.startswith("# ")), path.stem)
         found.append(f"- [{path.name}]({path.name}): {heading}")
     return ["## Other reports", "", *found, ""] if found else []
-
-
-def draft_scaling_section(scaling: dict) -> list[str]:
-    """The draft-scaling table (``specserve/bench/draft_scaling.py``) as Markdown lines."""
-    st = scaling["settings"]
-    rows = {(r["batching"], r["sessions"]): r for r in scaling["summary"]}
-    sessions = sorted({n for _, n in rows})
-    lines = [
-        f"## The draft tier under concurrent sessions (greedy, gamma {st['gamma']}, "
-        f"{st['max_new_tokens']} tokens, median of {st['repeats']} run(s))",
-        "",
-        f"Measured {st['date_utc']} UTC through a stack of one process per role (as `specserve up`); "
-        f"target `{st['target']}`, draft `{st['draft']}`. Batching on: the draft drafts up to "
-        f"{st['draft_batch']} sessions per forward pass; off: each session alone. Per round, from the "
-        "clients' `GenerationStats`: draft = the Propose call as the round saw it (batching wait included), "
-        "verify = the Verify call.",
-        "",
-    ]
-
-    def cell(batching: bool, n: int, field: str, fmt: str = "{:.1f}") -> str:
-        r = rows.get((batching, n))
-        return fmt.format(r[field]) if r else "-"
-
-    header = ("sessions", "draft ms/round on", "off", "verify ms/round on", "off", "tok/s on", "off",
-              "sessions per draft batch on")  # fmt: skip
-    cells = [
-        (n, cell(True, n, "draft_ms_per_round"), cell(False, n, "draft_ms_per_round"),
-         cell(True, n, "verify_ms_per_round"), cell(False, n, "verify_ms_per_round"),
-         cell(True, n, "throughput_tok_s", "{:.0f}"), cell(False, n, "throughput_tok_s", "{:.0f}"),
-         cell(True, n, "sessions_per_draft_batch"))
-        for n in sessions
-    ]  # fmt: skip
-    lines += md.table(header, cells)
-    one_on, one_off = rows.get((True, 1)), rows.get((False, 1))
-    lines.append("")
-    for n in sessions:
-        on, off = rows.get((True, n)), rows.get((False, n))
-        if n == 16 and on and one_on and off:
-            lines.append(
-                f"At 16 sessions, draft ms per round is {on['draft_ms_per_round'] / one_on['draft_ms_per_round']:.1f}x "
-                f"the single-session figure with batching (without: "
-                f"{off['draft_ms_per_round'] / one_off['draft_ms_per_round']:.1f}x), and throughput is "
-                f"{on['throughput_tok_s'] / off['throughput_tok_s']:.2f}x the unbatched draft's."
-            )
-    errors = sum(r["errors"] for r in scaling["summary"])
-    if errors:
-        lines.append(f"**{errors} generations failed** during the measurement (see `draft_scaling.json`).")
-    lines.append("")
-    return lines
-
-
-def _draft_scaling_plot(scaling: dict, out: Path) -> str:
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for batching, style in ((True, "-"), (False, "--")):
-        rows = sorted(
-            (r for r in scaling["summary"] if r["batching"] == batching), key=lambda r: r["sessions"]
-        )
-        if not rows:
-            continue
-        label = "batching on" if batching else "batching off"
-        n = [r["sessions"] for r in rows]
-        axes[0].plot(n, [r["draft_ms_per_round"] for r in rows], style, marker="o", label=f"draft, {label}")
-        axes[0].plot(n, [r["verify_ms_per_round"] for r in rows], style, marker="s", label=f"verify, {label}")
-        axes[1].plot(n, [r["throughput_tok_s"] for r in rows], style, marker="o", label=label)
-    axes[0].set(
-        xscale="log", xlabel="concurrent sessions", ylabel="ms per round", title="draft and verify per round"
-    )
-    axes[1].set(xscale="log", xlabel="concurrent sessions", ylabel="committed tokens/s", title="throughput")
-    for ax in axes:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "draft_scaling.png", dpi=110)
-    plt.close(fig)
-    return "draft_scaling.png"
-
-
-def write_draft_scaling(scaling: dict, out: Path) -> Path:
-    """``draft_scaling.json``'s section alone, with its plot, as ``<out>/draft_scaling.md``."""
-    out.mkdir(parents=True, exist_ok=True)
-    plot = _draft_scaling_plot(scaling, out)
-    return md.write(out, "draft_scaling", [*draft_scaling_section(scaling), f"![{plot}]({plot})", ""])
-
-
-def prediction_section(data: dict) -> list[str]:
-    """The Predicted Outputs table (``specserve/bench/prediction.py``) as Markdown lines."""
-    st, verdict = data["settings"], data["verdict"]
-    lines = [
-        f"## Predicted Outputs (greedy, {st['max_new_tokens']} tokens, {st['prompts']} held-out code prompts, "
-        f"{st['repeats']} repeat(s))",
-        "",
-        f"Measured {st['date_utc']} UTC through the benchmark's in-process stack (all three roles in one Python process); target "
-        f"`{st['target']}`, draft `{st['draft']}`. The prediction is the target's own greedy continuation "
-        "(the `gamma=0` run's tokens): as token ids, as text (tokenized by the server), and half wrong (every "
-        f"other block of {st['block']} tokens taken from another prompt's continuation). Speedup: median over "
-        "runs of the prompt's `gamma=0` ms/token over the run's.",
-        "",
-    ]
-    header = ("mode", "ms/token (median)", "speedup vs gamma=0", "accepted prediction / completion",
-              "rejected prediction / completion", "tokens/round", "identical to gamma=0")  # fmt: skip
-    cells = [
-        (r["mode"], f"{r['ms_per_token']:.2f}", f"{r['speedup']:.2f}x", f"{100 * r['accepted_prediction_share']:.0f}%",
-         f"{100 * r['rejected_prediction_share']:.0f}%", f"{r['tokens_per_round']:.2f}",
-         "yes" if r["identical"] else "**no**")
-        for r in data["summary"]
-    ]  # fmt: skip
-    lines += md.table(header, cells)
-    met = "met" if verdict["met"] else "**missed**"
-    lines += [
-        "",
-        f"An exact prediction (adaptive gamma) runs at {verdict['prediction_speedup']:.2f}x the target alone "
-        f"through the service; the issue's target of {verdict['target_speedup']:g}x is {met} in this run.",
-    ]
-    if not verdict["all_identical"]:
-        lines.append(
-            "**Some output differed from gamma = 0** (see `prediction.json`): a bug, greedy output must not."
-        )
-    lines.append("")
-    return lines
 
 
 def _load_settings(settings: dict) -> tuple[int, float]:
@@ -874,11 +738,6 @@ def write_single(data: dict, out: Path) -> Path:
     return md.write(out, "single", single_section(data))
 
 
-def write_prediction(data: dict, out: Path) -> Path:
-    """``prediction.json``'s section alone, as ``<out>/prediction.md``."""
-    return md.write(out, "prediction", prediction_section(data))
-
-
 def latency_files(out: Path) -> list[Path]:
     """``latency.json`` and any further latency runs kept beside it (``latency_<name>.json``, say one tier
     behind the delay with more repeats), in that order."""
@@ -897,18 +756,10 @@ def main(opts: ReportOptions) -> int:
     folder = opts.folder
     if (folder / "bench.json").exists():
         write_report(json.loads((folder / "bench.json").read_text()), folder)
-    if (folder / "draft_scaling.json").exists():
-        write_draft_scaling(json.loads((folder / "draft_scaling.json").read_text()), folder)
-    if (folder / "prediction.json").exists():
-        write_prediction(json.loads((folder / "prediction.json").read_text()), folder)
     for latency_file in latency_files(folder):
         write_latency(json.loads(latency_file.read_text()), folder, latency_file.stem)
     for load_file in [*folder.glob("load.json"), *sorted(folder.glob("load_*.json"))]:  # and further runs
         write_load(json.loads(load_file.read_text()), folder, load_file.stem)
     if (folder / "single.json").exists():
         write_single(json.loads((folder / "single.json").read_text()), folder)
-    if (folder / "structured.json").exists():
-        from specserve.bench import structured
-
-        md.write(folder, "structured", structured.render(json.loads((folder / "structured.json").read_text())))
     return 0

@@ -1,7 +1,7 @@
 """Held-out prompts of five task kinds beyond chat and code: the speed gate reports each kind.
 
 Written for this benchmark and kept out of every training set (the draft's and the feature head's
-data come from :mod:`specserve.bench.chat_prompts`' training subjects and the target's own answers):
+data come from :mod:`specserve.prompts.chat`' training subjects and the target's own answers):
 each prompt hands the model a text of its own to work on, so the answer leans on the prompt more
 than open chat does.
 
@@ -14,7 +14,7 @@ than open chat does.
 
 from __future__ import annotations
 
-from specserve.bench.chat_prompts import ChatPrompt
+from specserve.prompts.chat import ChatPrompt
 
 _TRANSLATE = (
     ("German", "The ferry leaves the harbour at seven every morning, except on Sundays, when the first boat "

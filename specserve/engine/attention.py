@@ -21,7 +21,7 @@ kernels refuse it, position biases) is transformers' own function, unchanged.
 :func:`use_grouped_sdpa` switches a model on the CPU to it (the workers'
 ``load_model`` and the benchmark's HF baselines alike, so that ratios compare
 like with like). Measured on the default target: docs/benchmarks/attention.md
-(``specserve bench attention``).
+(``python -m benchmarks attention``).
 """
 
 from __future__ import annotations

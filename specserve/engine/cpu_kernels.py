@@ -9,7 +9,7 @@ once, at load time, into its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, the layout ``torch.compile``'s
 CPU backend freezes weights into) is meant to read the weights at full speed
 for any number of rows, and one row at no more than the stock kernel's cost
-(``specserve bench kernels`` measures both, per shape and for the
+(``python -m benchmarks kernels`` measures both, per shape and for the
 whole pass; the figures: docs/benchmarks/kernels.md and
 docs/benchmarks/history.md).
 

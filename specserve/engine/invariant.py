@@ -50,7 +50,7 @@ as assumed on the machine that runs the tests.
 The price, on the stock kernel, is a matmul of 16 rows for a lone decoding
 row; on packed weights little beyond the attention's smaller pieces. Measured
 on the default target: docs/benchmarks/invariance.md
-(``specserve bench invariance``).
+(``python -m benchmarks invariance``).
 """
 
 from __future__ import annotations

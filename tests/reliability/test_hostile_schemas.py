@@ -14,7 +14,7 @@ its bounds and is served; and one client flooding slow schemas leaves another cl
   before any compile starts, while another client's new schema compiles and is served. Before the fix the
   attacker's compiles took both compiling threads and the victim was refused "did not compile within".
 
-The other streams' inter-token latency beside these is a benchmark figure (``specserve bench structured --parts
+The other streams' inter-token latency beside these is a benchmark figure (``python -m benchmarks structured --parts
 flood``, docs/benchmarks/structured.md), not a timed test.
 """
 

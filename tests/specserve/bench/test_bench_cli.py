@@ -1,11 +1,13 @@
-"""specserve.bench.cli and specserve.bench.options: ``specserve bench`` is one subcommand per benchmark, each
-with its own typed options; bad options are refused naming the option, before anything runs; ``report``
+"""specserve.bench.cli and specserve.bench.options: ``specserve bench`` is one subcommand per benchmark a user
+or an operator runs, each with its own typed options, and lists no one-off experiment (those are ``python -m
+benchmarks``, tests/benchmarks); bad options are refused naming the option, before anything runs; ``report``
 renders docs/benchmarks' sections again from their JSON, column for column."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -21,15 +23,28 @@ ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs" / "benchmarks"
 
 
-def test_help_lists_every_subcommand(capsys):
+#: What ``specserve bench --help`` lists: the speed gate, the full run and its parts, the model cards, the report.
+USER_FACING = {"gate", "all", "single", "load", "latency", "rtt", "draft-card", "head-card", "report"}
+
+
+def _listed(text: str) -> set[str]:
+    """The subcommands (and aliases) argparse's ``--help`` lists, one per line under SUBCOMMAND."""
+    return {name for line in re.findall(r"^    ([\w-]+(?: \([\w-]+\))?)", text, flags=re.M)
+            for name in re.findall(r"[\w-]+", line)}  # fmt: skip
+
+
+def test_help_lists_the_user_facing_benchmarks_and_nothing_else(capsys):
     with pytest.raises(SystemExit) as exc:
         launcher.main(["bench", "--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
+    assert _listed(text) == USER_FACING
     for command in cli.SUBCOMMANDS:
         assert command.name in text
     names = [c.name for c in cli.SUBCOMMANDS]
-    assert len(names) == len(set(names)) and {"all", "single", "load", "latency", "report"} <= set(names)
+    assert len(names) == len(set(names))
+    for experiment in ("kernels", "invariance", "overhead", "structured", "prefix-cache", "sampling-modes"):
+        assert experiment not in _listed(text)
 
 
 def test_a_subcommand_without_options_gets_its_own_defaults():
@@ -47,8 +62,8 @@ def test_options_are_typed_from_their_annotations():
     assert opts.command == "specserve bench load --rates 2 4.5 --duration-s 1 --repeats 2 --control"
     _, opts = cli.parse(["rtt", "--sides", "draft", "--rtts-ms", "0", "3"])  # latency's alias
     assert isinstance(opts, o.LatencyOptions) and opts.sides == ["draft"] and opts.rtts_ms == [0.0, 3.0]
-    _, opts = cli.parse(["kernels", "--out", "/tmp/x"])
-    assert opts.out == Path("/tmp/x") and opts.threads is None
+    _, opts = cli.parse(["draft-card", "--json", "/tmp/x", "--sampled-gammas", "1", "2"])
+    assert opts.json == Path("/tmp/x") and opts.sampled_gammas == [1, 2] and opts.draft is None
     _, opts = cli.parse(["report", "/tmp/y"])
     assert opts.folder == Path("/tmp/y")
 
@@ -65,8 +80,7 @@ def test_each_subcommand_takes_only_its_own_options(capsys):
         (["load", "--repeats", "0"], "--repeats must be >= 1"),
         (["all", "--load-repeats", "0"], "--load-repeats must be >= 1"),
         (["single", "--draft-batch", "0"], "--draft-batch must be >= 1"),
-        (["sampling-modes", "--gammas", "auto", "x"], "--gammas takes 'auto' or integers"),
-        (["invariance", "--threads", "2"], "--clock cpu measures one thread"),
+        (["gate", "--setting", "target"], "--setting 'target': write ROLE.KEY=VALUE"),
         (["latency", "--sides", "both"], "--sides"),
         (["single", "--modes", "specserve gamma=3"], "--modes"),
         (["load", "--kernels", "fast"], "--kernels"),
@@ -85,9 +99,14 @@ def test_the_single_modes_are_named_once():
     assert [m.name for m in SPEC_MODES] == [m for m in SINGLE_MODES if m.startswith("specserve ")]
 
 
-@pytest.mark.parametrize("name", ["draft_scaling", "prediction"])
-def test_report_renders_a_stored_section_again_column_for_column(name, tmp_path):
-    """docs/benchmarks' section files are what ``specserve bench report`` renders from their JSON."""
-    shutil.copy(DOCS / f"{name}.json", tmp_path / f"{name}.json")
+def test_report_renders_the_full_report_again_linking_the_others(tmp_path):
+    """docs/benchmarks/README.md is what ``specserve bench report`` renders from bench.json and the latency runs,
+    with a link to every other report beside it."""
+    names = ["bench.json", "latency.json", "latency_draft.json", "latency_head.json"]
+    for name in names:
+        shutil.copy(DOCS / name, tmp_path / name)
+    for md in DOCS.glob("*.md"):
+        if md.name != "README.md":
+            (tmp_path / md.name).write_text(md.read_text())
     assert cli.main(["report", str(tmp_path)]) == 0
-    assert (tmp_path / f"{name}.md").read_text() == (DOCS / f"{name}.md").read_text()
+    assert (tmp_path / "README.md").read_text() == (DOCS / "README.md").read_text()

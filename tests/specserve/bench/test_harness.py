@@ -11,10 +11,10 @@ import pytest
 import system_fixtures as sf
 import torch
 
-from specserve.bench.chat_prompts import copy_prompts
 from specserve.bench.cli import main
 from specserve.bench.modes import HEAD_MODES, HF_LOOKUP, HF_STOCK, SPEC_MODES
 from specserve.engine import attention, cpu_kernels
+from specserve.prompts.chat import copy_prompts
 
 
 @pytest.fixture(scope="module")

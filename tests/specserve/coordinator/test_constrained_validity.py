@@ -1,6 +1,6 @@
 """Every constrained output through the system is valid (issue 41, "Validity"): the whole validity set.
 
-The set is tests/data/constraints (:func:`specserve.bench.constraints.load_set`): at least 30 JSON
+The set is tests/data/constraints (:func:`benchmarks.constraints.load_set`): at least 30 JSON
 schemas of varied shape, 10 regexes and 5 choice lists. Each goes through the whole system (real Redis,
 gRPC target, draft and coordinator, the tiny float32 pair) greedy and at T = 0.7, with the model
 draft, the n-gram proposer and the adaptive policy (gamma left to the server). The tiny models write
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import system_fixtures as sf
 
+from benchmarks.constraints import Case, load_set
 from specserve.api.constraints import Constraint
-from specserve.bench.constraints import Case, load_set
 from specserve.v1 import common_pb2
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]

@@ -4,7 +4,7 @@
 them: after every request the target's KV bytes are within the budget, no request fails, blocks are
 evicted (counted), the 20 most recent prompts are found again whole (hits counted) and the oldest are
 not. The same run at full size (1,000 distinct 1,000-token prefixes, a budget for 100) is
-``python -m specserve.bench.prefix_cache --memory`` (docs/benchmarks/prefix-cache.md).
+``python -m benchmarks prefix-cache-memory`` (docs/benchmarks/prefix-cache.md).
 
 Real Redis, real gRPC servers, the tiny float32 pair.
 """

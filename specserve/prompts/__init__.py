@@ -1,0 +1,1 @@
+"""The prompt lists shared by the training scripts and the benchmark, with their train / held-out split."""
