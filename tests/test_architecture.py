@@ -12,7 +12,7 @@
   ``api``, ``v1``, ``core``, ``engine`` and ``runtime``; no role imports another;
   only the launcher (``specserve/launch/``) and the benchmark
   (``specserve/bench/``) import a role.
-* ``specserve/coordinator/rounds.py`` uses no attribute of the pool but its public methods.
+* ``specserve/coordinator/round.py`` uses no attribute of the pool but its public methods.
 * ``Coordinator.generate`` and ``verify_batch`` stay under 50 lines.
 * ``docs/internals.md`` names only files that exist, and walks one round through them.
 * Nothing in the repository points at design notes outside it.
@@ -142,12 +142,12 @@ def _third_party(module: str) -> set[str]:
 @pytest.mark.unit
 def test_the_graph_is_read_from_real_imports():
     """Guards the tests below: known edges are found (so an empty graph cannot pass them)."""
-    assert "specserve.coordinator.pool" in GRAPH["specserve.coordinator.rounds"]
+    assert "specserve.coordinator.fleet.pool" in GRAPH["specserve.coordinator.round"]
     assert "specserve.api.status" in GRAPH["specserve.client._client"]
     assert "specserve.bench.cli" in GRAPH["specserve.launch.cli"]  # a lazy import inside a function
     assert "specserve.api" not in GRAPH["specserve.client._client"]  # "from specserve.api import errors" is specserve.api.errors
-    hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import specserve.coordinator.pool\n")
-    assert "specserve.coordinator.pool" not in _imported_names(hidden, "specserve.launch.cli")
+    hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import specserve.coordinator.fleet.pool\n")
+    assert "specserve.coordinator.fleet.pool" not in _imported_names(hidden, "specserve.launch.cli")
     assert len(GRAPH) > 60
     assert "torch" in _third_party("specserve.core.sampling")
     assert "grpc" in _third_party("specserve.client._client")
@@ -241,13 +241,13 @@ def test_no_role_imports_another_role():
 
 @pytest.mark.unit
 def test_the_round_loop_uses_only_the_pools_public_methods():
-    from specserve.coordinator.pool import WorkerPool
+    from specserve.coordinator.fleet.pool import WorkerPool
 
     public = {
         name for name, value in vars(WorkerPool).items() if not name.startswith("_") and callable(value)
     }
     assert {"propose", "verify", "release"} <= public
-    tree = ast.parse((ROOT / "specserve" / "coordinator" / "rounds.py").read_text())
+    tree = ast.parse((ROOT / "specserve" / "coordinator" / "round.py").read_text())
     used: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
@@ -306,13 +306,13 @@ def test_internals_walks_one_round_through_the_files_in_order():
         "specserve/client/_client.py",
         "specserve/coordinator/servicer.py",
         "specserve/coordinator/coordinator.py",
-        "specserve/coordinator/rounds.py",
-        "specserve/coordinator/pool.py",
+        "specserve/coordinator/round.py",
+        "specserve/coordinator/fleet/pool.py",
         "specserve/draft/servicer.py",
         "specserve/draft/engine.py",
         "specserve/draft/proposers.py",
         "specserve/core/proposal.py",
-        "specserve/coordinator/batcher.py",
+        "specserve/coordinator/fleet/batcher.py",
         "specserve/target/servicer.py",
         "specserve/target/verifier.py",
         "specserve/core/verification.py",

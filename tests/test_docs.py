@@ -21,7 +21,7 @@ DOCS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 
 #: The repository's top-level folders a document may name a path under.
 TOP = "specserve protos deploy tests scripts docs models benchmarks .ci".split()
-#: A path under one of them (``specserve/coordinator/rounds.py``, ``specserve/v1/``, ``models/specserve-demo-*``), not
+#: A path under one of them (``specserve/coordinator/round.py``, ``specserve/v1/``, ``models/specserve-demo-*``), not
 #: the tail of a longer path or a URL.
 PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(map(re.escape, TOP)) + r")/(?:[\w.*-]+/)*[\w.*-]*)")
 #: A module run with ``python -m`` from one of the packages.
@@ -50,8 +50,8 @@ def anchor(heading: str) -> str:
 
 @pytest.mark.unit
 def test_the_path_pattern_reads_paths_and_nothing_else():
-    text = "`specserve/coordinator/rounds.py`, specserve/v1/ and models/specserve-demo-*; not a/coordinator/x.py or http://h/docs/x"
-    assert named_paths(text) == {"specserve/coordinator/rounds.py", "specserve/v1/", "models/specserve-demo-*"}
+    text = "`specserve/coordinator/round.py`, specserve/v1/ and models/specserve-demo-*; not a/coordinator/x.py or http://h/docs/x"
+    assert named_paths(text) == {"specserve/coordinator/round.py", "specserve/v1/", "models/specserve-demo-*"}
     assert not exists("specserve/coordinator/no_such_module.py") and exists("models/specserve-demo-*")
 
 

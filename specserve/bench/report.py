@@ -41,7 +41,7 @@ from specserve.bench.modes import (
 from specserve.bench.options import ReportOptions
 from specserve.bench.overhead import section as overhead_section
 from specserve.bench.sampling_modes import section as sampling_modes_section
-from specserve.coordinator.cost_model import expected_tokens_iid
+from specserve.coordinator.speculation.cost_model import expected_tokens_iid
 
 BASE = GAMMA0.name
 #: A projection, not a measurement: what a pass over k positions costs on an accelerator with spare

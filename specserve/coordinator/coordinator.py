@@ -5,7 +5,7 @@ A request is admitted first (:meth:`Coordinator.admit`: its session place and ra
 (tokenizing, compiling its constraint), and ``generate`` runs it in its place: it creates
 the session in Redis (the prompt at version 0, the seed recorded with the
 sampling settings), takes the session's owner lease, runs the round loop
-(:mod:`specserve.coordinator.rounds`) until a stop condition is committed, and yields a
+(:mod:`specserve.coordinator.round`) until a stop condition is committed, and yields a
 :class:`Chunk` per round that committed tokens (ids + a text delta that never
 splits a character) and a final :class:`Finished` carrying the statistics.
 With ``logprobs`` requested, each chunk carries one
@@ -39,13 +39,13 @@ from specserve.coordinator.chat import ChatMessage, TemplateOptions, chat_prompt
 from specserve.coordinator.clients import ClientKeys
 from specserve.coordinator.constraint_compiler import ConstraintCompiler
 from specserve.coordinator.detokenize import IncrementalDetokenizer
-from specserve.coordinator.limits import Limits
+from specserve.coordinator.fleet.limits import Limits
+from specserve.coordinator.fleet.pool import WorkerPool
 from specserve.coordinator.local_proposers import ForcedTextProposer
-from specserve.coordinator.policy import FixedGamma, SpeculationPolicy
-from specserve.coordinator.pool import WorkerPool
 from specserve.coordinator.requests import GenerationRequest
-from specserve.coordinator.rounds import Committed, RoundLoop
+from specserve.coordinator.round import Committed, RoundLoop
 from specserve.coordinator.session import Session, SessionStatus
+from specserve.coordinator.speculation.policy import FixedGamma, SpeculationPolicy
 from specserve.runtime import metrics
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.store import SessionStore
@@ -108,7 +108,7 @@ def _grammar_engine(tokenizer: Any, vocab_size: int) -> Any:
 class Coordinator:
     """Sessions, the round loop and its workers, for one coordinator process.
 
-    Built once (``specserve/coordinator/server.py``) from the probed :class:`~specserve.coordinator.limits.Limits`:
+    Built once (``specserve/coordinator/server.py``) from the probed :class:`~specserve.coordinator.fleet.limits.Limits`:
     ``pool`` and ``adaptive`` (the shared policy of requests without a fixed gamma) share one cost model.
     """
 

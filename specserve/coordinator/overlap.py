@@ -13,7 +13,7 @@ import asyncio
 import time
 
 from specserve.api.params import Verdict
-from specserve.coordinator.pool import Proposed, WorkerPool
+from specserve.coordinator.fleet.pool import Proposed, WorkerPool
 from specserve.coordinator.session import Session
 from specserve.runtime import metrics
 from specserve.v1 import common_pb2

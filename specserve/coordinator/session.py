@@ -128,7 +128,7 @@ class Session:
             p for p in (self.prediction, ngram) if p is not None
         )
         #: The hybrid lookup: an n-gram index over the session's tokens that the round loop drafts from
-        #: instead of the model when the lookup's own acceptance makes that pay (specserve/coordinator/rounds.py).
+        #: instead of the model when the lookup's own acceptance makes that pay (specserve/coordinator/round.py).
         #: Not one of :attr:`local_proposers`: those are asked before the model every round.
         #: (A session with local proposers drafts with the ``ngram`` proposer or from a prediction.)
         self.lookup: NgramProposer | None = (

@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specserve.api.params import Verdict
-from specserve.coordinator.acceptance import AcceptanceTracker
+from specserve.coordinator.fleet.pool import DRAFT_PROPOSERS, Proposed, WorkerPool
 from specserve.coordinator.local_proposers import LocalProposer, NgramProposer
-from specserve.coordinator.policy import SpeculationPolicy
-from specserve.coordinator.pool import DRAFT_PROPOSERS, Proposed, WorkerPool
 from specserve.coordinator.session import Session
+from specserve.coordinator.speculation.acceptance import AcceptanceTracker
+from specserve.coordinator.speculation.policy import SpeculationPolicy
 from specserve.engine.kvcache import common_prefix_len
 from specserve.runtime import metrics
 from specserve.v1 import common_pb2

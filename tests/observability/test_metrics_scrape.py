@@ -20,7 +20,7 @@ import system_fixtures as sf
 from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.api.params import SamplingParams, SessionBase, StopConditions
-from specserve.coordinator.worker_clients import propose_request
+from specserve.coordinator.fleet.clients import propose_request
 from specserve.runtime.server import start_metrics_server
 from specserve.v1 import common_pb2, target_pb2
 

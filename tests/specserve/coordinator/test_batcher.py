@@ -12,8 +12,8 @@ import system_fixtures as sf
 
 from specserve.api import errors
 from specserve.api.params import SamplingParams, SessionBase, StopConditions
-from specserve.coordinator.batcher import VerifyBatcher
-from specserve.coordinator.worker_clients import TargetClient
+from specserve.coordinator.fleet.batcher import VerifyBatcher
+from specserve.coordinator.fleet.clients import TargetClient
 from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import common_pb2, target_pb2
 
@@ -100,7 +100,7 @@ PROMPT = (5, 6, 7, 8, 9, 10)
 
 
 def _propose_item(sid: str, *, start: int = 0, gamma: int = 3):
-    from specserve.coordinator.worker_clients import propose_request
+    from specserve.coordinator.fleet.clients import propose_request
 
     return propose_request(
         SessionBase(sid, len(PROMPT), 0),
@@ -120,8 +120,8 @@ async def draft_stack(pair, redis_server):
 
 
 async def test_propose_items_of_many_sessions_share_calls_and_get_their_own_results(draft_stack):
-    from specserve.coordinator.batcher import ProposeBatcher
-    from specserve.coordinator.worker_clients import DraftClient
+    from specserve.coordinator.fleet.batcher import ProposeBatcher
+    from specserve.coordinator.fleet.clients import DraftClient
 
     client = DraftClient(f"127.0.0.1:{draft_stack.draft_port}", SETTINGS)
     batcher = ProposeBatcher(client, max_batch_size=4, max_wait_s=0.05, expected=lambda: 10)
@@ -147,8 +147,8 @@ async def test_propose_items_of_many_sessions_share_calls_and_get_their_own_resu
 async def test_a_propose_call_carries_at_most_its_feature_bytes(draft_stack):
     """Bounded features on the draft hop (issue 54, finding 4): items whose features together pass
     ``max_feature_bytes`` go in separate calls, in order; an item alone may carry that much."""
-    from specserve.coordinator.batcher import ProposeBatcher
-    from specserve.coordinator.worker_clients import DraftClient
+    from specserve.coordinator.fleet.batcher import ProposeBatcher
+    from specserve.coordinator.fleet.clients import DraftClient
     from specserve.core.features import FeatureBlock
 
     client = DraftClient(f"127.0.0.1:{draft_stack.draft_port}", SETTINGS)
@@ -167,8 +167,8 @@ async def test_a_propose_call_carries_at_most_its_feature_bytes(draft_stack):
 
 @pytest.mark.unit
 async def test_a_failed_propose_call_fails_every_item_of_its_batch():
-    from specserve.coordinator.batcher import ProposeBatcher
-    from specserve.coordinator.worker_clients import DraftClient
+    from specserve.coordinator.fleet.batcher import ProposeBatcher
+    from specserve.coordinator.fleet.clients import DraftClient
 
     client = DraftClient("127.0.0.1:1", SETTINGS)  # nothing listens there
     batcher = ProposeBatcher(client, max_batch_size=8, max_wait_s=0.01, expected=lambda: 3)
@@ -185,7 +185,7 @@ async def test_a_failed_propose_call_fails_every_item_of_its_batch():
 @pytest.mark.unit
 async def test_a_constraint_is_new_to_a_replica_until_it_answered_for_it():
     """The pool sends an item alone while its constraint is new to the replica (ConstraintSightings)."""
-    from specserve.coordinator.batcher import ConstraintSightings
+    from specserve.coordinator.fleet.batcher import ConstraintSightings
 
     sightings = ConstraintSightings(per_replica=2)
     assert not sightings.new_to("t:1", None)  # an unconstrained item is never sent alone

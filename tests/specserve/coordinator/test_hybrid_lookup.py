@@ -26,15 +26,15 @@ import system_fixtures as sf
 
 from specserve import AsyncClient
 from specserve.api.params import SamplingParams, StopConditions, Verdict
-from specserve.coordinator.acceptance import ProbeClock
-from specserve.coordinator.batcher import BatchedResult
-from specserve.coordinator.cost_model import CostModel
-from specserve.coordinator.policy import AdaptiveGamma, LoadSnapshot
-from specserve.coordinator.pool import Proposed, Verified
+from specserve.coordinator.fleet.batcher import BatchedResult
+from specserve.coordinator.fleet.clients import ItemReply
+from specserve.coordinator.fleet.pool import Proposed, Verified
 from specserve.coordinator.requests import SpeculationSettings
-from specserve.coordinator.rounds import RoundLoop
+from specserve.coordinator.round import RoundLoop
 from specserve.coordinator.session import Session
-from specserve.coordinator.worker_clients import ItemReply
+from specserve.coordinator.speculation.acceptance import ProbeClock
+from specserve.coordinator.speculation.cost_model import CostModel
+from specserve.coordinator.speculation.policy import AdaptiveGamma, LoadSnapshot
 from specserve.v1 import common_pb2
 
 STEP_NS = 20_000_000  # a target step

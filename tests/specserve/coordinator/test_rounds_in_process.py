@@ -14,9 +14,9 @@ import pytest
 from worker_fakes import FakeTarget, Workers, continuation, item_for, new_session, pool_of_fakes
 
 from specserve.api import errors
-from specserve.coordinator.policy import FixedGamma
-from specserve.coordinator.rounds import MAX_FRUITLESS_RESYNCS, RoundLoop
+from specserve.coordinator.round import MAX_FRUITLESS_RESYNCS, RoundLoop
 from specserve.coordinator.session import Session
+from specserve.coordinator.speculation.policy import FixedGamma
 from specserve.v1 import common_pb2
 
 pytestmark = pytest.mark.unit

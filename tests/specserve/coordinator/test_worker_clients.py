@@ -17,12 +17,12 @@ import system_fixtures as sf
 from specserve.api import errors
 from specserve.api.params import SamplingParams, SessionBase, StopConditions
 from specserve.api.status import worker_error_from_rpc as error_from_rpc
-from specserve.coordinator.acceptance import AcceptanceTracker
-from specserve.coordinator.policy import FixedGamma
+from specserve.coordinator.fleet.clients import DraftClient, TargetClient, propose_request
 from specserve.coordinator.requests import SpeculationSettings
-from specserve.coordinator.rounds import RoundLoop
+from specserve.coordinator.round import RoundLoop
 from specserve.coordinator.session import Session
-from specserve.coordinator.worker_clients import DraftClient, TargetClient, propose_request
+from specserve.coordinator.speculation.acceptance import AcceptanceTracker
+from specserve.coordinator.speculation.policy import FixedGamma
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2, target_pb2

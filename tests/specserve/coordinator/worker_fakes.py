@@ -26,11 +26,7 @@ from dataclasses import dataclass
 
 from specserve.api import errors
 from specserve.api.params import PositionLogprobs, SamplingParams, StopConditions, Verdict
-from specserve.coordinator.cost_model import CostModel
-from specserve.coordinator.pool import WorkerPool
-from specserve.coordinator.requests import SpeculationSettings
-from specserve.coordinator.session import Session
-from specserve.coordinator.worker_clients import (
+from specserve.coordinator.fleet.clients import (
     ItemReply,
     ProposeBatchReply,
     ProposeItemReply,
@@ -38,6 +34,10 @@ from specserve.coordinator.worker_clients import (
     VerifyReply,
     WorkerClients,
 )
+from specserve.coordinator.fleet.pool import WorkerPool
+from specserve.coordinator.requests import SpeculationSettings
+from specserve.coordinator.session import Session
+from specserve.coordinator.speculation.cost_model import CostModel
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.store import SessionRecord
 from specserve.v1 import common_pb2, draft_pb2, target_pb2

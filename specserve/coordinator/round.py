@@ -16,7 +16,7 @@
    count it.
 
 Replicas, failover, breakers and the cost model are the pool's
-(:mod:`specserve.coordinator.pool`); the round loop uses only the pool's public methods.
+(:mod:`specserve.coordinator.fleet.pool`); the round loop uses only the pool's public methods.
 What it handles itself is the session's state:
 
 * **Stale version** (ABORTED) or **log mismatch** (FAILED_PRECONDITION) for the
@@ -42,14 +42,14 @@ import structlog
 
 from specserve.api import errors
 from specserve.api.params import PositionLogprobs, Verdict
-from specserve.coordinator.acceptance import AcceptanceTracker
-from specserve.coordinator.batcher import BatchedResult
+from specserve.coordinator.fleet.batcher import BatchedResult
+from specserve.coordinator.fleet.clients import ItemReply
+from specserve.coordinator.fleet.pool import Proposed, Verified, WorkerPool
 from specserve.coordinator.overlap import Overlap
-from specserve.coordinator.policy import SpeculationPolicy
-from specserve.coordinator.pool import Proposed, Verified, WorkerPool
 from specserve.coordinator.session import Session
 from specserve.coordinator.sources import Choice, ProposalSources, Shadows, lookup_drafted
-from specserve.coordinator.worker_clients import ItemReply
+from specserve.coordinator.speculation.acceptance import AcceptanceTracker
+from specserve.coordinator.speculation.policy import SpeculationPolicy
 from specserve.runtime import metrics
 from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2, target_pb2

@@ -3,9 +3,9 @@
 The objective is wall-clock cost per committed token under the real workload
 (docs/design.md, "Cost and policy"), not acceptance. Three pieces:
 
-* :class:`~specserve.coordinator.cost_model.CostModel` (one per coordinator): what a round
+* :class:`~specserve.coordinator.speculation.cost_model.CostModel` (one per coordinator): what a round
   costs, learnt online from call timings;
-* :class:`~specserve.coordinator.acceptance.AcceptanceTracker` (one per session): how
+* :class:`~specserve.coordinator.speculation.acceptance.AcceptanceTracker` (one per session): how
   many tokens a round commits, learnt online from the session's verdicts, per
   draft position;
 * :class:`SpeculationPolicy` (one per coordinator, or per request for a fixed
@@ -35,8 +35,13 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.coordinator.acceptance import AcceptanceTracker
-from specserve.coordinator.cost_model import CostModel, CostPrior, expected_tokens_iid, predicted_speedup
+from specserve.coordinator.speculation.acceptance import AcceptanceTracker
+from specserve.coordinator.speculation.cost_model import (
+    CostModel,
+    CostPrior,
+    expected_tokens_iid,
+    predicted_speedup,
+)
 
 __all__ = [
     "GAMMA_LADDER",
@@ -174,7 +179,7 @@ class AdaptiveGamma(SpeculationPolicy):
       ``initial_gamma`` (just ``initial_gamma`` while the cost model has no data),
       then climbs one rung per round at most. A session whose tracker starts
       from other sessions' acceptance (``warm_start``: the coordinator's
-      :class:`~specserve.coordinator.acceptance.AcceptanceMemory` for its proposer and
+      :class:`~specserve.coordinator.speculation.acceptance.AcceptanceMemory` for its proposer and
       sampling) starts at the best rung of the whole ladder for that estimate.
     * **Probing out of 0**: a session at gamma = 0 learns nothing about
       acceptance (its tracker neither learns nor forgets on such rounds), so after
@@ -189,7 +194,7 @@ class AdaptiveGamma(SpeculationPolicy):
       (every row gets a second column), so under load probing costs no larger
       a share of the target's time than it does for one session alone. Sessions
       warm-started under one key share this clock
-      (:class:`~specserve.coordinator.acceptance.ProbeClock`): the rounds at 0 of all of
+      (:class:`~specserve.coordinator.speculation.acceptance.ProbeClock`): the rounds at 0 of all of
       them count towards one probe, whose outcome feeds the pooled acceptance
       they all start from. (Sessions of a proposer in the coordinator, whose
       acceptance belongs to the text rather than the pair, start cold and

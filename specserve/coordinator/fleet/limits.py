@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 
 from specserve.api import errors
-from specserve.coordinator.worker_clients import WorkerClients, WorkerInfo
+from specserve.coordinator.fleet.clients import WorkerClients, WorkerInfo
 from specserve.engine.models import check_same_vocabulary
 from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import common_pb2

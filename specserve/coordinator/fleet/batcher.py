@@ -45,7 +45,7 @@ from typing import Any, Generic, TypeVar
 
 import structlog
 
-from specserve.coordinator.worker_clients import (
+from specserve.coordinator.fleet.clients import (
     DraftClient,
     ItemReply,
     ProposeBatchReply,

@@ -1,14 +1,14 @@
 """The coordinator's workers: every replica, and everything a round needs from them.
 
 One :class:`WorkerPool` per coordinator, built once from the probed limits
-(:mod:`specserve.coordinator.limits`). The round loop (:mod:`specserve.coordinator.rounds`) asks it
+(:mod:`specserve.coordinator.fleet.limits`). The round loop (:mod:`specserve.coordinator.round`) asks it
 for a proposal and for a verdict and never touches a replica itself:
 
 * :meth:`WorkerPool.propose` asks the session's draft replica for up to
   ``gamma`` tokens, when :mod:`specserve.coordinator.sources` chose the draft model for the
   round (a round drafted in the coordinator makes no call:
   :meth:`WorkerPool.bind_round`). Model proposals go through the replica's
-  :class:`~specserve.coordinator.batcher.ProposeBatcher`, which gathers the sessions
+  :class:`~specserve.coordinator.fleet.batcher.ProposeBatcher`, which gathers the sessions
   drafting at the same time into one ``ProposeBatch`` call (the draft runs one
   forward pass per step for all of them); everything goes out alone when
   ``draft_max_batch_size`` is 1. Any failure leaves the round without a
@@ -45,12 +45,12 @@ for a proposal and for a verdict and never touches a replica itself:
 
 Around those, the pool owns:
 
-* **replicas**: per draft endpoint a :class:`~specserve.coordinator.worker_clients.DraftClient`
-  and a :class:`~specserve.coordinator.batcher.ProposeBatcher` (every Propose leaves
+* **replicas**: per draft endpoint a :class:`~specserve.coordinator.fleet.clients.DraftClient`
+  and a :class:`~specserve.coordinator.fleet.batcher.ProposeBatcher` (every Propose leaves
   through :meth:`WorkerPool._send_propose`), per target endpoint a
-  :class:`~specserve.coordinator.worker_clients.TargetClient` and a
-  :class:`~specserve.coordinator.batcher.VerifyBatcher`; the
-  :class:`~specserve.coordinator.routing.ReplicaSet` of each tier (consistent hashing
+  :class:`~specserve.coordinator.fleet.clients.TargetClient` and a
+  :class:`~specserve.coordinator.fleet.batcher.VerifyBatcher`; the
+  :class:`~specserve.coordinator.fleet.routing.ReplicaSet` of each tier (consistent hashing
   and circuit breakers, back-offs from the settings);
 * **breakers**: :meth:`WorkerPool._fault` is the one place that decides
   whether a failed call counts against its replica;
@@ -62,7 +62,7 @@ Around those, the pool owns:
   re-create a cache;
 * **cost observations**: draft time and its round trip from each Propose,
   verify time and its round trip once per Verify call, both into the shared
-  :class:`~specserve.coordinator.cost_model.CostModel`; and the load the policy sees
+  :class:`~specserve.coordinator.speculation.cost_model.CostModel`; and the load the policy sees
   (:meth:`WorkerPool.load`).
 """
 
@@ -78,13 +78,18 @@ from typing import NamedTuple, TypeVar
 import structlog
 
 from specserve.api import errors
-from specserve.coordinator.acceptance import AcceptanceMemory, ProbeClock
-from specserve.coordinator.batcher import BatchedResult, ConstraintSightings, ProposeBatcher, VerifyBatcher
-from specserve.coordinator.cost_model import CostModel
-from specserve.coordinator.policy import LoadSnapshot
-from specserve.coordinator.routing import ReplicaSet, prefix_key
+from specserve.coordinator.fleet.batcher import (
+    BatchedResult,
+    ConstraintSightings,
+    ProposeBatcher,
+    VerifyBatcher,
+)
+from specserve.coordinator.fleet.clients import ProposeReply, WorkerClients, propose_request
+from specserve.coordinator.fleet.routing import ReplicaSet, prefix_key
 from specserve.coordinator.session import Session
-from specserve.coordinator.worker_clients import ProposeReply, WorkerClients, propose_request
+from specserve.coordinator.speculation.acceptance import AcceptanceMemory, ProbeClock
+from specserve.coordinator.speculation.cost_model import CostModel
+from specserve.coordinator.speculation.policy import LoadSnapshot
 from specserve.runtime import metrics
 from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import common_pb2, draft_pb2, target_pb2
@@ -250,7 +255,7 @@ class WorkerPool:
     # ---- routing ---------------------------------------------------------------------------
     def _orders(self, session: Session) -> _Binding:
         """The session's binding with its target and draft orders, fixed on first use: the replicas its
-        prompt's first tokens hash to, load bounded (``specserve/coordinator/routing.py``)."""
+        prompt's first tokens hash to, load bounded (``specserve/coordinator/fleet/routing.py``)."""
         binding = self._binding(session.session_id)
         if binding.targets is None:
             key = prefix_key(
@@ -489,7 +494,7 @@ class WorkerPool:
 
         ``drafted``: the proposal came from a Propose call in this round; with the item's wait in the
         batcher it teaches the cost model what going to the draft first costs in waiting
-        (:meth:`~specserve.coordinator.cost_model.CostModel.observe_queue`)."""
+        (:meth:`~specserve.coordinator.speculation.cost_model.CostModel.observe_queue`)."""
         sid = session.session_id
         last_exc: Exception | None = None
         attempt = 0
