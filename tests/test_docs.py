@@ -69,7 +69,7 @@ def test_internals_names_only_paths_and_modules_that_exist():
 def test_the_round_walk_names_the_feature_head_where_proposals_and_verdicts_pass():
     walk = INTERNALS.read_text().split("## One round, file by file", 1)[1].split("\n## ", 1)[0]
     named = named_paths(walk)
-    for path in ("specserve/coordinator/feature_relay.py", "specserve/draft/feature_proposer.py", "specserve/engine/feature_head.py"):
+    for path in ("specserve/coordinator/speculation/sources/feature_head.py", "specserve/draft/feature_proposer.py", "specserve/engine/feature_head.py"):
         assert path in named, f"docs/internals.md's round walk does not name {path}"
 
 

@@ -145,7 +145,7 @@ from specserve.api.errors import (
     SpecServeError,
     VersionConflict,
 )
-from specserve.api.params import PositionLogprobs, Verdict
+from specserve.api.params import FINISH_REASONS, NOT_FINISHED, PositionLogprobs, Verdict
 from specserve.core import features as feature_wire
 from specserve.core.features import FeatureBlock
 from specserve.core.proposal import DraftProposal
@@ -168,7 +168,6 @@ from specserve.runtime.store import SessionRecord, SessionSettings, SessionStore
 from specserve.target.calibration import measure_verify_curve
 from specserve.target.messages import BatchResult, ItemResult, VerifyBatch, VerifyItem
 from specserve.target.stops import cut_at_stop
-from specserve.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -752,8 +751,8 @@ class Verifier:
         tokens, reason = cut.token_ids, cut.finish_reason
         if self.max_positions is not None:
             room = self.max_positions - w.n  # tokens the log may still take
-            if len(tokens) > room or (len(tokens) == room and reason == common_pb2.FINISH_REASON_UNSPECIFIED):
-                tokens, reason = tokens[: max(room, 0)], common_pb2.FINISH_REASON_LENGTH
+            if len(tokens) > room or (len(tokens) == room and reason == NOT_FINISHED):
+                tokens, reason = tokens[: max(room, 0)], FINISH_REASONS["length"]
         kept = len(tokens)
         return Verdict(
             accepted_count=min(accepted, kept),

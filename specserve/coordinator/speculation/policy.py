@@ -14,12 +14,12 @@ The objective is wall-clock cost per committed token under the real workload
 How the coordinator drives them, each round of each session::
 
     load = pool.load()   # LoadSnapshot(active_sessions=..., batch_occupancy=..., verify_queue_depth=...)
-    local = pool.drafts_locally(session)   # the next proposal comes from the coordinator: no draft cost
-    gamma = min(policy.choose_gamma(session.acceptance, load, local_draft=local), tokens_left - 1, server_max_gamma)
-    pool.propose(...)  # the pool: cost_model.observe_draft(...), cost_model.observe_rtt(...)
-    pool.verify(...)   # the pool, once per call: cost_model.observe_verify(...), cost_model.observe_rtt(...);
+    local = ...          # the next proposal comes from the coordinator (Speculator._local): no draft cost
+    gamma = min(policy.choose_gamma(tracker, load, local_draft=local), tokens_left - 1, server_max_gamma)
+    pool.propose(...)  # the fleet: cost_model.observe_draft(...), cost_model.observe_rtt(...)
+    pool.verify(...)   # the fleet, once per call: cost_model.observe_verify(...), cost_model.observe_rtt(...);
                        # once per item: cost_model.observe_queue(...) (its wait in the batcher, drafted or not)
-    session.acceptance.observe(proposed=gamma, accepted=verdict.accepted)   # also when gamma == 0
+    tracker.observe(proposed=gamma, accepted=verdict.accepted)   # also when gamma == 0
 
 Terms: a round with ``gamma`` proposals feeds ``gamma + 1`` positions to the
 target and commits ``accepted + 1`` tokens (the accepted prefix, then the
@@ -305,7 +305,7 @@ class AdaptiveGamma(SpeculationPolicy):
     ) -> dict[int, float]:
         """``score(g)`` (expected committed tokens per ns) for every rung of the ladder (``local_draft``,
         ``zero_steps``: as :meth:`SpeculationPolicy.choose_gamma`)."""
-        if zero_steps is None:  # a session drafting locally keeps one step per round (specserve/coordinator/sources.py)
+        if zero_steps is None:  # a session drafting locally keeps one step per round (Speculator._steps)
             zero_steps = 1 if local_draft else self.decode_steps
         cm = self.cost_model
         b = self.batch_size(load)
