@@ -166,7 +166,7 @@ from specserve.engine.models import LoadedModel
 from specserve.runtime import metrics
 from specserve.runtime.store import SessionRecord, SessionSettings, SessionStore
 from specserve.target.calibration import measure_verify_curve
-from specserve.target.messages import BatchResult, ItemResult, VerifyBatch, VerifyItem
+from specserve.target.messages import BatchResult, ItemResult, ItemToVerify, VerifyBatch
 from specserve.target.stops import cut_at_stop
 
 log = structlog.get_logger(__name__)
@@ -177,7 +177,7 @@ class _Work:
     """One item on its way through a call (mutable bookkeeping, internal)."""
 
     index: int  # position in the request
-    item: VerifyItem
+    item: ItemToVerify
     record: SessionRecord
     cache: SessionCache | None = None
     feed: tuple[int, ...] = ()  # tokens fed in the verify pass: catch-up + pending + proposal
@@ -390,7 +390,7 @@ class Verifier:
         return loaded, grammars
 
     async def _record(
-        self, item: VerifyItem, loaded: SessionRecord | SpecServeError | None = None
+        self, item: ItemToVerify, loaded: SessionRecord | SpecServeError | None = None
     ) -> SessionRecord | SpecServeError:
         """The session's log: what this replica committed last, or ``loaded`` (read by this call before the
         lock), when the item is based on exactly that; else a load from Redis."""
@@ -432,7 +432,7 @@ class Verifier:
             self._settings.popitem(last=False)
         return record
 
-    def _triage(self, item: VerifyItem, record: SessionRecord | SpecServeError) -> ItemResult | None:
+    def _triage(self, item: ItemToVerify, record: SessionRecord | SpecServeError) -> ItemResult | None:
         """A result decided without the model (error or replay), or None when the item needs work."""
         sid, base = item.session_id, item.base
         if isinstance(record, SpecServeError):
