@@ -7,7 +7,7 @@ default pair, and runs three parts (issue 41's two, issue 54's flood):
   tests/data/constraints/long_keys.json: nested objects, enums, bounded strings and integers, every key
   required), greedy (T = 0), each through target-alone constrained decoding in the service (gamma 0:
   the grammar's mask on the target, no proposal of any kind) and through the default request (gamma left
-  to the adaptive policy, which drafts the forced text for free, ``ForcedText``). The pair runs
+  to the adaptive policy, which drafts the forced text for free, ``ForcedTextProposer``). The pair runs
   ``--repeats`` times per schema, interleaved (the mode that goes first alternates). Recorded: ms per
   committed token of each, their ratio, the tokens the forced text drafted and had accepted, whether the
   two outputs are token-identical (greedy: they must be) and valid under the schema. Before the timed
