@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,6 @@ from specserve.coordinator.round import Committed, RoundLoop
 from specserve.coordinator.session import Session, SessionStatus
 from specserve.coordinator.speculation.acceptance import AcceptanceMemory
 from specserve.coordinator.speculation.policy import FixedGamma, SpeculationPolicy
-from specserve.coordinator.speculation.sources import SOURCES
 from specserve.coordinator.speculation.speculator import Speculator
 from specserve.runtime import metrics
 from specserve.runtime.config import CoordinatorSettings
@@ -137,7 +136,6 @@ class Coordinator:
         self.default_proposer = default_proposer(settings.default_proposer, limits.feature_head)
         #: Acceptance pooled per kind of speculation across sessions: a new session's starting point.
         self.acceptance_memory = AcceptanceMemory()
-        _check_opt_in(settings.opt_in_sources)
         #: Tokenizing runs here, off the event loop (a long prompt must not stall other sessions).
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize"
@@ -401,14 +399,6 @@ def generation_stats(session: Session) -> coordinator_pb2.GenerationStats:
             for name, row in s.sources.items()
         ],
     )
-
-
-def _check_opt_in(names: Sequence[str]) -> None:
-    """``opt_in_sources`` names only opt-in sources (ValueError says which are not)."""
-    known = sorted(c.name for c in SOURCES if c.opt_in)
-    unknown = sorted(set(names) - set(known))
-    if unknown:
-        raise ValueError(f"opt_in_sources names {unknown}, which are not opt-in proposal sources; known: {known}")
 
 
 class _Lease:

@@ -26,6 +26,7 @@ from specserve.coordinator.fleet.pool import WorkerPool
 from specserve.coordinator.servicer import CoordinatorServicer
 from specserve.coordinator.speculation.cost_model import CostModel, CostPrior
 from specserve.coordinator.speculation.policy import AdaptiveGamma
+from specserve.coordinator.speculation.sources import check_opt_in
 from specserve.engine.models import resolve_model_path
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.interceptors import BearerTokenInterceptor
@@ -82,6 +83,7 @@ async def build_coordinator(
     settings: CoordinatorSettings, *, tokenizer: Any = None, store: SessionStore | None = None
 ) -> Coordinator:
     """Wire a coordinator from ``settings``: probe the workers it reaches, then build its parts once."""
+    check_opt_in(settings.opt_in_sources)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings)
     store = store or SessionStore.from_url(settings.redis_url.get_secret_value())
     clients = WorkerClients.connect(settings)

@@ -14,9 +14,9 @@ from worker_fakes import speculator_for
 
 from specserve import AsyncClient
 from specserve.api.params import SamplingParams, StopConditions
-from specserve.coordinator.coordinator import _check_opt_in
 from specserve.coordinator.requests import SpeculationSettings
 from specserve.coordinator.session import Session
+from specserve.coordinator.speculation.sources import check_opt_in
 from specserve.v1 import common_pb2
 
 MAX_NEW = 32
@@ -35,7 +35,7 @@ def test_the_source_is_built_only_where_opted_in_under_the_adaptive_policy():
     assert speculator_for(_session(None), opt_in_sources=["repeat"]).source("repeat") is not None
     assert speculator_for(_session(2), opt_in_sources=["repeat"]).source("repeat") is None
     with pytest.raises(ValueError, match="not opt-in proposal sources"):
-        _check_opt_in(["repeat", "oracle"])
+        check_opt_in(["repeat", "oracle"])
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -1,5 +1,7 @@
 """Every proposal source, registered once: :data:`SOURCES`, in the order a session asks them."""
 
+from collections.abc import Sequence
+
 from specserve.coordinator.speculation.source import Source
 from specserve.coordinator.speculation.sources.draft_model import DraftModel
 from specserve.coordinator.speculation.sources.feature_head import FeatureHead
@@ -18,3 +20,11 @@ SOURCES: tuple[type[Source], ...] = (
     FeatureHead,
     DraftModel,
 )
+
+
+def check_opt_in(names: Sequence[str]) -> None:
+    """``CoordinatorSettings.opt_in_sources`` names only opt-in sources (ValueError: which are not)."""
+    known = sorted(c.name for c in SOURCES if c.opt_in)
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"opt_in_sources names {unknown}, which are not opt-in proposal sources; known: {known}")
