@@ -106,3 +106,28 @@ def test_the_sessions_sources_follow_every_committed_token():
     plain = _session()
     assert speculator_for(plain).source("prediction") is None
     assert generation_stats(plain).accepted_prediction_tokens == 0
+
+
+def test_each_source_has_a_row_and_the_wire_repeats_the_ngram_and_forced_rows():
+    """``GenerationStats.sources`` per source by name (the SDK reads them); ``lookup_*`` and ``forced_*`` are the
+    ``ngram`` and ``forced`` rows, for clients that predate them."""
+    from specserve.client import GenerationStats as ClientStats
+
+    s = _session()
+    s.stats.observe_round(proposed=3, accepted=2, source="ngram")
+    s.stats.observe_round(proposed=2, accepted=2, source="forced")
+    s.stats.observe_round(proposed=4, accepted=1, source="model")
+    s.stats.observe_round(proposed=0, accepted=0, source="model")  # gamma 0: no draft round
+    pb = generation_stats(s)
+    rows = {r.name: (r.draft_rounds, r.proposed_tokens, r.accepted_tokens) for r in pb.sources}
+    assert rows == {"ngram": (1, 3, 2), "forced": (1, 2, 2), "model": (1, 4, 1)}
+    assert sum(r.proposed_tokens for r in pb.sources) == pb.proposed_tokens == 9
+    assert (pb.lookup_proposed_tokens, pb.lookup_accepted_tokens) == (3, 2)
+    assert (pb.forced_proposed_tokens, pb.forced_accepted_tokens) == (2, 2)
+    sdk = ClientStats.from_pb(pb)
+    assert [(r.name, r.proposed_tokens, r.accepted_tokens) for r in sdk.sources] == [
+        ("ngram", 3, 2),
+        ("forced", 2, 2),
+        ("model", 4, 1),
+    ]
+    assert sdk.sources[0].acceptance_rate == pytest.approx(2 / 3)
