@@ -13,7 +13,11 @@
   only the launcher (``specserve/launch/``) and the benchmark
   (``specserve/bench/``) import a role.
 * Nothing in ``specserve`` imports the one-off experiments (``benchmarks/``, not installed) or ``scripts/``.
-* ``specserve/coordinator/rounds.py`` uses no attribute of the pool but its public methods.
+* ``specserve/coordinator/round.py`` uses no attribute of the pool but its public methods, and its
+  ``RoundLoop.step`` (plan, propose, verify, learn, apply) is at most 10 lines.
+* Inside the roles only the edges import the wire (``specserve.v1``): the fleet's client module, the
+  servicers and servers, the worker roles' message modules, and the coordinator's front end
+  (:data:`WIRE_EDGES`). Nothing under ``specserve/coordinator/speculation/`` imports the fleet.
 * ``Coordinator.generate`` and ``verify_batch`` stay under 50 lines.
 * ``docs/internals.md`` names only files that exist, and walks one round through them.
 * Nothing in the repository points at design notes outside it.
@@ -144,12 +148,12 @@ def _third_party(module: str) -> set[str]:
 @pytest.mark.unit
 def test_the_graph_is_read_from_real_imports():
     """Guards the tests below: known edges are found (so an empty graph cannot pass them)."""
-    assert "specserve.coordinator.pool" in GRAPH["specserve.coordinator.rounds"]
+    assert "specserve.coordinator.fleet.pool" in GRAPH["specserve.coordinator.round"]
     assert "specserve.api.status" in GRAPH["specserve.client._client"]
     assert "specserve.bench.cli" in GRAPH["specserve.launch.cli"]  # a lazy import inside a function
     assert "specserve.api" not in GRAPH["specserve.client._client"]  # "from specserve.api import errors" is specserve.api.errors
-    hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import specserve.coordinator.pool\n")
-    assert "specserve.coordinator.pool" not in _imported_names(hidden, "specserve.launch.cli")
+    hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import specserve.coordinator.fleet.pool\n")
+    assert "specserve.coordinator.fleet.pool" not in _imported_names(hidden, "specserve.launch.cli")
     assert len(GRAPH) > 60
     assert "torch" in _third_party("specserve.core.sampling")
     assert "grpc" in _third_party("specserve.client._client")
@@ -256,13 +260,13 @@ def test_no_role_imports_another_role():
 
 @pytest.mark.unit
 def test_the_round_loop_uses_only_the_pools_public_methods():
-    from specserve.coordinator.pool import WorkerPool
+    from specserve.coordinator.fleet.pool import WorkerPool
 
     public = {
         name for name, value in vars(WorkerPool).items() if not name.startswith("_") and callable(value)
     }
     assert {"propose", "verify", "release"} <= public
-    tree = ast.parse((ROOT / "specserve" / "coordinator" / "rounds.py").read_text())
+    tree = ast.parse((ROOT / "specserve" / "coordinator" / "round.py").read_text())
     used: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
@@ -273,6 +277,54 @@ def test_the_round_loop_uses_only_the_pools_public_methods():
                 used.add(node.attr)
     assert used, "the round loop must use the pool"
     assert used <= public, f"rounds.py reaches into the pool: {sorted(used - public)}"
+
+
+@pytest.mark.unit
+def test_the_round_is_one_short_step():
+    tree = ast.parse((ROOT / "specserve" / "coordinator" / "round.py").read_text())
+    loop = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RoundLoop")
+    step = next(n for n in loop.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "step")
+    lines = step.end_lineno - step.lineno + 1
+    assert lines <= 10, f"RoundLoop.step has {lines} lines (its def and docstring included)"
+
+
+#: The modules of the roles that may import the wire (``specserve.v1``): where it is converted.
+WIRE_EDGES = frozenset(
+    {
+        "specserve.coordinator.fleet.clients",  # the coordinator's one client of the workers
+        *(f"{role}.{m}" for role in ROLES for m in ("servicer", "server")),
+        "specserve.draft.messages",
+        "specserve.target.messages",
+        # the coordinator's front end: the Generate request and the OpenAI bodies in, GenerationStats out
+        "specserve.coordinator.requests",
+        "specserve.coordinator.chat",
+        "specserve.coordinator.coordinator",
+        "specserve.coordinator.openai_protocol",
+        "specserve.coordinator.openai_replies",
+    }
+)
+
+
+@pytest.mark.unit
+def test_inside_the_roles_only_the_edges_import_the_wire():
+    assert WIRE_EDGES <= set(MODULES), sorted(WIRE_EDGES - set(MODULES))
+    assert "specserve.v1.target_pb2" in GRAPH["specserve.coordinator.fleet.clients"]  # the rule can fail
+    offenders = {
+        module: sorted(m for m in GRAPH[module] if _within(m, "specserve.v1"))
+        for module in GRAPH
+        if _role(module) is not None and module not in WIRE_EDGES
+    }
+    assert {m: found for m, found in offenders.items() if found} == {}
+
+
+@pytest.mark.unit
+def test_speculation_imports_nothing_of_the_fleet():
+    speculation = [m for m in GRAPH if _within(m, "specserve.coordinator.speculation")]
+    assert "specserve.coordinator.speculation.speculator" in speculation
+    offenders = {
+        module: sorted(m for m in GRAPH[module] if _within(m, "specserve.coordinator.fleet")) for module in speculation
+    }
+    assert {m: found for m, found in offenders.items() if found} == {}
 
 
 # --------------------------------------------------------------------------- short functions
@@ -321,13 +373,14 @@ def test_internals_walks_one_round_through_the_files_in_order():
         "specserve/client/_client.py",
         "specserve/coordinator/servicer.py",
         "specserve/coordinator/coordinator.py",
-        "specserve/coordinator/rounds.py",
-        "specserve/coordinator/pool.py",
+        "specserve/coordinator/round.py",
+        "specserve/coordinator/speculation/speculator.py",
+        "specserve/coordinator/fleet/pool.py",
         "specserve/draft/servicer.py",
         "specserve/draft/engine.py",
         "specserve/draft/proposers.py",
         "specserve/core/proposal.py",
-        "specserve/coordinator/batcher.py",
+        "specserve/coordinator/fleet/batcher.py",
         "specserve/target/servicer.py",
         "specserve/target/verifier.py",
         "specserve/core/verification.py",

@@ -21,7 +21,7 @@ DOCS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 
 #: The repository's top-level folders a document may name a path under.
 TOP = "specserve protos deploy tests scripts docs models benchmarks .ci".split()
-#: A path under one of them (``specserve/coordinator/rounds.py``, ``specserve/v1/``, ``models/specserve-demo-*``), not
+#: A path under one of them (``specserve/coordinator/round.py``, ``specserve/v1/``, ``models/specserve-demo-*``), not
 #: the tail of a longer path or a URL.
 PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(map(re.escape, TOP)) + r")/(?:[\w.*-]+/)*[\w.*-]*)")
 #: A module run with ``python -m`` from one of the packages, or the experiments' entry point.
@@ -59,8 +59,8 @@ def anchor(heading: str) -> str:
 
 @pytest.mark.unit
 def test_the_path_pattern_reads_paths_and_nothing_else():
-    text = "`specserve/coordinator/rounds.py`, specserve/v1/ and models/specserve-demo-*; not a/coordinator/x.py or http://h/docs/x"
-    assert named_paths(text) == {"specserve/coordinator/rounds.py", "specserve/v1/", "models/specserve-demo-*"}
+    text = "`specserve/coordinator/round.py`, specserve/v1/ and models/specserve-demo-*; not a/coordinator/x.py or http://h/docs/x"
+    assert named_paths(text) == {"specserve/coordinator/round.py", "specserve/v1/", "models/specserve-demo-*"}
     assert not exists("specserve/coordinator/no_such_module.py") and exists("models/specserve-demo-*")
 
 
@@ -116,7 +116,7 @@ def test_internals_names_only_paths_and_modules_that_exist():
 def test_the_round_walk_names_the_feature_head_where_proposals_and_verdicts_pass():
     walk = INTERNALS.read_text().split("## One round, file by file", 1)[1].split("\n## ", 1)[0]
     named = named_paths(walk)
-    for path in ("specserve/coordinator/feature_relay.py", "specserve/draft/feature_proposer.py", "specserve/engine/feature_head.py"):
+    for path in ("specserve/coordinator/speculation/sources/feature_head.py", "specserve/draft/feature_proposer.py", "specserve/engine/feature_head.py"):
         assert path in named, f"docs/internals.md's round walk does not name {path}"
 
 

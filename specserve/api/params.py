@@ -27,6 +27,15 @@ PROPOSER_KINDS: dict[str, common_pb2.ProposerKind] = {
 }
 #: What an unspecified proposer means: the draft model.
 DEFAULT_PROPOSER = common_pb2.PROPOSER_KIND_MODEL
+#: A session's ``FinishReason`` while it continues.
+NOT_FINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
+#: The ``FinishReason`` of each way a generation ends, by the SDK's name of it.
+FINISH_REASONS: dict[str, common_pb2.FinishReason] = {
+    "eos": common_pb2.FINISH_REASON_EOS,
+    "stop_token": common_pb2.FINISH_REASON_STOP_TOKEN,
+    "stop_string": common_pb2.FINISH_REASON_STOP_STRING,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+}
 
 #: The smallest non-zero temperature. Below it ``logits / temperature`` overflows
 #: float32 for ordinary logits and the probabilities become NaN (vLLM's floor is the same).

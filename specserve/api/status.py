@@ -11,7 +11,7 @@ module holds everything else about crossing a gRPC boundary:
 * **wire -> SDK** (:mod:`specserve.client`): :func:`error_from_rpc`, the class
   from :data:`ERRORS_BY_CODE` (every code but OK), narrowed by the trailer when
   the server named a class consistent with the code;
-* **wire -> coordinator** (the worker clients in ``specserve/coordinator/worker_clients.py``):
+* **wire -> coordinator** (the worker clients in ``specserve/coordinator/fleet/clients.py``):
   :func:`worker_error_from_rpc`, the same table and trailers, except that a code
   no specserve error names (:data:`BUG_CODES`: UNKNOWN, INTERNAL, ...) means the
   replica is broken and becomes :class:`~specserve.api.errors.WorkerError`, and a

@@ -12,7 +12,7 @@ target in float32) through the caches between two proposals, Hugging Face
 assisted generation as much as the draft service.
 
 The speculation bound these costs predict is the coordinator's own cost model
-(:func:`specserve.coordinator.cost_model.predicted_speedup`), not a copy of it.
+(:func:`specserve.coordinator.speculation.cost_model.predicted_speedup`), not a copy of it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from specserve.bench.pair import forward, prefilled
 from specserve.bench.timing import Laps
-from specserve.coordinator.cost_model import predicted_speedup as cost_model_speedup
+from specserve.coordinator.speculation.cost_model import predicted_speedup as cost_model_speedup
 
 
 @dataclass

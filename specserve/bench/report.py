@@ -39,7 +39,7 @@ from specserve.bench.modes import (
     fixed,
 )
 from specserve.bench.options import ReportOptions
-from specserve.coordinator.cost_model import expected_tokens_iid
+from specserve.coordinator.speculation.cost_model import expected_tokens_iid
 
 BASE = GAMMA0.name
 #: A projection, not a measurement: what a pass over k positions costs on an accelerator with spare

@@ -74,6 +74,7 @@ from specserve.client._client import (
     Client,
     GenerateResult,
     GenerationStats,
+    SourceStats,
     StreamChunk,
     TokenStream,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "GenerationParams",
     "GenerationStats",
     "PositionLogprobs",
+    "SourceStats",
     "StreamChunk",
     "TokenLogprob",
     "TokenStream",

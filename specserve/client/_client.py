@@ -38,6 +38,25 @@ _FINISH_REASONS = {
 
 
 @dataclass(frozen=True)
+class SourceStats:
+    """One proposal source's share of a generation's speculation (``GenerationStats.sources``)."""
+
+    #: ``"model"``, ``"feature"``, ``"ngram"``, ``"prediction"``, ``"forced"``, or another the server registers.
+    name: str
+    #: Rounds this source drafted.
+    draft_rounds: int = 0
+    #: Of ``GenerationStats.proposed_tokens``, those this source drafted.
+    proposed_tokens: int = 0
+    #: Of ``GenerationStats.accepted_tokens``, those of this source's the target accepted.
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed tokens of this source (0.0 when it proposed nothing)."""
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+
+@dataclass(frozen=True)
 class GenerationStats:
     """Statistics of one generation, as the coordinator measured them (times in nanoseconds)."""
 
@@ -81,6 +100,8 @@ class GenerationStats:
     #: The proposer the session drafted with (``"model"``, ``"ngram"`` or ``"feature"``): the request's, or
     #: the server's default where the request named none ("" from a server that does not say).
     proposer: str = ""
+    #: Per proposal source of the session (every one it had, in the order it asked them), what it drafted.
+    sources: tuple[SourceStats, ...] = ()
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.GenerationStats) -> GenerationStats:
@@ -110,6 +131,9 @@ class GenerationStats:
             forced_proposed_tokens=pb.forced_proposed_tokens,
             forced_accepted_tokens=pb.forced_accepted_tokens,
             proposer=PROPOSER_NAMES.get(pb.proposer, ""),
+            sources=tuple(
+                SourceStats(s.name, s.draft_rounds, s.proposed_tokens, s.accepted_tokens) for s in pb.sources
+            ),
         )
 
     @property

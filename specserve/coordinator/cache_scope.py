@@ -11,7 +11,7 @@ the *cache scope* it was made under. The coordinator derives each session's scop
 
 :func:`cache_scope` hashes the two (blake2b), so a worker sees neither the token nor the salt. The scope
 travels with every Verify item and Propose (``VerifyItem.cache_scope``, ``ProposeRequest.cache_scope``), and
-routing by prefix keys on it too (:func:`specserve.coordinator.routing.prefix_key`), so one tenant's guess at another's
+routing by prefix keys on it too (:func:`specserve.coordinator.fleet.routing.prefix_key`), so one tenant's guess at another's
 prompt finds no cached block, no faster first token and no replica of the other's.
 """
 

@@ -91,7 +91,8 @@ class ConstraintCompiler:
         threads: int,
         cache_size: int,
         queue: int = 64,
-        per_client: int = 4,
+        per_client: int = 8,
+        wait_s: float | None = None,
     ) -> None:
         if timeout_s <= 0 or threads < 2 or cache_size < 1 or queue < 1 or per_client < 1:
             raise ValueError(
@@ -102,6 +103,8 @@ class ConstraintCompiler:
         self._make_engine = engine
         self._engine: Compiles | None = None
         self.timeout_s = timeout_s
+        #: How long a job may wait for a compiling thread (None: ``timeout_s``).
+        self.wait_s = timeout_s if wait_s is None else wait_s
         self.threads = threads
         self.queue = queue
         self.per_client = per_client
@@ -182,7 +185,7 @@ class ConstraintCompiler:
             waiter.add_done_callback(_retrieve)
         try:
             # shield: a caller's limit (or cancellation) leaves the job to its other callers and to the cache.
-            began = await asyncio.wait_for(asyncio.shield(started), self.timeout_s)
+            began = await asyncio.wait_for(asyncio.shield(started), self.wait_s)
         except asyncio.TimeoutError:  # TimeoutError from Python 3.11
             metrics.CONSTRAINT_COMPILES.labels(outcome="refused").inc()
             with self._lock:
@@ -193,7 +196,7 @@ class ConstraintCompiler:
                 else f"all {self.threads} compiling threads were busy with other clients' compiles"
             )
             raise ResourceExhausted(
-                f"the constraint waited {self.timeout_s:g} s for a compiling thread: {why}; retry shortly",
+                f"the constraint waited {self.wait_s:g} s for a compiling thread: {why}; retry shortly",
                 retry_after_s=BUSY_RETRY_AFTER_S,
             ) from None
         left = began + self.timeout_s - time.monotonic()

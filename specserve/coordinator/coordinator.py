@@ -5,7 +5,7 @@ A request is admitted first (:meth:`Coordinator.admit`: its session place and ra
 (tokenizing, compiling its constraint), and ``generate`` runs it in its place: it creates
 the session in Redis (the prompt at version 0, the seed recorded with the
 sampling settings), takes the session's owner lease, runs the round loop
-(:mod:`specserve.coordinator.rounds`) until a stop condition is committed, and yields a
+(:mod:`specserve.coordinator.round`) until a stop condition is committed, and yields a
 :class:`Chunk` per round that committed tokens (ids + a text delta that never
 splits a character) and a final :class:`Finished` carrying the statistics.
 With ``logprobs`` requested, each chunk carries one
@@ -39,13 +39,14 @@ from specserve.coordinator.chat import ChatMessage, TemplateOptions, chat_prompt
 from specserve.coordinator.clients import ClientKeys
 from specserve.coordinator.constraint_compiler import ConstraintCompiler
 from specserve.coordinator.detokenize import IncrementalDetokenizer
-from specserve.coordinator.limits import Limits
-from specserve.coordinator.local_proposers import ForcedTextProposer
-from specserve.coordinator.policy import FixedGamma, SpeculationPolicy
-from specserve.coordinator.pool import WorkerPool
+from specserve.coordinator.fleet.limits import Limits
+from specserve.coordinator.fleet.pool import WorkerPool
 from specserve.coordinator.requests import GenerationRequest
-from specserve.coordinator.rounds import Committed, RoundLoop
+from specserve.coordinator.round import Committed, RoundLoop
 from specserve.coordinator.session import Session, SessionStatus
+from specserve.coordinator.speculation.acceptance import AcceptanceMemory
+from specserve.coordinator.speculation.policy import FixedGamma, SpeculationPolicy
+from specserve.coordinator.speculation.speculator import Speculator
 from specserve.runtime import metrics
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.store import SessionStore
@@ -108,7 +109,7 @@ def _grammar_engine(tokenizer: Any, vocab_size: int) -> Any:
 class Coordinator:
     """Sessions, the round loop and its workers, for one coordinator process.
 
-    Built once (``specserve/coordinator/server.py``) from the probed :class:`~specserve.coordinator.limits.Limits`:
+    Built once (``specserve/coordinator/server.py``) from the probed :class:`~specserve.coordinator.fleet.limits.Limits`:
     ``pool`` and ``adaptive`` (the shared policy of requests without a fixed gamma) share one cost model.
     """
 
@@ -129,11 +130,12 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.vocab_size = limits.vocab_size
         self.max_gamma = limits.max_gamma
-        self.overlap = settings.overlap  # proactive drafting (RoundLoop)
         self.context_tokens = limits.context_tokens
         self.feature_head = limits.feature_head
         #: The proposer of a request that names none (CoordinatorSettings.default_proposer, resolved).
         self.default_proposer = default_proposer(settings.default_proposer, limits.feature_head)
+        #: Acceptance pooled per kind of speculation across sessions: a new session's starting point.
+        self.acceptance_memory = AcceptanceMemory()
         #: Tokenizing runs here, off the event loop (a long prompt must not stall other sessions).
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize"
@@ -260,33 +262,30 @@ class Coordinator:
             r.stop,
             r.speculation,
             top_logprobs=r.top_logprobs,
-            prediction=r.prediction_token_ids,
-            lookup=r.speculation.hybrid_lookup,
-            forced=self._forced_text(r),
-            features_max_bytes=self.settings.features_per_session_bytes,
             cache_scope=cache_scope.cache_scope(tenant, r.cache_salt, mode=self.settings.prefix_cache_scope),
         )
-        loop = RoundLoop(
+        speculator = Speculator.build(
             session,
-            pool=self.pool,
-            store=self.store,
+            request,
+            fleet=self.pool,
+            settings=self.settings,
             policy=self._policy(request),
             max_gamma=self.max_gamma,
-            overlap=self.overlap,
-            decode_steps=self.settings.decode_steps,
+            memory=self.acceptance_memory,
+            matcher=self._matcher(r),
+            encode=functools.partial(self.tokenizer.encode, add_special_tokens=False),
         )
-        return session, loop
+        return session, RoundLoop(session, speculator, pool=self.pool, store=self.store)
 
-    def _forced_text(self, request: GenerationRequest) -> ForcedTextProposer | None:
-        """A constrained request's forced-text proposer (None: no constraint), over the target's tokenizer,
-        from the grammar the request holds (compiled off the event loop; nothing compiles here)."""
+    def _matcher(self, request: GenerationRequest) -> Any:
+        """Builds a constrained request's grammar matcher (None: no constraint) from the grammar the request
+        holds (compiled off the event loop; nothing compiles here)."""
         constraint = request.sampling.constraint
         if constraint is None:
             return None
         if request.grammar is None:
             raise errors.FailedPrecondition("the request's constraint was not compiled before its session opened")
-        matcher = self.constraints.engine().matcher(constraint, request.grammar)
-        return ForcedTextProposer(matcher, functools.partial(self.tokenizer.encode, add_special_tokens=False))
+        return functools.partial(self.constraints.engine().matcher, constraint, request.grammar)
 
     async def _open(self, session: Session, request: GenerationRequest, lease: _Lease) -> None:
         """Create the session in Redis and take its lease."""
@@ -307,9 +306,9 @@ class Coordinator:
     def _finish(self, session: Session) -> Finished:
         """The session committed its stop: its closing statistics."""
         session.end(SessionStatus.FINISHED)
-        stats = session.stats_pb()
+        stats = generation_stats(session)
         metrics.TIME_TO_FIRST_TOKEN.observe(stats.first_token_ns / 1e9)
-        if session.prediction is not None:
+        if "prediction" in session.stats.sources:
             metrics.PREDICTION_TOKENS.labels(outcome="accepted").inc(stats.accepted_prediction_tokens)
             metrics.PREDICTION_TOKENS.labels(outcome="rejected").inc(stats.rejected_prediction_tokens)
         log.info(
@@ -357,6 +356,49 @@ class Coordinator:
         await self.store.close()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self.constraints.close()
+
+
+def generation_stats(session: Session) -> coordinator_pb2.GenerationStats:
+    """The session's closing statistics, on the wire (``lookup_*`` and ``forced_*``: the ``ngram`` and ``forced``
+    sources' rows, for clients that predate ``sources``)."""
+    s = session.stats
+    lookup, forced = s.source("ngram"), s.source("forced")
+    return coordinator_pb2.GenerationStats(
+        session_id=session.session_id,
+        prompt_tokens=session.prompt_len,
+        completion_tokens=session.committed_len - session.prompt_len,
+        rounds=s.rounds,
+        proposed_tokens=s.proposed_tokens,
+        accepted_tokens=s.accepted_tokens,
+        accepted_per_position=s.accepted_per_position,
+        draft_ns=s.draft_ns,
+        verify_ns=s.verify_ns,
+        queue_ns=s.queue_ns,
+        target_ns=s.target_ns,
+        forward_ns=s.forward_ns,
+        lookup_proposed_tokens=lookup.proposed_tokens,
+        lookup_accepted_tokens=lookup.accepted_tokens,
+        cached_tokens=s.cached_tokens,
+        forced_proposed_tokens=forced.proposed_tokens,
+        forced_accepted_tokens=forced.accepted_tokens,
+        proposer=session.speculation.proposer,
+        first_token_ns=s.first_token_ns,
+        total_ns=time.perf_counter_ns() - session.start_ns,
+        finish_reason=session.finish_reason,
+        seed=session.sampling.seed,
+        draft_rounds=s.draft_rounds,
+        accepted_prediction_tokens=s.accepted_prediction_tokens,
+        rejected_prediction_tokens=s.rejected_prediction_tokens,
+        sources=[
+            coordinator_pb2.SourceStats(
+                name=name,
+                draft_rounds=row.draft_rounds,
+                proposed_tokens=row.proposed_tokens,
+                accepted_tokens=row.accepted_tokens,
+            )
+            for name, row in s.sources.items()
+        ],
+    )
 
 
 class _Lease:

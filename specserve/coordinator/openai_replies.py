@@ -160,7 +160,9 @@ def speculation_report(stats: Sequence[coordinator_pb2.GenerationStats]) -> dict
     proposed; ``num_accepted_tokens``: proposed tokens the target accepted;
     ``num_accepted_tokens_per_pos[i]``: drafts whose token at position ``i`` was accepted;
     ``mean_acceptance_length``: tokens committed per draft round, ``1 + accepted / drafts``
-    (vLLM's definition; 1.0 without drafts); ``rounds``: all rounds, gamma = 0 ones included.
+    (vLLM's definition; 1.0 without drafts); ``rounds``: all rounds, gamma = 0 ones included;
+    ``sources``: per proposal source (by name), its ``num_drafts``, ``num_draft_tokens`` and
+    ``num_accepted_tokens``.
     """
     per_pos: list[int] = []
     for s in stats:
@@ -171,6 +173,13 @@ def speculation_report(stats: Sequence[coordinator_pb2.GenerationStats]) -> dict
     drafts = sum(s.draft_rounds for s in stats)
     proposed = sum(s.proposed_tokens for s in stats)
     accepted = sum(s.accepted_tokens for s in stats)
+    sources: dict[str, dict[str, int]] = {}
+    for s in stats:
+        for row in s.sources:
+            into = sources.setdefault(row.name, {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0})
+            into["num_drafts"] += row.draft_rounds
+            into["num_draft_tokens"] += row.proposed_tokens
+            into["num_accepted_tokens"] += row.accepted_tokens
     return {
         "num_drafts": drafts,
         "num_draft_tokens": proposed,
@@ -179,6 +188,7 @@ def speculation_report(stats: Sequence[coordinator_pb2.GenerationStats]) -> dict
         "acceptance_rate": accepted / proposed if proposed else 0.0,
         "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
         "rounds": sum(s.rounds for s in stats),
+        "sources": sources,
     }
 
 

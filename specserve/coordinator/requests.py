@@ -48,7 +48,7 @@ class SpeculationSettings:
     gamma: int | None
     proposer: int  # common_pb2.ProposerKind, never UNSPECIFIED
     draft_top_k: int = 0
-    #: Keep a hybrid lookup beside the draft model (specserve/coordinator/sources.py); only where it applies:
+    #: Keep a hybrid lookup beside the draft model (specserve/coordinator/speculation/sources/ngram.py); only where it applies:
     #: the automatic policy and the model proposer.
     hybrid_lookup: bool = False
     #: Dynamic draft length (specserve/draft/proposers.py): the draft ends a proposal after a token it drafted

@@ -1,7 +1,7 @@
 """Building and running the coordinator.
 
 :func:`start_coordinator` probes the workers it can reach
-(:func:`~specserve.coordinator.limits.probe_limits`: a draft whose vocabulary differs
+(:func:`~specserve.coordinator.fleet.limits.probe_limits`: a draft whose vocabulary differs
 from the target's is refused), then wires the Redis store, the worker pool
 (clients, batchers, replica health), the cost model and policy, the tokenizer
 and the servicer once, from one :class:`~specserve.runtime.config.CoordinatorSettings`
@@ -20,12 +20,13 @@ from typing import Any
 import structlog
 
 from specserve.coordinator.coordinator import Coordinator
-from specserve.coordinator.cost_model import CostModel, CostPrior
-from specserve.coordinator.limits import probe_limits
-from specserve.coordinator.policy import AdaptiveGamma
-from specserve.coordinator.pool import WorkerPool
+from specserve.coordinator.fleet.clients import WorkerClients
+from specserve.coordinator.fleet.limits import probe_limits
+from specserve.coordinator.fleet.pool import WorkerPool
 from specserve.coordinator.servicer import CoordinatorServicer
-from specserve.coordinator.worker_clients import WorkerClients
+from specserve.coordinator.speculation.cost_model import CostModel, CostPrior
+from specserve.coordinator.speculation.policy import AdaptiveGamma
+from specserve.coordinator.speculation.sources import check_opt_in
 from specserve.engine.models import resolve_model_path
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.interceptors import BearerTokenInterceptor
@@ -82,6 +83,7 @@ async def build_coordinator(
     settings: CoordinatorSettings, *, tokenizer: Any = None, store: SessionStore | None = None
 ) -> Coordinator:
     """Wire a coordinator from ``settings``: probe the workers it reaches, then build its parts once."""
+    check_opt_in(settings.opt_in_sources)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings)
     store = store or SessionStore.from_url(settings.redis_url.get_secret_value())
     clients = WorkerClients.connect(settings)

@@ -12,11 +12,11 @@ instead of a scan of the sequence. Two kinds of proposer use it:
   an indented ``return``); where recent context repeats more (chat and code
   answers) the latest occurrence does a little better. The coordinator's
   n-gram proposer keeps one index per session and extends it as tokens commit
-  (``specserve/coordinator/local_proposers.py``); the draft's n-gram proposer, kept for older
+  (``specserve/coordinator/speculation/sources/ngram.py``); the draft's n-gram proposer, kept for older
   coordinators, builds one per call (``specserve/draft/proposers.py``).
 * **Predicted Outputs** (:meth:`NgramIndex.occurrences`): the prediction is
   indexed once, and the coordinator re-aligns the completion with it by
-  looking up the completion's last tokens (``specserve/coordinator/local_proposers.py``).
+  looking up the completion's last tokens (``specserve/coordinator/speculation/sources/prediction.py``).
 
 Pure Python: no torch, no gRPC, no logging.
 """

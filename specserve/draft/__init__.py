@@ -5,7 +5,7 @@ Modules:
 * :mod:`specserve.draft.proposers`: the :class:`~specserve.draft.proposers.Proposer`
   interface, :class:`~specserve.draft.proposers.ModelProposer` (the draft model,
   KV cache per session), and the pure helper ``draft_distribution``. The n-gram
-  proposer runs in the coordinator (``specserve.coordinator.local_proposers``).
+  proposer runs in the coordinator (``specserve.coordinator.speculation.sources.ngram``).
 * :mod:`specserve.draft.history`: what this replica knows of each session's
   committed tokens (``start_position`` protocol, FAILED_PRECONDITION to resync).
 * :mod:`specserve.draft.messages`: ``ProposeCall.from_pb`` (request checks) and

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import structlog
 
 from specserve.api.errors import FailedPrecondition, NotFound, SpecServeError, Unavailable
+from specserve.api.params import PROPOSER_KINDS
 from specserve.draft.history import CommittedHistory
 from specserve.draft.messages import ProposeCall, ProposeResult
 from specserve.draft.proposers import Drafted, DraftRequest, Proposer
@@ -50,7 +51,6 @@ from specserve.engine.grammar import Prepared, SessionGrammars
 from specserve.engine.kvcache import SessionCacheStore
 from specserve.engine.model_thread import ModelThread
 from specserve.runtime import metrics
-from specserve.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -120,7 +120,7 @@ class DraftEngine:
         start = time.perf_counter_ns()
         grammars: Prepared = {}
         if self.grammars is not None:  # off the model thread: a slow compile holds up this call only
-            model = common_pb2.PROPOSER_KIND_MODEL
+            model = PROPOSER_KINDS["model"]
             grammars = await self.grammars.prepare(
                 c.sampling.constraint
                 for c in calls
@@ -187,13 +187,13 @@ class DraftEngine:
 
     def _resolve(self, call: ProposeCall, grammars: Prepared) -> tuple[DraftRequest, Proposer]:
         proposer = self.proposers.get(call.proposer)
-        if proposer is None and call.proposer == common_pb2.PROPOSER_KIND_NGRAM:
+        if proposer is None and call.proposer == PROPOSER_KINDS["ngram"]:
             raise FailedPrecondition(
                 "a draft server does not draft n-grams: the coordinator drafts the n-gram proposer itself, "
                 "with no draft call; send PROPOSER_KIND_MODEL"
             )
         if proposer is None:
-            name = common_pb2.ProposerKind.Name(call.proposer)
+            name = _kind_name(call.proposer)
             raise FailedPrecondition(f"this draft server has no {name} proposer; use one of {self._kinds()}")
         committed = self.history.resolve(call.session_id, call.start_position, call.token_ids)
         dropped = self.history.record(call.session_id, committed)
@@ -313,7 +313,13 @@ class DraftEngine:
             metrics.KV_CACHE_BYTES.labels(role="draft").set(budget.total_bytes)
 
     def _kinds(self) -> list[str]:
-        return [common_pb2.ProposerKind.Name(k) for k in self.proposers]
+        return [_kind_name(k) for k in self.proposers]
+
+
+def _kind_name(kind: int) -> str:
+    """A ``ProposerKind``'s name on the wire (``PROPOSER_KIND_MODEL``)."""
+    name = next((n for n, k in PROPOSER_KINDS.items() if k == kind), None)
+    return f"PROPOSER_KIND_{name.upper()}" if name else f"proposer kind {kind}"
 
 
 def _settle(future: asyncio.Future, outcome: Drafted | BaseException) -> None:

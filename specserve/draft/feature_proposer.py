@@ -50,14 +50,14 @@ import structlog
 import torch
 from transformers import DynamicCache
 
-from specserve.api.errors import FailedPrecondition, InvalidArgument, SpecServeError
+from specserve.api.errors import FailedPrecondition, InvalidArgument
+from specserve.api.params import PROPOSER_KINDS
 from specserve.core import features as wire
-from specserve.draft.proposers import Drafted, DraftRequest, Outcome, Proposer, _Row, draw_step
+from specserve.draft.proposers import Drafted, DraftRequest, RowProposer, _Row, draw_step
 from specserve.engine import batching, row_invariant
 from specserve.engine.cpu_kernels import Kernels
 from specserve.engine.feature_head import FeatureHead
 from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len
-from specserve.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -69,10 +69,10 @@ class _HeadRow(_Row):
     features: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(feed), hidden] slot inputs
 
 
-class FeatureProposer(Proposer):
+class FeatureProposer(RowProposer):
     """Drafts with the feature head (see the module docstring)."""
 
-    kind = common_pb2.PROPOSER_KIND_FEATURE
+    kind = PROPOSER_KINDS["feature"]
     needs_model = True
 
     def __init__(
@@ -89,43 +89,14 @@ class FeatureProposer(Proposer):
         self._last_input: dict[str, torch.Tensor] = {}  # session -> [hidden]: its last true slot's feature
         row_invariant.prepare(head.model, kernels=kernels)
 
-    def propose(self, request: DraftRequest) -> Drafted:
-        outcome = self.propose_batch([request])[0]
-        if isinstance(outcome, SpecServeError):
-            raise outcome
-        return outcome
+    def _keep(self, row: _HeadRow) -> None:
+        self._share(row.request.session_id, row.cache)
 
-    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Outcome]:
-        outcomes: list[Outcome | None] = [None] * len(requests)
-        rows: list[_HeadRow] = []
-        for i, request in enumerate(requests):
-            try:
-                row = self._row(i, request)
-            except SpecServeError as exc:
-                outcomes[i] = exc
-                continue
-            if isinstance(row, Drafted):
-                outcomes[i] = row
-            elif row is None:
-                outcomes[i] = Drafted(token_ids=(), probs_f32=None)
-            else:
-                rows.append(row)
-        if rows:
-            try:
-                self._draft(rows)
-            except BaseException:
-                for row in rows:  # a half-written state is dropped; the coordinator resends with reset
-                    self.release(row.request.session_id)
-                raise
-            for row in rows:
-                outcomes[row.index] = row.drafted()
-                self._share(row.request.session_id, row.cache)
+    def _tidy(self, requests: Sequence[DraftRequest], rows: list[_HeadRow]) -> None:
         self.caches.trim(protect=[r.session_id for r in requests])
         for sid in list(self._first_slot):
             if sid not in self.caches:  # evicted: its bookkeeping goes too
                 self._forget(sid)
-        assert all(o is not None for o in outcomes)
-        return outcomes  # type: ignore[return-value]
 
     def release(self, session_id: str) -> bool:
         held = session_id in self.caches

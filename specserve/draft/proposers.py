@@ -18,7 +18,7 @@ the class). A constrained session's draft masks ``q`` with the same grammar as t
 keeps the completion inside the grammar, so fewer proposals are rejected; the target's
 own mask on ``p`` is what keeps the output exact, whatever the draft does.
 The n-gram proposer (prompt lookup) needs no model and runs in the
-coordinator (``specserve/coordinator/local_proposers.py``); a draft server refuses a
+coordinator (``specserve/coordinator/speculation/sources/ngram.py``); a draft server refuses a
 Propose for it with FAILED_PRECONDITION (``specserve/draft/engine.py``).
 
 Randomness: the token at absolute position ``j`` is drawn with
@@ -40,7 +40,7 @@ import structlog
 import torch
 
 from specserve.api.errors import InvalidArgument, SpecServeError
-from specserve.api.params import SamplingParams
+from specserve.api.params import PROPOSER_KINDS, SamplingParams
 from specserve.core.features import FeatureBlock
 from specserve.core.rng import Purpose, gumbel_noise, uniform
 from specserve.core.sampling import (
@@ -56,7 +56,6 @@ from specserve.engine import batching, row_invariant
 from specserve.engine.cpu_kernels import Kernels
 from specserve.engine.grammar import ConstraintMatcher, SessionGrammars, apply_masks
 from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len
-from specserve.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -192,6 +191,64 @@ class Proposer(abc.ABC):
         return False
 
 
+class RowProposer(Proposer):
+    """A proposer that drafts a batch in shared passes, one row per session: :meth:`_row` brings each session's
+    state in line with its committed prefix, :meth:`_draft` drafts every row together, :meth:`_keep` settles each
+    row after, :meth:`_tidy` the whole batch. A request's error is its own outcome; a failed batch drops the state
+    of all its sessions (rebuilt from ``C`` next time)."""
+
+    def propose(self, request: DraftRequest) -> Drafted:
+        outcome = self.propose_batch([request])[0]
+        if isinstance(outcome, SpecServeError):
+            raise outcome
+        return outcome
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Outcome]:
+        outcomes: list[Outcome | None] = [None] * len(requests)
+        rows: list[Any] = []
+        for i, request in enumerate(requests):
+            try:
+                row = self._row(i, request)
+            except SpecServeError as exc:
+                outcomes[i] = exc
+                continue
+            if isinstance(row, Drafted):
+                outcomes[i] = row
+            elif row is None:
+                outcomes[i] = Drafted(token_ids=(), probs_f32=None)
+            else:
+                rows.append(row)
+        if rows:
+            try:
+                self._draft(rows)
+            except BaseException:
+                for row in rows:  # a half-written state is dropped, and rebuilt from C next time
+                    self.release(row.request.session_id)
+                raise
+            for row in rows:
+                outcomes[row.index] = row.drafted()
+                self._keep(row)
+        self._tidy(requests, rows)
+        assert all(o is not None for o in outcomes)
+        return outcomes  # type: ignore[return-value]
+
+    @abc.abstractmethod
+    def _row(self, index: int, request: DraftRequest) -> Any:
+        """The request's row (None: nothing to draft; a ``Drafted``: answered without drafting)."""
+
+    @abc.abstractmethod
+    def _draft(self, rows: list[Any]) -> None:
+        """Draft every row, in shared passes."""
+
+    @abc.abstractmethod
+    def _keep(self, row: Any) -> None:
+        """After a drafted row: what the session's state keeps (and shares) of it."""
+
+    @abc.abstractmethod
+    def _tidy(self, requests: Sequence[DraftRequest], rows: list[Any]) -> None:
+        """After the batch: bound the caches (the batch's sessions protected)."""
+
+
 @dataclass(eq=False)
 class _Row:
     """One session on its way through a batch (mutable bookkeeping, internal)."""
@@ -271,7 +328,7 @@ def suppress_rows(last: torch.Tensor, row: int, token_ids: frozenset[int]) -> to
     return out
 
 
-class ModelProposer(Proposer):
+class ModelProposer(RowProposer):
     """The small draft model, with a KV cache per session (:class:`~specserve.engine.kvcache.SessionCacheStore`).
 
     :meth:`propose_batch` drafts many sessions with one forward pass per draft
@@ -308,7 +365,7 @@ class ModelProposer(Proposer):
     from ``C`` next time).
     """
 
-    kind = common_pb2.PROPOSER_KIND_MODEL
+    kind = PROPOSER_KINDS["model"]
 
     def __init__(
         self,
@@ -330,40 +387,14 @@ class ModelProposer(Proposer):
         self.max_positions: int | None = int(limit) if limit else None
         row_invariant.prepare(caches.model, kernels=kernels)
 
-    def propose(self, request: DraftRequest) -> Drafted:
-        outcome = self.propose_batch([request])[0]
-        if isinstance(outcome, SpecServeError):
-            raise outcome
-        return outcome
+    def _keep(self, row: _Row) -> None:
+        if row.matcher is not None:  # the branch goes: the matcher holds C again
+            row.matcher.rollback(len(row.tokens))
+        self.caches.share(row.cache)  # its whole committed blocks, for the sessions after it
 
-    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Outcome]:
-        outcomes: list[Outcome | None] = [None] * len(requests)
-        rows: list[_Row] = []
-        for i, request in enumerate(requests):
-            try:
-                row = self._row(i, request)
-            except SpecServeError as exc:
-                outcomes[i] = exc
-                continue
-            if row is None:
-                outcomes[i] = Drafted(token_ids=(), probs_f32=None)
-            else:
-                rows.append(row)
+    def _tidy(self, requests: Sequence[DraftRequest], rows: list[_Row]) -> None:
         if rows:
-            try:
-                self._draft(rows)
-            except BaseException:
-                for row in rows:  # a half-written cache is dropped, and rebuilt from C next time
-                    self.release(row.request.session_id)
-                raise
-            for row in rows:
-                outcomes[row.index] = row.drafted()
-                if row.matcher is not None:  # the branch goes: the matcher holds C again
-                    row.matcher.rollback(len(row.tokens))
-                self.caches.share(row.cache)  # its whole committed blocks, for the sessions after it
             self.caches.trim(protect=[row.request.session_id for row in rows])
-        assert all(o is not None for o in outcomes)
-        return outcomes  # type: ignore[return-value]
 
     def _row(self, index: int, request: DraftRequest) -> _Row | None:
         """Bring the session's cache in line with ``C``; None when there is nothing to draft."""

@@ -364,7 +364,7 @@ class CoordinatorSettings(CommonSettings):
         64, ge=1, description="Constraint compiles waiting for a thread, all clients; more are RESOURCE_EXHAUSTED."
     )
     constraint_compile_queue_per_client: int = Field(
-        4,
+        8,
         ge=1,
         description="Constraint compiles one client may have waiting or running (a compile past its time limit "
         "counts until it ends); more are RESOURCE_EXHAUSTED before they start.",
@@ -430,6 +430,12 @@ class CoordinatorSettings(CommonSettings):
         "of their own tokens (prompt lookup) and draft a round from it, with no draft call, when its own "
         "acceptance (learnt from every round's committed tokens) makes that pay more than the draft model "
         "or the target alone: copied text is drafted from the lookup, the rest by the model.",
+    )
+    opt_in_sources: CommaList = Field(
+        default_factory=list,
+        description="Proposal sources that are off unless named here (the opt-in ones registered in "
+        "specserve/coordinator/speculation/sources/). Each drafts a round, with no draft call, only where "
+        "its own acceptance, learnt from every round, makes that pay.",
     )
     draft_min_confidence: float = Field(
         0.4,
@@ -557,7 +563,9 @@ class CoordinatorSettings(CommonSettings):
         """Client bearer tokens, or mutual TLS (client certificates from tls_ca_file), are configured."""
         return bool(self.auth_tokens) or self.tls_ca_file is not None
 
-    @field_validator("draft_endpoints", "target_endpoints", "auth_tokens", "trusted_proxies", mode="before")
+    @field_validator(
+        "draft_endpoints", "target_endpoints", "auth_tokens", "trusted_proxies", "opt_in_sources", mode="before"
+    )
     @classmethod
     def _split(cls, value: object) -> object:
         return _split_commas(value)

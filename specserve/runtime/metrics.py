@@ -161,8 +161,13 @@ FEATURE_BYTES = Counter(
 )
 PROPOSALS = Counter(
     "specserve_coordinator_proposals",
-    "Rounds that proposed, by proposer: model (a draft call), ngram or prediction (in the coordinator).",
+    "Rounds that proposed, by proposer: a proposal source's name (model, feature, ngram, prediction, forced, ...).",
     ["proposer"],
+)
+SOURCE_TOKENS = Counter(
+    "specserve_coordinator_source_tokens",
+    "Draft tokens per proposal source (a source's name), proposed and accepted.",
+    ["source", "outcome"],
 )
 PREDICTION_TOKENS = Counter(
     "specserve_coordinator_prediction_tokens",

@@ -29,7 +29,7 @@ MAX_DECODE_STEPS = 16
 
 
 @dataclass(frozen=True)
-class VerifyItem:
+class ItemToVerify:
     """One session's proposal after its committed prefix ``base``."""
 
     base: SessionBase
@@ -65,7 +65,7 @@ class VerifyBatch:
     results of the malformed ones, by their index in the request.
     """
 
-    items: tuple[VerifyItem, ...]
+    items: tuple[ItemToVerify, ...]
     refused: tuple[tuple[int, ItemResult], ...] = ()
 
     @classmethod
@@ -79,7 +79,7 @@ class VerifyBatch:
             raise ResourceExhausted(
                 f"{len(pb.items)} items in one Verify call; this server takes at most {max_batch_size}"
             )
-        items: list[VerifyItem] = []
+        items: list[ItemToVerify] = []
         refused: list[tuple[int, ItemResult]] = []
         seen: set[str] = set()
         for index, item in enumerate(pb.items):
@@ -109,7 +109,7 @@ class VerifyBatch:
         return tuple(ordered)
 
 
-def _item_from_pb(pb: target_pb2.VerifyItem, *, vocab_size: int, max_gamma: int) -> VerifyItem:
+def _item_from_pb(pb: target_pb2.ItemToVerify, *, vocab_size: int, max_gamma: int) -> ItemToVerify:
     if not pb.HasField("base"):
         raise InvalidArgument("base (the session's committed prefix) is required")
     base = SessionBase.from_pb(pb.base)
@@ -150,7 +150,7 @@ def _item_from_pb(pb: target_pb2.VerifyItem, *, vocab_size: int, max_gamma: int)
             f"features_from={features_from}: features start at a committed position before the last "
             f"committed token ({base.committed_len - 1}) at most"
         )
-    return VerifyItem(
+    return ItemToVerify(
         base=base,
         proposal=DraftProposal(token_ids=token_ids, probs=probs),
         top_logprobs=top_logprobs,

@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.api.params import StopConditions
-from specserve.v1 import common_pb2
+from specserve.api.params import FINISH_REASONS, NOT_FINISHED, StopConditions
 
 #: Old completion tokens decoded before the new ones, beyond 4 per stop-string character.
 _TAIL_SLACK_TOKENS = 8
@@ -38,7 +37,7 @@ class StopCut:
     """The part of a round's new tokens that may be committed."""
 
     token_ids: tuple[int, ...]
-    finish_reason: int  # common_pb2.FinishReason; UNSPECIFIED while the session continues
+    finish_reason: int  # a FinishReason; NOT_FINISHED while the session continues
 
 
 def cut_at_stop(
@@ -70,18 +69,18 @@ def cut_at_stop(
     for token in new_token_ids:
         kept.append(token)
         generated += 1
-        reason = common_pb2.FINISH_REASON_UNSPECIFIED
+        reason = NOT_FINISHED
         if token in eos:
-            reason = common_pb2.FINISH_REASON_EOS
+            reason = FINISH_REASONS["eos"]
         elif token in stop_ids:
-            reason = common_pb2.FINISH_REASON_STOP_TOKEN
+            reason = FINISH_REASONS["stop_token"]
         elif strings and _contains_stop_string(tokenizer, tail + kept, stop.stop_strings):
-            reason = common_pb2.FINISH_REASON_STOP_STRING
+            reason = FINISH_REASONS["stop_string"]
         elif generated >= stop.max_new_tokens:
-            reason = common_pb2.FINISH_REASON_LENGTH
-        if reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            reason = FINISH_REASONS["length"]
+        if reason != NOT_FINISHED:
             return StopCut(tuple(kept), reason)
-    return StopCut(tuple(kept), common_pb2.FINISH_REASON_UNSPECIFIED)
+    return StopCut(tuple(kept), NOT_FINISHED)
 
 
 def _text_tail(token_ids: Sequence[int], width: int, special: frozenset[int]) -> list[int]:

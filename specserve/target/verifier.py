@@ -145,7 +145,7 @@ from specserve.api.errors import (
     SpecServeError,
     VersionConflict,
 )
-from specserve.api.params import PositionLogprobs, Verdict
+from specserve.api.params import FINISH_REASONS, NOT_FINISHED, PositionLogprobs, Verdict
 from specserve.core import features as feature_wire
 from specserve.core.features import FeatureBlock
 from specserve.core.proposal import DraftProposal
@@ -166,9 +166,8 @@ from specserve.engine.models import LoadedModel
 from specserve.runtime import metrics
 from specserve.runtime.store import SessionRecord, SessionSettings, SessionStore
 from specserve.target.calibration import measure_verify_curve
-from specserve.target.messages import BatchResult, ItemResult, VerifyBatch, VerifyItem
+from specserve.target.messages import BatchResult, ItemResult, ItemToVerify, VerifyBatch
 from specserve.target.stops import cut_at_stop
-from specserve.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -178,7 +177,7 @@ class _Work:
     """One item on its way through a call (mutable bookkeeping, internal)."""
 
     index: int  # position in the request
-    item: VerifyItem
+    item: ItemToVerify
     record: SessionRecord
     cache: SessionCache | None = None
     feed: tuple[int, ...] = ()  # tokens fed in the verify pass: catch-up + pending + proposal
@@ -391,7 +390,7 @@ class Verifier:
         return loaded, grammars
 
     async def _record(
-        self, item: VerifyItem, loaded: SessionRecord | SpecServeError | None = None
+        self, item: ItemToVerify, loaded: SessionRecord | SpecServeError | None = None
     ) -> SessionRecord | SpecServeError:
         """The session's log: what this replica committed last, or ``loaded`` (read by this call before the
         lock), when the item is based on exactly that; else a load from Redis."""
@@ -433,7 +432,7 @@ class Verifier:
             self._settings.popitem(last=False)
         return record
 
-    def _triage(self, item: VerifyItem, record: SessionRecord | SpecServeError) -> ItemResult | None:
+    def _triage(self, item: ItemToVerify, record: SessionRecord | SpecServeError) -> ItemResult | None:
         """A result decided without the model (error or replay), or None when the item needs work."""
         sid, base = item.session_id, item.base
         if isinstance(record, SpecServeError):
@@ -752,8 +751,8 @@ class Verifier:
         tokens, reason = cut.token_ids, cut.finish_reason
         if self.max_positions is not None:
             room = self.max_positions - w.n  # tokens the log may still take
-            if len(tokens) > room or (len(tokens) == room and reason == common_pb2.FINISH_REASON_UNSPECIFIED):
-                tokens, reason = tokens[: max(room, 0)], common_pb2.FINISH_REASON_LENGTH
+            if len(tokens) > room or (len(tokens) == room and reason == NOT_FINISHED):
+                tokens, reason = tokens[: max(room, 0)], FINISH_REASONS["length"]
         kept = len(tokens)
         return Verdict(
             accepted_count=min(accepted, kept),

@@ -90,7 +90,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("session_id", "prompt_tokens", "completion_tokens", "rounds", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_ns", "verify_ns", "queue_ns", "first_token_ns", "total_ns", "finish_reason", "seed", "draft_rounds", "accepted_prediction_tokens", "rejected_prediction_tokens", "target_ns", "forward_ns", "lookup_proposed_tokens", "lookup_accepted_tokens", "cached_tokens", "forced_proposed_tokens", "forced_accepted_tokens", "proposer")
+    __slots__ = ("session_id", "prompt_tokens", "completion_tokens", "rounds", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_ns", "verify_ns", "queue_ns", "first_token_ns", "total_ns", "finish_reason", "seed", "draft_rounds", "accepted_prediction_tokens", "rejected_prediction_tokens", "target_ns", "forward_ns", "lookup_proposed_tokens", "lookup_accepted_tokens", "cached_tokens", "forced_proposed_tokens", "forced_accepted_tokens", "proposer", "sources")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class GenerationStats(_message.Message):
     FORCED_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORCED_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_tokens: int
     completion_tokens: int
@@ -141,7 +142,20 @@ class GenerationStats(_message.Message):
     forced_proposed_tokens: int
     forced_accepted_tokens: int
     proposer: _common_pb2.ProposerKind
-    def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., seed: _Optional[int] = ..., draft_rounds: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ..., target_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., lookup_proposed_tokens: _Optional[int] = ..., lookup_accepted_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., forced_proposed_tokens: _Optional[int] = ..., forced_accepted_tokens: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ...) -> None: ...
+    sources: _containers.RepeatedCompositeFieldContainer[SourceStats]
+    def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., seed: _Optional[int] = ..., draft_rounds: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ..., target_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., lookup_proposed_tokens: _Optional[int] = ..., lookup_accepted_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., forced_proposed_tokens: _Optional[int] = ..., forced_accepted_tokens: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., sources: _Optional[_Iterable[_Union[SourceStats, _Mapping]]] = ...) -> None: ...
+
+class SourceStats(_message.Message):
+    __slots__ = ("name", "draft_rounds", "proposed_tokens", "accepted_tokens")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    draft_rounds: int
+    proposed_tokens: int
+    accepted_tokens: int
+    def __init__(self, name: _Optional[str] = ..., draft_rounds: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "stats")

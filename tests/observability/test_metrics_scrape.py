@@ -20,9 +20,10 @@ import system_fixtures as sf
 from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.api.params import SamplingParams, SessionBase, StopConditions
-from specserve.coordinator.worker_clients import propose_request
+from specserve.coordinator.fleet.clients import DraftCall
+from specserve.coordinator.messages import VerifyRequest
 from specserve.runtime.server import start_metrics_server
-from specserve.v1 import common_pb2, target_pb2
+from specserve.v1 import common_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -164,7 +165,7 @@ async def test_worker_gauges_and_counters_follow_a_live_session(stack, metrics_p
     before = await scrape(metrics_port)
 
     proposed = await draft_client.propose_one(
-        propose_request(
+        DraftCall(
             base,
             start_position=0,
             token_ids=PROMPT,
@@ -174,7 +175,7 @@ async def test_worker_gauges_and_counters_follow_a_live_session(stack, metrics_p
             draft_top_k=0,
         )
     )
-    reply = await target_client.verify([target_pb2.VerifyItem(base=base.to_pb(), proposal=proposed.proposal)])
+    reply = await target_client.verify([VerifyRequest(base, proposed)])
     assert reply.results[0].verdict is not None
     live = await scrape(metrics_port)
 
@@ -191,7 +192,7 @@ async def test_worker_gauges_and_counters_follow_a_live_session(stack, metrics_p
         assert live.get("specserve_worker_kv_cache_bytes", role=role) == caches.total_bytes > 0
 
     # A Verify on a stale version is a compare-and-set conflict.
-    stale = target_pb2.VerifyItem(base=SessionBase(sid, len(PROMPT) + 5, 7).to_pb())
+    stale = VerifyRequest(SessionBase(sid, len(PROMPT) + 5, 7))
     reply = await target_client.verify([stale])
     assert reply.results[0].error is not None
     conflicted = await scrape(metrics_port)

@@ -58,6 +58,7 @@ async def stack(pair, redis_server):
         "served_model_name": MODEL,
         "auth_tokens": [SecretStr(ATTACKER), SecretStr(VICTIM)],
         "constraint_compile_timeout_s": TIMEOUT_S,
+        "constraint_compile_queue_per_client": 4,  # the flood below sends 8: 4 are past the attacker's share
     }
     async with sf.local_stack(pair, redis_server.url, coordinator_overrides=overrides) as s:
         yield s

@@ -18,7 +18,7 @@ from security_helpers import running_roles
 
 from specserve.api import errors
 from specserve.client import AsyncClient
-from specserve.coordinator.worker_clients import DraftClient, TargetClient
+from specserve.coordinator.fleet.clients import DraftClient, TargetClient
 from specserve.runtime.config import CoordinatorSettings
 from specserve.v1 import coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 

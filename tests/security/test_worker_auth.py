@@ -29,7 +29,7 @@ from security_helpers import running_roles
 
 from specserve.api import errors
 from specserve.api.params import SamplingParams, StopConditions
-from specserve.coordinator.worker_clients import DraftClient, TargetClient
+from specserve.coordinator.fleet.clients import DraftClient, TargetClient
 from specserve.runtime.config import CoordinatorSettings, TargetSettings
 from specserve.runtime.store import SessionStore
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from specserve.coordinator.acceptance import AcceptanceTracker
-from specserve.coordinator.cost_model import expected_tokens_iid
+from specserve.coordinator.speculation.acceptance import AcceptanceTracker
+from specserve.coordinator.speculation.cost_model import expected_tokens_iid
 
 pytestmark = pytest.mark.unit
 

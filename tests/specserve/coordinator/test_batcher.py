@@ -4,6 +4,7 @@ future gets its own session's result, and a failed call fails every item of its 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 import pytest
@@ -12,10 +13,11 @@ import system_fixtures as sf
 
 from specserve.api import errors
 from specserve.api.params import SamplingParams, SessionBase, StopConditions
-from specserve.coordinator.batcher import VerifyBatcher
-from specserve.coordinator.worker_clients import TargetClient
+from specserve.coordinator.fleet.batcher import VerifyBatcher
+from specserve.coordinator.fleet.clients import TargetClient
+from specserve.coordinator.messages import VerifyRequest
 from specserve.runtime.config import CoordinatorSettings
-from specserve.v1 import common_pb2, target_pb2
+from specserve.v1 import common_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -43,7 +45,7 @@ async def _sessions(store, n):
 
 
 def _item(sid):
-    return target_pb2.VerifyItem(base=SessionBase(sid, 3, 0).to_pb(), proposal=common_pb2.Proposal())
+    return VerifyRequest(SessionBase(sid, 3, 0))
 
 
 async def test_items_of_many_sessions_share_calls_and_get_their_own_results(stack, store):
@@ -55,11 +57,11 @@ async def test_items_of_many_sessions_share_calls_and_get_their_own_results(stac
     try:
         ids = await _sessions(store, 10)
         results = await asyncio.gather(*(batcher.submit(_item(sid)) for sid in ids))
-        assert [r.item.session_id for r in results] == ids
-        assert all(r.item.verdict is not None and r.item.verdict.new_version == 1 for r in results)
+        assert [r.session_id for r in results] == ids
+        assert all(r.verdict is not None and r.verdict.new_version == 1 for r in results)
         assert batcher.items_sent == 10 and batcher.calls_made == len(calls) == 3  # 4 + 4 + 2
         assert [c["batch_size"] for c in calls] == [4, 4, 2]
-        assert all(r.batch_size in (2, 4) and r.queue_ns >= 0 for r in results)
+        assert all(r.cost.batch_size in (2, 4) and r.cost.queue_ns >= 0 for r in results)
         for sid in ids:
             assert (await store.load(sid)).version == 1
     finally:
@@ -74,7 +76,7 @@ async def test_a_lone_session_does_not_wait(stack, store):
     try:
         (sid,) = await _sessions(store, 1)
         result = await asyncio.wait_for(batcher.submit(_item(sid)), timeout=20)
-        assert result.batch_size == 1
+        assert result.cost.batch_size == 1
     finally:
         await batcher.close()
         await client.close()
@@ -100,9 +102,9 @@ PROMPT = (5, 6, 7, 8, 9, 10)
 
 
 def _propose_item(sid: str, *, start: int = 0, gamma: int = 3):
-    from specserve.coordinator.worker_clients import propose_request
+    from specserve.coordinator.fleet.clients import DraftCall
 
-    return propose_request(
+    return DraftCall(
         SessionBase(sid, len(PROMPT), 0),
         start_position=start,
         token_ids=PROMPT[start:],
@@ -120,8 +122,8 @@ async def draft_stack(pair, redis_server):
 
 
 async def test_propose_items_of_many_sessions_share_calls_and_get_their_own_results(draft_stack):
-    from specserve.coordinator.batcher import ProposeBatcher
-    from specserve.coordinator.worker_clients import DraftClient
+    from specserve.coordinator.fleet.batcher import ProposeBatcher
+    from specserve.coordinator.fleet.clients import DraftClient
 
     client = DraftClient(f"127.0.0.1:{draft_stack.draft_port}", SETTINGS)
     batcher = ProposeBatcher(client, max_batch_size=4, max_wait_s=0.05, expected=lambda: 10)
@@ -130,14 +132,14 @@ async def test_propose_items_of_many_sessions_share_calls_and_get_their_own_resu
         items = [_propose_item(sid, start=3 if i == 5 else 0) for i, sid in enumerate(ids)]
         results = await asyncio.gather(*(batcher.submit(item) for item in items))
         assert batcher.items_sent == 10 and batcher.calls_made == 3  # 4 + 4 + 2
-        assert sum(r.reports_call for r in results) == 3
-        assert {r.batch_size for r in results} == {4, 2}
+        assert sum(r.cost.reports_call for r in results) == 3
+        assert {r.cost.batch_size for r in results} == {4, 2}
         for i, r in enumerate(results):
             if i == 5:  # the draft never saw that session: its own error, nobody else's
-                assert r.item.reply is None and isinstance(r.item.error, errors.FailedPrecondition)
+                assert r.proposal is None and isinstance(r.error, errors.FailedPrecondition)
             else:
-                assert r.item.error is None and len(r.item.reply.proposal.token_ids) == 3
-        greedy = [r.item.reply.proposal.token_ids for i, r in enumerate(results) if i != 5]
+                assert r.error is None and len(r.proposal.token_ids) == 3
+        greedy = [r.proposal.token_ids for i, r in enumerate(results) if i != 5]
         assert all(g == greedy[0] for g in greedy)  # the same prompt: the same greedy draft in every batch
     finally:
         await batcher.close()
@@ -147,19 +149,18 @@ async def test_propose_items_of_many_sessions_share_calls_and_get_their_own_resu
 async def test_a_propose_call_carries_at_most_its_feature_bytes(draft_stack):
     """Bounded features on the draft hop (issue 54, finding 4): items whose features together pass
     ``max_feature_bytes`` go in separate calls, in order; an item alone may carry that much."""
-    from specserve.coordinator.batcher import ProposeBatcher
-    from specserve.coordinator.worker_clients import DraftClient
+    from specserve.coordinator.fleet.batcher import ProposeBatcher
+    from specserve.coordinator.fleet.clients import DraftClient
     from specserve.core.features import FeatureBlock
 
     client = DraftClient(f"127.0.0.1:{draft_stack.draft_port}", SETTINGS)
     batcher = ProposeBatcher(client, max_batch_size=8, max_wait_s=0.05, expected=lambda: 6, max_feature_bytes=2500)
     try:
-        items = [_propose_item(f"fb-{uuid.uuid4().hex}") for _ in range(6)]
-        for item in items:  # 1,000 bytes each (the token draft ignores them)
-            item.features.CopyFrom(FeatureBlock(start=0, hidden=100, data=bytes(1000)).to_pb())
+        block = FeatureBlock(start=0, hidden=100, data=bytes(1000))  # 1,000 bytes each (the token draft ignores them)
+        items = [dataclasses.replace(_propose_item(f"fb-{uuid.uuid4().hex}"), features=block) for _ in range(6)]
         results = await asyncio.gather(*(batcher.submit(item) for item in items))
-        assert batcher.calls_made == 3 and [r.batch_size for r in results] == [2] * 6
-        assert all(r.item.error is None for r in results)
+        assert batcher.calls_made == 3 and [r.cost.batch_size for r in results] == [2] * 6
+        assert all(r.error is None for r in results)
     finally:
         await batcher.close()
         await client.close()
@@ -167,8 +168,8 @@ async def test_a_propose_call_carries_at_most_its_feature_bytes(draft_stack):
 
 @pytest.mark.unit
 async def test_a_failed_propose_call_fails_every_item_of_its_batch():
-    from specserve.coordinator.batcher import ProposeBatcher
-    from specserve.coordinator.worker_clients import DraftClient
+    from specserve.coordinator.fleet.batcher import ProposeBatcher
+    from specserve.coordinator.fleet.clients import DraftClient
 
     client = DraftClient("127.0.0.1:1", SETTINGS)  # nothing listens there
     batcher = ProposeBatcher(client, max_batch_size=8, max_wait_s=0.01, expected=lambda: 3)
@@ -185,7 +186,7 @@ async def test_a_failed_propose_call_fails_every_item_of_its_batch():
 @pytest.mark.unit
 async def test_a_constraint_is_new_to_a_replica_until_it_answered_for_it():
     """The pool sends an item alone while its constraint is new to the replica (ConstraintSightings)."""
-    from specserve.coordinator.batcher import ConstraintSightings
+    from specserve.coordinator.fleet.batcher import ConstraintSightings
 
     sightings = ConstraintSightings(per_replica=2)
     assert not sightings.new_to("t:1", None)  # an unconstrained item is never sent alone

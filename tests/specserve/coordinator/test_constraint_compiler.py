@@ -102,7 +102,9 @@ class _HeldEngine:
 
 async def test_a_compile_past_the_limit_is_refused_and_finishes_into_the_cache(tokenizer):
     held = _HeldEngine(tokenizer)
-    compiler = ConstraintCompiler(lambda: held, timeout_s=0.05, threads=2, cache_size=4)
+    # A thread takes the job at once on a quiet machine; the wait is bounded apart (wait_s), so a loaded one
+    # cannot turn the compile's own time limit into a refused wait.
+    compiler = ConstraintCompiler(lambda: held, timeout_s=0.05, threads=2, cache_size=4, wait_s=60)
     constraint = _slow_schema()
     timeouts_before = _count("timeout")
     with pytest.raises(InvalidArgument) as info:

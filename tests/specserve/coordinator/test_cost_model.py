@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from specserve.coordinator.cost_model import (
+from specserve.coordinator.fleet.limits import median_curve
+from specserve.coordinator.speculation.cost_model import (
     CostModel,
     CostPrior,
     DecayingLeastSquares,
@@ -15,7 +16,6 @@ from specserve.coordinator.cost_model import (
     expected_tokens_iid,
     predicted_speedup,
 )
-from specserve.coordinator.limits import median_curve
 
 pytestmark = pytest.mark.unit
 
@@ -378,6 +378,6 @@ def test_a_curve_is_validated() -> None:
 
 
 def test_the_median_curve_of_several_targets() -> None:
-    """The coordinator's prior from several targets' curves (specserve/coordinator/limits.py)."""
+    """The coordinator's prior from several targets' curves (specserve/coordinator/fleet/limits.py)."""
     assert median_curve([]) == () and median_curve([(), ()]) == ()
     assert median_curve([(10, 20, 30), (), (12, 18, 33, 40), (11, 25, 31)]) == (11.0, 20.0, 31.0)

@@ -56,14 +56,14 @@ def _proposed(proposer: str) -> float:
 async def test_greedy_with_the_head_is_the_target_alone(stack, pair, gamma):
     """Greedy with proposer="feature" is token-identical to the target alone, and the head's proposals are
     accepted (the features reach it: a head drafting blind would rarely match the trained continuation)."""
-    before = _proposed("model")
+    before = _proposed("feature")
     outs = await asyncio.gather(
         *(sf.generate(stack.address, sf.request(p, max_new_tokens=24, gamma=gamma, proposer=FEATURE)) for p in PROMPTS)
     )
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == sf.reference_greedy(pair.target_dir, prompt, 24)
     if gamma is not None:
-        assert _proposed("model") > before, "the draft tier proposed"
+        assert _proposed("feature") > before, "the feature head (in the draft tier) proposed"
         accepted = sum(o.stats.accepted_tokens for o in outs)
         proposed = sum(o.stats.proposed_tokens for o in outs)
         assert proposed > 0 and accepted / proposed > 0.3, (accepted, proposed)

@@ -1,10 +1,11 @@
-"""specserve.coordinator.feature_relay: what a session asks the target for, keeps, and sends its draft replica."""
+"""The feature head's relay (specserve/coordinator/speculation/sources/feature_head.py): what a session asks the target for, keeps, and sends its draft replica."""
 
 from __future__ import annotations
 
 import pytest
 
-from specserve.coordinator.feature_relay import FeatureAsk, FeatureRelay
+from specserve.coordinator.messages import FeatureAsk
+from specserve.coordinator.speculation.sources.feature_head import FeatureRelay
 from specserve.core.features import VALUE_BYTES, FeatureBlock
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""The hybrid lookup (``Session.lookup``, ``RoundLoop._choose``): a session drafting with the model under the
+"""The hybrid lookup (``HybridLookup``, a source with a tracker of its own): a session drafting with the model under the
 adaptive policy drafts copied text from an n-gram lookup over its own tokens, with no draft call, and leaves
 the rest to the draft model and the target.
 
@@ -19,22 +19,23 @@ Two halves:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 import pytest
 import system_fixtures as sf
+from worker_fakes import round_loop
 
 from specserve import AsyncClient
 from specserve.api.params import SamplingParams, StopConditions, Verdict
-from specserve.coordinator.acceptance import ProbeClock
-from specserve.coordinator.batcher import BatchedResult
-from specserve.coordinator.cost_model import CostModel
-from specserve.coordinator.policy import AdaptiveGamma, LoadSnapshot
-from specserve.coordinator.pool import Proposed, Verified
+from specserve.coordinator.coordinator import generation_stats
+from specserve.coordinator.messages import NO_PROPOSAL, CallCost, Proposal, Verified
 from specserve.coordinator.requests import SpeculationSettings
-from specserve.coordinator.rounds import RoundLoop
 from specserve.coordinator.session import Session
-from specserve.coordinator.worker_clients import ItemReply
+from specserve.coordinator.speculation.acceptance import AcceptanceMemory
+from specserve.coordinator.speculation.cost_model import CostModel
+from specserve.coordinator.speculation.policy import AdaptiveGamma, FixedGamma, LoadSnapshot
+from specserve.coordinator.speculation.sources.ngram import HybridLookup
 from specserve.v1 import common_pb2
 
 STEP_NS = 20_000_000  # a target step
@@ -59,39 +60,24 @@ class ScriptedPool:
             self.cost_model.observe_draft(tokens=k, ns=k * DRAFT_TOKEN_NS)
             self.cost_model.observe_rtt(ns=RTT_NS)
         self.model_calls = 0
-        self.pooled: list[tuple[int, int]] = []  # (proposed, accepted) fed to the pooled acceptance
 
-    # -- what RoundLoop calls
+    # -- what RoundLoop and the speculator call
     def attach(self, session: Session) -> None:
         pass
-
-    def acceptance_prior(self, key: str) -> float | None:
-        return None
-
-    def probe_clock(self, key: str) -> ProbeClock:
-        return ProbeClock()
 
     def load(self) -> LoadSnapshot:
         return LoadSnapshot.idle()
 
-    def drafts_locally(self, session: Session) -> bool:
-        return any(p.ready for p in session.local_proposers)
-
-    def observe_acceptance(self, key: str, *, proposed: int, accepted: int) -> None:
-        self.pooled.append((proposed, accepted))
-
     def bind_round(self, session: Session) -> None:
-        pass  # a round drafted in the coordinator (the lookup), or at gamma 0: no call
+        pass
 
-    async def propose(self, session, gamma) -> Proposed:
+    async def propose(self, session, gamma, *, features=None) -> Proposal:
         if gamma == 0:
-            return Proposed(common_pb2.Proposal())
+            return NO_PROPOSAL
         self.model_calls += 1
         done = session.committed_len - session.prompt_len
-        wrong = [self.script[done + i] + 1 for i in range(gamma)]  # never the script's token
-        return Proposed(
-            common_pb2.Proposal(token_ids=wrong), wall_ns=gamma * DRAFT_TOKEN_NS + RTT_NS, source="model"
-        )
+        wrong = tuple(self.script[done + i] + 1 for i in range(gamma))  # never the script's token
+        return Proposal(wrong, wall_ns=gamma * DRAFT_TOKEN_NS + RTT_NS, draft_ns=gamma * DRAFT_TOKEN_NS)
 
     async def verify(self, session, item, *, drafted: bool = False) -> Verified:
         done = session.committed_len - session.prompt_len
@@ -114,18 +100,24 @@ class ScriptedPool:
         positions = len(proposal) + 1
         ns = pass_ns(positions) * (1 if proposal else count)
         self.cost_model.observe_verify(batch_size=1, positions=positions, ns=ns)
-        batched = BatchedResult(
-            ItemReply(session.session_id, verdict, False, None),
-            queue_ns=0,
-            call_ns=ns + RTT_NS,
-            verify_ns=ns,
-            batch_size=1,
-            positions_processed=positions,
+        return Verified(
+            item, verdict, cost=CallCost(call_ns=ns + RTT_NS, verify_ns=ns, batch_size=1, positions_processed=positions)
         )
-        return Verified(batched, item)
 
     def detach(self, session: Session) -> None:
         pass
+
+
+class PooledMemory(AcceptanceMemory):
+    """The acceptance pooled across sessions, with a record of what each round fed it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pooled: list[tuple[int, int]] = []  # (proposed, accepted)
+
+    def observe(self, key: str, *, proposed: int, accepted: int) -> None:
+        self.pooled.append((proposed, accepted))
+        super().observe(key, proposed=proposed, accepted=accepted)
 
 
 async def run_session(prompt: list[int], script: list[int], *, lookup: bool = True, max_new: int = 48):
@@ -136,17 +128,18 @@ async def run_session(prompt: list[int], script: list[int], *, lookup: bool = Tr
         prompt,
         SamplingParams(temperature=0.0),
         StopConditions(max_new_tokens=max_new, ignore_eos=True),
-        MODEL,
-        lookup=lookup,
+        dataclasses.replace(MODEL, hybrid_lookup=lookup),
     )
     policy = AdaptiveGamma.up_to(pool.cost_model, 16, decode_steps=4)
-    loop = RoundLoop(session, pool=pool, store=None, policy=policy, max_gamma=16, decode_steps=4)
+    memory = PooledMemory()
+    loop = round_loop(session, pool=pool, store=None, policy=policy, max_gamma=16, memory=memory, decode_steps=4)
     out: list[int] = []
     while not session.finished:
         out.extend((await loop.step()).token_ids)
     assert out == script[:max_new], "every round commits the script's tokens, in order"
     run_session.last_loop = loop  # for the tests that look at the trackers
-    return session.stats_pb(), pool
+    pool.pooled = memory.pooled
+    return generation_stats(session), pool
 
 
 def copied_prompt() -> tuple[list[int], list[int]]:
@@ -196,19 +189,24 @@ def test_a_lookup_that_keeps_guessing_wrong_is_left_alone():
     )
     assert stats.rounds <= 20, f"{stats.rounds} rounds for 48 tokens: the lookup kept the target from 4 steps"
     # It learnt that from the rounds it did not draft: its acceptance is the one its guesses had there.
-    lookup_alpha = run_session.last_loop.lookup_acceptance.alpha()
+    lookup_alpha = run_session.last_loop.speculator.source("ngram").tracker.alpha()
     assert lookup_alpha < 0.4, f"the lookup's acceptance estimate {lookup_alpha:.2f} did not learn its misses"
 
 
 @pytest.mark.unit
 def test_only_a_model_session_without_a_prediction_keeps_a_hybrid_lookup():
     """(A fixed gamma turns it off where the request is parsed: the system test below.)"""
-    base = dict(sampling=SamplingParams(), stop=StopConditions())
-    ngram = SpeculationSettings(gamma=None, proposer=common_pb2.PROPOSER_KIND_NGRAM)
-    assert Session("a", [1, 2], speculation=MODEL, lookup=True, **base).lookup is not None
-    assert Session("b", [1, 2], speculation=ngram, lookup=True, **base).lookup is None
-    assert Session("c", [1, 2], speculation=MODEL, lookup=True, prediction=[1], **base).lookup is None
-    assert Session("d", [1, 2], speculation=MODEL, **base).lookup is None
+
+    def ngram_source(speculation: SpeculationSettings, prediction=None):
+        session = Session("s", [1, 2], SamplingParams(), StopConditions(), speculation)
+        loop = round_loop(session, pool=ScriptedPool([]), store=None, policy=FixedGamma(0), prediction=prediction)
+        return loop.speculator.source("ngram")
+
+    ngram = SpeculationSettings(gamma=None, proposer=common_pb2.PROPOSER_KIND_NGRAM, hybrid_lookup=True)
+    assert isinstance(ngram_source(MODEL), HybridLookup)
+    assert not isinstance(ngram_source(ngram), HybridLookup), "the ngram session's own lookup, not a hybrid one"
+    assert ngram_source(MODEL, prediction=[1]) is None
+    assert ngram_source(dataclasses.replace(MODEL, hybrid_lookup=False)) is None
 
 
 # ---- the whole system ------------------------------------------------------------------------------------

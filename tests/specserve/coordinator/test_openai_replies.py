@@ -91,6 +91,17 @@ def test_speculation_report_sums_sessions_like_vllm_metrics():
     assert report["mean_acceptance_length"] == pytest.approx(1 + 11 / 6)
     none = speculation_report([stats(rounds=4)])
     assert none["num_drafts"] == 0 and none["acceptance_rate"] == 0.0 and none["mean_acceptance_length"] == 1.0
+    assert none["sources"] == {}
+
+
+def test_speculation_report_sums_each_source_over_the_choices():
+    row = coordinator_pb2.SourceStats
+    a = stats(sources=[row(name="ngram", draft_rounds=2, proposed_tokens=5, accepted_tokens=4), row(name="model")])
+    b = stats(sources=[row(name="ngram", draft_rounds=1, proposed_tokens=3, accepted_tokens=1)])
+    assert speculation_report([a, b])["sources"] == {
+        "ngram": {"num_drafts": 3, "num_draft_tokens": 8, "num_accepted_tokens": 5},
+        "model": {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0},
+    }
 
 
 def test_chat_stream_chunks_then_the_usage_chunk():

@@ -22,8 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.coordinator.acceptance import AcceptanceMemory, ProbeClock
-from specserve.coordinator.policy import (
+from specserve.coordinator.speculation.acceptance import AcceptanceMemory, ProbeClock
+from specserve.coordinator.speculation.policy import (
     AcceptanceTracker,
     AdaptiveGamma,
     CostModel,

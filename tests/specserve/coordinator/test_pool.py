@@ -1,4 +1,4 @@
-"""specserve.coordinator.pool's draft side through the whole system (real Redis, gRPC servers on loopback, tiny float32
+"""specserve.coordinator.fleet.pool's draft side through the whole system (real Redis, gRPC servers on loopback, tiny float32
 models): concurrent sessions draft in shared ProposeBatch calls and stay exact, n-gram proposals never wait
 for a batch (they are made in the coordinator), a failed draft call opens the breaker once, and batching follows the
 draft's own limit."""

@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY
 from worker_fakes import continuation, item_for, new_session, pool_of_fakes
 
 from specserve.api import errors
+from specserve.coordinator.messages import FeatureAsk
 
 pytestmark = pytest.mark.unit
 
@@ -41,8 +42,8 @@ async def test_a_target_fault_fails_over_to_the_next_replica_with_the_same_sessi
 
         sent = [(session.session_id, 0, ())]
         assert w.targets[home].calls == [sent] and w.targets[other].calls == [sent]
-        assert verified.batched.item.verdict is not None and verified.batched.item.verdict.new_version == 1
-        assert verified.batched.item.verdict.committed_token_ids == tuple(continuation(session.token_ids, 1))
+        assert verified.verdict is not None and verified.verdict.new_version == 1
+        assert verified.verdict.committed_token_ids == tuple(continuation(session.token_ids, 1))
         assert not w.pool.targets.is_up(home) and w.pool.targets.failures(home) == 1
         assert w.pool.targets.is_up(other) and w.pool.targets.failures(other) == 0
         assert failures_counted("target") - before == 1
@@ -63,7 +64,7 @@ async def test_a_failed_verify_call_opens_the_breaker_once_for_all_its_sessions(
         assert w.pool.targets.failures(home) == 1 and failures_counted("target") - before == 1
         moved = sorted(item for call in w.targets[other].calls for item in call)
         assert moved == sorted((s.session_id, 0, ()) for s in sessions)
-        assert all(r.batched.item.verdict is not None for r in results)
+        assert all(r.verdict is not None for r in results)
 
 
 async def test_a_requests_own_error_opens_no_breaker_and_is_not_retried():
@@ -92,8 +93,8 @@ async def test_a_refused_proposal_is_sent_again_once_at_gamma_0():
 
         sid = session.session_id
         assert target.calls == [[(sid, 0, (100000, 3))], [(sid, 0, ())]]
-        assert not verified.item.proposal.token_ids, "the item as last sent: no proposal"
-        assert verified.batched.item.verdict is not None and verified.batched.item.verdict.accepted_count == 0
+        assert not verified.request.proposal.token_ids, "the item as last sent: no proposal"
+        assert verified.verdict is not None and verified.verdict.accepted_count == 0
         assert w.pool.targets.failures(target.endpoint) == 0
 
 
@@ -104,15 +105,13 @@ async def test_a_refused_proposals_retry_still_asks_for_logprobs_and_features():
         (target,) = w.targets.values()
         session = await new_session(w)
         target.refuse_next(errors.InvalidArgument("token 100000 is outside the vocabulary"))
-        item = item_for(session, [100000, 3])
-        item.logprobs.top_logprobs = 2
-        item.features_from = 0
+        item = item_for(session, [100000, 3], top_logprobs=2, features=FeatureAsk(0, False, 0))
 
         verified = await w.pool.verify(session, item)
 
-        assert not verified.item.proposal.token_ids
-        assert verified.item.logprobs.top_logprobs == 2 and verified.item.features_from == 0
-        verdict = verified.batched.item.verdict
+        assert not verified.request.proposal.token_ids
+        assert verified.request.top_logprobs == 2 and verified.request.features == FeatureAsk(0, False, 0)
+        verdict = verified.verdict
         assert verdict is not None and len(verdict.logprobs) == len(verdict.committed_token_ids) == 1
 
 
@@ -125,7 +124,7 @@ async def test_a_whole_call_refused_for_its_proposal_is_sent_again_at_gamma_0():
         verified = await w.pool.verify(session, item_for(session, [1, 2]))
 
         assert [call[0][2] for call in target.calls] == [(1, 2), ()]
-        assert verified.batched.item.verdict is not None and w.pool.targets.failures(target.endpoint) == 0
+        assert verified.verdict is not None and w.pool.targets.failures(target.endpoint) == 0
 
 
 async def test_an_item_refused_without_a_proposal_is_the_sessions_own_error():
@@ -137,7 +136,7 @@ async def test_an_item_refused_without_a_proposal_is_the_sessions_own_error():
         verified = await w.pool.verify(session, item_for(session))
 
         assert len(target.calls) == 1, "nothing to drop: not sent again"
-        assert isinstance(verified.batched.item.error, errors.InvalidArgument)
+        assert isinstance(verified.error, errors.InvalidArgument)
 
 
 async def test_when_every_target_is_down_the_round_fails_unavailable():
@@ -162,10 +161,10 @@ async def test_a_draft_failure_leaves_the_round_without_a_proposal_and_opens_the
 
         proposed = await w.pool.propose(first, 3)
 
-        assert not proposed.proposal.token_ids and proposed.source == ""
+        assert not proposed.token_ids and not proposed.from_call
         assert w.pool.drafts.failures(draft.endpoint) == 1 and failures_counted("draft") - before == 1
         # The replica backs off: the next session's round gets no proposal without a call.
-        assert not (await w.pool.propose(second, 3)).proposal.token_ids
+        assert not (await w.pool.propose(second, 3)).token_ids
         assert len(draft.calls) == 1
 
 
@@ -175,11 +174,11 @@ async def test_a_draft_refusing_a_request_opens_no_breaker():
         first, second = await new_session(w), await new_session(w)
         draft.refuse_next(errors.InvalidArgument("this request is refused"))
 
-        assert not (await w.pool.propose(first, 3)).proposal.token_ids
+        assert not (await w.pool.propose(first, 3)).token_ids
         assert w.pool.drafts.is_up(draft.endpoint)
         proposed = await w.pool.propose(second, 3)
-        assert list(proposed.proposal.token_ids) == continuation(second.token_ids, 3)
-        assert proposed.source == "model"
+        assert list(proposed.token_ids) == continuation(second.token_ids, 3)
+        assert proposed.from_call
 
 
 async def test_a_draft_that_lost_the_session_is_sent_every_token_again():
@@ -187,7 +186,7 @@ async def test_a_draft_that_lost_the_session_is_sent_every_token_again():
         (draft,) = w.drafts.values()
         session = await new_session(w)
         await w.pool.propose(session, 2)
-        verdict = (await w.pool.verify(session, item_for(session))).batched.item.verdict
+        verdict = (await w.pool.verify(session, item_for(session))).verdict
         assert verdict is not None
         session.apply_verdict(verdict)
         draft.forget(session.session_id)  # a restarted draft
@@ -198,7 +197,7 @@ async def test_a_draft_that_lost_the_session_is_sent_every_token_again():
         assert draft.calls[1:] == [[(sid, 4, 2)], [(sid, 0, 2)]], (
             "the new token alone, refused; then everything"
         )
-        assert list(proposed.proposal.token_ids) == continuation(session.token_ids, 2)
+        assert list(proposed.token_ids) == continuation(session.token_ids, 2)
         assert w.pool.drafts.is_up(draft.endpoint)
 
 
@@ -212,7 +211,7 @@ async def test_a_failed_propose_batch_opens_the_draft_breaker_once_for_all_its_s
         proposals = await asyncio.gather(*(w.pool.propose(s, 3) for s in sessions))
 
         assert [len(call) for call in draft.calls] == [3], "one ProposeBatch call carried all three"
-        assert all(not p.proposal.token_ids for p in proposals)
+        assert all(not p.token_ids for p in proposals)
         assert w.pool.drafts.failures(draft.endpoint) == 1 and failures_counted("draft") - before == 1
 
 
@@ -225,4 +224,4 @@ async def test_sessions_drafting_together_share_a_propose_batch_call():
 
         assert [len(call) for call in draft.calls] == [3]
         for s, p in zip(sessions, proposals, strict=True):
-            assert list(p.proposal.token_ids) == continuation(s.token_ids, 2) and p.source == "model"
+            assert list(p.token_ids) == continuation(s.token_ids, 2) and p.from_call

@@ -11,19 +11,18 @@ system.
 from __future__ import annotations
 
 import pytest
-from worker_fakes import FakeTarget, Workers, continuation, item_for, new_session, pool_of_fakes
+from worker_fakes import FakeTarget, Workers, continuation, item_for, new_session, pool_of_fakes, round_loop
 
 from specserve.api import errors
-from specserve.coordinator.policy import FixedGamma
-from specserve.coordinator.rounds import MAX_FRUITLESS_RESYNCS, RoundLoop
+from specserve.coordinator.round import MAX_FRUITLESS_RESYNCS, RoundLoop
 from specserve.coordinator.session import Session
-from specserve.v1 import common_pb2
+from specserve.coordinator.speculation.policy import FixedGamma
 
 pytestmark = pytest.mark.unit
 
 
 def loop_for(w: Workers, session: Session, gamma: int) -> RoundLoop:
-    return RoundLoop(session, pool=w.pool, store=w.store, policy=FixedGamma(gamma), max_gamma=8)
+    return round_loop(session, pool=w.pool, store=w.store, policy=FixedGamma(gamma), max_gamma=8)
 
 
 async def run_to_the_end(loop: RoundLoop) -> list[int]:
@@ -42,9 +41,7 @@ async def commit_behind_its_back(
     )
     verdicts = []
     for _ in range(rounds):
-        item = item_for(other)
-        if logprobs:
-            item.logprobs.CopyFrom(common_pb2.LogprobsParams(top_logprobs=2))
+        item = item_for(other, top_logprobs=2 if logprobs else None)
         (result,) = (await target.verify([item])).results
         assert result.verdict is not None
         other.apply_verdict(result.verdict)

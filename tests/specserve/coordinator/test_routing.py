@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.coordinator.routing import HashRing, ReplicaSet, prefix_key
+from specserve.coordinator.fleet.routing import HashRing, ReplicaSet, prefix_key
 
 pytestmark = pytest.mark.unit
 

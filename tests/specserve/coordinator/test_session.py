@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from worker_fakes import speculator_for
 
 from specserve.api.errors import FailedPrecondition
 from specserve.api.params import SamplingParams, StopConditions, Verdict
+from specserve.coordinator.coordinator import generation_stats
 from specserve.coordinator.requests import SpeculationSettings
 from specserve.coordinator.session import Session, SessionStats, SessionStatus
 from specserve.v1 import common_pb2
@@ -59,7 +61,7 @@ def test_finish_reason_finishes_the_session():
     assert s.finished and s.status == SessionStatus.FINISHED
     s.end(SessionStatus.RUNNING)  # status never goes back
     assert s.status == SessionStatus.FINISHED
-    pb = s.stats_pb()
+    pb = generation_stats(s)
     assert pb.completion_tokens == 2 and pb.finish_reason == common_pb2.FINISH_REASON_EOS and pb.seed == 7
 
 
@@ -82,7 +84,7 @@ def test_stats_count_acceptance_per_position():
     assert st.draft_rounds == 2, 'a gamma = 0 round proposes nothing and is no draft'
 
 
-def test_the_sessions_local_proposers_follow_every_committed_token():
+def test_the_sessions_sources_follow_every_committed_token():
     """The prediction and the n-gram lookup see each committed token once, whichever way it arrived
     (a verdict, a re-read of the log), and the prediction's counts reach the statistics."""
     s = Session(
@@ -91,15 +93,41 @@ def test_the_sessions_local_proposers_follow_every_committed_token():
         SamplingParams(temperature=0.0),
         StopConditions(max_new_tokens=8),
         SpeculationSettings(gamma=2, proposer=common_pb2.PROPOSER_KIND_NGRAM),
-        prediction=(4, 5, 6, 7),
     )
-    assert [p.name for p in s.local_proposers] == ["prediction", "ngram"]
-    assert s.prediction is not None and s.prediction.propose(2) == (4, 5)
+    speculator = speculator_for(s, prediction=(4, 5, 6, 7))
+    assert [p.name for p in speculator.sources] == ["prediction", "ngram"]
+    prediction, ngram = speculator.sources
+    assert prediction.draft(2) == (4, 5)
     s.apply_verdict(_verdict([4, 9], 5, 1, accepted=1))
     s.advance((1, 2, 3, 4, 9, 1, 2), start=0, version=2, finish_reason=0)  # a re-read adds 1, 2
-    assert s.local_proposers[1].propose(2) == (3, 4), "the lookup saw prompt, 4, 9, 1, 2"
-    pb = s.stats_pb()
+    assert ngram.draft(2) == (3, 4), "the lookup saw prompt, 4, 9, 1, 2"
+    pb = generation_stats(s)
     assert (pb.accepted_prediction_tokens, pb.rejected_prediction_tokens) == (1, 1)
     plain = _session()
-    assert plain.local_proposers == () and plain.prediction is None
-    assert plain.stats_pb().accepted_prediction_tokens == 0
+    assert speculator_for(plain).source("prediction") is None
+    assert generation_stats(plain).accepted_prediction_tokens == 0
+
+
+def test_each_source_has_a_row_and_the_wire_repeats_the_ngram_and_forced_rows():
+    """``GenerationStats.sources`` per source by name (the SDK reads them); ``lookup_*`` and ``forced_*`` are the
+    ``ngram`` and ``forced`` rows, for clients that predate them."""
+    from specserve.client import GenerationStats as ClientStats
+
+    s = _session()
+    s.stats.observe_round(proposed=3, accepted=2, source="ngram")
+    s.stats.observe_round(proposed=2, accepted=2, source="forced")
+    s.stats.observe_round(proposed=4, accepted=1, source="model")
+    s.stats.observe_round(proposed=0, accepted=0, source="model")  # gamma 0: no draft round
+    pb = generation_stats(s)
+    rows = {r.name: (r.draft_rounds, r.proposed_tokens, r.accepted_tokens) for r in pb.sources}
+    assert rows == {"ngram": (1, 3, 2), "forced": (1, 2, 2), "model": (1, 4, 1)}
+    assert sum(r.proposed_tokens for r in pb.sources) == pb.proposed_tokens == 9
+    assert (pb.lookup_proposed_tokens, pb.lookup_accepted_tokens) == (3, 2)
+    assert (pb.forced_proposed_tokens, pb.forced_accepted_tokens) == (2, 2)
+    sdk = ClientStats.from_pb(pb)
+    assert [(r.name, r.proposed_tokens, r.accepted_tokens) for r in sdk.sources] == [
+        ("ngram", 3, 2),
+        ("forced", 2, 2),
+        ("model", 4, 1),
+    ]
+    assert sdk.sources[0].acceptance_rate == pytest.approx(2 / 3)

@@ -13,19 +13,20 @@ import uuid
 import pytest
 import pytest_asyncio
 import system_fixtures as sf
+from worker_fakes import round_loop
 
 from specserve.api import errors
 from specserve.api.params import SamplingParams, SessionBase, StopConditions
 from specserve.api.status import worker_error_from_rpc as error_from_rpc
-from specserve.coordinator.acceptance import AcceptanceTracker
-from specserve.coordinator.policy import FixedGamma
+from specserve.coordinator.fleet.clients import DraftCall, DraftClient, TargetClient
+from specserve.coordinator.messages import Proposal, VerifyRequest
 from specserve.coordinator.requests import SpeculationSettings
-from specserve.coordinator.rounds import RoundLoop
 from specserve.coordinator.session import Session
-from specserve.coordinator.worker_clients import DraftClient, TargetClient, propose_request
+from specserve.coordinator.speculation.acceptance import AcceptanceTracker
+from specserve.coordinator.speculation.policy import FixedGamma
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.store import SessionStore
-from specserve.v1 import common_pb2, target_pb2
+from specserve.v1 import common_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -40,11 +41,8 @@ async def target(stack):
     await client.close()
 
 
-def _item(session_id: str, committed_len: int, version: int, proposal=None) -> target_pb2.VerifyItem:
-    return target_pb2.VerifyItem(
-        base=SessionBase(session_id, committed_len, version).to_pb(),
-        proposal=proposal or common_pb2.Proposal(),
-    )
+def _item(session_id: str, committed_len: int, version: int, proposal=(), **fields) -> VerifyRequest:
+    return VerifyRequest(SessionBase(session_id, committed_len, version), Proposal(tuple(proposal)), **fields)
 
 
 async def _new_session(store: SessionStore, prompt=(5, 6, 7, 8)) -> str:
@@ -72,8 +70,7 @@ async def test_stale_version_is_refused_and_the_branch_rolled_back(stack, store,
     v2 = (await target.verify([_item(sid, v1.committed_len, 1)])).results[0].verdict
     assert v2.new_version == 2
     # A proposal on top of the stale version 0: refused, nothing committed.
-    proposal = common_pb2.Proposal(token_ids=[9, 10])
-    stale = (await target.verify([_item(sid, 4, 0, proposal)])).results[0]
+    stale = (await target.verify([_item(sid, 4, 0, (9, 10))])).results[0]
     assert stale.verdict is None and isinstance(
         stale.error, errors.VersionConflict | errors.FailedPrecondition
     )
@@ -98,7 +95,7 @@ async def test_round_loop_uses_a_replayed_verdict_once(stack, store, target):
         sid, prompt, SAMPLING, STOP, SpeculationSettings(gamma=0, proposer=common_pb2.PROPOSER_KIND_MODEL)
     )
     coordinator = stack.coordinator.coordinator
-    loop = RoundLoop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
+    loop = round_loop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
     emitted = list((await loop.step()).token_ids)
     assert emitted == list(lost.committed_token_ids)
     assert session.version == 1
@@ -123,7 +120,7 @@ async def test_round_loop_resyncs_after_a_conflict(stack, store, target):
         sid, prompt, SAMPLING, STOP, SpeculationSettings(gamma=0, proposer=common_pb2.PROPOSER_KIND_MODEL)
     )
     coordinator = stack.coordinator.coordinator
-    loop = RoundLoop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
+    loop = round_loop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
     emitted = list((await loop.step()).token_ids)
     emitted += (await loop.step()).token_ids
     record = await store.load(sid)
@@ -141,7 +138,7 @@ async def test_draft_client_and_error_mapping(stack, store):
         assert info.model.vocab_size == 384 and info.max_gamma >= 8
         base = SessionBase("draft-client-test", 4, 0)
         reply = await client.propose_one(
-            propose_request(
+            DraftCall(
                 base,
                 start_position=0,
                 token_ids=(5, 6, 7, 8),
@@ -151,11 +148,11 @@ async def test_draft_client_and_error_mapping(stack, store):
                 draft_top_k=0,
             )
         )
-        assert len(reply.proposal.token_ids) == 3 and len(reply.proposal.distributions) == 3
+        assert len(reply.token_ids) == 3 and len(reply.distributions) == 3
         # A draft that lacks the earlier tokens refuses a partial resend.
         with pytest.raises(errors.FailedPrecondition):
             await client.propose_one(
-                propose_request(
+                DraftCall(
                     SessionBase("never-seen", 6, 0),
                     start_position=4,
                     token_ids=(9, 10),
@@ -207,12 +204,10 @@ async def test_a_malformed_proposal_falls_back_to_gamma_zero_instead_of_failing(
         sid, prompt, SAMPLING, STOP, SpeculationSettings(gamma=2, proposer=common_pb2.PROPOSER_KIND_MODEL)
     )
     pool = stack.coordinator.coordinator.pool
-    bad = target_pb2.VerifyItem(
-        base=session.base.to_pb(), proposal=common_pb2.Proposal(token_ids=[100000, 3])
-    )
-    batched, sent = await pool.verify(session, bad)
-    assert not sent.proposal.token_ids
-    assert batched.item.verdict is not None and batched.item.verdict.new_version == 1
+    bad = VerifyRequest(session.base, Proposal((100000, 3)))
+    verified = await pool.verify(session, bad)
+    assert not verified.request.proposal.token_ids
+    assert verified.verdict is not None and verified.verdict.new_version == 1
     assert (await store.load(sid)).version == 1
     await pool.release(session)
 
@@ -234,10 +229,8 @@ async def test_a_draft_with_another_vocabulary_is_refused_at_start(
             await build_coordinator(settings, tokenizer=pair.tokenizer)
 
 
-def _logprobs_item(session_id: str, committed_len: int, version: int) -> target_pb2.VerifyItem:
-    item = _item(session_id, committed_len, version)
-    item.logprobs.top_logprobs = 2
-    return item
+def _logprobs_item(session_id: str, committed_len: int, version: int) -> VerifyRequest:
+    return _item(session_id, committed_len, version, top_logprobs=2)
 
 
 async def test_round_loop_streams_a_replayed_verdicts_logprobs_and_fails_on_tokens_it_never_saw(
@@ -254,7 +247,7 @@ async def test_round_loop_streams_a_replayed_verdicts_logprobs_and_fails_on_toke
     lost = (await target.verify([_logprobs_item(sid, 4, 0)])).results[0].verdict
     assert len(lost.logprobs) == len(lost.committed_token_ids) == 1
     session = Session(sid, prompt, SAMPLING, STOP, speculation, top_logprobs=2)
-    loop = RoundLoop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
+    loop = round_loop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
     first = await loop.step()
     assert first.token_ids == lost.committed_token_ids and first.logprobs == lost.logprobs
     second = await loop.step()
@@ -267,7 +260,7 @@ async def test_round_loop_streams_a_replayed_verdicts_logprobs_and_fails_on_toke
         v1 = (await target.verify([_logprobs_item(sid, 4, 0)])).results[0].verdict
         await target.verify([_logprobs_item(sid, v1.committed_len, 1)])
         session = Session(sid, prompt, SAMPLING, STOP, speculation, top_logprobs=top_logprobs)
-        loop = RoundLoop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
+        loop = round_loop(session, pool=coordinator.pool, store=store, policy=FixedGamma(0), max_gamma=8)
         if top_logprobs is None:
             assert len((await loop.step()).token_ids) == 2
         else:
@@ -293,6 +286,7 @@ async def test_a_model_draft_session_starts_from_the_pool_and_a_local_proposer_s
     clock; an n-gram session (its acceptance belongs to its text) starts from the tracker's own prior with a
     clock of its own (and, drafting for free, at the best rung of the ladder for that prior)."""
     pool = stack.coordinator.coordinator.pool
+    memory = stack.coordinator.coordinator.acceptance_memory
     loops = {}
     for proposer in (common_pb2.PROPOSER_KIND_MODEL, common_pb2.PROPOSER_KIND_NGRAM):
         prompt = (5, 6, 7, 8)
@@ -303,20 +297,20 @@ async def test_a_model_draft_session_starts_from_the_pool_and_a_local_proposer_s
             STOP,
             SpeculationSettings(gamma=None, proposer=proposer),
         )
-        loop = RoundLoop(session, pool=pool, store=store, policy=FixedGamma(0), max_gamma=8)
+        loop = round_loop(session, pool=pool, store=store, policy=FixedGamma(0), max_gamma=8, memory=memory)
         loop.detach()
         for _ in range(40):
-            pool.observe_acceptance(loop.speculation_key, proposed=4, accepted=1)
-        loops[proposer] = (session, loop.speculation_key)
+            memory.observe(loop.speculator.speculation_key, proposed=4, accepted=1)
+        loops[proposer] = (session, loop.speculator.speculation_key)
     model_session, model_key = loops[common_pb2.PROPOSER_KIND_MODEL]
     ngram_session, ngram_key = loops[common_pb2.PROPOSER_KIND_NGRAM]
-    warm = RoundLoop(model_session, pool=pool, store=store, policy=FixedGamma(0), max_gamma=8)
-    cold = RoundLoop(ngram_session, pool=pool, store=store, policy=FixedGamma(0), max_gamma=8)
+    warm = round_loop(model_session, pool=pool, store=store, policy=FixedGamma(0), max_gamma=8, memory=memory)
+    cold = round_loop(ngram_session, pool=pool, store=store, policy=FixedGamma(0), max_gamma=8, memory=memory)
     try:
-        assert warm.acceptance.warm_start and warm.acceptance.probe_clock is pool.probe_clock(model_key)
-        assert pool.acceptance_prior(ngram_key) is not None
-        assert cold.acceptance.probe_clock is not pool.probe_clock(ngram_key)
-        assert cold.acceptance.alpha() == pytest.approx(AcceptanceTracker().alpha())  # not the pooled 0.25
+        assert warm.speculator.tracker.warm_start and warm.speculator.tracker.probe_clock is memory.probe_clock(model_key)
+        assert memory.prior(ngram_key) is not None
+        assert cold.speculator.tracker.probe_clock is not memory.probe_clock(ngram_key)
+        assert cold.speculator.tracker.alpha() == pytest.approx(AcceptanceTracker().alpha())  # not the pooled 0.25
     finally:
         warm.detach()
         cold.detach()
@@ -336,14 +330,14 @@ async def test_at_gamma_0_a_local_proposers_guess_teaches_the_session_its_accept
         SpeculationSettings(gamma=None, proposer=common_pb2.PROPOSER_KIND_NGRAM),
     )
     pool = stack.coordinator.coordinator.pool
-    loop = RoundLoop(session, pool=pool, store=store, policy=FixedGamma(0), max_gamma=8)
+    loop = round_loop(session, pool=pool, store=store, policy=FixedGamma(0), max_gamma=8)
     # No forgetting and no change detection: the counts below are the tracker's exactly.
-    loop.acceptance = AcceptanceTracker(decay=1.0, fall_threshold=1e9, rise_threshold=1e9)
-    (ngram,) = session.local_proposers
+    loop.speculator.tracker = AcceptanceTracker(decay=1.0, fall_threshold=1e9, rise_threshold=1e9)
+    ngram = loop.speculator.source("ngram")
     guesses = matches = 0
     try:
         for _ in range(8):
-            guess = ngram.peek(1)
+            guess = ngram.shadow(1)
             committed = (await loop.step()).token_ids
             if guess:
                 guesses += 1
@@ -352,7 +346,7 @@ async def test_at_gamma_0_a_local_proposers_guess_teaches_the_session_its_accept
         assert session.stats.proposed_tokens == 0
         prior = AcceptanceTracker()
         expected = (matches + prior.alpha() * 2.0) / (guesses + 2.0)  # the prior's weight: 2 positions
-        assert loop.acceptance.alpha() == pytest.approx(expected)
+        assert loop.speculator.tracker.alpha() == pytest.approx(expected)
     finally:
         loop.detach()
         await loop.release()

@@ -26,21 +26,19 @@ from dataclasses import dataclass
 
 from specserve.api import errors
 from specserve.api.params import PositionLogprobs, SamplingParams, StopConditions, Verdict
-from specserve.coordinator.cost_model import CostModel
-from specserve.coordinator.pool import WorkerPool
-from specserve.coordinator.requests import SpeculationSettings
+from specserve.coordinator.fleet.clients import DraftCall, ProposeBatchReply, VerifyReply, WorkerClients
+from specserve.coordinator.fleet.pool import WorkerPool
+from specserve.coordinator.messages import Proposal, Verified, VerifyRequest
+from specserve.coordinator.requests import GenerationRequest, SpeculationSettings
+from specserve.coordinator.round import RoundLoop
 from specserve.coordinator.session import Session
-from specserve.coordinator.worker_clients import (
-    ItemReply,
-    ProposeBatchReply,
-    ProposeItemReply,
-    ProposeReply,
-    VerifyReply,
-    WorkerClients,
-)
+from specserve.coordinator.speculation.acceptance import AcceptanceMemory
+from specserve.coordinator.speculation.cost_model import CostModel
+from specserve.coordinator.speculation.policy import FixedGamma, SpeculationPolicy
+from specserve.coordinator.speculation.speculator import Speculator
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.store import SessionRecord
-from specserve.v1 import common_pb2, draft_pb2, target_pb2
+from specserve.v1 import common_pb2
 
 VOCAB = 50
 
@@ -171,29 +169,29 @@ class FakeTarget(_Scripted):
         super().__init__(endpoint)
         self.store = store
 
-    async def verify(self, items: Sequence[target_pb2.VerifyItem]) -> VerifyReply:
+    async def verify(self, items: Sequence[VerifyRequest]) -> VerifyReply:
         self.calls.append([(i.base.session_id, i.base.version, tuple(i.proposal.token_ids)) for i in items])
         self._maybe_fail()
         results = []
         for item in items:
             refusal = self._refusal()
             if refusal is not None:
-                results.append(ItemReply(item.base.session_id, None, False, refusal))
+                results.append(Verified(item, error=refusal))
                 continue
             try:
                 verdict, replayed = self.store.commit(
                     item.base.session_id, item.base.version, self._verdict(item)
                 )
             except errors.SpecServeError as exc:
-                results.append(ItemReply(item.base.session_id, None, False, exc))
+                results.append(Verified(item, error=exc))
             else:
-                results.append(ItemReply(item.base.session_id, verdict, replayed, None))
+                results.append(Verified(item, verdict, replayed=replayed))
         positions = sum(len(i.proposal.token_ids) + 1 for i in items)
         return VerifyReply(
             results=tuple(results), verify_ns=1_000, forward_ns=500, positions_processed=positions
         )
 
-    def _verdict(self, item: target_pb2.VerifyItem) -> Verdict:
+    def _verdict(self, item: VerifyRequest) -> Verdict:
         """The greedy verdict on the session's log as the store holds it (a stale base is the store's to refuse)."""
         record = self.store.record(item.base.session_id)
         tokens = list(record.token_ids[: item.base.committed_len])
@@ -212,7 +210,7 @@ class FakeTarget(_Scripted):
         committed = committed[:left]
         logprobs = (
             tuple(PositionLogprobs(token_id=t, logprob=-0.5) for t in committed)
-            if item.HasField("logprobs")
+            if item.top_logprobs is not None
             else ()
         )
         return Verdict(
@@ -240,9 +238,7 @@ class FakeDraft(_Scripted):
         """Lose the session (a restart): the next partial resend is refused with FailedPrecondition."""
         self.history.pop(session_id, None)
 
-    async def propose_one(
-        self, request: draft_pb2.ProposeRequest, *, timeout_s: float | None = None
-    ) -> ProposeReply:
+    async def propose_one(self, request: DraftCall, *, timeout_s: float | None = None) -> Proposal:
         self.calls.append([_propose_call(request)])
         self._maybe_fail()
         refusal = self._refusal()
@@ -251,23 +247,23 @@ class FakeDraft(_Scripted):
         return self._propose(request)
 
     async def propose_batch(
-        self, requests: Sequence[draft_pb2.ProposeRequest], *, timeout_s: float | None = None
+        self, requests: Sequence[DraftCall], *, timeout_s: float | None = None
     ) -> ProposeBatchReply:
         self.calls.append([_propose_call(r) for r in requests])
         self._maybe_fail()
-        results = []
+        results: list[Proposal | errors.SpecServeError] = []
         for request in requests:
             refusal = self._refusal()
             if refusal is None:
                 try:
-                    results.append(ProposeItemReply(self._propose(request), None))
+                    results.append(self._propose(request))
                     continue
                 except errors.SpecServeError as exc:
                     refusal = exc
-            results.append(ProposeItemReply(None, refusal))
+            results.append(refusal)
         return ProposeBatchReply(results=tuple(results), draft_ns=1_000)
 
-    def _propose(self, request: draft_pb2.ProposeRequest) -> ProposeReply:
+    def _propose(self, request: DraftCall) -> Proposal:
         sid = request.base.session_id
         known = self.history.get(sid, [])
         if request.start_position > len(known):
@@ -279,10 +275,10 @@ class FakeDraft(_Scripted):
         proposal = []
         for _ in range(request.gamma):
             proposal.append(self.model(tokens + proposal))
-        return ProposeReply(common_pb2.Proposal(token_ids=proposal), draft_ns=1_000, prefill_tokens=0)
+        return Proposal(tuple(proposal), draft_ns=1_000)
 
 
-def _propose_call(request: draft_pb2.ProposeRequest) -> tuple[str, int, int]:
+def _propose_call(request: DraftCall) -> tuple[str, int, int]:
     return (request.base.session_id, request.start_position, request.gamma)
 
 
@@ -357,6 +353,44 @@ async def new_session(
     return Session(sid, prompt, sampling, stop, speculation, top_logprobs=top_logprobs)
 
 
-def item_for(session: Session, proposal: Sequence[int] = ()) -> target_pb2.VerifyItem:
+def item_for(session: Session, proposal: Sequence[int] = (), **fields) -> VerifyRequest:
     """The Verify item of the session's next round, proposing ``proposal``."""
-    return target_pb2.VerifyItem(base=session.base.to_pb(), proposal=common_pb2.Proposal(token_ids=proposal))
+    return VerifyRequest(session.base, Proposal(tuple(proposal)), **fields)
+
+
+def speculator_for(
+    session: Session,
+    *,
+    pool=None,
+    policy: SpeculationPolicy | None = None,
+    max_gamma: int = 8,
+    memory: AcceptanceMemory | None = None,
+    prediction: Sequence[int] | None = None,
+    **settings,
+) -> Speculator:
+    """``session``'s speculator, built as the coordinator builds it (``prediction``: the request's; ``settings``:
+    ``CoordinatorSettings`` fields, e.g. ``decode_steps``, ``overlap``, ``opt_in_sources``)."""
+    request = GenerationRequest(
+        tuple(session.token_ids[: session.prompt_len]),
+        session.sampling,
+        session.stop,
+        session.speculation,
+        top_logprobs=session.top_logprobs,
+        prediction_token_ids=tuple(prediction) if prediction else None,
+    )
+    settings.setdefault("decode_steps", 1)  # one target step per call unless a test asks for more
+    config = CoordinatorSettings(host="127.0.0.1", target_endpoints=["fake-target:1"], **settings)
+    return Speculator.build(
+        session,
+        request,
+        fleet=pool,
+        settings=config,
+        policy=policy or FixedGamma(0),
+        max_gamma=max_gamma,
+        memory=memory,
+    )
+
+
+def round_loop(session: Session, *, pool, store, **speculation) -> RoundLoop:
+    """A real ``RoundLoop`` for ``session`` (``speculation``: :func:`speculator_for`'s arguments)."""
+    return RoundLoop(session, speculator_for(session, pool=pool, **speculation), pool=pool, store=store)

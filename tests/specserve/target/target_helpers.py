@@ -14,7 +14,7 @@ from specserve.core.sampling import logits_to_probs
 from specserve.engine.kvcache import SessionCacheStore
 from specserve.engine.models import LoadedModel
 from specserve.runtime.store import SessionRecord, SessionStore
-from specserve.target.messages import ItemResult, VerifyBatch, VerifyItem
+from specserve.target.messages import ItemResult, ItemToVerify, VerifyBatch
 from specserve.target.verifier import Verifier
 
 ATOL = 1e-4
@@ -50,9 +50,9 @@ def item(
     probs: torch.Tensor | None = None,
     *,
     top_logprobs: int | None = None,
-) -> VerifyItem:
+) -> ItemToVerify:
     base = SessionBase(record.session_id, record.committed_len, record.version)
-    return VerifyItem(
+    return ItemToVerify(
         base=base, proposal=DraftProposal(token_ids=tuple(tokens), probs=probs), top_logprobs=top_logprobs
     )
 

@@ -14,11 +14,11 @@ while a call is in flight the next rounds queue up and join the following
 batch, which is what batches sessions under load without any waiting when the
 replica is idle and alone.
 
-An item submitted ``alone`` goes in a call of its own at once, beside the batched
-calls and outside ``max_in_flight``: the pool sends so a constrained session's
-first item to a replica that has not seen its constraint (the replica compiles it
-first, which may take seconds; only that call waits for it, not the sessions that
-would have shared its batch, nor the batches queued behind it).
+An item under a constraint the replica has not answered for lately
+(:class:`ConstraintSightings`) goes in a call of its own at once, beside the batched
+calls and outside ``max_in_flight``: the replica compiles the constraint first, which
+may take seconds, and only that call waits for it, not the sessions that would have
+shared its batch, nor the batches queued behind it.
 
 A failure of the whole call (replica down, deadline) is set on every future of
 that batch; per-item errors (a stale version, a draft missing tokens) arrive in
@@ -37,6 +37,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -45,17 +46,17 @@ from typing import Any, Generic, TypeVar
 
 import structlog
 
-from specserve.coordinator.worker_clients import (
+from specserve.api.errors import SpecServeError
+from specserve.coordinator.fleet.clients import (
+    DraftCall,
     DraftClient,
-    ItemReply,
     ProposeBatchReply,
-    ProposeItemReply,
     TargetClient,
     VerifyReply,
 )
+from specserve.coordinator.messages import CallCost, Proposal, Verified, VerifyRequest
 from specserve.runtime import metrics
 from specserve.runtime.interceptors import clean_request_ids, current_request_id
-from specserve.v1 import draft_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -94,31 +95,12 @@ class ConstraintSightings:
 
 
 @dataclass(frozen=True)
-class BatchedResult:
-    """A Verify item's result and what its batch cost."""
-
-    item: ItemReply
-    queue_ns: int  # submit -> the call was sent
-    call_ns: int  # the call's wall-clock time as this coordinator saw it
-    verify_ns: int  # the target's own account of the call
-    batch_size: int
-    positions_processed: int
-    forward_ns: int = 0  # the target's forward passes in the call (VerifyResponse.forward_ns)
-    draft_tokens: int = 0  # draft distributions the whole call carried
-    reports_call: bool = False  # the one result of its call that reports the call's cost
-    decode_steps: int = 1  # most target steps an item of the call asked for (VerifyItem.decode_steps)
-
-
-@dataclass(frozen=True)
 class BatchedProposal:
-    """A Propose item's result and what its batch cost."""
+    """A ProposeBatch item's outcome (its proposal, or the error that kept it from being drafted) and its call's cost."""
 
-    item: ProposeItemReply
-    queue_ns: int  # submit -> the call was sent
-    call_ns: int  # the call's wall-clock time as this coordinator saw it
-    draft_ns: int  # the draft's own account of the whole call
-    batch_size: int
-    reports_call: bool = False  # the one result of its call that reports the call's cost
+    proposal: Proposal | None
+    error: SpecServeError | None
+    cost: CallCost
 
 
 @dataclass
@@ -159,6 +141,8 @@ class Batcher(abc.ABC, Generic[ItemT, ResultT]):
         self._calls: set[asyncio.Task[None]] = set()
         self._closed = False
         self._depth = depth  # a gauge (labelled child) of the items waiting, or None
+        #: The constraints this replica answered for lately: an item under another one goes ``alone``.
+        self.sightings = ConstraintSightings()
         self._task = asyncio.create_task(self._run(), name=f"{type(self).__name__}-{endpoint}")
         self.in_flight_items = 0
         #: Items sent and calls made, for the load estimate and tests.
@@ -173,11 +157,22 @@ class Batcher(abc.ABC, Generic[ItemT, ResultT]):
     def in_flight(self) -> int:
         return len(self._calls)
 
-    async def submit(self, item: ItemT, *, alone: bool = False) -> ResultT:
+    async def submit(self, item: ItemT, *, constraint: Any | None = None) -> ResultT:
         """Queue ``item``; resolves when its batch returns (raises when the whole call failed).
 
-        ``alone``: send it now in a call of its own, which takes no ``max_in_flight`` slot (see the
-        module docstring)."""
+        ``constraint``: the item's; while this replica has not answered for it lately the item goes alone, now,
+        in a call that takes no ``max_in_flight`` slot (see the module docstring)."""
+        alone = self.sightings.new_to(self.endpoint, constraint)
+        result = await self._submit(item, alone=alone)
+        if self._answered(result):
+            self.sightings.answered(self.endpoint, constraint)
+        return result
+
+    def _answered(self, result: ResultT) -> bool:
+        """Whether the replica answered for the item (its constraint is compiled there now)."""
+        return True
+
+    async def _submit(self, item: ItemT, *, alone: bool) -> ResultT:
         if self._closed:
             raise RuntimeError("the batcher is closed")
         future: asyncio.Future[ResultT] = asyncio.get_running_loop().create_future()
@@ -299,7 +294,7 @@ class Batcher(abc.ABC, Generic[ItemT, ResultT]):
         self._set_depth()
 
 
-class VerifyBatcher(Batcher[target_pb2.VerifyItem, BatchedResult]):
+class VerifyBatcher(Batcher[VerifyRequest, Verified]):
     """Batches Verify items for one target replica.
 
     ``on_call``: optional hook, called once per successful call with batch_size,
@@ -328,10 +323,10 @@ class VerifyBatcher(Batcher[target_pb2.VerifyItem, BatchedResult]):
             depth=metrics.VERIFY_QUEUE_DEPTH.labels(target=client.endpoint),
         )
 
-    async def _send(self, items: list[target_pb2.VerifyItem]) -> VerifyReply:
+    async def _send(self, items: list[VerifyRequest]) -> VerifyReply:
         return await self.client.verify(items)
 
-    def _split(self, batch, reply: VerifyReply, sent_ns: int, call_ns: int) -> list[BatchedResult]:
+    def _split(self, batch, reply: VerifyReply, sent_ns: int, call_ns: int) -> list[Verified]:
         tokens = sum(len(p.item.proposal.distributions) for p in batch)
         if self._on_call is not None:
             try:
@@ -344,27 +339,28 @@ class VerifyBatcher(Batcher[target_pb2.VerifyItem, BatchedResult]):
                 )
             except Exception:  # statistics must never fail a batch
                 log.exception("batch_observer_failed")
-        live = [not p.future.done() for p in batch]
-        first = live.index(True) if any(live) else -1
+        first = _first_live(batch)
         steps = max(max(p.item.decode_steps, 1) for p in batch)
         return [
-            BatchedResult(
-                item=result,
-                queue_ns=sent_ns - p.submitted_ns,
-                call_ns=call_ns,
-                verify_ns=reply.verify_ns,
-                forward_ns=reply.forward_ns,
-                batch_size=len(batch),
-                positions_processed=reply.positions_processed,
-                draft_tokens=tokens,
-                reports_call=i == first,
-                decode_steps=steps,
+            dataclasses.replace(
+                result,
+                cost=CallCost(
+                    queue_ns=sent_ns - p.submitted_ns,
+                    call_ns=call_ns,
+                    verify_ns=reply.verify_ns,
+                    forward_ns=reply.forward_ns,
+                    batch_size=len(batch),
+                    positions_processed=reply.positions_processed,
+                    draft_tokens=tokens,
+                    reports_call=i == first,
+                    decode_steps=steps,
+                ),
             )
             for i, (p, result) in enumerate(zip(batch, reply.results, strict=True))
         ]
 
 
-class ProposeBatcher(Batcher[draft_pb2.ProposeRequest, BatchedProposal]):
+class ProposeBatcher(Batcher[DraftCall, BatchedProposal]):
     """Batches Propose requests for one draft replica into ``ProposeBatch`` calls, each carrying at most
     ``max_feature_bytes`` of the target's features (its items together; an item alone may carry that much:
     the relay sends no more per item)."""
@@ -389,26 +385,32 @@ class ProposeBatcher(Batcher[draft_pb2.ProposeRequest, BatchedProposal]):
             depth=metrics.PROPOSE_QUEUE_DEPTH.labels(draft=client.endpoint),
         )
 
+    def _answered(self, result: BatchedProposal) -> bool:
+        return result.error is None
+
     def _bytes_limit(self) -> int | None:
         return self.max_feature_bytes
 
-    def _item_bytes(self, item: draft_pb2.ProposeRequest) -> int:
-        return len(item.features.float16_le)
+    def _item_bytes(self, item: DraftCall) -> int:
+        return 0 if item.features is None else len(item.features.data)
 
-    async def _send(self, items: list[draft_pb2.ProposeRequest]) -> ProposeBatchReply:
+    async def _send(self, items: list[DraftCall]) -> ProposeBatchReply:
         return await self.client.propose_batch(items)
 
     def _split(self, batch, reply: ProposeBatchReply, sent_ns: int, call_ns: int) -> list[BatchedProposal]:
-        live = [not p.future.done() for p in batch]
-        first = live.index(True) if any(live) else -1
-        return [
-            BatchedProposal(
-                item=result,
-                queue_ns=sent_ns - p.submitted_ns,
-                call_ns=call_ns,
-                draft_ns=reply.draft_ns,
-                batch_size=len(batch),
-                reports_call=i == first,
-            )
-            for i, (p, result) in enumerate(zip(batch, reply.results, strict=True))
-        ]
+        first = _first_live(batch)
+        if first >= 0:
+            metrics.PROPOSE_BATCH_SIZE.observe(len(batch))
+        out = []
+        for i, (p, result) in enumerate(zip(batch, reply.results, strict=True)):
+            cost = CallCost(queue_ns=sent_ns - p.submitted_ns, call_ns=call_ns, batch_size=len(batch), reports_call=i == first)
+            if isinstance(result, SpecServeError):
+                out.append(BatchedProposal(None, result, cost))
+            else:
+                out.append(BatchedProposal(dataclasses.replace(result, queue_ns=cost.queue_ns), None, cost))
+        return out
+
+
+def _first_live(batch: list[_Pending]) -> int:
+    """The index of the first item whose caller still waits (-1: none): its result reports the call."""
+    return next((i for i, p in enumerate(batch) if not p.future.done()), -1)

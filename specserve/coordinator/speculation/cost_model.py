@@ -354,7 +354,7 @@ class CostModel:
     * ``observe_rtt(ns=call wall time - server-reported time, tokens=draft distributions in the message)``
       for both Propose and Verify calls (for a Verify batch, ``tokens`` per item on average).
     * ``observe_queue(drafted=the proposal came from a Propose call, batch_size=items in the call,
-      ns=BatchedResult.queue_ns)`` for every round's Verify item.
+      ns=CallCost.queue_ns)`` for every round's Verify item.
     * ``observe_call_overhead(ns=VerifyResponse.verify_ns, forward_ns=VerifyResponse.forward_ns)``: the
       part of a Verify call spent outside the target's passes (reading the session, deciding, committing),
       which a call of several target steps pays once.
@@ -404,7 +404,7 @@ class CostModel:
         self._rtt.add((1.0, float(tokens)), float(max(ns, 0)))
 
     def observe_queue(self, *, drafted: bool, batch_size: int, ns: int) -> None:
-        """One round's wait in the Verify batcher (``BatchedResult.queue_ns``), in a call of ``batch_size``
+        """One round's wait in the Verify batcher (``CallCost.queue_ns``), in a call of ``batch_size``
         items; ``drafted``: the round's proposal came from a Propose call."""
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")

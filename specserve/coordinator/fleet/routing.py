@@ -1,4 +1,4 @@
-"""Where a session's work goes: consistent hashing over replicas, failure marking, back-off.
+"""Where a session's work goes: consistent hashing over replicas, bounded load, each replica behind its breaker.
 
 Sessions are sticky to a target replica (their KV cache lives there) and, for
 the same reason, to a draft replica. :class:`HashRing` maps a key to an
@@ -18,7 +18,8 @@ replica. Coordinators agree without talking: the ring is a function of the
 endpoints and the key alone; only the load bound reads local counts. A replica marked down stays skipped for a
 back-off period, after which it is tried again; the back-off doubles on each
 consecutive failure up to a cap (a simple circuit breaker). Removing one of n
-replicas moves only the sessions that lived on it (consistent hashing).
+replicas moves only the sessions that lived on it (consistent hashing). :class:`Routes` keeps each
+session's orders (a :class:`Route`), fixed when it first asks.
 
 Clock-injectable and free of I/O, so it is tested without servers.
 """
@@ -28,13 +29,11 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import structlog
-
-log = structlog.get_logger(__name__)
+from specserve.coordinator.fleet.breakers import Breakers
 
 
 def _hash(key: str) -> int:
@@ -77,62 +76,24 @@ class HashRing:
         return order
 
 
-@dataclass
-class _Health:
-    failures: int = 0
-    down_until: float = 0.0
+class ReplicaSet(Breakers):
+    """The endpoints of one tier in the order a key tries them, each behind its breaker
+    (:class:`~specserve.coordinator.fleet.breakers.Breakers`)."""
 
-
-class ReplicaSet:
-    """Endpoints of one tier with per-endpoint circuit breakers.
-
-    ``choose(key)`` is the first healthy endpoint of ``key``'s preference list,
-    or None when all are backing off. ``mark_failed`` opens an endpoint's
-    breaker for ``base_backoff_s * 2**(failures-1)`` (capped at ``max_backoff_s``);
-    ``mark_ok`` closes it.
-    """
-
-    def __init__(
-        self,
-        endpoints: Sequence[str],
-        *,
-        base_backoff_s: float = 1.0,
-        max_backoff_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-        name: str = "replica",
-    ) -> None:
-        if base_backoff_s <= 0 or max_backoff_s < base_backoff_s:
-            raise ValueError("need 0 < base_backoff_s <= max_backoff_s")
-        self.name = name
+    def __init__(self, endpoints: Sequence[str], **breakers: Any) -> None:
+        """``breakers``: the :class:`Breakers` settings (``base_backoff_s``, ``max_backoff_s``, ``clock``, ``name``)."""
+        super().__init__(endpoints, **breakers)
         self._ring = HashRing(endpoints) if endpoints else None
-        self._health = {ep: _Health() for ep in endpoints}
-        self._base = base_backoff_s
-        self._max = max_backoff_s
-        self._clock = clock
 
     @property
     def endpoints(self) -> tuple[str, ...]:
         return self._ring.endpoints if self._ring else ()
-
-    def is_up(self, endpoint: str) -> bool:
-        return self._health[endpoint].down_until <= self._clock()
-
-    def failures(self, endpoint: str) -> int:
-        """Consecutive failures of ``endpoint`` since it last answered."""
-        return self._health[endpoint].failures
 
     def choose(self, key: str) -> str | None:
         """The first endpoint of ``key``'s preference list that is not backing off."""
         if self._ring is None:
             return None
         return self.first_up(self._ring.preference(key))
-
-    def first_up(self, order: Sequence[str]) -> str | None:
-        """The first endpoint of ``order`` that is not backing off."""
-        for ep in order:
-            if self.is_up(ep):
-                return ep
-        return None
 
     def order(self, key: str, loads: Mapping[str, int], *, factor: float, slack: int = 0) -> tuple[str, ...]:
         """``key``'s preference list with the first endpoint that is up and under the load bound moved to
@@ -148,20 +109,54 @@ class ReplicaSet:
         home = next((ep for ep in up if loads.get(ep, 0) < bound), up[0])
         return (home, *(ep for ep in preference if ep != home))
 
-    def mark_failed(self, endpoint: str) -> float:
-        """Open ``endpoint``'s breaker; returns the back-off in seconds."""
-        health = self._health[endpoint]
-        health.failures += 1
-        backoff = min(self._max, self._base * 2 ** (health.failures - 1))
-        health.down_until = self._clock() + backoff
-        log.warning(
-            f"{self.name}_marked_down", endpoint=endpoint, backoff_s=backoff, failures=health.failures
-        )
-        return backoff
 
-    def mark_ok(self, endpoint: str) -> None:
-        health = self._health[endpoint]
-        if health.failures:
-            log.info(f"{self.name}_recovered", endpoint=endpoint)
-        health.failures = 0
-        health.down_until = 0.0
+@dataclass
+class Route:
+    """One session's replica orders (the first of each: its home), fixed when it first asks."""
+
+    targets: tuple[str, ...]
+    drafts: tuple[str, ...]
+    homed: bool = True  # counted in the load of its homes
+
+
+class Routes:
+    """Every session's :class:`Route`, and how many sessions each replica is home to (the load routing bounds)."""
+
+    def __init__(self, targets: ReplicaSet, drafts: ReplicaSet, *, prefix_tokens: int, factor: float, slack: int) -> None:
+        self.targets, self.drafts = targets, drafts
+        self.prefix_tokens, self.factor, self.slack = prefix_tokens, factor, slack
+        self._routes: dict[str, Route] = {}
+        self._homes: dict[str, int] = dict.fromkeys([*targets.endpoints, *drafts.endpoints], 0)
+
+    def route(self, session_id: str, prompt: Sequence[int], scope: bytes) -> Route:
+        """The session's route: on first use the replicas its prompt's first tokens hash to within its cache
+        ``scope`` (its id where ``prefix_tokens`` is 0), load bounded."""
+        route = self._routes.get(session_id)
+        if route is None:
+            key = prefix_key(prompt, self.prefix_tokens, scope) or session_id
+            route = Route(
+                self.targets.order(key, self._homes, factor=self.factor, slack=self.slack),
+                self.drafts.order(key, self._homes, factor=self.factor, slack=self.slack),
+            )
+            self._count(route, +1)
+            self._routes[session_id] = route
+        return route
+
+    def get(self, session_id: str) -> Route | None:
+        return self._routes.get(session_id)
+
+    def leave(self, session_id: str) -> None:
+        """The session starts no more rounds: it stops counting in its homes' load (its route stays)."""
+        route = self._routes.get(session_id)
+        if route is not None and route.homed:
+            route.homed = False
+            self._count(route, -1)
+
+    def drop(self, session_id: str) -> None:
+        self.leave(session_id)
+        self._routes.pop(session_id, None)
+
+    def _count(self, route: Route, step: int) -> None:
+        for order in (route.targets, route.drafts):
+            if order:
+                self._homes[order[0]] += step

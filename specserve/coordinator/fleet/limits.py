@@ -20,10 +20,10 @@ from typing import Any
 import structlog
 
 from specserve.api import errors
-from specserve.coordinator.worker_clients import WorkerClients, WorkerInfo
+from specserve.api.params import PROPOSER_KINDS
+from specserve.coordinator.fleet.clients import WorkerClients, WorkerInfo
 from specserve.engine.models import check_same_vocabulary
 from specserve.runtime.config import CoordinatorSettings
-from specserve.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -92,7 +92,7 @@ async def probe_limits(settings: CoordinatorSettings, clients: WorkerClients, to
         context_tokens=min(contexts) if contexts else None,
         verify_curve_ns=median_curve([i.verify_curve_ns for i in targets.values()]),
         feature_head=bool(drafts)
-        and all(common_pb2.PROPOSER_KIND_FEATURE in i.proposers for i in drafts.values()),
+        and all(PROPOSER_KINDS["feature"] in i.proposers for i in drafts.values()),
     )
 
 

@@ -3,9 +3,9 @@
 The objective is wall-clock cost per committed token under the real workload
 (docs/design.md, "Cost and policy"), not acceptance. Three pieces:
 
-* :class:`~specserve.coordinator.cost_model.CostModel` (one per coordinator): what a round
+* :class:`~specserve.coordinator.speculation.cost_model.CostModel` (one per coordinator): what a round
   costs, learnt online from call timings;
-* :class:`~specserve.coordinator.acceptance.AcceptanceTracker` (one per session): how
+* :class:`~specserve.coordinator.speculation.acceptance.AcceptanceTracker` (one per session): how
   many tokens a round commits, learnt online from the session's verdicts, per
   draft position;
 * :class:`SpeculationPolicy` (one per coordinator, or per request for a fixed
@@ -14,12 +14,12 @@ The objective is wall-clock cost per committed token under the real workload
 How the coordinator drives them, each round of each session::
 
     load = pool.load()   # LoadSnapshot(active_sessions=..., batch_occupancy=..., verify_queue_depth=...)
-    local = pool.drafts_locally(session)   # the next proposal comes from the coordinator: no draft cost
-    gamma = min(policy.choose_gamma(session.acceptance, load, local_draft=local), tokens_left - 1, server_max_gamma)
-    pool.propose(...)  # the pool: cost_model.observe_draft(...), cost_model.observe_rtt(...)
-    pool.verify(...)   # the pool, once per call: cost_model.observe_verify(...), cost_model.observe_rtt(...);
+    local = ...          # the next proposal comes from the coordinator (Speculator._local): no draft cost
+    gamma = min(policy.choose_gamma(tracker, load, local_draft=local), tokens_left - 1, server_max_gamma)
+    pool.propose(...)  # the fleet: cost_model.observe_draft(...), cost_model.observe_rtt(...)
+    pool.verify(...)   # the fleet, once per call: cost_model.observe_verify(...), cost_model.observe_rtt(...);
                        # once per item: cost_model.observe_queue(...) (its wait in the batcher, drafted or not)
-    session.acceptance.observe(proposed=gamma, accepted=verdict.accepted)   # also when gamma == 0
+    tracker.observe(proposed=gamma, accepted=verdict.accepted)   # also when gamma == 0
 
 Terms: a round with ``gamma`` proposals feeds ``gamma + 1`` positions to the
 target and commits ``accepted + 1`` tokens (the accepted prefix, then the
@@ -35,8 +35,13 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.coordinator.acceptance import AcceptanceTracker
-from specserve.coordinator.cost_model import CostModel, CostPrior, expected_tokens_iid, predicted_speedup
+from specserve.coordinator.speculation.acceptance import AcceptanceTracker
+from specserve.coordinator.speculation.cost_model import (
+    CostModel,
+    CostPrior,
+    expected_tokens_iid,
+    predicted_speedup,
+)
 
 __all__ = [
     "GAMMA_LADDER",
@@ -174,7 +179,7 @@ class AdaptiveGamma(SpeculationPolicy):
       ``initial_gamma`` (just ``initial_gamma`` while the cost model has no data),
       then climbs one rung per round at most. A session whose tracker starts
       from other sessions' acceptance (``warm_start``: the coordinator's
-      :class:`~specserve.coordinator.acceptance.AcceptanceMemory` for its proposer and
+      :class:`~specserve.coordinator.speculation.acceptance.AcceptanceMemory` for its proposer and
       sampling) starts at the best rung of the whole ladder for that estimate.
     * **Probing out of 0**: a session at gamma = 0 learns nothing about
       acceptance (its tracker neither learns nor forgets on such rounds), so after
@@ -189,7 +194,7 @@ class AdaptiveGamma(SpeculationPolicy):
       (every row gets a second column), so under load probing costs no larger
       a share of the target's time than it does for one session alone. Sessions
       warm-started under one key share this clock
-      (:class:`~specserve.coordinator.acceptance.ProbeClock`): the rounds at 0 of all of
+      (:class:`~specserve.coordinator.speculation.acceptance.ProbeClock`): the rounds at 0 of all of
       them count towards one probe, whose outcome feeds the pooled acceptance
       they all start from. (Sessions of a proposer in the coordinator, whose
       acceptance belongs to the text rather than the pair, start cold and
@@ -300,7 +305,7 @@ class AdaptiveGamma(SpeculationPolicy):
     ) -> dict[int, float]:
         """``score(g)`` (expected committed tokens per ns) for every rung of the ladder (``local_draft``,
         ``zero_steps``: as :meth:`SpeculationPolicy.choose_gamma`)."""
-        if zero_steps is None:  # a session drafting locally keeps one step per round (specserve/coordinator/sources.py)
+        if zero_steps is None:  # a session drafting locally keeps one step per round (Speculator._steps)
             zero_steps = 1 if local_draft else self.decode_steps
         cm = self.cost_model
         b = self.batch_size(load)

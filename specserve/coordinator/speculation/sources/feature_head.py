@@ -1,4 +1,5 @@
-"""A session's relay of the target's features to its draft replica (docs/design.md, "The feature head").
+"""The feature head: a draft layer that reads the target's own features, which this source relays from the
+target's verdicts to the session's draft replica (docs/design.md, "The feature head").
 
 The coordinator never decodes features: it keeps the bytes the target's
 verdicts bring (:class:`~specserve.core.features.FeatureBlock`), asks the target
@@ -36,9 +37,14 @@ yet, in bounded messages.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
+from specserve.api.params import PROPOSER_KINDS
+from specserve.coordinator.messages import NO_PROPOSAL, FeatureAsk, Proposal, Verified, VerifyRequest
+from specserve.coordinator.session import Session
+from specserve.coordinator.speculation.source import Fleet, Source, SourceSetup
 from specserve.core.features import VALUE_BYTES, FeatureBlock
+from specserve.runtime import metrics
 
 #: Rows kept beyond those not yet sent, per session: the context a new draft replica is rebuilt from.
 DEFAULT_WINDOW = 256
@@ -46,13 +52,41 @@ DEFAULT_WINDOW = 256
 DEFAULT_MAX_BYTES = 2 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class FeatureAsk:
-    """What a Verify item asks the target for (``VerifyItem.features_*``)."""
+class FeatureHead(Source):
+    """The feature head through a draft call, with the session's :class:`FeatureRelay`. Until the relay holds
+    features (the target's prefill brings the first) the head has nothing to draft from."""
 
-    start: int  # features_from
-    uncached: bool  # features_from_uncached: from where the target's prefix-cache hit ends, when later
-    max_bytes: int  # features_max_bytes
+    name = "feature"
+    free = False
+
+    def __init__(self, session: Session, fleet: Fleet, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        super().__init__()
+        self.session = session
+        self.fleet = fleet
+        self.relay = FeatureRelay(max_bytes=max_bytes)
+
+    @classmethod
+    def build(cls, setup: SourceSetup) -> Source | None:
+        if setup.request.speculation.proposer != PROPOSER_KINDS["feature"]:
+            return None
+        return cls(setup.session, setup.fleet, max_bytes=setup.settings.features_per_session_bytes)
+
+    def ready(self) -> bool:
+        return self.relay.ready(self.session.committed_len)
+
+    async def propose(self, gamma: int) -> Proposal:
+        if not self.ready():
+            return NO_PROPOSAL
+        return await self.fleet.propose(self.session, gamma, features=self.relay)
+
+    def ask(self, request: VerifyRequest) -> VerifyRequest:
+        """Every Verify item asks the target for the features the head will need (the relay's :meth:`~FeatureRelay.ask`)."""
+        return replace(request, features=self.relay.ask())
+
+    def verified(self, verified: Verified) -> None:
+        if verified.features is not None:
+            metrics.FEATURE_BYTES.labels(hop="from_target").inc(len(verified.features.data))
+            self.relay.add(verified.features)
 
 
 class FeatureRelay:
@@ -111,6 +145,7 @@ class FeatureRelay:
 
     def sent(self, endpoint: str, block: FeatureBlock) -> None:
         """The replica at ``endpoint`` took ``block`` (its Propose succeeded)."""
+        metrics.FEATURE_BYTES.labels(hop="to_draft").inc(len(block.data))
         self.endpoint = endpoint
         self.sent_upto = block.stop
         self._reset = False

@@ -1,4 +1,7 @@
-"""Async gRPC clients of the draft and target workers, with deadlines and error translation.
+"""Async gRPC clients of the draft and target workers: the coordinator's one module that reads and writes the wire.
+
+A round's messages (:mod:`specserve.coordinator.messages`) and a :class:`DraftCall` become protobufs here and
+come back as the same domain types.
 
 Each call carries a deadline (``settings.draft_timeout_s`` for Propose,
 ``settings.rpc_timeout_s`` for the rest) and a failed call becomes one of
@@ -15,13 +18,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 
 from specserve.api import errors
 from specserve.api.params import SamplingParams, SessionBase, Verdict
 from specserve.api.status import item_error, worker_error_from_rpc
+from specserve.coordinator.messages import Proposal, Verified, VerifyRequest
 from specserve.core.features import FeatureBlock
 from specserve.engine.models import ModelInfo
 from specserve.runtime.config import CoordinatorSettings
@@ -62,64 +66,104 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
-class ProposeReply:
-    """A draft's answer: the proposal (passed through to Verify undecoded) and what it cost."""
+class DraftCall:
+    """One session's request for a proposal (sent alone or as an item of a ProposeBatch call)."""
 
-    proposal: common_pb2.Proposal
-    draft_ns: int  # the draft's own account of the call
-    prefill_tokens: int  # committed tokens it fed to catch up before drafting
-    queue_ns: int = 0  # waiting in the coordinator for its ProposeBatch call to leave
-    #: The feature head lacks the target's features from this position on (nothing drafted); None: none lacking.
-    features_needed_from: int | None = None
-
-
-@dataclass(frozen=True)
-class ProposeItemReply:
-    """One ProposeBatch item's outcome: a proposal, or the error that kept it from being drafted."""
-
-    reply: ProposeReply | None
-    error: errors.SpecServeError | None
+    base: SessionBase
+    start_position: int  # ``token_ids`` are the committed tokens from here on
+    token_ids: Sequence[int]
+    sampling: SamplingParams
+    gamma: int
+    proposer: int  # a ProposerKind (specserve.api.params.PROPOSER_KINDS)
+    draft_top_k: int = 0
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    min_confidence: float = 0.0
+    stop_tokens_from: int = 0
+    prompt_len: int = 0
+    cache_scope: bytes = b""
+    features: FeatureBlock | None = None  # the target's features the feature head lacks
+    features_reset: bool = False  # they replace the head's context instead of continuing it
 
 
 @dataclass(frozen=True)
 class ProposeBatchReply:
-    results: tuple[ProposeItemReply, ...]
+    results: tuple[Proposal | errors.SpecServeError, ...]  # per item: its proposal, or its own error
     draft_ns: int  # the draft's own account of the whole call
 
 
 @dataclass(frozen=True)
-class ItemReply:
-    """One Verify item's outcome: a verdict (maybe replayed) or the error that kept it uncommitted."""
-
-    session_id: str
-    verdict: Verdict | None
-    replayed: bool
-    error: errors.SpecServeError | None
-    #: The target's features the item asked for (``VerifyItem.features_from``), undecoded; None: none sent.
-    features: FeatureBlock | None = None
-    #: Committed tokens the target took from its prefix cache in this call (``VerifyResult.cached_tokens``).
-    cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
 class VerifyReply:
-    results: tuple[ItemReply, ...]
+    results: tuple[Verified, ...]  # per item (what the call cost is the batcher's to add)
     verify_ns: int
     forward_ns: int
     positions_processed: int
 
 
-def item_reply_from_pb(pb: target_pb2.VerifyResult) -> ItemReply:
+def _verify_item(request: VerifyRequest) -> target_pb2.VerifyItem:
+    proposal = request.proposal
+    item = target_pb2.VerifyItem(
+        base=request.base.to_pb(),
+        proposal=common_pb2.Proposal(token_ids=proposal.token_ids, distributions=proposal.distributions),
+        decode_steps=request.decode_steps,
+        cache_scope=request.cache_scope,
+    )
+    if request.top_logprobs is not None:
+        item.logprobs.CopyFrom(common_pb2.LogprobsParams(top_logprobs=request.top_logprobs))
+    if request.features is not None:
+        item.features_from = request.features.start
+        item.features_from_uncached = request.features.uncached
+        item.features_max_bytes = request.features.max_bytes
+    return item
+
+
+def _verified(request: VerifyRequest, pb: target_pb2.VerifyResult) -> Verified:
     if pb.WhichOneof("outcome") == "verdict":
         features = FeatureBlock.from_pb(pb.features) if pb.HasField("features") else None
-        return ItemReply(
-            pb.session_id, Verdict.from_pb(pb.verdict), pb.replayed, None, features, pb.cached_tokens
-        )
-    return ItemReply(pb.session_id, None, False, item_error(pb.error.code, pb.error.message))
+        return Verified(request, Verdict.from_pb(pb.verdict), None, pb.replayed, features, pb.cached_tokens)
+    return Verified(request, error=item_error(pb.error.code, pb.error.message))
+
+
+def _propose_request(call: DraftCall) -> draft_pb2.ProposeRequest:
+    request = draft_pb2.ProposeRequest(
+        base=call.base.to_pb(),
+        start_position=call.start_position,
+        token_ids=call.token_ids,
+        sampling=call.sampling.to_pb(),
+        gamma=call.gamma,
+        proposer=call.proposer,
+        draft_top_k=call.draft_top_k,
+        seed=call.sampling.seed,
+        stop_token_ids=call.stop_token_ids,
+        ignore_eos=call.ignore_eos,
+        min_confidence=call.min_confidence,
+        stop_tokens_from=call.stop_tokens_from,
+        prompt_len=call.prompt_len,
+        cache_scope=call.cache_scope,
+    )
+    if call.features is not None:
+        request.features.CopyFrom(call.features.to_pb())
+        request.features_reset = call.features_reset
+    return request
+
+
+def _proposal(pb: draft_pb2.ProposeResponse) -> Proposal:
+    needed = pb.features_needed_from if pb.HasField("features_needed_from") else None
+    return Proposal(
+        tuple(pb.proposal.token_ids),
+        tuple(pb.proposal.distributions),
+        draft_ns=pb.draft_ns,
+        prefill_tokens=pb.prefill_tokens,
+        features_needed_from=needed,
+    )
 
 
 class _WorkerClient:
     """A channel to one worker replica; calls carry deadlines and the request id, errors become domain errors."""
+
+    #: The RPC that drops a session on the worker, and its request message.
+    _release_rpc: ClassVar[str]
+    _release_request: ClassVar[type]
 
     def __init__(self, endpoint: str, settings: CoordinatorSettings, stub_class: type) -> None:
         self.endpoint = endpoint
@@ -143,92 +187,45 @@ class _WorkerClient:
         except grpc.RpcError as exc:
             raise worker_error_from_rpc(exc, self.endpoint) from exc
 
-    async def _release(self, rpc: str, request: Any) -> bool:
-        """Drop a session on the worker; False when the worker did not hold it."""
+    async def release(self, session_id: str) -> bool:
+        """Drop the session's cache on the worker; False when the worker did not hold it."""
         try:
-            await self._call(rpc, request)
+            await self._call(self._release_rpc, self._release_request(session_id=session_id))
         except errors.NotFound:
             return False
         return True
 
 
-def propose_request(
-    base: SessionBase,
-    *,
-    start_position: int,
-    token_ids: Sequence[int],
-    sampling: SamplingParams,
-    gamma: int,
-    proposer: int,
-    draft_top_k: int,
-    stop_token_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
-    min_confidence: float = 0.0,
-    stop_tokens_from: int = 0,
-    prompt_len: int = 0,
-    cache_scope: bytes = b"",
-) -> draft_pb2.ProposeRequest:
-    """The wire request for one session's proposal (sent alone or as an item of a ProposeBatch)."""
-    return draft_pb2.ProposeRequest(
-        base=base.to_pb(),
-        start_position=start_position,
-        token_ids=token_ids,
-        sampling=sampling.to_pb(),
-        gamma=gamma,
-        proposer=proposer,
-        draft_top_k=draft_top_k,
-        seed=sampling.seed,
-        stop_token_ids=stop_token_ids,
-        ignore_eos=ignore_eos,
-        min_confidence=min_confidence,
-        stop_tokens_from=stop_tokens_from,
-        prompt_len=prompt_len,
-        cache_scope=cache_scope,
-    )
-
-
-def _propose_reply(pb: draft_pb2.ProposeResponse) -> ProposeReply:
-    needed = pb.features_needed_from if pb.HasField("features_needed_from") else None
-    return ProposeReply(pb.proposal, pb.draft_ns, pb.prefill_tokens, features_needed_from=needed)
-
-
 class DraftClient(_WorkerClient):
     """One draft replica."""
+
+    _release_rpc = "ReleaseDraftSession"
+    _release_request = draft_pb2.ReleaseDraftSessionRequest
 
     def __init__(self, endpoint: str, settings: CoordinatorSettings) -> None:
         super().__init__(endpoint, settings, draft_pb2_grpc.DraftServiceStub)
         self._propose_timeout = settings.draft_timeout_s
 
-    async def propose_one(
-        self, request: draft_pb2.ProposeRequest, *, timeout_s: float | None = None
-    ) -> ProposeReply:
+    async def propose_one(self, call: DraftCall, *, timeout_s: float | None = None) -> Proposal:
         """One ``Propose`` call; the draft's refusal is raised."""
-        return _propose_reply(await self._call("Propose", request, timeout_s or self._propose_timeout))
+        request = _propose_request(call)
+        return _proposal(await self._call("Propose", request, timeout_s or self._propose_timeout))
 
-    async def propose_batch(
-        self, requests: Sequence[draft_pb2.ProposeRequest], *, timeout_s: float | None = None
-    ) -> ProposeBatchReply:
+    async def propose_batch(self, calls: Sequence[DraftCall], *, timeout_s: float | None = None) -> ProposeBatchReply:
         """One ``ProposeBatch`` call; a failure of the whole call raises, per-item errors come back in results."""
-        reply = await self._call(
-            "ProposeBatch", draft_pb2.ProposeBatchRequest(items=requests), timeout_s or self._propose_timeout
-        )
-        if len(reply.results) != len(requests):
+        request = draft_pb2.ProposeBatchRequest(items=[_propose_request(c) for c in calls])
+        reply = await self._call("ProposeBatch", request, timeout_s or self._propose_timeout)
+        if len(reply.results) != len(calls):
             raise errors.WorkerError(
-                f"{self.endpoint}: ProposeBatch returned {len(reply.results)} results for {len(requests)} items"
+                f"{self.endpoint}: ProposeBatch returned {len(reply.results)} results for {len(calls)} items"
             )
-        results = []
-        for r in reply.results:
-            if r.WhichOneof("outcome") == "proposal":
-                results.append(ProposeItemReply(_propose_reply(r.proposal), None))
-            else:
-                results.append(ProposeItemReply(None, item_error(r.error.code, f"{self.endpoint}: {r.error.message}")))
+        results: list[Proposal | errors.SpecServeError] = [
+            _proposal(r.proposal)
+            if r.WhichOneof("outcome") == "proposal"
+            else item_error(r.error.code, f"{self.endpoint}: {r.error.message}")
+            for r in reply.results
+        ]
         return ProposeBatchReply(results=tuple(results), draft_ns=reply.draft_ns)
-
-    async def release(self, session_id: str) -> bool:
-        """Drop the session's draft cache; False when the draft did not hold it."""
-        return await self._release(
-            "ReleaseDraftSession", draft_pb2.ReleaseDraftSessionRequest(session_id=session_id)
-        )
 
     async def info(self, timeout_s: float | None = None) -> WorkerInfo:
         reply = await self._call("GetDraftInfo", draft_pb2.GetDraftInfoRequest(), timeout_s)
@@ -243,27 +240,24 @@ class DraftClient(_WorkerClient):
 class TargetClient(_WorkerClient):
     """One target replica."""
 
+    _release_rpc = "ReleaseTargetSession"
+    _release_request = target_pb2.ReleaseTargetSessionRequest
+
     def __init__(self, endpoint: str, settings: CoordinatorSettings) -> None:
         super().__init__(endpoint, settings, target_pb2_grpc.TargetServiceStub)
 
-    async def verify(self, items: Sequence[target_pb2.VerifyItem]) -> VerifyReply:
+    async def verify(self, requests: Sequence[VerifyRequest]) -> VerifyReply:
         """One batched Verify call; a failure of the whole call raises, per-item errors come back in results."""
-        reply = await self._call("Verify", target_pb2.VerifyRequest(items=items))
-        if len(reply.results) != len(items):
+        reply = await self._call("Verify", target_pb2.VerifyRequest(items=[_verify_item(r) for r in requests]))
+        if len(reply.results) != len(requests):
             raise errors.WorkerError(
-                f"{self.endpoint}: Verify returned {len(reply.results)} results for {len(items)} items"
+                f"{self.endpoint}: Verify returned {len(reply.results)} results for {len(requests)} items"
             )
         return VerifyReply(
-            results=tuple(item_reply_from_pb(r) for r in reply.results),
+            results=tuple(_verified(q, r) for q, r in zip(requests, reply.results, strict=True)),
             verify_ns=reply.verify_ns,
             forward_ns=reply.forward_ns,
             positions_processed=reply.positions_processed,
-        )
-
-    async def release(self, session_id: str) -> bool:
-        """Drop the session's target cache; False when the target did not hold it."""
-        return await self._release(
-            "ReleaseTargetSession", target_pb2.ReleaseTargetSessionRequest(session_id=session_id)
         )
 
     async def info(self, timeout_s: float | None = None) -> WorkerInfo:
