@@ -17,7 +17,7 @@ from specserve.api.params import SamplingParams
 from specserve.draft.proposers import DraftRequest, ModelProposer
 from specserve.engine import cpu_kernels, kernel_choice
 from specserve.engine.kvcache import SessionCacheStore
-from specserve.engine.models import LoadedModel
+from specserve.engine.models import LoadedModel, vocab_size_of
 from specserve.runtime.config import DraftSettings
 
 
@@ -28,7 +28,10 @@ def time_drafting(model: Any, *, gamma: int = 4, context: int = 64, repeats: int
     caches = SessionCacheStore(model, max_sessions=2, budget_bytes=1 << 30, ttl_s=3600.0, prefix_cache=False)
     proposer = ModelProposer(caches, kernels="onednn")
     packed = model._specserve_packed_weights
-    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    vocab = vocab_size_of(model)
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit:  # a short context: the rounds' catch-up tokens and the proposal must fit in it
+        context = max(1, min(context, int(limit) - gamma - 2 * (repeats + 1) - 1))
     committed = {p: [(7919 * i + 13) % vocab for i in range(context)] for p in kernel_choice.PATHS}
     samples: dict[str, list[float]] = {p: [] for p in kernel_choice.PATHS}
     for rep in range(repeats + 1):
@@ -44,7 +47,7 @@ def time_drafting(model: Any, *, gamma: int = 4, context: int = 64, repeats: int
             start = time.perf_counter_ns()
             drafted = proposer.propose(request)
             elapsed_ms = (time.perf_counter_ns() - start) / 1e6 / gamma
-            committed[path] += [drafted.token_ids[0], 5]  # one accepted and a bonus token: the next catch-up
+            committed[path] += [drafted.token_ids[0], 5 % vocab]  # one accepted and a bonus token: the next catch-up
             if rep:
                 samples[path].append(elapsed_ms)
     model._specserve_packed_weights = None
