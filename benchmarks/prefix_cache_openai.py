@@ -26,7 +26,7 @@ from typing import Any
 
 from openai import OpenAI
 
-from specserve.bench.chat_prompts import heldout_prompts
+from specserve.prompts.chat import heldout_prompts
 
 
 def stream_chat(client: OpenAI, model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
