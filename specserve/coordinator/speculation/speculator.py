@@ -120,10 +120,11 @@ class Speculator:
         for source in self._own:
             if source.ready():
                 assert source.tracker is not None
-                zero_steps = self._steps(0)
-                gamma = self._capped(
-                    self.policy.choose_gamma(source.tracker, load, local_draft=source.free, zero_steps=zero_steps)
+                steps = self._target_steps(0)
+                choice = self.policy.choose_gamma(
+                    source.tracker, load, local_draft=source.free, target_only_steps=steps
                 )
+                gamma = self._capped(choice)
                 if gamma > 0:
                     metrics.GAMMA_CHOSEN.observe(gamma)
                     return Plan(gamma, source)
@@ -140,7 +141,7 @@ class Speculator:
         """Whether the session's next proposal needs no draft call (no model cost: the policy's question)."""
         return all(s.free for s in self._proposers) or any(s.free and s.ready() for s in self._proposers)
 
-    def _steps(self, proposed: int) -> int:
+    def _target_steps(self, proposed: int) -> int:
         """Target steps a round asks for: ``decode_steps`` for a round without a proposal once the first token is
         out (the first round is the prefill: its token goes out alone, as soon as it exists), capped by the
         tokens left, for a session whose proposals need a draft call; 1 otherwise (a free proposal is every
@@ -174,7 +175,7 @@ class Speculator:
         request = VerifyRequest(
             s.base,
             proposal,
-            decode_steps=self._steps(len(proposal.token_ids)),
+            decode_steps=self._target_steps(len(proposal.token_ids)),
             top_logprobs=s.top_logprobs,
             cache_scope=s.cache_scope,
         )
