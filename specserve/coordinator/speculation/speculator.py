@@ -1,13 +1,8 @@
 """One session's speculation: its sources, each round's gamma and drafter, and what each verdict teaches.
 
-:meth:`Speculator.plan` asks the sources with a tracker of their own first, in order (the policy on that tracker;
-the first whose gamma is above 0 drafts the round), then the policy on the session's tracker for its proposers,
-of which the first with tokens drafts. Every gamma is capped by the tokens left and the server's largest gamma.
-:meth:`Speculator.learn` feeds the drafter's tracker (the session's also feeds the acceptance pooled across
-sessions) and, for free, every other tracker with its :meth:`~Source.shadow` against the committed tokens: a
-guess of certain tokens ``x_1..x_k`` has ``x_i`` accepted with the probability that the target's own token there
-is ``x_i``, so its longest prefix equal to the committed tokens is what a round proposing it would have accepted
-(docs/design.md, "Proposal sources").
+:meth:`Speculator.plan` asks the sources with a tracker of their own first, then the policy on the session's
+tracker for its proposers; :meth:`Speculator.propose` takes the drafter's proposal; :meth:`Speculator.learn`
+feeds the drafter's tracker and, for free, every other source's shadow (docs/design.md, "Proposal sources").
 """
 
 from __future__ import annotations
