@@ -429,22 +429,22 @@ class CostModel:
             total += rtt + d * gamma
         return total + self.queue_ns(batch_size, drafted=gamma > 0 and drafted)
 
-    def target_only_token_ns(self, batch_size: int = 1, steps: int = 1) -> float:
-        """Predicted wall time per token of target-only rounds whose Verify call takes ``steps`` target steps
-        (``VerifyItem.decode_steps``): the call's fixed part once per call, the rest of ``round(0)`` once
-        per step.
+    def target_only_token_ns(self, batch_size: int = 1, steps_per_call: int = 1) -> float:
+        """Predicted wall time per token of target-only rounds whose Verify call takes ``steps_per_call``
+        target steps (``VerifyItem.decode_steps``): the call's fixed part once per call, the rest of
+        ``round(0)`` once per step.
 
         The fixed part is what a call pays outside its passes: the round trip, the batcher's wait and the
         Verify's time outside the target's forward passes (:meth:`verify_call_overhead_ns`). The verify
         fit's intercept ``v0`` is not in it: a one-position pass is mostly a fixed cost (the weights are
         read whatever the positions), and every step pays that pass again.
         """
-        if steps < 1:
-            raise ValueError("steps must be >= 1")
+        if steps_per_call < 1:
+            raise ValueError("steps_per_call must be >= 1")
         one = self.round_ns(0, batch_size)
         verify = self.verify_ns(batch_size, batch_size)
         fixed = (one - verify) + min(self.verify_call_overhead_ns(), verify)
-        return fixed / steps + (one - fixed)
+        return fixed / steps_per_call + (one - fixed)
 
     def verify_call_overhead_ns(self) -> float:
         """A Verify call's time outside the target's passes, decayed mean (0 before any call)."""
