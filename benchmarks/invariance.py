@@ -6,7 +6,7 @@ Run (one run, one machine; docs/benchmarks/invariance.md comes from it)::
 
 Copies of the target in this process, for each linear kernel path of
 ``--kernels``: the stock passes (:func:`specserve.engine.models.load_model`,
-transformers' attention) and invariant ones (:func:`specserve.engine.invariant.prepare`):
+transformers' attention) and invariant ones (:func:`specserve.engine.position_invariant.prepare`):
 
 * **pass cost**: one pass over k new positions (k = 1, a decoding step, and
   each of ``--ks``) after a context of each ``--contexts`` length with a warm KV
@@ -47,12 +47,12 @@ PASSES = ("stock", "invariant")
 
 
 def _copies(target: str, kernels: str) -> dict[str, object]:
-    from specserve.engine import invariant
+    from specserve.engine import position_invariant
     from specserve.engine.models import load_model, resolve_model_path
 
     path = resolve_model_path(target, "target")
     models = {name: load_model(path, device="cpu", dtype="float32", kernels=kernels).model for name in PASSES}
-    invariant.prepare(models["invariant"])
+    position_invariant.prepare(models["invariant"])
     return models
 
 

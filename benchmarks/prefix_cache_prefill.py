@@ -38,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from benchmarks.prefix_cache import _render, _user_messages
-    from specserve.engine import invariant
+    from specserve.engine import position_invariant
     from specserve.engine.kvcache import SessionCacheStore
     from specserve.engine.models import load_model, resolve_model_path
 
     torch.set_num_threads(1)  # the thread's CPU time is then all the work (no intra-op helpers)
     loaded = load_model(resolve_model_path(None, "target"), device="cpu", dtype="float32", kernels="auto")
     if not args.no_invariant:
-        invariant.prepare(loaded.model)
+        position_invariant.prepare(loaded.model)
     tokenizer = loaded.tokenizer
     stores = {
         mode: SessionCacheStore(loaded.model, max_sessions=64, budget_bytes=4 * 1024**3, ttl_s=3600, prefix_cache=on)

@@ -7,7 +7,7 @@ from the cache, ``$SPECSERVE_MODEL_CACHE``), the distilled draft from
 the ``[serve]`` extra's wheel. Greedy chat answers to two short prompts must
 equal Hugging Face ``generate()`` of the converted target, token for token:
 the target runs its defaults (invariant passes on the packed oneDNN kernels,
-``specserve/engine/invariant.py``) and HF ``generate()`` stock transformers, two roundings of one
+``specserve/engine/position_invariant.py``) and HF ``generate()`` stock transformers, two roundings of one
 float32 function that agree on these prompts (docs/design.md, "Numerics": identical except at a
 near-tie within that rounding).
 """

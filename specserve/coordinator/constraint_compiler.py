@@ -1,37 +1,14 @@
 """A request's constraint compiled before its session opens: in a bounded, fair queue, off the event loop,
 with a time limit, into the process's one cache of compiled grammars.
 
-The coordinator compiles every constraint (:class:`~specserve.api.constraints.Constraint`) against
-the target's tokenizer before the session opens. A schema, regex or grammar that does not compile is
-then INVALID_ARGUMENT (HTTP 400) naming the problem, and no session, Redis record or worker call
-exists yet. The size limit held earlier, when the constraint was built (``MAX_CONSTRAINT_BYTES``),
-before any parsing. docs/design.md ("Constrained decoding") gives the why; docs/operations.md the limits.
-
-* **A bounded queue, fair between clients.** A constraint not in the cache becomes a compile *job*,
-  charged to the client that asked first (a second request for the same constraint waits on that job
-  and is charged nothing). A client has at most ``per_client`` jobs waiting or running, and at most
-  ``queue`` jobs wait in all; a request past either bound is refused with RESOURCE_EXHAUSTED (HTTP 429)
-  before its compile starts. A job whose callers have all gone before it started is dropped unrun.
-* **One compile per client at a time, on ``threads`` >= 2 threads.** A free thread takes the oldest
-  waiting job of a client that runs none, so one client's compiles, however slow, hold one thread,
-  and another client's compile finds a thread free unless ``threads`` clients compile at once. The
-  threads run at the lowest CPU priority (the streams the event loop drives come first); the engine
-  releases the GIL while it compiles.
-* **A time limit on the compile, a bound on the wait.** A compile that runs longer than ``timeout_s``
-  (counted from when a thread took it) is refused: INVALID_ARGUMENT naming the limit, the constraint's
-  fault. A job that waits ``timeout_s`` for a thread is refused: RESOURCE_EXHAUSTED, the server's. A
-  compiling thread cannot be interrupted (the engine bounds its own lexer and grammar work:
-  ``specserve.engine.grammar.PARSER_LIMITS``; not all of it), so a refused compile runs on, still
-  counted against its client's bound and holding that client's one running slot until it ends: one
-  client's runaway compiles block that client only. It ends in the cache, and a retry is served from it.
-* **The one cache.** The ``cache_size`` most recently used compiled grammars are kept here, keyed by
-  the constraint, and served on the event loop (a dictionary look-up). The engine keeps none of its
-  own; a request holds the grammar it was given (``GenerationRequest.grammar``) for its session's
-  forced-text proposer, so no later step compiles again, on the loop or anywhere.
-
-Metrics: ``specserve_coordinator_constraint_compiles_total{outcome}``,
-``specserve_coordinator_constraint_compile_seconds`` and ``specserve_coordinator_constraint_compile_jobs{state}``
-(docs/operations.md).
+A constraint that does not compile is then INVALID_ARGUMENT naming the problem before any session, Redis
+record or worker call exists. A compile is a job charged to the client that asked first; each client has at
+most ``per_client`` jobs waiting or running and runs one at a time on ``threads`` >= 2 low-priority threads,
+so one client's slow schemas hold one thread; a compile past ``timeout_s`` is the constraint's fault
+(INVALID_ARGUMENT), a wait past it the server's (RESOURCE_EXHAUSTED), and a refused compile runs on into the
+cache, still counted against its client. The ``cache_size`` most recent grammars are kept here and served on
+the event loop; a request holds its grammar into its session, so nothing compiles later. Why: docs/design.md,
+"Constrained decoding"; the limits and metrics: docs/operations.md, "Limits".
 """
 
 from __future__ import annotations

@@ -1,37 +1,13 @@
 """The OpenAI-compatible HTTP API of the coordinator (FastAPI).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /version`` (``{"version": ...}``, as vLLM's), ``GET /openapi.json``
-(:mod:`specserve.coordinator.openapi`) and ``GET /metrics``
-(the process's Prometheus registry, the metrics port's very series, vLLM's names
-included, where vLLM and SGLang serve them: tools such as aiperf look there). Each generation request goes through the same domain object
-as the gRPC servicer, in the same order: the body is read strictly
-(:mod:`specserve.coordinator.json_body`: a hostile body is a 400 naming the problem) and
-becomes one ``GenerateRequest`` per choice (:mod:`specserve.coordinator.openai_protocol`),
-``Coordinator.admit`` takes the session places and rate tokens of all ``n`` at
-once (or refuses the request whole, before any work on it), ``Coordinator.parse``
-checks the request against the server's limits (tokenizing, compiling its constraint),
-and only then do the sessions start, one per place (:class:`~specserve.coordinator.choices.Choices`). The reply waits for every choice's
-first event, so that an error before any token still gets its HTTP status.
-
-Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``,
-with the status of :data:`HTTP_STATUS` (the domain error's gRPC code decides):
-400 bad parameters, 401 a missing or unknown API key, 404 an unknown model,
-429 a session limit (with ``Retry-After`` in whole seconds and ``retry-after-ms``), 503 no target
-replica could serve.
-An error after the stream has begun is sent as one ``data: {"error": ...}``
-event before ``data: [DONE]``.
-
-Authentication: with ``auth_tokens`` set, every ``/v1`` route needs
-``Authorization: Bearer <token>`` with one of the same tokens the gRPC API
-accepts; ``/health``, ``/version`` and ``/metrics`` stay open, as on the metrics port. Per-client session limits key on
-the caller's name (:mod:`specserve.coordinator.clients`: the token, the client certificate's name, or by opt-in
-the address), as on the gRPC side; the prefix cache a request may share keys on its tenant, with its
-``cache_salt`` and ``prompt_cache_key`` (specserve/coordinator/cache_scope.py).
-
-Cancellation: when the client goes away (a streamed reply's connection closes,
-or a non-streamed request's does while it waits), every session of the request
-is cancelled and releases its caches, as a cancelled gRPC call does.
+The routes (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/version``,
+``/openapi.json``, ``/metrics``) drive the same domain object as the gRPC servicer, in the same order: the
+body read strictly (:mod:`specserve.coordinator.json_body`) and turned into one ``GenerateRequest`` per choice
+(:mod:`specserve.coordinator.openai_protocol`), ``Coordinator.admit`` for all ``n`` at once,
+``Coordinator.parse``, then one session per place (:class:`~specserve.coordinator.choices.Choices`); the reply
+waits for every choice's first event, so an error before any token still gets its HTTP status. The contract
+(fields, errors and their statuses, authentication, cancellation): docs/operations.md, "The OpenAI-compatible
+HTTP API".
 """
 
 from __future__ import annotations

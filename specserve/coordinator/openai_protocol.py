@@ -1,38 +1,14 @@
-"""The OpenAI API's wire shapes: request bodies in, ``GenerateRequest`` messages out, reply bodies back.
+"""The OpenAI API's wire shapes: request bodies in, ``GenerateRequest`` messages out.
 
-Pure data (pydantic and dicts); no HTTP, no sessions. :mod:`specserve.coordinator.http_api`
-parses a body into :class:`CompletionRequest` or :class:`ChatCompletionRequest`,
-refuses what is not supported (:meth:`~_OpenAIRequest.check_supported`),
-converts it to one :class:`~specserve.v1.coordinator_pb2.GenerateRequest` per
-choice (:meth:`~_OpenAIRequest.to_pb`) and hands those to the same
-``Coordinator.parse`` / ``Coordinator.generate`` as the gRPC servicer. The
-reply bodies are built by :mod:`specserve.coordinator.openai_replies`.
-
-Every field either endpoint knows, and whether it is honoured, refused or ignored,
-is the table in docs/operations.md ("Request fields"); tests/specserve/coordinator/test_field_table.py
-checks each row against :meth:`~_OpenAIRequest.effect`. Where the honoured ones go:
-``temperature``, ``top_p``, ``seed`` (choice ``i`` of ``n`` uses ``seed + i``) and the
-extensions ``top_k`` (-1 or 0 disables it, as in vLLM), ``min_p``, ``repetition_penalty``
-go to ``SamplingParams``; ``max_tokens`` / ``max_completion_tokens`` (completions default
-to 16 as OpenAI's do; chat to the server's ``default_max_new_tokens``), ``stop``,
-``ignore_eos``, ``stop_token_ids`` and ``min_tokens`` to ``StopConditions``; ``n`` is ``n``
-independent sessions; ``speculation`` is ``SpeculationParams`` (and ``sampling_mode``); ``logprobs`` /
-``top_logprobs`` and ``prediction`` their ``GenerateRequest`` fields. All of them meet in one
-:class:`~specserve.api.params.GenerationParams` (:meth:`~_OpenAIRequest.params`), which checks them and
-writes the wire message. What only shapes the
-reply (``stream_options``, ``include_stop_str_in_output``, whether logprobs are rendered)
-is :class:`ReplyOptions`.
-
-Refused with 400 naming the field (:meth:`~_OpenAIRequest.check_supported`): a value this
-server cannot honour exactly, with the reason (vLLM's extensions it does not implement are
-accepted at their defaults, so a client that sends the defaults works). A field no endpoint
-knows is refused as OpenAI refuses it ("Unrecognized request argument supplied"), unless the
-server's ``http_unknown_fields`` is ``ignore`` (vLLM's behaviour): then it is dropped with a
-warning in the log (:func:`parse_body`).
-
-Every number is checked against the range the wire and the model take (``max_tokens`` and
-every other count below 2**32, ``temperature`` finite and >= 0, ``top_p`` in (0, 1], ...): out of
-range is a 400 naming the field, never a 500.
+Pure data (pydantic and dicts); no HTTP, no sessions. A body parses into :class:`CompletionRequest` or
+:class:`ChatCompletionRequest` (:func:`parse_body`: an unknown field refused, or dropped under
+``http_unknown_fields: ignore``), refuses what this server cannot honour exactly with a 400 naming the field
+(:meth:`~_OpenAIRequest.check_supported`; every number range-checked), and meets the SDK's knobs in one
+:class:`~specserve.api.params.GenerationParams` (:meth:`~_OpenAIRequest.params`), which writes one
+``GenerateRequest`` per choice (:meth:`~_OpenAIRequest.to_pb`, choice ``i`` seeded ``seed + i``); what only
+shapes the reply is :class:`ReplyOptions`. Every field and what becomes of it is the table in
+docs/operations.md ("Request fields"), which tests/specserve/coordinator/test_field_table.py checks against
+:meth:`~_OpenAIRequest.effect`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """The OpenAI API's reply bodies, built from the events of a request's sessions.
 
-:class:`ReplyBuilder` takes each choice's :class:`~coordinator.coordinator.Chunk`
-and :class:`~coordinator.coordinator.Finished` events in arrival order and
-returns the streaming chunks (``chat.completion.chunk`` / ``text_completion``)
-they become; at the end it builds the usage chunk or the whole non-streamed
-reply. Pure data: no HTTP, no sessions.
-
-Log probabilities (when the request asked for them) take OpenAI's shapes:
-chat ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}],
-"refusal": null}``, completions ``{"tokens", "token_logprobs", "top_logprobs"
-(one ``{token: logprob}`` per position), "text_offset"}``; a streamed chunk
-carries those of its own tokens. They cover every committed token, the ones of
-a stop string included (the tokens ``usage`` counts). :class:`TokenStrings`
-gives each token's text and exact bytes.
-
-A forced tool call (``ReplyOptions.tool_call``, specserve/coordinator/structured_outputs.py) makes a chat
-choice's text one OpenAI tool call: ``message.tool_calls`` with ``content`` null, or streamed as
-``delta.tool_calls`` (the first with the call's id and function name, then pieces of its
-``arguments``); ``finish_reason`` is ``tool_calls`` when the output is complete, ``length`` when
-``max_tokens`` ran out first (the arguments then end where the output did).
-
-Extension: every reply carries ``speculation`` (:func:`speculation_report`),
-the per-request figures shaped like vLLM's spec-decode metrics, for the whole
-request at the top level and for each choice in the choice (non-streamed), or
-in the chunk that finishes the choice and in the usage chunk (streamed).
+:class:`ReplyBuilder` takes each choice's :class:`~specserve.coordinator.coordinator.Chunk` and
+:class:`~specserve.coordinator.coordinator.Finished` events in arrival order and returns the streaming chunks
+they become, then the usage chunk or the whole non-streamed reply: logprobs in OpenAI's shapes
+(:class:`TokenStrings` gives each token's text and bytes), a forced tool call as ``tool_calls``, and the
+``speculation`` extension (:func:`speculation_report`). Pure data: no HTTP, no sessions. The shapes:
+docs/operations.md, "The OpenAI-compatible HTTP API".
 """
 
 from __future__ import annotations

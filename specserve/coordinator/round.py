@@ -1,8 +1,5 @@
-"""The round loop of one session (docs/internals.md, "One round, file by file").
-
-:meth:`RoundLoop.step` is one round: the speculator plans it (gamma and drafter) and gets its proposal, the fleet
-verifies it, the speculator learns from the verdict, and the session takes its tokens. What the loop handles
-itself is the session's state:
+"""The round loop of one session: :meth:`RoundLoop.step` plans, proposes, verifies, learns and applies one
+round (docs/design.md, "One round, step by step"). What the loop handles itself is the session's state:
 
 * **Stale version** (ABORTED) or **log mismatch** (FAILED_PRECONDITION) for the
   item: the session re-reads its log from Redis and continues from there,

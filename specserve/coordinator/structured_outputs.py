@@ -1,25 +1,12 @@
-"""Structured output over HTTP: the OpenAI and vLLM fields as one constraint, and forced tool calls shaped as ``tool_calls``.
+"""Structured output over HTTP: the OpenAI and vLLM fields as one constraint, and forced tool calls shaped
+as ``tool_calls``.
 
-Pure data: no HTTP, no sessions. :func:`structured_output` reads a request's fields and returns the
-:class:`~specserve.api.constraints.Constraint` its sessions generate under, plus the
-:class:`ToolCallShape` when the reply is a tool call. Each problem is a 400 that names the field.
-
-* ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``, or
-  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``. ``strict`` false is
-  enforced all the same, and a schema keyword the engine cannot enforce is a 400.
-* vLLM's extensions, under vLLM's names: ``guided_json`` (a schema, or its JSON text),
-  ``guided_regex``, ``guided_choice`` (a list of strings), ``guided_grammar`` (GBNF, llama.cpp's EBNF
-  with a ``root`` rule), and ``structured_outputs`` (vLLM's newer form: exactly one of
-  ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``). ``guided_decoding_backend`` may
-  name only this server's engine (or ``auto``).
-* ``tools`` with ``tool_choice`` naming a function: the output is that function's arguments, JSON
-  under its ``parameters`` schema. ``tool_choice: "required"`` with one tool is the same. With several
-  tools the output is ``{"name": <a tool's name>, "arguments": <its arguments>}`` under an ``anyOf``
-  of the tools. Either way the reply is one OpenAI tool call (``finish_reason`` ``tool_calls``).
-  ``tool_choice: "none"`` leaves the output free. ``"auto"``, the default when tools are sent, needs
-  a parser for the model's own tool-call format and is refused.
-
-At most one of these may constrain a request. docs/operations.md lists the fields.
+Pure data: no HTTP, no sessions. :func:`structured_output` reads a request's ``response_format``, vLLM's
+``guided_*`` and ``structured_outputs`` fields, or ``tools`` with a ``tool_choice`` that forces a call, and
+returns the one :class:`~specserve.api.constraints.Constraint` its sessions generate under, plus the
+:class:`ToolCallShape` when the reply is a tool call; at most one of them may constrain a request, and each
+problem is a 400 naming the field (``tool_choice: "auto"`` needs the model's own tool-call parser and is
+refused). Every field and what it does: docs/operations.md, "Structured outputs".
 """
 
 from __future__ import annotations

@@ -250,7 +250,7 @@ class DraftEngine:
             log.error("draft_drain_failed", error=repr(task.exception()))
         while self._queue:
             job = self._queue.popleft()
-            job.loop.call_soon(_settle, job.future, error)
+            job.loop.call_soon(_resolve_future, job.future, error)
         self._set_depth()
 
     def _set_depth(self) -> None:
@@ -278,7 +278,7 @@ class DraftEngine:
                 self._set_depth()
                 self._update_gauges()
             for job, outcome in settled:  # after the bookkeeping: a caller that resumes sees the batch done
-                job.loop.call_soon_threadsafe(_settle, job.future, outcome)
+                job.loop.call_soon_threadsafe(_resolve_future, job.future, outcome)
 
     def _draft(self, jobs: list[_Job]) -> list[tuple[_Job, Drafted | BaseException]]:
         by_proposer: dict[int, list[_Job]] = {}
@@ -322,7 +322,7 @@ def _kind_name(kind: int) -> str:
     return f"PROPOSER_KIND_{name.upper()}" if name else f"proposer kind {kind}"
 
 
-def _settle(future: asyncio.Future, outcome: Drafted | BaseException) -> None:
+def _resolve_future(future: asyncio.Future, outcome: Drafted | BaseException) -> None:
     if future.done():
         return
     if isinstance(outcome, BaseException):

@@ -10,7 +10,7 @@ session's pass over a short context, feeding ``k = 1 .. max_gamma + 1``
 positions (at most :data:`CURVE_MAX_POSITIONS`), the median of a few repeats with the ``k`` interleaved (a busy
 machine slows all alike), each pass rolled back. ``GetTargetInfo`` reports it
 and the coordinator's cost model takes its *ratios* as prior rows
-(``specserve/coordinator/speculation/cost_model.py``; docs/design.md, "The cost model").
+(``specserve/coordinator/speculation/cost_model.py``; docs/design.md, "Cost and policy").
 
 It runs on the verifier's model thread before the server takes calls; with
 the default target on 2 CPU cores it takes about 5 s (36 passes), and a machine

@@ -3,8 +3,8 @@
 :func:`build_target` wires the model, the session cache store, the Redis store
 (its own, unless one is passed in), the :class:`Verifier` and the servicer from
 one :class:`~specserve.runtime.config.TargetSettings`; with ``invariant`` on (the default) the model's
-passes are made invariant (:func:`specserve.engine.invariant.prepare`) before anything runs on it. The shell
-(:class:`~specserve.runtime.worker_shell.WorkerApp`) serves it: :func:`start_target` binds the
+passes are made invariant (:func:`specserve.engine.position_invariant.prepare`) before anything runs on it.
+The shell (:class:`~specserve.runtime.worker_shell.WorkerApp`) serves it: :func:`start_target` binds the
 port, :func:`serve` runs until SIGTERM / SIGINT (the CLI's entry point); a
 stop also closes the Redis store the app owns.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from specserve.engine import invariant
+from specserve.engine import position_invariant
 from specserve.engine.model_thread import ModelThread
 from specserve.engine.models import LoadedModel
 from specserve.runtime.config import TargetSettings
@@ -73,8 +73,9 @@ def build_target(
         model = thread.call(lambda: load_worker_model(settings, "target", kernels=settings.kernels))
     if settings.invariant:
         loaded = model
-        swapped = thread.call(lambda: invariant.prepare(loaded.model))
-        log.info("target_passes_invariant", linear_layers=swapped, kernels=invariant.kernels_of(model.model))
+        swapped = thread.call(lambda: position_invariant.prepare(loaded.model))
+        kernels = position_invariant.kernels_of(model.model)
+        log.info("target_passes_invariant", linear_layers=swapped, kernels=kernels)
     owns_store = store is None
     if store is None:
         store = SessionStore.from_url(settings.redis_url.get_secret_value())

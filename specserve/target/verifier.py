@@ -1,126 +1,11 @@
 """The batched verifier: one forward pass for many sessions' proposals, exact acceptance, commit.
 
-Terms (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318):
-
-``C``
-    A session's committed tokens (prompt + generated) as its log in Redis
-    holds them, ``n = len(C)``; ``v`` its version.
-proposal ``x_1..x_gamma``
-    Draft tokens after ``C``, each sampled from the draft's distribution
-    ``q_i`` (a point mass when the request carries no distributions).
-``p_i``
-    The target's distribution of the token after ``C + x_1..x_{i-1}``, after
-    the same logits processing as target-only decoding (penalties see the
-    tentative prefix ``C + x[:i-1]``).
-accepted
-    ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``, in
-    order, until the first rejection (greedy: while ``x_i == argmax p_i``;
-    coupled mode: while ``x_i == argmax(log p_i + G_i)``, ``G_i`` the Gumbel
-    noise of the session's seed at that position).
-correction / bonus
-    At the first rejection the target samples a correction from
-    ``norm(max(0, p_i - q_i))`` (greedy: the argmax; coupled: the
-    ``argmax(log p_i + G_i)``); when every token is accepted it samples a bonus
-    token from ``p_{gamma+1}`` (coupled: with ``G_{gamma+1}``).
-
-One call (:meth:`Verifier.verify`) for a :class:`~specserve.target.messages.VerifyBatch`:
-
-1. Load every session from Redis (:class:`~specserve.runtime.store.SessionStore`),
-   the source of truth: a session this replica never saw, evicted or lost is
-   rebuilt from it alone (docs/design.md, invariant 5). Sessions that are unknown,
-   finished, or not at the request's base version get a per-item error; a
-   retried call whose verdict is already recorded gets it back
-   (``replayed``) without sampling again.
-2. Bring each session's cache to ``C[:-1]`` (keep the longest common prefix,
-   crop the rest; ``C[-1]`` is the *pending token*), then feed every
-   session's missing committed tokens, pending token and proposal in **one**
-   padded forward pass (:mod:`specserve.engine.batching`). A session missing
-   more than ``inline_catchup_max`` committed tokens (a cold start, a long
-   prompt) beside other sessions is prefilled first by its own pass
-   (``SessionCache.reconcile``), so one long prompt does not pad every row. A
-   batch of one session runs on its own cache, unpadded, in one pass whatever
-   it misses (a prompt and its first proposal together, as target-only
-   decoding's prefill; the output head on the proposal's positions only). With invariant passes
-   (:mod:`specserve.engine.invariant`, the default) a position's logits are the same bits on every one
-   of these paths, so none of these choices changes a verdict.
-3. Process the logits at every position exactly as target-only decoding would
-   (a constrained session's grammar mask first: the tokens its constraint forbids after
-   ``C + x_1..x_{i-1}`` are -inf in row ``i``, :mod:`specserve.engine.grammar`; the stop tokens
-   masked before ``min_new_tokens``, :func:`specserve.core.sampling.suppress_tokens`; then
-   :func:`specserve.core.sampling.logits_to_probs`) and decide with
-   :func:`specserve.core.verification.verify_batch` (sampled sessions, randomness
-   keyed by session seed and position), :func:`~specserve.core.verification.verify_coupled`
-   (sampled sessions in the coupled mode: Gumbel-max with noise keyed by seed
-   and position, drawn on the model's device) or
-   :func:`~specserve.core.verification.verify_greedy`.
-4. Cut the new tokens at the first stop condition (:mod:`specserve.target.stops`)
-   and commit through one compare-and-set on ``v`` per session. The verdict's
-   ``accepted_count`` counts the draft tokens actually committed (a stop may
-   cut accepted ones) and ``bonus`` holds only when the bonus token itself was
-   committed. An item that asks for log probabilities gets, per committed
-   token, its log probability under ``p_i`` and the most likely alternatives
-   (:func:`specserve.core.sampling.processed_logprobs`: the same processing; for
-   a greedy session the repetition penalty and a softmax at temperature 1;
-   in the coupled mode, ``log p_i`` as in the optimal one, since the token is
-   an exact sample of ``p_i``). They are part of the committed verdict, so a
-   retried Verify (on this replica or another) returns the same values.
-5. Leave each cache holding exactly the committed prefix without its pending
-   token: the accepted draft tokens stay cached, the rest of the branch is
-   cropped; on a conflict or error the branch is rolled back to ``C[:-1]``.
-   A constrained session's matcher does the same beside it: it walks the
-   proposal to fill the masks and steps back, then holds the committed tokens
-   (rolled back to ``C`` when the commit fails); one this replica never held is
-   rebuilt from ``C`` (docs/design.md, "Constrained decoding").
-
-Each item has its own fate. An item whose session cannot be loaded (unknown,
-or stored with settings that fail today's checks), whose cache cannot be
-brought to ``C``, whose processed logits are not finite (NaN / inf: no
-distribution), or whose proposal contradicts its own ``q`` gets an error for
-itself alone, nothing is committed for it, and the other items are verified
-as if it were absent: a row's outcome depends only on its own logits, seed and
-position, so when :func:`~specserve.core.verification.verify_batch` refuses a batch
-each row is verified alone and only the bad rows fail.
-
-The context: a session's log never holds more than the model's
-``max_position_embeddings`` tokens. A round whose committed tokens would pass
-it is cut there and finishes with ``length``; so does a round that fills it
-exactly (no later position exists to predict a token for). An item whose
-proposal does not fit (``committed_len + gamma > max_positions``) is refused.
-
-A session's settings (sampling, stop conditions) never change after create:
-the verifier keeps them per session after the first load. More: after this
-replica commits a round it knows the log exactly (the record it loaded plus
-its own verdict), so the next round of that session, based on that very
-``(version, committed_len)``, reads nothing from Redis at all. That knowledge
-is a hint, never the authority: the compare-and-set of every commit still
-checks the version, and a commit that finds the log moved on (another replica
-committed, a retry) is refused or replayed as before and the hint is dropped.
-
-The common path is one hop to the model thread per batch: the verify pass,
-the decision, and settling each cache on its verdict (optimistically, before
-the commit); only an item whose commit then fails or replays needs a second
-hop, to roll its cache back to ``C[:-1]``.
-
-Several target steps (``VerifyItem.decode_steps``, gamma = 0 items only): in
-the same hop, each item that committed a token, did not finish and has steps
-left takes the next step as a gamma = 0 item on the log its verdict so far
-leaves (:meth:`_Work.next_step`; the items still going share one pass per
-step), and the step's verdict extends the item's (:meth:`_Work.absorb`). All
-the steps are one commit at ``v + 1``. A step that fails alone ends the item's
-steps; the ones before it are committed.
-
-Every model call and every cache mutation (reconcile, the verify pass, settling
-or rolling back each cache after the commit, eviction, release) runs on the
-verifier's :class:`~specserve.engine.model_thread.ModelThread`, one batch at a time
-(an ``asyncio.Lock`` spans the batch, its Redis reads and commits included). Before
-the lock, a constraint of the batch's sessions that the grammar engine does not
-hold is compiled on a thread of its own (:meth:`Verifier._prepare_grammars`), so
-a schema that takes seconds to compile holds up its own call, never the model
-thread or the batches of other calls; each item holds its compiled grammar from
-there into the pass, which never compiles (under the lock, whatever the cache
-evicted meanwhile). A
-batch once started runs to the end even if the caller cancels (a retry then
-replays it), so caches never see a half-done round.
+:meth:`Verifier.verify` loads each item's session from Redis (the source of truth), answers what it can
+without the model (stale, finished, replayed), runs one padded pass over every session's missing tokens,
+pending token and proposal on the model thread, decides each row with :mod:`specserve.core.verification`,
+settles each cache on its verdict and commits every verdict with one compare-and-set. Each item fails or
+succeeds alone. The order of the steps, why each is so, and what a call of several target steps does:
+docs/design.md, "The verify call".
 """
 
 from __future__ import annotations
@@ -157,7 +42,7 @@ from specserve.core.sampling import (
     suppress_tokens,
 )
 from specserve.core.verification import VerifyOutcome, verify_batch, verify_coupled, verify_greedy
-from specserve.engine import batching, invariant
+from specserve.engine import batching, position_invariant
 from specserve.engine.feature_head import FinalNormInput
 from specserve.engine.grammar import Prepared, SessionGrammars, apply_masks
 from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len, features_of
@@ -173,7 +58,7 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass
-class _Work:
+class _ItemState:
     """One item on its way through a call (mutable bookkeeping, internal)."""
 
     index: int  # position in the request
@@ -187,7 +72,7 @@ class _Work:
     outcome: VerifyOutcome | None = None
     verdict: Verdict | None = None
     error: SpecServeError | None = None  # this item's own failure: nothing is committed for it
-    steps: int = 1  # target steps taken for the item in this call (decode_steps)
+    steps_taken: int = 1  # target steps taken for the item in this call (of its decode_steps)
     features: FeatureBlock | None = None  # what the item asked for (features_from), once its cache settled
     cached: int = 0  # committed tokens this call attached from the prefix cache instead of feeding them
     grammar: Any = None  # its constraint's compiled grammar (or why it does not compile), from _prepare_grammars
@@ -200,35 +85,35 @@ class _Work:
         """Mark this item failed with ``exc`` (its message prefixed with the session)."""
         self.error = type(exc)(f"session {self.item.session_id!r}: {exc.message}")
 
-    def next_step(self) -> _Work:
+    def next_step(self) -> _ItemState:
         """The next target step of a gamma = 0 item (``decode_steps``): the work a gamma = 0 round would
         do on the log as this call's verdict so far leaves it (same version: it is one commit)."""
         assert self.verdict is not None and self.cache is not None and self.item.gamma == 0
         record = dataclasses.replace(
             self.record, token_ids=self.record.token_ids + self.verdict.committed_token_ids
         )
-        return _Work(index=self.index, item=self.item, record=record, grammar=self.grammar)
+        return _ItemState(index=self.index, item=self.item, record=record, grammar=self.grammar)
 
     def goes_on(self) -> bool:
         """Whether the item takes another target step in this call: committed so far, not finished,
         steps left."""
         return (
-            self.steps < self.item.decode_steps
+            self.steps_taken < self.item.decode_steps
             and self.error is None
             and self.verdict is not None
             and not self.verdict.finished
         )
 
-    def absorb(self, step: _Work) -> None:
+    def absorb(self, step: _ItemState) -> None:
         """Extend this item's verdict by its next step's (one commit of all the steps' tokens). A step that
         failed alone ends the item's steps: the ones before it are committed."""
         assert self.verdict is not None
-        self.steps += 1
+        self.steps_taken += 1
         verdict = step.verdict
         if verdict is None:
             assert step.error is not None
             log.warning("decode_step_failed", session_id=self.item.session_id, message=step.error.message)
-            self.steps = self.item.decode_steps
+            self.steps_taken = self.item.decode_steps
             return
         self.verdict = dataclasses.replace(
             verdict,
@@ -240,7 +125,7 @@ class _Work:
 
 
 class Verifier:
-    """Verifies batches of proposals against the target model and commits them (see the module docstring)."""
+    """Verifies batches of proposals against the target model and commits them (docs/design.md)."""
 
     def __init__(
         self,
@@ -319,15 +204,15 @@ class Verifier:
                 *(self._record(item, loaded.get(item.session_id)) for item in batch.items)
             )
             results: list[ItemResult | None] = [None] * len(batch.items)
-            work: list[_Work] = []
+            work: list[_ItemState] = []
             for index, (item, record) in enumerate(zip(batch.items, records, strict=True)):
-                early = self._triage(item, record)
+                early = self._answer_without_model(item, record)
                 if early is not None:
                     results[index] = early
                 else:
                     assert isinstance(record, SessionRecord)
                     grammar = grammars.get(record.sampling.constraint) if record.sampling.constraint else None
-                    work.append(_Work(index=index, item=item, record=record, grammar=grammar))
+                    work.append(_ItemState(index=index, item=item, record=record, grammar=grammar))
             forward_ns = positions = 0
             if work:
                 try:
@@ -406,7 +291,7 @@ class Verifier:
             return loaded
         return await self._load(item.session_id)
 
-    def _remember(self, w: _Work, verdict: Verdict) -> None:
+    def _remember(self, w: _ItemState, verdict: Verdict) -> None:
         """After a commit of ours: the session's log is the loaded one plus this verdict."""
         self._known[w.item.session_id] = dataclasses.replace(
             w.record,
@@ -432,7 +317,9 @@ class Verifier:
             self._settings.popitem(last=False)
         return record
 
-    def _triage(self, item: ItemToVerify, record: SessionRecord | SpecServeError) -> ItemResult | None:
+    def _answer_without_model(
+        self, item: ItemToVerify, record: SessionRecord | SpecServeError
+    ) -> ItemResult | None:
         """A result decided without the model (error or replay), or None when the item needs work."""
         sid, base = item.session_id, item.base
         if isinstance(record, SpecServeError):
@@ -483,7 +370,7 @@ class Verifier:
 
     # ------------------------------------------------------------------ model work (worker thread)
 
-    def _compute(self, work: list[_Work]) -> tuple[int, int]:
+    def _compute(self, work: list[_ItemState]) -> tuple[int, int]:
         """The model work of a batch in one hop: the pass, the decision, each cache settled on its verdict
         (before the commit; :meth:`_roll_back` undoes it for an item whose commit fails), the budget."""
         forward_ns, positions = self._step(work)
@@ -503,13 +390,13 @@ class Verifier:
         self._update_cache_gauges()
         return forward_ns, positions
 
-    def _features(self, work: list[_Work]) -> None:
+    def _features(self, work: list[_ItemState]) -> None:
         """Fill ``w.features`` of the items that asked (``features_from``): positions from there (or from the
         last block of this call's prefix-cache hit, ``features_from_uncached``) up to the new pending token, which its
         cache holds after settling. The reply's rows stay within :attr:`features_per_call_bytes`, shared
         fairly (:func:`share_rows`), and each item's within its ``features_max_bytes``; an item whose rows do
         not all fit gets the first ones (the rest is asked for in its next call)."""
-        asks: list[tuple[_Work, int, int]] = []
+        asks: list[tuple[_ItemState, int, int]] = []
         for w in work:
             start = w.item.features_from
             if start is None or w.verdict is None or w.cache is None:
@@ -533,15 +420,15 @@ class Verifier:
         for (w, start, _), n in zip(asks, rows, strict=True):
             w.features = feature_wire.encode(w.cache.feature_rows(start, start + n), start)  # type: ignore[union-attr]
 
-    def _step(self, work: list[_Work]) -> tuple[int, int]:
+    def _step(self, work: list[_ItemState]) -> tuple[int, int]:
         """One pass for ``work`` and its decision, each cache settled on its verdict; (forward_ns, positions)."""
         forward_ns, positions = self._forward(work)
         self._decide(work)
         for w in work:
-            self._settle(w, w.verdict.committed_len - 1 if w.verdict is not None else w.n - 1)
+            self._keep_committed_prefix(w, w.verdict.committed_len - 1 if w.verdict is not None else w.n - 1)
         return forward_ns, positions
 
-    def _forward(self, work: list[_Work]) -> tuple[int, int]:
+    def _forward(self, work: list[_ItemState]) -> tuple[int, int]:
         """Reconcile caches and run the verify pass; fills ``w.logits``. Returns (forward_ns, positions).
 
         An item whose cache cannot be brought to its log fails alone and is left out of the pass.
@@ -600,10 +487,10 @@ class Verifier:
             hidden = None
             if any(w.cache is not None and w.cache.tracks_features for w in ready):
                 with FinalNormInput(self.model.model) as tap:
-                    logits, grown = invariant.forward(self.model.model, packed)
+                    logits, grown = position_invariant.forward(self.model.model, packed)
                 hidden = tap.hidden  # [batch, T, d]: the pass's last-layer states, for the features
             else:
-                logits, grown = invariant.forward(self.model.model, packed)
+                logits, grown = position_invariant.forward(self.model.model, packed)
             for b, w in enumerate(ready):
                 assert w.cache is not None
                 rows_b = None
@@ -617,7 +504,7 @@ class Verifier:
         positions += sum(len(w.feed) for w in ready)
         return forward_ns, positions
 
-    def _decide(self, work: list[_Work]) -> None:
+    def _decide(self, work: list[_ItemState]) -> None:
         """Process logits, run the acceptance rule, cut at stops; fills ``w.outcome`` and ``w.verdict``.
 
         A row without a distribution (NaN / inf logits) or that the acceptance rule refuses fails alone.
@@ -671,7 +558,7 @@ class Verifier:
             if w.error is None:
                 w.verdict = self._verdict(w)
 
-    def _constrain(self, w: _Work) -> None:
+    def _constrain(self, w: _ItemState) -> None:
         """A constrained session: mask each row with its grammar state (row ``i`` after ``C + x_1..x_{i-1}``),
         before any processing, as target-only constrained decoding would. The matcher walks the proposal and
         steps back to ``C``; a proposed token the grammar refuses has probability 0 and is rejected."""
@@ -683,7 +570,7 @@ class Verifier:
         masks = matcher.masks_along(w.item.proposal.token_ids)  # [gamma + 1, words]
         w.logits = apply_masks(w.logits.clone(), masks)
 
-    def _suppress_stops(self, w: _Work) -> None:
+    def _suppress_stops(self, w: _ItemState) -> None:
         """``min_new_tokens``: mask the stop tokens out of the rows that emit a token before the minimum
         (row ``i`` emits generated token ``n - prompt_len + i``), before any processing, as target-only
         decoding would; the verdict, its logprobs and the acceptance rule all read the masked rows."""
@@ -693,7 +580,7 @@ class Verifier:
         if rows:
             w.logits = suppress_tokens(w.logits, stop.stop_tokens(self.eos_token_ids), rows)
 
-    def _logprobs(self, w: _Work, token_ids: tuple[int, ...]) -> tuple[PositionLogprobs, ...]:
+    def _logprobs(self, w: _ItemState, token_ids: tuple[int, ...]) -> tuple[PositionLogprobs, ...]:
         """The committed tokens' log probabilities, when the item asked for them (else ``()``)."""
         if w.item.top_logprobs is None or not token_ids:
             return ()
@@ -705,7 +592,7 @@ class Verifier:
         logprobs = processed_logprobs(rows, w.record.sampling, contexts)  # [kept, vocab] float64
         return pick_logprobs(logprobs, token_ids, w.item.top_logprobs)
 
-    def _decide_coupled(self, coupled: list[_Work]) -> None:
+    def _decide_coupled(self, coupled: list[_ItemState]) -> None:
         """The coupled rule for ``coupled`` (sampled sessions in the coupled mode), on the model's device.
 
         It needs no q and cannot refuse a proposal (any token ids are a valid guess).
@@ -728,7 +615,7 @@ class Verifier:
         for w, outcome in zip(coupled, outcomes, strict=True):
             w.outcome = outcome
 
-    def _target_probs(self, w: _Work) -> torch.Tensor:
+    def _target_probs(self, w: _ItemState) -> torch.Tensor:
         """``p_1..p_{gamma+1}``: ``[gamma + 1, vocab]`` float64, processed as target-only decoding would."""
         assert w.logits is not None
         committed, proposal = w.record.token_ids, w.item.proposal.token_ids
@@ -737,7 +624,7 @@ class Verifier:
             contexts = [committed + proposal[:i] for i in range(len(proposal) + 1)]
         return logits_to_probs(w.logits, w.record.sampling, contexts)
 
-    def _verdict(self, w: _Work) -> Verdict:
+    def _verdict(self, w: _ItemState) -> Verdict:
         assert w.outcome is not None
         accepted = w.outcome.accepted
         new_tokens = (*w.item.proposal.token_ids[:accepted], w.outcome.next_token)
@@ -764,7 +651,7 @@ class Verifier:
             logprobs=self._logprobs(w, tokens),
         )
 
-    def _settle(self, w: _Work, length: int) -> None:
+    def _keep_committed_prefix(self, w: _ItemState, length: int) -> None:
         """Leave ``w``'s cache holding its first ``length`` tokens, all committed, and a constrained session's
         matcher the generated tokens up to the pending one (``length + 1`` tokens of the log)."""
         constraint = w.record.sampling.constraint
@@ -779,14 +666,14 @@ class Verifier:
         w.cache.truncate(min(length, w.cache.seq_len))
         w.cache.commit(w.cache.branch_len)
 
-    def _roll_back(self, work: Sequence[_Work]) -> None:
+    def _roll_back(self, work: Sequence[_ItemState]) -> None:
         self.thread.check()
         for w in work:
-            self._settle(w, w.n - 1)
+            self._keep_committed_prefix(w, w.n - 1)
 
     def _results(
-        self, work: list[_Work], outcomes: Sequence[object]
-    ) -> tuple[list[ItemResult], list[_Work], BaseException | None]:
+        self, work: list[_ItemState], outcomes: Sequence[object]
+    ) -> tuple[list[ItemResult], list[_ItemState], BaseException | None]:
         """Each item's result from its commit outcome (``(verdict, replayed)`` or the exception it raised).
 
         Returns the results, the items whose cache must go back to ``C[:-1]`` (their optimistic
@@ -794,7 +681,7 @@ class Verifier:
         exception (then every item goes back).
         """
         results: list[ItemResult] = []
-        undo: list[_Work] = []
+        undo: list[_ItemState] = []
         unexpected: BaseException | None = None
         for w, outcome in zip(work, outcomes, strict=True):
             sid = w.item.session_id
@@ -832,7 +719,7 @@ class Verifier:
 
     # ------------------------------------------------------------------ commit
 
-    async def _commit(self, w: _Work) -> tuple[Verdict, bool] | None:
+    async def _commit(self, w: _ItemState) -> tuple[Verdict, bool] | None:
         if w.error is not None:
             return None  # the item failed before a verdict: nothing to commit
         assert w.verdict is not None
@@ -866,7 +753,7 @@ def share_rows(wants: Sequence[int], budget: int) -> list[int]:
     return out
 
 
-def _verify_sampled(sampled: Sequence[_Work]) -> list[VerifyOutcome]:
+def _verify_sampled(sampled: Sequence[_ItemState]) -> list[VerifyOutcome]:
     """:func:`verify_batch` over the sampled items' ``p`` rows and proposals."""
     width = max(w.item.gamma for w in sampled) + 1
     vocab = sampled[0].probs.shape[-1] if sampled[0].probs is not None else 0

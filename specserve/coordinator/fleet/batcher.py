@@ -1,35 +1,11 @@
 """Gathers the items of many sessions bound for one worker replica into one call.
 
-One :class:`Batcher` per replica and kind of call: a :class:`VerifyBatcher`
-per target replica (``Verify``), a :class:`ProposeBatcher` per draft replica
-(``ProposeBatch``). The gathering is the same for both:
-
-A round :meth:`Batcher.submit` s its item and awaits a future. A background
-task takes the first waiting item, waits up to ``max_wait_s`` for more (or
-until ``max_batch_size`` are waiting), sends them as one call and resolves
-every item's future with its own result. It waits only while ``expected()``
-says more sessions bound to this replica are about to submit, so a lone
-session never waits. At most ``max_in_flight`` calls run at once per replica:
-while a call is in flight the next rounds queue up and join the following
-batch, which is what batches sessions under load without any waiting when the
-replica is idle and alone.
-
-An item under a constraint the replica has not answered for lately
-(:class:`ConstraintSightings`) goes in a call of its own at once, beside the batched
-calls and outside ``max_in_flight``: the replica compiles the constraint first, which
-may take seconds, and only that call waits for it, not the sessions that would have
-shared its batch, nor the batches queued behind it.
-
-A failure of the whole call (replica down, deadline) is set on every future of
-that batch; per-item errors (a stale version, a draft missing tokens) arrive in
-the item's own result. What a call cost travels with each of its results;
-exactly one result per call has ``reports_call`` set, so the pool observes
-each call's cost once.
-
-The call carries the request ids of its items (comma-separated ``x-request-id``),
-so each request id appears in the worker's logs; the items waiting for a call
-are exported as ``specserve_target_verify_queue_depth{target=...}`` and
-``specserve_coordinator_propose_queue_depth{draft=...}``.
+One :class:`Batcher` per replica and kind of call, a :class:`VerifyBatcher` per target replica and a
+:class:`ProposeBatcher` per draft replica: it waits for more items only while sessions bound to the replica
+are about to submit, keeps at most ``max_in_flight`` calls running (the next rounds join the following call),
+sends an item under a constraint the replica has not answered for in a call of its own
+(:class:`ConstraintSightings`), and resolves each item with its own result (docs/design.md, "Batched
+drafting": "How a batch forms").
 """
 
 from __future__ import annotations
@@ -71,7 +47,7 @@ SIGHTINGS_PER_REPLICA = 256
 class ConstraintSightings:
     """Which constraints each replica has answered an item for lately (the most recent
     ``per_replica`` kept): an item whose constraint a replica has not seen goes ``alone``, since
-    that replica compiles the constraint before it answers (see the module docstring). A replica
+    that replica compiles the constraint before it answers (docs/design.md, "Constrained decoding"). A replica
     that evicted or never kept a grammar still compiles it off its model thread; only the
     items batched with it would then wait."""
 
@@ -161,7 +137,7 @@ class Batcher(abc.ABC, Generic[ItemT, ResultT]):
         """Queue ``item``; resolves when its batch returns (raises when the whole call failed).
 
         ``constraint``: the item's; while this replica has not answered for it lately the item goes alone, now,
-        in a call that takes no ``max_in_flight`` slot (see the module docstring)."""
+        in a call that takes no ``max_in_flight`` slot (docs/design.md, "Constrained decoding")."""
         alone = self.sightings.new_to(self.endpoint, constraint)
         result = await self._submit(item, alone=alone)
         if self._answered(result):

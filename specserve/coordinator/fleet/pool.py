@@ -1,25 +1,14 @@
 """The coordinator's workers: every replica of both tiers, the sessions bound to them, and failover.
 
-One :class:`WorkerPool` per coordinator, built once from the probed limits
-(:mod:`specserve.coordinator.fleet.limits`). Speculation asks it for a draft call
-(:meth:`WorkerPool.propose`) and the round for a verdict (:meth:`WorkerPool.verify`); neither touches a
-replica. The pool binds and fails over; the rest is in modules of its own: where a session's calls go
-(:mod:`~specserve.coordinator.fleet.routing`), what opens a breaker (:mod:`~specserve.coordinator.fleet.breakers`),
-how calls of many sessions share one (:mod:`~specserve.coordinator.fleet.batcher`), what the calls teach the
-cost model (:mod:`~specserve.coordinator.fleet.costs`) and the wire (:mod:`~specserve.coordinator.fleet.clients`).
-
-* **Binding**: a round binds the session to its target replica, whose next batch waits for its item, and,
-  when it drafts through a batched draft replica, to that replica's batcher (a batch waits only for sessions
-  bound to it and not inside a Verify). Each call runs in a task shielded from the caller's cancellation, so
-  a release never overtakes the request that would re-create a cache.
-* **Propose**: any failure leaves the round without a proposal (a draft never fails a session); a draft that
-  lacks earlier tokens (FAILED_PRECONDITION) is sent every token again, once.
-* **Verify**: a replica fault sends the same item, with the same ``(session, version)``, to the next replica of
-  the session's order (a Verify is idempotent per ``(session, version)``: the new replica rebuilds the session
-  from Redis and replays a recorded verdict). An item refused as INVALID_ARGUMENT while it carried a proposal
-  (the draft's bug?) is sent again once without it; RESOURCE_EXHAUSTED is retried on the same replica. While
-  every replica backs off the round waits (``all_down_wait_s``); after ``max_verify_attempts`` calls or that
-  wait, the session fails with UNAVAILABLE.
+One :class:`WorkerPool` per coordinator, built from the probed limits
+(:mod:`specserve.coordinator.fleet.limits`). Speculation asks it for a draft call (:meth:`WorkerPool.propose`)
+and the round for a verdict (:meth:`WorkerPool.verify`); the pool binds a round to its replicas (and to their
+batchers, whose batches wait only for sessions bound to them) and fails over: a failed draft call leaves the
+round without a proposal, a replica fault sends the same Verify item, idempotent per ``(session, version)``,
+to the next replica of the session's order. The rest is in modules of its own:
+:mod:`~specserve.coordinator.fleet.routing`, :mod:`~specserve.coordinator.fleet.breakers`,
+:mod:`~specserve.coordinator.fleet.batcher`, :mod:`~specserve.coordinator.fleet.costs` and the wire,
+:mod:`~specserve.coordinator.fleet.clients`. What each fault does: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -340,7 +329,7 @@ class WorkerPool:
 
     # ---- Verify --------------------------------------------------------------------------
     async def verify(self, session: Session, request: VerifyRequest, *, drafted: bool = False) -> Verified:
-        """Verify ``request`` on the session's target replica, failing over (see the module docstring).
+        """Verify ``request`` on the session's target replica, failing over (docs/reliability.md, "Mechanisms").
 
         ``drafted``: the proposal came from a Propose call in this round; with the item's wait in the
         batcher it teaches the cost model what going to the draft first costs in waiting
@@ -470,7 +459,8 @@ class WorkerPool:
         return self._per_target[endpoint] - batcher.queued - batcher.in_flight_items
 
     async def _shielded(self, session_id: str, awaitable: Awaitable[T]) -> T:
-        """Await ``awaitable`` in a task of the session's that the caller's cancellation does not interrupt."""
+        """Await ``awaitable`` in a task of the session's that the caller's cancellation does not interrupt, so a
+        release (which waits for these tasks) never overtakes the request that would re-create a cache."""
         task = asyncio.ensure_future(awaitable)
         inflight = self._binding(session_id).inflight
         inflight.add(task)

@@ -1,27 +1,11 @@
-"""Where a session's work goes: consistent hashing over replicas, bounded load, each replica behind its breaker.
+"""Where a session's work goes: consistent hashing over replicas, bounded load, each replica behind its
+breaker.
 
-Sessions are sticky to a target replica (their KV cache lives there) and, for
-the same reason, to a draft replica. :class:`HashRing` maps a key to an
-ordered list of endpoints (its preference list); :class:`ReplicaSet` walks that
-list and skips replicas marked down.
-
-The key is the session's prompt prefix within its cache scope (:func:`prefix_key`:
-its first tokens and its tenant's scope), so the turns of one conversation, which
-each resend the history, go where the earlier turns left their prefix cache
-(docs/design.md, "Routing by prefix"), and one tenant's prompts are placed
-independently of another's.
-:meth:`ReplicaSet.order` bounds the load (Mirrokni et al., "Consistent hashing
-with bounded loads", 2018): a replica that already holds more than its share of
-this coordinator's sessions (beyond an absolute slack) is passed over for the next of the key's list, so
-a prompt prefix many sessions share (a system prompt) does not pile them on one
-replica. Coordinators agree without talking: the ring is a function of the
-endpoints and the key alone; only the load bound reads local counts. A replica marked down stays skipped for a
-back-off period, after which it is tried again; the back-off doubles on each
-consecutive failure up to a cap (a simple circuit breaker). Removing one of n
-replicas moves only the sessions that lived on it (consistent hashing). :class:`Routes` keeps each
-session's orders (a :class:`Route`), fixed when it first asks.
-
-Clock-injectable and free of I/O, so it is tested without servers.
+Sessions are sticky to a target and a draft replica (their caches live there). :func:`prefix_key` keys a
+session by its cache scope and its prompt's first tokens, :class:`HashRing` maps the key to a preference list,
+:meth:`ReplicaSet.order` puts the load-bounded home first and :class:`Routes` fixes each session's order when
+it first asks (docs/design.md, "Routing by prefix"). Clock-injectable and free of I/O, so it is tested without
+servers.
 """
 
 from __future__ import annotations

@@ -84,26 +84,10 @@ class ProbeClock:
 class AcceptanceTracker:
     """One session's recent acceptance per draft position, exponentially decaying.
 
-    Position ``i`` (1-based) is *reached* in a round when the ``i - 1`` tokens
-    before it were accepted; the tracker estimates ``a_i = P(accept i | reached i)``
-    from decayed counts, shrunk towards the pooled estimate :meth:`alpha` (so a
-    position seen rarely borrows from the others), and the pooled estimate is
-    shrunk towards a prior (so the first rounds do not swing it). Positions after
-    the first rejection of a round are not observed (censored), not counted as
-    rejections.
-
-    A change of regime (prose after code) is caught by two CUSUM detectors
-    (Page 1954) on the sequence of tested positions, one for a fall and one for
-    a rise of acceptance: each trial at position ``i`` adds the log-likelihood
-    ratio of "acceptance is now ``a_i / 2``" (fall) or "``(1 + a_i) / 2``" (rise)
-    against the current estimate ``a_i``; a detector's sum is floored at 0 after
-    each round, and when it passes its threshold the estimates are rebuilt
-    from the rounds since it last stood at 0 (the CUSUM estimate of the change
-    point). So a collapse of acceptance is believed after a few rounds instead of
-    a half-life, while a stationary but noisy sequence rarely trips it.
-
-    It also holds the policy's memory of the session (:attr:`last_gamma` and the
-    probing state): the policy is shared, the session's state is here.
+    Per position ``i``, ``a_i = P(accept i | reached i)`` from decayed counts shrunk towards the pooled
+    estimate and a prior; two CUSUM detectors rebuild the estimates after a fall or a rise of acceptance. It
+    also holds the policy's memory of the session (:attr:`last_gamma`, the probing state). The estimator and
+    why: docs/design.md, "Acceptance per position".
 
     Args:
         decay: weight the slow memory keeps at each speculative round (0.97:

@@ -1,67 +1,10 @@
 """Online estimates of what a speculative round costs, and the cost model's speedup bound.
 
-One :class:`CostModel` per coordinator, shared by its sessions. It learns, from
-timings the coordinator reports after each call, three things (all in
-nanoseconds, all exponentially decaying so that they follow a drifting
-machine):
-
-* **draft time** of one ``Propose`` call: ``D(gamma) = d * gamma + p * prefill``
-  (``d`` = :meth:`CostModel.draft_ns_per_token`; per-call overhead of the draft
-  is mostly its forward passes, one per drafted token, and the wire cost is in
-  the round trip below);
-* **verify time** of one ``Verify`` call with ``b`` items feeding ``P``
-  positions in total: ``V(b, P) = v0 + v_b * b + v_p * P + v_m * [P > 1]``
-  (:meth:`CostModel.verify_ns`), a local linearisation plus a step: ``v_m``
-  is what a pass over more than one position costs beyond a one-token decode
-  step. On a CPU that step is large (a single row runs matrix-vector kernels,
-  two rows or more run matrix-matrix ones; docs/benchmarks/README.md, "Model
-  costs"), on an
-  accelerator with spare parallelism ``v_m`` and ``v_p`` come out near 0;
-* **network round trip** of a call beyond the server's own time:
-  ``R(k) = r0 + r1 * k`` with ``k`` draft distributions carried in the message;
-* **the wait in the Verify batcher** of a round, ``Q(b, drafted)``
-  (:meth:`CostModel.queue_ns`): a decaying mean per batch-size class (1, 2-3,
-  4-7, ...) and per kind of round, drafted (its proposal came from a Propose
-  call) or not. Under load the two differ by about a pass: the sessions at
-  gamma = 0 resume together and ride the next pass together, while one that
-  goes to the draft first comes back after that pass has left and waits for
-  it to end (docs/benchmarks/history.md, "Figures moved out of the code").
-  No server time shows that cost; a model without it finds one more position nearly
-  free in a batch, and speculated where it lost. A drafted round is never
-  taken to wait less than an undrafted one (see :meth:`CostModel.queue_ns`).
-
-A round of one session with ``gamma`` proposals in a batch of ``b`` sessions
-then takes (:meth:`CostModel.round_ns`)::
-
-    round(gamma, b) = R(gamma) + V(b, b * (gamma + 1))                 # Verify call
-                    + [gamma > 0] * (R(gamma) + D(gamma))              # Propose call
-                    + Q(b, drafted = gamma > 0 and the proposal needs a Propose call)
-
-(``drafted=False``: a proposal from a proposer in the coordinator, which makes
-no Propose call, so the second line is 0.)
-
-assuming the other sessions of the batch propose as many tokens (the same
-policy in a similar state chooses alike; the coordinator does not know the
-others' next choice when it picks this one).
-
-Each estimate is a decaying weighted least-squares fit
-(:class:`DecayingLeastSquares`): every new observation multiplies the weight
-of the old ones by ``decay``, and a few constant "prior rows" keep the fit
-well posed when the data cannot separate the coefficients (a single session at
-one gamma always feeds the same number of positions, so ``v0``, ``v_b``,
-``v_p`` and ``v_m`` cannot be told apart from its data alone, and a session
-held at gamma = 0 never shows what a longer pass costs). The verify prior is
-stated as *ratios*, so it holds at any speed of hardware: ``v_b = 0.08 * v0``
-(one more session in the batch costs about 8% of the fixed cost), and the shape
-of the one-session curve ``V(1, k) / V(1, 1)`` for ``k = 1..K`` positions as the
-target measured it at start-up (``CostPrior.verify_curve``, from
-``GetTargetInfo``), fitted once as a slope and a step (:func:`curve_shape`),
-each a row. A target that measured nothing leaves
-the generic shape: ``v_p = 0.05 * (v0 + v_b)`` and ``v_m = 0``. Before any data
-an absolute anchor (the curve's first point, else a 10 ms verify step, and a
-1 ms draft token) answers; it weighs nothing once data arrives.
-
-The module is pure Python: no torch, no gRPC, no logging.
+One :class:`CostModel` per coordinator, shared by its sessions, learns draft time, verify time (by batch
+size and positions), the network round trip and the wait in the Verify batcher from the timings of real
+calls, each a decaying least-squares fit with a few prior rows that keep it well posed, and predicts a
+round's wall time from them (:meth:`CostModel.round_ns`) for the policy. The formulas and the priors:
+docs/design.md, "What the cost model learns". The module is pure Python: no torch, no gRPC, no logging.
 """
 
 from __future__ import annotations
@@ -300,7 +243,8 @@ class CostPrior:
             raise ValueError("verify_curve must hold positive finite times")
 
     def verify_rows(self) -> list[tuple[tuple[float, float, float, float], float, float]]:
-        """Prior rows of the verify fit, ``theta = (v0, v_b, v_p, v_m)`` (module docstring)."""
+        """Prior rows of the verify fit, ``theta = (v0, v_b, v_p, v_m)`` (docs/design.md, "What the cost
+        model learns")."""
         curve = self.verify_curve
         step = curve[0] if curve else self.verify_step_ns
         rows: list[tuple[tuple[float, float, float, float], float, float]] = [
@@ -340,7 +284,8 @@ def curve_shape(curve: Sequence[float]) -> tuple[float, float]:
 
 
 class CostModel:
-    """Online, decaying estimates of draft, verify and round-trip time; see the module docstring.
+    """Online, decaying estimates of draft, verify and round-trip time (docs/design.md, "What the cost model
+    learns").
 
     Args:
         decay: weight kept by the past at each new observation of a kind
@@ -470,7 +415,7 @@ class CostModel:
         return max(self._queue.get((True, cls), 0.0), undrafted)
 
     def round_ns(self, gamma: int, batch_size: int, *, drafted: bool = True) -> float:
-        """Predicted wall time of one round of one session; see the module docstring for the formula.
+        """Predicted wall time of one round of one session; docs/design.md, "What the cost model learns".
 
         ``drafted=False``: the proposal costs no Propose call (a proposer in the coordinator).
         """
@@ -484,22 +429,22 @@ class CostModel:
             total += rtt + d * gamma
         return total + self.queue_ns(batch_size, drafted=gamma > 0 and drafted)
 
-    def target_only_token_ns(self, batch_size: int = 1, steps: int = 1) -> float:
-        """Predicted wall time per token of target-only rounds whose Verify call takes ``steps`` target steps
-        (``VerifyItem.decode_steps``): the call's fixed part once per call, the rest of ``round(0)`` once
-        per step.
+    def target_only_token_ns(self, batch_size: int = 1, steps_per_call: int = 1) -> float:
+        """Predicted wall time per token of target-only rounds whose Verify call takes ``steps_per_call``
+        target steps (``VerifyItem.decode_steps``): the call's fixed part once per call, the rest of
+        ``round(0)`` once per step.
 
         The fixed part is what a call pays outside its passes: the round trip, the batcher's wait and the
         Verify's time outside the target's forward passes (:meth:`verify_call_overhead_ns`). The verify
         fit's intercept ``v0`` is not in it: a one-position pass is mostly a fixed cost (the weights are
         read whatever the positions), and every step pays that pass again.
         """
-        if steps < 1:
-            raise ValueError("steps must be >= 1")
+        if steps_per_call < 1:
+            raise ValueError("steps_per_call must be >= 1")
         one = self.round_ns(0, batch_size)
         verify = self.verify_ns(batch_size, batch_size)
         fixed = (one - verify) + min(self.verify_call_overhead_ns(), verify)
-        return fixed / steps + (one - fixed)
+        return fixed / steps_per_call + (one - fixed)
 
     def verify_call_overhead_ns(self) -> float:
         """A Verify call's time outside the target's passes, decayed mean (0 before any call)."""

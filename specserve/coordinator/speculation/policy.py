@@ -1,32 +1,11 @@
 """The speculation policy: how many tokens a session drafts in its next round.
 
-The objective is wall-clock cost per committed token under the real workload
-(docs/design.md, "Cost and policy"), not acceptance. Three pieces:
-
-* :class:`~specserve.coordinator.speculation.cost_model.CostModel` (one per coordinator): what a round
-  costs, learnt online from call timings;
-* :class:`~specserve.coordinator.speculation.acceptance.AcceptanceTracker` (one per session): how
-  many tokens a round commits, learnt online from the session's verdicts, per
-  draft position;
-* :class:`SpeculationPolicy` (one per coordinator, or per request for a fixed
-  gamma): :class:`FixedGamma` or :class:`AdaptiveGamma`.
-
-How the coordinator drives them, each round of each session::
-
-    load = pool.load()   # LoadSnapshot(active_sessions=..., batch_occupancy=..., verify_queue_depth=...)
-    local = ...          # the next proposal comes from the coordinator (Speculator._local): no draft cost
-    gamma = min(policy.choose_gamma(tracker, load, local_draft=local), tokens_left - 1, server_max_gamma)
-    pool.propose(...)  # the fleet: cost_model.observe_draft(...), cost_model.observe_rtt(...)
-    pool.verify(...)   # the fleet, once per call: cost_model.observe_verify(...), cost_model.observe_rtt(...);
-                       # once per item: cost_model.observe_queue(...) (its wait in the batcher, drafted or not)
-    tracker.observe(proposed=gamma, accepted=verdict.accepted)   # also when gamma == 0
-
-Terms: a round with ``gamma`` proposals feeds ``gamma + 1`` positions to the
-target and commits ``accepted + 1`` tokens (the accepted prefix, then the
-correction after a rejection or the bonus token when all are accepted). The
-positions fed but not committed, ``gamma - accepted``, are *wasted* target work.
-
-The module is pure Python: no torch, no gRPC, no logging.
+The objective is wall-clock cost per committed token under the real workload, not acceptance. The
+:class:`~specserve.coordinator.speculation.cost_model.CostModel` (one per coordinator) says what a round
+costs, the session's :class:`~specserve.coordinator.speculation.acceptance.AcceptanceTracker` how many tokens
+it commits, and a :class:`SpeculationPolicy` (:class:`FixedGamma`, or the coordinator's
+:class:`AdaptiveGamma`) picks gamma from them once per round for the session's speculator (docs/design.md,
+"Cost and policy"). The module is pure Python: no torch, no gRPC, no logging.
 """
 
 from __future__ import annotations
@@ -100,12 +79,12 @@ class SpeculationPolicy(abc.ABC):
         load: LoadSnapshot,
         *,
         local_draft: bool = False,
-        zero_steps: int | None = None,
+        target_only_steps: int | None = None,
     ) -> int:
         """The number of tokens to draft next round (0: a plain target decode step).
 
         ``local_draft``: the proposal will come from a proposer in the coordinator (prediction,
-        n-gram), which costs no draft call. ``zero_steps``: target steps a round at gamma 0 would
+        n-gram), which costs no draft call. ``target_only_steps``: target steps a round at gamma 0 would
         take (None: one for a local draft, which keeps one step per round, else ``decode_steps``).
         """
 
@@ -124,7 +103,7 @@ class FixedGamma(SpeculationPolicy):
         load: LoadSnapshot,
         *,
         local_draft: bool = False,
-        zero_steps: int | None = None,
+        target_only_steps: int | None = None,
     ) -> int:
         acceptance.last_gamma = self.gamma
         return self.gamma
@@ -136,89 +115,11 @@ class FixedGamma(SpeculationPolicy):
 class AdaptiveGamma(SpeculationPolicy):
     """Picks gamma from a small ladder (0 included) by expected committed tokens per unit of cost.
 
-    The score of ``g`` proposals for a session with acceptance estimates ``a_i``
-    in a batch of ``b`` sessions is::
-
-        E(g)     = 1 + sum_{k=1..g} prod_{i=1..k} a_i             expected committed tokens
-        W(g)     = g + 1 - E(g)                                   expected wasted target positions
-        cost(g)  = round_ns(g, b) + lambda(load) * W(g) * v_p     ns   (no draft cost for a local draft)
-        score(g) = E(g) / cost(g)                                 committed tokens per ns
-
-    ``round_ns`` is the session's own latency (:meth:`CostModel.round_ns`: draft,
-    both round trips, a Verify of ``b`` sessions feeding ``g + 1`` positions
-    each, and the wait in the batcher learnt for drafted and undrafted
-    rounds) and ``v_p`` the marginal verify cost of a position. The second term
-    is the load awareness: a wasted position in a full batch delays every other
-    session riding in that batch or queued behind it, so it is charged once per
-    such session, scaled by how saturated the target is::
-
-        pressure(load) = max(clip((occupancy - occupancy_knee) / (1 - occupancy_knee), 0, 1),
-                             min(1, queue_depth / max_batch_size))
-        lambda(load)   = waste_weight * pressure * (b - 1 + queue_depth)
-        b              = clip(round(occupancy * max_batch_size), 1, max(1, active_sessions))
-
-    With spare parallelism (``v_p`` near 0, or a half-empty batch) the score is
-    plain goodput and speculation is nearly free; as batches fill, ``b`` grows
-    (so ``round_ns`` carries more positions) and the waste charge rises, so
-    gamma shrinks, down to 0 where no speculation pays for its rejected work.
-    Waste is charged rather than all target work because accepted positions
-    replace target steps the session would have run anyway.
-
-    Safeguards:
-
-    * **Hysteresis**: the choice moves from the last gamma only when the best
-      allowed score beats the last one's by more than ``switch_margin``.
-    * **Bounds**: gamma grows by at most one rung of the ladder per round (a few
-      easy tokens cannot trigger a long draft just before the text changes); it
-      may fall to any lower rung at once. A proposer in the coordinator
-      (``local_draft``) may go to any rung: it offers tokens only where its
-      lookup matches, and a longer proposal costs it no draft time (on copied
-      code climbing one rung per round was slower than going straight up:
-      docs/benchmarks/history.md, "Figures moved out of the code").
-    * **Cold start**: a session's first round uses the best rung not above
-      ``initial_gamma`` (just ``initial_gamma`` while the cost model has no data),
-      then climbs one rung per round at most. A session whose tracker starts
-      from other sessions' acceptance (``warm_start``: the coordinator's
-      :class:`~specserve.coordinator.speculation.acceptance.AcceptanceMemory` for its proposer and
-      sampling) starts at the best rung of the whole ladder for that estimate.
-    * **Probing out of 0**: a session at gamma = 0 learns nothing about
-      acceptance (its tracker neither learns nor forgets on such rounds), so after
-      ``probe_interval`` rounds at 0 it runs one round at the lowest non-zero rung.
-      When the probe's token is rejected the interval doubles (up to
-      ``max_probe_interval``), so probing a hopeless pair costs ever less; when
-      it is accepted but not enough to stay, the interval halves (down to
-      ``probe_interval``); leaving 0 on the evidence resets it. The interval
-      counts target passes, not session rounds: in a batch of ``b`` sessions
-      (:meth:`batch_size`) a probe needs ``b`` times as many rounds at 0, since
-      ``b`` rounds at 0 make one pass and a probe widens the whole padded pass
-      (every row gets a second column), so under load probing costs no larger
-      a share of the target's time than it does for one session alone. Sessions
-      warm-started under one key share this clock
-      (:class:`~specserve.coordinator.speculation.acceptance.ProbeClock`): the rounds at 0 of all of
-      them count towards one probe, whose outcome feeds the pooled acceptance
-      they all start from. (Sessions of a proposer in the coordinator, whose
-      acceptance belongs to the text rather than the pair, start cold and
-      probe on their own.)
-
-    Tuning constants (defaults, and why):
-
-    * ``choices=GAMMA_LADDER`` (0, 1, 2, 3, 4, 6, 8, 12, 16): fine where the optimum usually
-      lies, coarse above, where the goodput curve is flat; :meth:`up_to` cuts it
-      at a server's largest gamma.
-    * ``switch_margin=0.03``: near the optimum the goodput curve is flat (on the
-      test grid, neighbouring rungs often differ by 1-3%), so a wider band parks
-      the choice two rungs away at a small loss; a narrower one lets estimate
-      noise flap between neighbours. 3% measured best on the simulated grid in
-      the tests (mean efficiency against the brute-force optimum ~99%).
-    * ``initial_gamma=2``: modest; about the optimum for alpha ~0.6 at draft cost
-      ~0.1 of a target step.
-    * ``occupancy_knee=0.5``: below half-full batches there is room for more
-      positions at little cost; above it the waste charge rises linearly to full.
-    * ``waste_weight=1.0``: each other session delayed counts as much as the
-      session itself (utilitarian: total latency of all sessions).
-    * ``probe_interval=8``, ``max_probe_interval=64``: a hopeless pair costs one
-      probe round in 64 at worst (for a draft as slow as the target, about 1.5%
-      of throughput); a pair that got unlucky once is re-tested within 8 rounds.
+    ``score(g) = E(g) / (round_ns(g, b) + lambda(load) * W(g) * v_p)``: a round's expected committed tokens
+    over its cost, its expected wasted positions charged more as the target's batches fill. Around the score:
+    hysteresis (``switch_margin``), at most one rung up per round (a local draft: any), a cautious first round
+    unless warm-started, and probes out of gamma 0 on a backing-off clock. The derivation, the safeguards and
+    why each default has its value: docs/design.md, "How the adaptive policy scores a gamma".
 
     Args:
         cost_model: the coordinator's shared cost model.
@@ -301,12 +202,12 @@ class AdaptiveGamma(SpeculationPolicy):
         load: LoadSnapshot,
         *,
         local_draft: bool = False,
-        zero_steps: int | None = None,
+        target_only_steps: int | None = None,
     ) -> dict[int, float]:
         """``score(g)`` (expected committed tokens per ns) for every rung of the ladder (``local_draft``,
-        ``zero_steps``: as :meth:`SpeculationPolicy.choose_gamma`)."""
-        if zero_steps is None:  # a session drafting locally keeps one step per round (Speculator._steps)
-            zero_steps = 1 if local_draft else self.decode_steps
+        ``target_only_steps``: as :meth:`SpeculationPolicy.choose_gamma`)."""
+        if target_only_steps is None:  # a local draft keeps one step per round (Speculator._target_steps)
+            target_only_steps = 1 if local_draft else self.decode_steps
         cm = self.cost_model
         b = self.batch_size(load)
         charge = self.waste_charge(load) * cm.verify_ns_per_position()
@@ -314,7 +215,7 @@ class AdaptiveGamma(SpeculationPolicy):
         for g in self.choices:
             expected = acceptance.expected_tokens(g)
             if g == 0:  # one token per step; the call's fixed part is shared by the call's steps
-                cost = cm.target_only_token_ns(b, zero_steps)
+                cost = cm.target_only_token_ns(b, target_only_steps)
             else:
                 cost = cm.round_ns(g, b, drafted=not local_draft) + charge * (g + 1 - expected)
             out[g] = expected / max(cost, 1.0)
@@ -336,14 +237,16 @@ class AdaptiveGamma(SpeculationPolicy):
         load: LoadSnapshot,
         *,
         local_draft: bool = False,
-        zero_steps: int | None = None,
+        target_only_steps: int | None = None,
     ) -> int:
         last = acceptance.last_gamma
         ready = self.cost_model.ready_for(drafted=not local_draft)
         if last is None:  # the first round: cautious, unless other sessions' rounds back the prior
             top = len(self.choices) - 1 if acceptance.warm_start and ready else self._rung(self.initial_gamma)
             if ready:
-                scores = self.scores(acceptance, load, local_draft=local_draft, zero_steps=zero_steps)
+                scores = self.scores(
+                    acceptance, load, local_draft=local_draft, target_only_steps=target_only_steps
+                )
                 choice = max(self.choices[: top + 1], key=lambda g: scores[g])
             else:
                 choice = self.choices[top]
@@ -351,8 +254,8 @@ class AdaptiveGamma(SpeculationPolicy):
         current = self.choices[self._rung(last)]
         if not ready:
             return self._record(acceptance, current)
-        scores = self.scores(acceptance, load, local_draft=local_draft, zero_steps=zero_steps)
-        # Up one rung at most, down any (a proposer in the coordinator: any; see Bounds above).
+        scores = self.scores(acceptance, load, local_draft=local_draft, target_only_steps=target_only_steps)
+        # Up one rung at most, down any (a proposer in the coordinator: any; docs/design.md, "Bounds").
         allowed = self.choices if local_draft else self.choices[: self._rung(current) + 2]
         best = max(allowed, key=lambda g: scores[g])  # ties: the smaller gamma
         if best != current and scores[best] <= scores[current] * (1.0 + self.switch_margin):

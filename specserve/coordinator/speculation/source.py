@@ -1,14 +1,11 @@
 """A proposal source: one way a session's rounds get draft tokens (docs/design.md, "Proposal sources").
 
-Every source is a :class:`Source` in one module of ``specserve/coordinator/speculation/sources/``, registered in
-that package's ``SOURCES``. Per session the :class:`~specserve.coordinator.speculation.speculator.Speculator` holds
-the sources :meth:`Source.build` made for it, in registration order. A source drafts in one of two ways:
-
-* with a tracker of its own (``prior`` set): it drafts a round only where its own acceptance makes that pay, and
-  is asked before the session's proposers; in the rounds it does not draft it learns from its :meth:`shadow`,
-  what it would have drafted, against what the round committed (the forced text, the hybrid lookup);
-* as one of the session's proposers (``prior`` None): they share the session's tracker and its gamma, and the
-  first with tokens drafts the round (a prediction, the n-gram lookup, the draft model, the feature head).
+Every source is a :class:`Source` in one module of ``specserve/coordinator/speculation/sources/``, registered
+in that package's ``SOURCES``; per session the
+:class:`~specserve.coordinator.speculation.speculator.Speculator` holds those :meth:`Source.build` made for
+it, in registration order. A source with a tracker of its own (``prior`` set) is asked first and drafts only
+where its own acceptance pays; the others are the session's proposers, sharing its tracker, the first with
+tokens drafting the round.
 """
 
 from __future__ import annotations

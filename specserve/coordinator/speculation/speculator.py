@@ -1,13 +1,8 @@
 """One session's speculation: its sources, each round's gamma and drafter, and what each verdict teaches.
 
-:meth:`Speculator.plan` asks the sources with a tracker of their own first, in order (the policy on that tracker;
-the first whose gamma is above 0 drafts the round), then the policy on the session's tracker for its proposers,
-of which the first with tokens drafts. Every gamma is capped by the tokens left and the server's largest gamma.
-:meth:`Speculator.learn` feeds the drafter's tracker (the session's also feeds the acceptance pooled across
-sessions) and, for free, every other tracker with its :meth:`~Source.shadow` against the committed tokens: a
-guess of certain tokens ``x_1..x_k`` has ``x_i`` accepted with the probability that the target's own token there
-is ``x_i``, so its longest prefix equal to the committed tokens is what a round proposing it would have accepted
-(docs/design.md, "Proposal sources").
+:meth:`Speculator.plan` asks the sources with a tracker of their own first, then the policy on the session's
+tracker for its proposers; :meth:`Speculator.propose` takes the drafter's proposal; :meth:`Speculator.learn`
+feeds the drafter's tracker and, for free, every other source's shadow (docs/design.md, "Proposal sources").
 """
 
 from __future__ import annotations
@@ -120,10 +115,11 @@ class Speculator:
         for source in self._own:
             if source.ready():
                 assert source.tracker is not None
-                zero_steps = self._steps(0)
-                gamma = self._capped(
-                    self.policy.choose_gamma(source.tracker, load, local_draft=source.free, zero_steps=zero_steps)
+                steps = self._target_steps(0)
+                choice = self.policy.choose_gamma(
+                    source.tracker, load, local_draft=source.free, target_only_steps=steps
                 )
+                gamma = self._capped(choice)
                 if gamma > 0:
                     metrics.GAMMA_CHOSEN.observe(gamma)
                     return Plan(gamma, source)
@@ -140,7 +136,7 @@ class Speculator:
         """Whether the session's next proposal needs no draft call (no model cost: the policy's question)."""
         return all(s.free for s in self._proposers) or any(s.free and s.ready() for s in self._proposers)
 
-    def _steps(self, proposed: int) -> int:
+    def _target_steps(self, proposed: int) -> int:
         """Target steps a round asks for: ``decode_steps`` for a round without a proposal once the first token is
         out (the first round is the prefill: its token goes out alone, as soon as it exists), capped by the
         tokens left, for a session whose proposals need a draft call; 1 otherwise (a free proposal is every
@@ -174,7 +170,7 @@ class Speculator:
         request = VerifyRequest(
             s.base,
             proposal,
-            decode_steps=self._steps(len(proposal.token_ids)),
+            decode_steps=self._target_steps(len(proposal.token_ids)),
             top_logprobs=s.top_logprobs,
             cache_scope=s.cache_scope,
         )

@@ -9,8 +9,8 @@ A note on scale: the tiny target's logits are spread wide (``tiny_models`` initi
 than usual so that greedy tests are not decided by near-ties), so a difference of a few ulps between two ways
 of computing a position rarely flips its argmax here; this test shows the system's plumbing keeps greedy
 output exact. That the bits themselves do not move with the pass width, the prefill, the batch-mates or the
-replica is shown bit for bit by the property test, ``tests/specserve/engine/test_invariant.py``, on a model
-with the default target's attention shapes.
+replica is shown bit for bit by the property test, ``tests/specserve/engine/test_position_invariant.py``,
+on a model with the default target's attention shapes.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ class DraftModel(Source):
         self.max_gamma = max_gamma
         #: The next round's proposal, drafted while this round was verified, valid only for this committed
         #: prefix (the hypothesis it was drafted on).
-        self._ahead: tuple[tuple[int, ...], Proposal] | None = None
+        self._next_proposal: tuple[tuple[int, ...], Proposal] | None = None
         #: Rounds whose proposal was drafted ahead, and ahead drafts thrown away.
         self.used = self.wasted = 0
 
@@ -50,15 +50,15 @@ class DraftModel(Source):
         return True
 
     async def propose(self, gamma: int) -> Proposal:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == self.session.token_ids:
+        drafted, self._next_proposal = self._next_proposal, None
+        if drafted is not None and drafted[0] == self.session.token_ids:
             self.used += 1
             metrics.OVERLAP_DRAFTS.labels(outcome="used").inc()
-            return ahead[1].first(gamma)
+            return drafted[1].first(gamma)
         return await self.fleet.propose(self.session, gamma)
 
     def ask(self, request: VerifyRequest) -> VerifyRequest:
-        self._ahead = None  # a draft ahead is for the round after the one it was drafted beside, only
+        self._next_proposal = None  # a draft ahead is for the round after the one it was drafted beside, only
         return request
 
     async def beside(self, proposal: Proposal, verifying: Awaitable[Verified]) -> Verified:
@@ -104,7 +104,7 @@ class DraftModel(Source):
         if verdict is not None and ready is not None and len(ready.token_ids) > 1:
             if ready.token_ids[0] == verdict.committed_token_ids[-1]:
                 rest = Proposal(ready.token_ids[1:], ready.distributions[1:])
-                self._ahead = (s.token_ids + tuple(verdict.committed_token_ids), rest)
+                self._next_proposal = (s.token_ids + tuple(verdict.committed_token_ids), rest)
                 return
         self.wasted += 1
         metrics.OVERLAP_DRAFTS.labels(outcome="wasted").inc()

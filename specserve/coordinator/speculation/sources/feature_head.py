@@ -1,38 +1,10 @@
 """The feature head: a draft layer that reads the target's own features, which this source relays from the
 target's verdicts to the session's draft replica (docs/design.md, "The feature head").
 
-The coordinator never decodes features: it keeps the bytes the target's
-verdicts bring (:class:`~specserve.core.features.FeatureBlock`), asks the target
-for the positions the draft needs, and sends the draft what it has not sent it
-yet, in bounded messages.
-
-* **Asking the target** (:meth:`FeatureRelay.ask`): every Verify item of a
-  feature session asks for features from the first position the relay lacks,
-  at most ``max_bytes`` of them. A session's first item asks from where the
-  target's prefix-cache hit ends (``features_from_uncached``): the draft tier's
-  prefix cache most likely holds the feature head's context of the shared
-  history, so the history's rows need not travel. The result's features
-  (:meth:`FeatureRelay.add`) continue what the relay keeps; a result without
-  them (a replayed verdict) costs nothing: the next item asks from the same
-  position.
-* **What the draft needs**: a draft replica that lacks features answers with
-  the first position it needs (:meth:`FeatureRelay.needed`). Rows the relay
-  keeps from there are sent again at once; rows it lacks are asked of the
-  target (the session drafts at gamma 0 meanwhile), when they fit in
-  ``max_bytes``; otherwise the replica rebuilds its context from the rows kept
-  (a reset).
-* **What it keeps**: every row not yet sent to the draft and the last
-  ``window`` rows besides, never more than ``max_bytes`` in any state: past
-  it the oldest rows go, and when those were not sent yet the next send
-  resets the draft's context, which then starts at the oldest row kept
-  (docs/design.md says what that costs).
-* **Sending the draft** (:meth:`FeatureRelay.outgoing`): the rows the replica
-  lacks, at most ``send_bytes`` per message (the rest in later rounds); all
-  kept rows with reset to a replica other than the last one sent to, or after
-  :meth:`FeatureRelay.refused`. The first send of a session goes without reset,
-  so the replica may continue from its prefix cache. :meth:`FeatureRelay.ready`
-  says whether a Propose has anything to carry; :meth:`FeatureRelay.sent`
-  records that a replica took the rows.
+The coordinator never decodes features: its :class:`FeatureRelay` keeps the bytes the target's verdicts bring,
+asks the target for the positions the draft lacks (:meth:`FeatureRelay.ask`), and sends the draft what it has
+not sent it yet in bounded messages (:meth:`FeatureRelay.outgoing`), resetting the draft's context where the
+rows it needs are gone; it never holds more than ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -90,7 +62,7 @@ class FeatureHead(Source):
 
 
 class FeatureRelay:
-    """One session's features in the coordinator (see the module docstring)."""
+    """One session's features in the coordinator (docs/design.md, "The feature head")."""
 
     def __init__(self, window: int = DEFAULT_WINDOW, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if window < 1:

@@ -42,7 +42,7 @@ order that depends on the row alone:
   every replica; ``fastest`` is refused (``TargetSettings``).
 
 Everything else in a Llama-like pass is row-wise already (embeddings, norms,
-rotary positions, activations). ``tests/specserve/engine/test_invariant.py``
+rotary positions, activations). ``tests/specserve/engine/test_position_invariant.py``
 checks the property on a tiny Llama with the default target's head shapes (9
 query heads over 3 key/value heads), and that the fixed-shape kernels behave
 as assumed on the machine that runs the tests.
@@ -252,7 +252,7 @@ def invariant_attention(
     batch, heads, queries, dim = query.shape
     if row_layout is None:
         if attention_mask is not None and batch > 1:
-            raise ValueError("a padded batch needs a row layout (invariant.forward)")
+            raise ValueError("a padded batch needs a row layout (position_invariant.forward)")
         row_layout = RowLayout(spans=((0, key.shape[2]),) * batch, queries=(queries,) * batch)
     if len(row_layout.spans) != batch:
         raise ValueError(f"row layout has {len(row_layout.spans)} rows, the pass {batch}")

@@ -1,4 +1,5 @@
-"""specserve.engine.invariant: a position's logits are the same bits however the target computes them.
+"""specserve.engine.position_invariant: a position's logits are the same bits however the target computes
+them.
 
 A tiny real Llama with the default target's attention shapes (9 query heads
 over 3 key/value heads of 64 dimensions, grouped attention) in float32 on the
@@ -23,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specserve.engine import batching, cpu_kernels, invariant
+from specserve.engine import batching, cpu_kernels, position_invariant
 from specserve.engine.models import load_model
 from specserve.runtime.config import TargetSettings
 
@@ -60,7 +61,7 @@ def model_dir(tmp_path_factory):
 def _load(model_dir, kernels: str, *, prepared: bool = True):
     model = load_model(model_dir, device="cpu", dtype="float32", kernels=kernels).model
     if prepared:
-        invariant.prepare(model)
+        position_invariant.prepare(model)
     return model
 
 
@@ -97,7 +98,7 @@ def _batched(model, rows: list[tuple[list[int], list[int]]]) -> list[torch.Tenso
         kv = tuple((layer.keys, layer.values) for layer in cache.layers) if past else None
         inputs.append(batching.RowInput(past=kv, past_len=len(past), input_ids=tuple(feed)))
     packed = batching.pack(inputs, config=model.config, device="cpu")
-    logits, _ = invariant.forward(model, packed)
+    logits, _ = position_invariant.forward(model, packed)
     return [batching.row_logits(logits, packed, b) for b in range(len(rows))]
 
 
@@ -202,34 +203,34 @@ def test_the_attention_products_give_a_row_the_same_bits_from_the_fewest_rows_on
     head dim for the scores, the 64-key chunk for the values) gives a row the same bits for every row count
     m >= MIN_QUERY_ROWS, wherever the row sits and whatever N (prepare() checks it too)."""
     gen = torch.Generator().manual_seed(0)
-    for k_dim in (head_dim, invariant.KEY_CHUNK):
+    for k_dim in (head_dim, position_invariant.KEY_CHUNK):
         a = torch.randn(3, 700, k_dim, generator=gen)  # [KV, rows, K]
-        b = torch.randn(3, k_dim, 5 * invariant.KEY_CHUNK, generator=gen)  # [KV, K, N]
+        b = torch.randn(3, k_dim, 5 * position_invariant.KEY_CHUNK, generator=gen)  # [KV, K, N]
         whole = torch.matmul(a, b)
-        for m in (invariant.MIN_QUERY_ROWS, 5, 7, 16, 33, 300):
+        for m in (position_invariant.MIN_QUERY_ROWS, 5, 7, 16, 33, 300):
             for at in (0, 11, 700 - m):
                 assert torch.equal(torch.matmul(a[:, at : at + m], b), whole[:, at : at + m]), (k_dim, m, at)
         assert torch.equal(torch.matmul(a[:, :8], b[:, :, :64]), whole[:, :8, :64]), k_dim
-    assert invariant.products_row_invariant(head_dim)
+    assert position_invariant.products_row_invariant(head_dim)
 
 
 def test_packed_blocks_go_unpadded_only_where_the_kernel_allows(model_dir):
     if not cpu_kernels.onednn_available():
         pytest.skip("this PyTorch build has no oneDNN")
     model = _load(model_dir, "onednn")
-    layers = [m for m in model.modules() if isinstance(m, invariant.InvariantLinear)]
+    layers = [m for m in model.modules() if isinstance(m, position_invariant.InvariantLinear)]
     assert layers and all(m.kernels == "onednn" for m in layers)
     assert all(m.fewest_rows in (1, 2, None) for m in layers)
     # fewest_block_rows refuses a matmul whose row bits depend on the row count.
-    assert invariant.fewest_block_rows(lambda x: x * x.shape[0], 8) is None
+    assert position_invariant.fewest_block_rows(lambda x: x * x.shape[0], 8) is None
 
 
 def test_prepare_swaps_every_linear_and_the_attention(model_dir):
     model = _load(model_dir, "stock")
-    assert invariant.is_invariant(model)
-    wrapped = {id(m.layer) for m in model.modules() if isinstance(m, invariant.InvariantLinear)}
+    assert position_invariant.is_invariant(model)
+    wrapped = {id(m.layer) for m in model.modules() if isinstance(m, position_invariant.InvariantLinear)}
     assert wrapped and all(id(m) in wrapped for m in model.modules() if type(m) is torch.nn.Linear)
-    assert invariant.prepare(model) == 0  # a second call changes nothing
+    assert position_invariant.prepare(model) == 0  # a second call changes nothing
     stock = _load(model_dir, "stock", prepared=False)
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in stock.parameters())
 
