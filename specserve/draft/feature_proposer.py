@@ -225,11 +225,6 @@ class FeatureProposer(RowProposer):
         with torch.no_grad(), row_invariant.blocked_matmuls(self.head.model):
             return self.head.scatter(self.head.head_logits(hidden))
 
-    @staticmethod
-    def _row_input(cache: SessionCache, slots: tuple[int, ...]) -> batching.RowInput:
-        past = tuple(cache.layer_kv())
-        return batching.RowInput(past=past or None, past_len=cache.seq_len, input_ids=slots, logits_needed=1)
-
     def _prefill(self, cache: SessionCache, slots: tuple[int, ...], feats: torch.Tensor) -> None:
         """True slots through a pass of the session's own (a long catch-up)."""
         packed = batching.pack([self._row_input(cache, slots)], config=self.config, device=self.device)
@@ -239,12 +234,7 @@ class FeatureProposer(RowProposer):
 
     def _draft(self, rows: list[_HeadRow]) -> None:
         """The draft steps of one batch; each row's cache ends holding its true slots only."""
-        packed = batching.pack(
-            [self._row_input(row.cache, row.feed) for row in rows],
-            config=self.config,
-            device=self.device,
-            room=max(row.gamma for row in rows) - 1,
-        )
+        packed = self._pack(rows)
         feats = torch.zeros(len(rows), packed.input_ids.shape[1], self.hidden_size, device=self.device)
         for b, row in enumerate(rows):
             feats[b, : len(row.feed)] = row.features

@@ -232,6 +232,21 @@ class RowProposer(Proposer):
         assert all(o is not None for o in outcomes)
         return outcomes  # type: ignore[return-value]
 
+    @staticmethod
+    def _row_input(cache: SessionCache, token_ids: tuple[int, ...]) -> batching.RowInput:
+        """One row of a pass: the session's cached KV, then ``token_ids``, logits for the last."""
+        past = tuple(cache.layer_kv())
+        return batching.RowInput(past=past or None, past_len=cache.seq_len, input_ids=token_ids, logits_needed=1)
+
+    def _pack(self, rows: Sequence[Any]) -> batching.PackedBatch:
+        """The rows' feeds in one padded batch, with room for each row's draft steps after its feed."""
+        return batching.pack(
+            [self._row_input(row.cache, row.feed) for row in rows],
+            config=self.config,  # type: ignore[attr-defined]
+            device=self.device,  # type: ignore[attr-defined]
+            room=max(row.gamma for row in rows) - 1,
+        )
+
     @abc.abstractmethod
     def _row(self, index: int, request: DraftRequest) -> Any:
         """The request's row (None: nothing to draft; a ``Drafted``: answered without drafting)."""
@@ -445,21 +460,9 @@ class ModelProposer(RowProposer):
         cache.append_kv(batching.new_kv(grown, packed, 0), token_ids)
         cache.commit(cache.branch_len)
 
-    @staticmethod
-    def _row_input(cache: SessionCache, token_ids: tuple[int, ...]) -> batching.RowInput:
-        past = tuple(cache.layer_kv())
-        return batching.RowInput(
-            past=past or None, past_len=cache.seq_len, input_ids=token_ids, logits_needed=1
-        )
-
     def _draft(self, rows: list[_Row]) -> None:
         """The draft steps of one batch; fills each row's tokens and leaves its cache at ``C + x1..x_{gamma-1}``."""
-        packed = batching.pack(
-            [self._row_input(row.cache, row.feed) for row in rows],
-            config=self.config,
-            device=self.device,
-            room=max(row.gamma for row in rows) - 1,
-        )
+        packed = self._pack(rows)
         active = list(rows)  # active[b] is row b of the current pass
         logits, grown = row_invariant.forward(self.model, packed)
         first = True
