@@ -12,6 +12,7 @@ import torch
 from target_helpers import (
     GREEDY,
     assert_cache_holds,
+    fresh_logits,
     greedy_continuation,
     item,
     make_verifier,
@@ -20,7 +21,7 @@ from target_helpers import (
 )
 
 from specserve.api.errors import InvalidArgument
-from specserve.api.params import SamplingParams, SessionBase
+from specserve.api.params import SamplingParams, SessionBase, StopConditions
 from specserve.core.proposal import DraftProposal, draft_probs_to_pb
 from specserve.core.rng import gumbel_noise
 from specserve.core.tree import MAX_TREE_NODES, DraftTree
@@ -223,3 +224,35 @@ def test_a_chain_sent_with_its_parents_is_a_chain():
         target_pb2.VerifyRequest(items=[pb]), vocab_size=50, max_gamma=4, max_batch_size=2
     )
     assert batch.items[0].tree is None and batch.items[0].proposal.token_ids == (4, 5, 6)
+
+
+async def test_min_new_tokens_masks_a_trees_rows_by_depth(target, store):
+    """``min_new_tokens`` 3 with the target's own first two greedy tokens as stop tokens: every row of a two-level
+    tree emits a token before the minimum, so the stop tokens are masked at the root and at each node whatever
+    its place in the node order; the tree offers the unmasked argmax first at each level and the masked one
+    second, and the verdict is masked greedy decoding (fresh prefills, the stop tokens set to -inf)."""
+    stop_ids = tuple(greedy_continuation(target, PROMPT, 2))
+    stop = StopConditions(max_new_tokens=16, min_new_tokens=3, stop_token_ids=stop_ids)
+    verifier = make_verifier(target, store)
+    record = await new_session(store, PROMPT, GREEDY, stop=stop)
+
+    def argmax(seq, masked):
+        logits = fresh_logits(target, seq)[-1].clone()
+        if masked:
+            logits[list(stop_ids)] = float("-inf")
+        return int(logits.argmax())
+
+    seq, tokens, parents, parent = list(PROMPT), [], [], -1
+    for _ in range(2):
+        free, masked = argmax(seq, False), argmax(seq, True)
+        offered = [free, masked] if free != masked else [masked]
+        tokens += offered
+        parents += [parent] * len(offered)
+        parent = len(tokens) - 1
+        seq.append(masked)
+    assert tokens[0] == stop_ids[0], "the unmasked argmax at the root is a stop token: the mask matters"
+    tree = DraftTree(tuple(tokens), tuple(parents))
+    verdict = (await verifier.verify(VerifyBatch(items=(tree_item(record, tree),)))).results[0].verdict
+    assert list(verdict.committed_token_ids) == [*seq[len(PROMPT) :], argmax(seq, True)]
+    assert verdict.accepted_count == 2 and not verdict.finish_reason
+    verifier.close()
