@@ -67,6 +67,15 @@ async def tree_stack(pair, redis_server):
         yield s
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def invariant_tree_stack(pair, redis_server):
+    target = {"kernels": "auto", "invariant": True}
+    async with sf.local_stack(
+        pair, redis_server.url, coordinator_overrides=TREES, target_overrides=target
+    ) as s:
+        yield s
+
+
 @pytest.fixture(scope="module")
 def prompts(pair):
     return [pair.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
@@ -87,6 +96,22 @@ async def test_greedy_with_trees_is_the_targets_greedy_decoding(tree_stack, pair
         assert "tree" in rows and "model" not in rows, "the tree source drafts the session's rounds"
     if gamma is not None:  # the adaptive policy may keep this pair's poor drafts at gamma 0
         assert branched["verify_tree_greedy"] > 0, "some rounds verified a tree with a branch"
+
+
+async def test_greedy_with_trees_on_invariant_passes_is_the_targets(
+    invariant_tree_stack, pair, prompts, branched
+):
+    """With invariant passes (each node's attention reads its path's keys as a chain's step would: the same
+    bits), batched with each other: the target's own greedy decoding, token for token."""
+    outs = await asyncio.gather(
+        *(
+            sf.generate(invariant_tree_stack.address, _request(p, max_new_tokens=MAX_NEW, gamma=3))
+            for p in prompts
+        )
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == sf.reference_greedy(pair.target_dir, prompt, MAX_NEW, ignore_eos=True)
+    assert branched["verify_tree_greedy"] > 0, "some rounds verified a tree with a branch"
 
 
 async def test_coupled_with_trees_is_the_chains_text(tree_stack, stack, pair, prompts, branched):
