@@ -261,7 +261,10 @@ def invariant_attention(
     for b, ((start, stop), t) in enumerate(zip(row_layout.spans, row_layout.queries, strict=True)):
         tree = row_layout.trees[b] if row_layout.trees else None
         q, k, v = query[b, :, :t], key[b, :, start:stop], value[b, :, start:stop]
-        out[b, :t] = _row_attention(q, k, v, scale) if tree is None else _tree_row_attention(q, k, v, scale, tree)
+        if tree is None:
+            out[b, :t] = _row_attention(q, k, v, scale)
+        else:
+            out[b, :t] = _tree_row_attention(q, k, v, scale, tree)
     return out, None
 
 
