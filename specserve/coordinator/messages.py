@@ -24,6 +24,10 @@ class Proposal:
     #: [gamma] or empty (point masses): the distribution each token was drawn from, as the draft sent it. Opaque
     #: here; the fleet's client module passes them from the draft's reply to the Verify item undecoded.
     distributions: tuple[Any, ...] = ()
+    #: A draft tree (docs/design.md, "Draft trees: exact acceptance"): token i's parent, -1 for the committed
+    #: prefix's pending position, else an earlier token; empty: a chain. A ``None`` distribution (beside others)
+    #: is a point mass on its token, which the fleet's client module writes out for the target.
+    parents: tuple[int, ...] = ()
     source: str = ""  # the drafting source's name ("": nobody)
     wall_ns: int = 0  # the draft call(s) as the coordinator saw them, batching wait included (0: no call)
     draft_ns: int | None = None  # the draft's own account of its work (None: no draft answered)
@@ -31,6 +35,16 @@ class Proposal:
     prefill_tokens: int = 0  # committed tokens the draft fed to catch up before drafting
     #: The feature head lacks the target's features from this position on (it drafted nothing); None: none lacking.
     features_needed_from: int | None = None
+
+    @property
+    def depth(self) -> int:
+        """Positions past the committed prefix it reaches: a chain's gamma, a tree's levels."""
+        if not self.parents:
+            return len(self.token_ids)
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return max(depths)
 
     @property
     def network_ns(self) -> int:

@@ -62,10 +62,16 @@ class RowInput:
     past_len: int
     input_ids: tuple[int, ...]  # tokens to feed, at positions past_len, past_len + 1, ...
     logits_needed: int | None = None  # logits wanted for the last this-many inputs; None: all
+    #: A draft tree in the last ``len(tree)`` inputs: node ``i``'s parent (``-1``: the input before the nodes,
+    #: else an earlier node). Node ``i`` sits at the position after its parent's and attends to the inputs
+    #: before the nodes and to its own path only (:func:`input_mask`). None: every input is a chain.
+    tree: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.input_ids:
             raise ValueError("a row must feed at least one token")
+        if self.tree is not None and not 0 < len(self.tree) < len(self.input_ids):
+            raise ValueError("a tree's nodes follow at least one chain input (the pending token)")
         if self.logits_needed is not None and not 1 <= self.logits_needed <= len(self.input_ids):
             raise ValueError(f"logits_needed must be in [1, {len(self.input_ids)}], got {self.logits_needed}")
         if (self.past is None) != (self.past_len == 0):
@@ -86,6 +92,8 @@ class PackedBatch:
     logits_from: int  # first input column whose logits the pass computes (min over rows of t_b - k_b)
     spans: tuple[tuple[int, int], ...]  # row b's tokens (past and inputs) in cache columns [start, stop)
     fed: tuple[int, ...]  # tokens fed to row b since pack, this pass included (new_kv returns their KV)
+    #: Row b's draft tree (RowInput.tree); empty: no row has one.
+    trees: tuple[tuple[int, ...] | None, ...] = ()
 
     @property
     def positions_processed(self) -> int:
@@ -211,6 +219,10 @@ def pack(rows: Sequence[RowInput], *, config, device: torch.device | str, room: 
         attention_mask[b, width - row.past_len : width + t] = 1
         # Padded queries repeat the last real position; their outputs are discarded.
         position_ids[b] = torch.arange(row.past_len, row.past_len + longest).clamp(max=row.past_len + t - 1)
+        if row.tree is not None:  # each node at its parent's position + 1
+            chain = t - len(row.tree)
+            position_ids[b, chain:t] = row.past_len + chain - 1 + torch.tensor(tree_depths(row.tree))
+            position_ids[b, t:] = position_ids[b, :t].max()
     if width > 0:
         cache = _padded_cache(rows, width, config, room=longest + room)
     elif room > 0:
@@ -229,7 +241,49 @@ def pack(rows: Sequence[RowInput], *, config, device: torch.device | str, room: 
         logits_from=min(len(r.input_ids) - k for r, k in zip(rows, needed, strict=True)),
         spans=tuple((width - r.past_len, width + len(r.input_ids)) for r in rows),
         fed=tuple(len(r.input_ids) for r in rows),
+        trees=tuple(r.tree for r in rows) if any(r.tree is not None for r in rows) else (),
     )
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth (1 below the input before the nodes) from its parent (``-1`` or an earlier node)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def input_mask(inputs: int, parents: Sequence[int] | None) -> Tensor:
+    """``[inputs, inputs]`` bool: whether input ``i`` attends to input ``j`` of its row (each sees every past
+    token too). Causal for a chain; the last ``len(parents)`` inputs (a tree, :attr:`RowInput.tree`) see the
+    inputs before them and their own path (the node and its ancestors)."""
+    mask = torch.ones(inputs, inputs, dtype=torch.bool).tril()  # [t, t]
+    if parents:
+        chain = inputs - len(parents)
+        nodes = mask[chain:, chain:]  # [m, m]: a view, rebuilt as the ancestor mask
+        nodes.zero_()
+        for i, parent in enumerate(parents):
+            if parent >= 0:
+                nodes[i] = nodes[parent]
+            nodes[i, i] = True
+    return mask
+
+
+def _tree_attention_mask(packed: PackedBatch, dtype: torch.dtype) -> Tensor:
+    """The 4D additive mask ``[batch, 1, T, L + T]`` of a pass with a draft tree in some row: the 2D mask's
+    padding, causal order among the inputs, and each tree's ancestor mask (:func:`input_mask`). A padded query
+    sees what its row's last real input sees (no row is fully masked)."""
+    batch, longest = packed.input_ids.shape
+    width = packed.past_width
+    padding = packed.attention_mask.bool()[:, None, None, :]  # [batch, 1, 1, L + T]
+    allowed = padding.expand(batch, 1, longest, width + longest).clone()
+    for b, t in enumerate(packed.input_lens):
+        among = torch.zeros(longest, longest, dtype=torch.bool)  # [T, T]
+        among[:t, :t] = input_mask(t, packed.trees[b])
+        among[t:, :t] = among[t - 1, :t]
+        allowed[b, 0, :, width:] &= among.to(allowed.device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _padded_cache(rows: Sequence[RowInput], width: int, config, *, room: int) -> DynamicCache:
@@ -259,10 +313,13 @@ def forward(model, packed: PackedBatch, **model_kwargs) -> tuple[Tensor, Dynamic
     grown cache. Only the columns some row needs get logits (a long catch-up row costs no vocab-wide rows).
     ``model_kwargs`` go to the model (and on to its attention function)."""
     cache = packed.cache if packed.cache is not None else DynamicCache(config=model.config)
+    attention_mask = packed.attention_mask
+    if packed.trees and "row_layout" not in model_kwargs:  # a layout's attention takes the trees from it
+        attention_mask = _tree_attention_mask(packed, next(model.parameters()).dtype)
     with torch.no_grad():
         out = model(
             input_ids=packed.input_ids,
-            attention_mask=packed.attention_mask,
+            attention_mask=attention_mask,
             position_ids=packed.position_ids,
             cache=cache,
             use_cache=True,

@@ -259,8 +259,39 @@ def invariant_attention(
     scale = scaling if scaling is not None else dim**-0.5
     out = query.new_zeros(batch, queries, heads, value.shape[-1])  # [B, T, H, d]
     for b, ((start, stop), t) in enumerate(zip(row_layout.spans, row_layout.queries, strict=True)):
-        out[b, :t] = _row_attention(query[b, :, :t], key[b, :, start:stop], value[b, :, start:stop], scale)
+        tree = row_layout.trees[b] if row_layout.trees else None
+        q, k, v = query[b, :, :t], key[b, :, start:stop], value[b, :, start:stop]
+        if tree is None:
+            out[b, :t] = _row_attention(q, k, v, scale)
+        else:
+            out[b, :t] = _tree_row_attention(q, k, v, scale, tree)
     return out, None
+
+
+def _tree_row_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, parents: tuple[int, ...]) -> Tensor:
+    """One session's attention with a draft tree in its last ``m = len(parents)`` queries: ``q [H, t, d]`` at the
+    last ``t`` of the ``n`` positions of ``k/v [KV, n, d]`` -> ``[t, H, d]``.
+
+    The queries before the nodes are a chain (:func:`_row_attention`). Node ``i`` attends to the keys before the
+    nodes and to its path's (its ancestors', then its own) laid out after them in depth order: the very keys, in
+    the very order, a chain's decoding step at its position would see, so its output is that step's bits. Each
+    node copies the keys before the nodes (simple, not the fastest: the copy grows with the context).
+    """
+    heads, t, dim = q.shape
+    m = len(parents)
+    n = k.shape[1]
+    prefix = n - m  # keys before the nodes
+    out = q.new_empty(t, heads, dim)  # [t, H, d]
+    out[: t - m] = _row_attention(q[:, : t - m], k[:, :prefix], v[:, :prefix], scale)
+    paths: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        path = [*(paths[parent] if parent >= 0 else []), prefix + i]
+        paths.append(path)
+        keys = torch.cat([k[:, :prefix], k[:, path]], dim=1)  # [KV, prefix + depth, d]
+        values = torch.cat([v[:, :prefix], v[:, path]], dim=1)
+        node = t - m + i
+        out[node : node + 1] = _row_attention(q[:, node : node + 1], keys, values, scale)
+    return out
 
 
 def prepare(model: Any) -> int:
@@ -306,7 +337,8 @@ def forward(model: Any, packed: batching.PackedBatch) -> tuple[Tensor, object]:
     invariant (:func:`prepare`), so that a row's logits do not depend on its batch-mates or padding."""
     if not is_invariant(model):
         return batching.forward(model, packed)
-    return batching.forward(model, packed, row_layout=RowLayout(spans=packed.spans, queries=packed.input_lens))
+    layout = RowLayout(spans=packed.spans, queries=packed.input_lens, trees=packed.trees)
+    return batching.forward(model, packed, row_layout=layout)
 
 
 __all__ = ["ATTENTION", "KEY_CHUNK", "MIN_QUERY_ROWS", "PACKED_BLOCK", "ROW_BLOCK", "InvariantLinear", "forward", "kernels_of", "prepare"]

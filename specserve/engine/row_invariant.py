@@ -73,6 +73,8 @@ class RowLayout:
         tuple[int, int], ...
     ]  # row b's keys: cache columns [start, stop), this pass's inputs included
     queries: tuple[int, ...]  # row b's real queries: the first queries[b] input columns
+    #: Row b's draft tree in its last real queries (``batching.RowInput.tree``); empty: no row has one.
+    trees: tuple[tuple[int, ...] | None, ...] = ()
 
 
 def _blocked(x: Tensor, matmul: Callable[[Tensor], Tensor]) -> Tensor:

@@ -434,8 +434,10 @@ class CoordinatorSettings(CommonSettings):
     opt_in_sources: CommaList = Field(
         default_factory=list,
         description="Proposal sources that are off unless named here (the opt-in ones registered in "
-        "specserve/coordinator/speculation/sources/). Each drafts a round, with no draft call, only where "
-        "its own acceptance, learnt from every round, makes that pay.",
+        "specserve/coordinator/speculation/sources/): 'repeat' drafts the last token again, with no draft "
+        "call, only where its own acceptance, learnt from every round, makes that pay; 'tree' drafts a "
+        "draft-model session's rounds as draft trees, the model's chain with the n-gram lookup's "
+        "continuation as a branch (docs/design.md, 'Draft trees: exact acceptance').",
     )
     draft_min_confidence: float = Field(
         0.4,

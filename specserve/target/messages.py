@@ -21,6 +21,7 @@ from specserve.api.params import SessionBase, Verdict, check_cache_scope, check_
 from specserve.api.status import item_code
 from specserve.core.features import FeatureBlock
 from specserve.core.proposal import DraftProposal, draft_probs_from_pb
+from specserve.core.tree import MAX_TREE_NODES, DraftTree
 from specserve.v1 import target_pb2
 
 #: Most target steps one gamma = 0 item may ask for in a call (``VerifyItem.decode_steps``): a call holds
@@ -47,6 +48,8 @@ class ItemToVerify:
     features_max_bytes: int = 0
     #: The session's prefix-cache scope: its cache attaches and shares blocks of this scope only.
     cache_scope: bytes = b""
+    #: The proposal as a draft tree (its tokens and q are the proposal's); None: a chain, the proposal itself.
+    tree: DraftTree | None = None
 
     @property
     def session_id(self) -> str:
@@ -54,7 +57,13 @@ class ItemToVerify:
 
     @property
     def gamma(self) -> int:
+        """Proposed tokens: a chain's length, a tree's nodes."""
         return len(self.proposal.token_ids)
+
+    @property
+    def depth(self) -> int:
+        """Positions past the committed prefix the proposal reaches: a chain's gamma, a tree's levels."""
+        return self.gamma if self.tree is None else self.tree.max_depth
 
 
 @dataclass(frozen=True)
@@ -116,7 +125,12 @@ def _item_from_pb(pb: target_pb2.ItemToVerify, *, vocab_size: int, max_gamma: in
     if base.committed_len < 1:
         raise InvalidArgument("base.committed_len must be >= 1 (a session holds at least its prompt)")
     token_ids = tuple(int(t) for t in pb.proposal.token_ids)
-    if len(token_ids) > max_gamma:
+    parents = tuple(int(v) for v in pb.proposal.parents)
+    if parents and parents == tuple(range(-1, len(token_ids) - 1)):
+        parents = ()  # a chain sent as a tree: the chain's path
+    if parents:
+        _check_tree_shape(token_ids, parents, max_gamma=max_gamma)
+    elif len(token_ids) > max_gamma:
         raise InvalidArgument(f"{len(token_ids)} proposed tokens; this server verifies at most {max_gamma}")
     for t in token_ids:
         if t >= vocab_size:
@@ -150,9 +164,11 @@ def _item_from_pb(pb: target_pb2.ItemToVerify, *, vocab_size: int, max_gamma: in
             f"features_from={features_from}: features start at a committed position before the last "
             f"committed token ({base.committed_len - 1}) at most"
         )
+    proposal = DraftProposal(token_ids=token_ids, probs=probs)
     return ItemToVerify(
         base=base,
-        proposal=DraftProposal(token_ids=token_ids, probs=probs),
+        proposal=proposal,
+        tree=DraftTree(token_ids, parents, probs) if parents else None,
         top_logprobs=top_logprobs,
         decode_steps=steps,
         features_from=features_from,
@@ -160,6 +176,24 @@ def _item_from_pb(pb: target_pb2.ItemToVerify, *, vocab_size: int, max_gamma: in
         features_max_bytes=pb.features_max_bytes,
         cache_scope=check_cache_scope(pb.cache_scope),
     )
+
+
+def _check_tree_shape(token_ids: tuple[int, ...], parents: tuple[int, ...], *, max_gamma: int) -> None:
+    """A draft tree's bounds, before anything is decoded: one parent per token, at most
+    :data:`~specserve.core.tree.MAX_TREE_NODES` nodes and ``max_gamma`` levels (the rest is
+    :class:`~specserve.core.tree.DraftTree`'s check)."""
+    if len(parents) != len(token_ids):
+        raise InvalidArgument(
+            f"{len(parents)} parents for {len(token_ids)} proposed tokens; a draft tree sends one parent per token "
+            "(none for a chain)"
+        )
+    if len(token_ids) > MAX_TREE_NODES:
+        raise InvalidArgument(
+            f"a draft tree of {len(token_ids)} nodes; this server verifies at most {MAX_TREE_NODES}"
+        )
+    depth = DraftTree(token_ids, parents).max_depth
+    if depth > max_gamma:
+        raise InvalidArgument(f"a draft tree {depth} levels deep; this server verifies at most {max_gamma}")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from specserve.core.sampling import (
     processed_logprobs,
     suppress_tokens,
 )
+from specserve.core.tree_verification import verify_tree, verify_tree_coupled, verify_tree_greedy
 from specserve.core.verification import VerifyOutcome, verify_batch, verify_coupled, verify_greedy
 from specserve.engine import batching, position_invariant
 from specserve.engine.feature_head import FinalNormInput
@@ -76,10 +77,25 @@ class _ItemState:
     features: FeatureBlock | None = None  # what the item asked for (features_from), once its cache settled
     cached: int = 0  # committed tokens this call attached from the prefix cache instead of feeding them
     grammar: Any = None  # its constraint's compiled grammar (or why it does not compile), from _prepare_grammars
+    #: A draft tree's nodes' keys/values from the pass (per layer ``[1, kv_heads, nodes, head_dim]``), kept aside
+    #: until the verdict says which path stays (:meth:`Verifier._keep_path`); and their features, when tracked.
+    tree_kv: Any = None
+    tree_features: torch.Tensor | None = None
+    #: A draft tree's accepted path (node indices); after the decision ``logits`` / ``probs`` hold its rows only.
+    path: tuple[int, ...] | None = None
 
     @property
     def n(self) -> int:
         return self.record.committed_len
+
+    @property
+    def proposed(self) -> tuple[int, ...]:
+        """The proposal as a chain: a chain's tokens; a tree's accepted path's, once decided."""
+        if self.path is None:
+            return self.item.proposal.token_ids
+        tree = self.item.tree
+        assert tree is not None
+        return tuple(tree.tokens[v] for v in self.path)
 
     def fail(self, exc: SpecServeError) -> None:
         """Mark this item failed with ``exc`` (its message prefixed with the session)."""
@@ -357,11 +373,11 @@ class Verifier:
                     f"{record.version}, the request says {base.committed_len}"
                 ),
             )
-        if self.max_positions is not None and record.committed_len + item.gamma > self.max_positions:
+        if self.max_positions is not None and record.committed_len + item.depth > self.max_positions:
             return ItemResult(
                 sid,
                 error=InvalidArgument(
-                    f"session {sid!r}: {record.committed_len} committed + {item.gamma} proposed tokens "
+                    f"session {sid!r}: {record.committed_len} committed + {item.depth} proposed tokens "
                     f"exceed the target model's {self.max_positions} positions; propose at most "
                     f"{max(0, self.max_positions - record.committed_len)}"
                 ),
@@ -425,6 +441,8 @@ class Verifier:
         forward_ns, positions = self._forward(work)
         self._decide(work)
         for w in work:
+            if w.tree_kv is not None:
+                self._keep_path(w)
             self._keep_committed_prefix(w, w.verdict.committed_len - 1 if w.verdict is not None else w.n - 1)
         return forward_ns, positions
 
@@ -466,7 +484,7 @@ class Verifier:
         if not ready:
             return forward_ns, positions
         t0 = time.perf_counter_ns()
-        if len(ready) == 1:
+        if len(ready) == 1 and ready[0].item.tree is None:
             w = ready[0]
             assert w.cache is not None
             w.logits = w.cache.extend(w.feed, logits_to_keep=w.item.gamma + 1)  # [gamma + 1, vocab]
@@ -481,6 +499,7 @@ class Verifier:
                         past_len=w.cache.seq_len,
                         input_ids=w.feed,
                         logits_needed=w.item.gamma + 1,
+                        tree=w.item.tree.parents if w.item.tree is not None else None,
                     )
                 )
             packed = batching.pack(rows, config=self.model.model.config, device=self.model.device)
@@ -496,7 +515,16 @@ class Verifier:
                 rows_b = None
                 if hidden is not None and w.cache.tracks_features:
                     rows_b = features_of(self.model.model, hidden[b, : len(w.feed)])
-                w.cache.append_kv(batching.new_kv(grown, packed, b), w.feed, rows_b)
+                kv = batching.new_kv(grown, packed, b)
+                if w.item.tree is not None:  # the nodes wait for the verdict: only its path stays
+                    chain = len(w.feed) - w.item.tree.nodes
+                    w.tree_kv = tuple((k[:, :, chain:], v[:, :, chain:]) for k, v in kv)
+                    kv = tuple((k[:, :, :chain], v[:, :, :chain]) for k, v in kv)
+                    if rows_b is not None:
+                        w.tree_features, rows_b = rows_b[chain:], rows_b[:chain]
+                    w.cache.append_kv(kv, w.feed[:chain], rows_b)
+                else:
+                    w.cache.append_kv(kv, w.feed, rows_b)
                 w.logits = batching.row_logits(logits, packed, b)  # [gamma + 1, vocab]
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
@@ -522,7 +550,10 @@ class Verifier:
                         w.probs = self._target_probs(w)  # [gamma + 1, vocab] float64
                 except (InvalidArgument, Aborted) as exc:  # Aborted: its grammar was not prepared (_constrain)
                     w.fail(exc)
-        ready = [w for w in work if w.error is None]
+        trees = [w for w in work if w.error is None and w.item.tree is not None]
+        for w in trees:
+            self._decide_tree(w)
+        ready = [w for w in work if w.error is None and w.item.tree is None]
         greedy = [w for w in ready if w.record.sampling.greedy]
         coupled = [w for w in ready if w.record.sampling.coupled]
         sampled = [w for w in ready if not (w.record.sampling.greedy or w.record.sampling.coupled)]
@@ -558,6 +589,47 @@ class Verifier:
             if w.error is None:
                 w.verdict = self._verdict(w)
 
+    def _decide_tree(self, w: _ItemState) -> None:
+        """A draft tree's rule (docs/design.md, "Draft trees: exact acceptance"): greedy, coupled, or recursive
+        rejection sampling without replacement; then the item reads as the chain of its accepted path (its rows
+        of ``logits`` / ``probs`` only), for the verdict and the log probabilities."""
+        tree = w.item.tree
+        assert tree is not None and w.logits is not None
+        sampling = w.record.sampling
+        try:
+            if sampling.greedy:
+                if w.choices is None:  # a processed row (repetition penalty): the one-hot's argmax
+                    assert w.probs is not None
+                    w.choices = w.probs.argmax(dim=-1).cpu()
+                outcome = verify_tree_greedy(w.choices, tree)
+            elif sampling.coupled:
+                assert w.probs is not None
+                outcome = verify_tree_coupled(w.probs, tree, sampling.seed, w.n)
+            else:
+                assert w.probs is not None
+                outcome = verify_tree(w.probs.cpu(), tree, sampling.seed, w.n)
+        except InvalidArgument as exc:
+            w.fail(exc)
+            return
+        rows = torch.tensor([0, *(v + 1 for v in outcome.path)], device=w.logits.device)
+        w.path = outcome.path
+        w.logits = w.logits.index_select(0, rows)  # [accepted + 1, vocab]
+        if w.probs is not None:
+            w.probs = w.probs.index_select(0, rows.to(w.probs.device))
+        w.outcome = outcome.as_verify_outcome()
+
+    def _keep_path(self, w: _ItemState) -> None:
+        """Append the accepted path's keys/values (and features) after the pending token: the cache then holds
+        what a chain of that path would have left, and the other nodes' are dropped. The path is a chain at
+        consecutive positions, each node computed over the prefix and its ancestors only."""
+        kv, features, w.tree_kv, w.tree_features = w.tree_kv, w.tree_features, None, None
+        if not w.path or w.cache is None or w.error is not None:
+            return
+        index = torch.tensor(w.path, dtype=torch.int64, device=kv[0][0].device)
+        path_kv = [(k.index_select(2, index), v.index_select(2, index)) for k, v in kv]
+        rows = features.index_select(0, index.to(features.device)) if features is not None else None
+        w.cache.append_kv(path_kv, w.proposed, rows)
+
     def _constrain(self, w: _ItemState) -> None:
         """A constrained session: mask each row with its grammar state (row ``i`` after ``C + x_1..x_{i-1}``),
         before any processing, as target-only constrained decoding would. The matcher walks the proposal and
@@ -565,6 +637,10 @@ class Verifier:
         constraint = w.record.sampling.constraint
         if constraint is None:
             return
+        if w.item.tree is not None:
+            raise InvalidArgument(
+                "a constrained session's proposal must be a chain (trees are not masked yet)"
+            )
         assert w.logits is not None
         matcher = self.grammars.at(w.item.session_id, constraint, w.record.generated_token_ids, w.grammar)
         masks = matcher.masks_along(w.item.proposal.token_ids)  # [gamma + 1, words]
@@ -576,8 +652,15 @@ class Verifier:
         decoding would; the verdict, its logprobs and the acceptance rule all read the masked rows."""
         assert w.logits is not None
         stop = w.record.stop
-        rows = stop.masked_rows(w.n - w.record.prompt_len, w.logits.shape[0])
-        if rows:
+        tree = w.item.tree
+        levels = w.logits.shape[0] if tree is None else tree.max_depth + 1
+        rows = stop.masked_rows(w.n - w.record.prompt_len, levels)
+        if rows and tree is not None:  # a tree's row emits at its depth: mask the rows of the first levels
+            order = torch.tensor([0, *tree.depths]).argsort(stable=True).to(w.logits.device)  # by depth
+            first = sum(1 for d in (0, *tree.depths) if d < rows)
+            masked = suppress_tokens(w.logits[order], stop.stop_tokens(self.eos_token_ids), first)
+            w.logits = masked[order.argsort()]
+        elif rows:
             w.logits = suppress_tokens(w.logits, stop.stop_tokens(self.eos_token_ids), rows)
 
     def _logprobs(self, w: _ItemState, token_ids: tuple[int, ...]) -> tuple[PositionLogprobs, ...]:
@@ -620,14 +703,18 @@ class Verifier:
         assert w.logits is not None
         committed, proposal = w.record.token_ids, w.item.proposal.token_ids
         contexts = None
-        if w.record.sampling.repetition_penalty != 1.0:
+        tree = w.item.tree
+        if w.record.sampling.repetition_penalty != 1.0 and tree is not None:  # row i + 1: after node i's path
+            paths = [tuple(tree.tokens[v] for v in tree.path(i)) for i in range(tree.nodes)]
+            contexts = [committed, *(committed + path for path in paths)]
+        elif w.record.sampling.repetition_penalty != 1.0:
             contexts = [committed + proposal[:i] for i in range(len(proposal) + 1)]
         return logits_to_probs(w.logits, w.record.sampling, contexts)
 
     def _verdict(self, w: _ItemState) -> Verdict:
         assert w.outcome is not None
         accepted = w.outcome.accepted
-        new_tokens = (*w.item.proposal.token_ids[:accepted], w.outcome.next_token)
+        new_tokens = (*w.proposed[:accepted], w.outcome.next_token)
         cut = cut_at_stop(
             new_tokens,
             completion_token_ids=w.record.generated_token_ids,

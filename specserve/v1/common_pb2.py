@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"\x96\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x31\n\rsampling_mode\x18\x07 \x01(\x0e\x32\x1a.specserve.v1.SamplingMode\x12,\n\nconstraint\x18\x08 \x01(\x0b\x32\x18.specserve.v1.ConstraintB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\x92\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.specserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x82\x01\n\x0eStopConditions\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0cstop_strings\x18\x03 \x03(\t\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x16\n\x0emin_new_tokens\x18\x05 \x01(\r\"K\n\x08\x46\x65\x61tures\x12\x16\n\x0estart_position\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x12\n\nfloat16_le\x18\x03 \x01(\x0c\"I\n\x0bSessionBase\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\"(\n\x11\x44\x65nseDistribution\x12\x13\n\x0bprobs_f32le\x18\x01 \x01(\x0c\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x84\x01\n\x11\x44raftDistribution\x12\x30\n\x05\x64\x65nse\x18\x01 \x01(\x0b\x32\x1f.specserve.v1.DenseDistributionH\x00\x12\x32\n\x06sparse\x18\x02 \x01(\x0b\x32 .specserve.v1.SparseDistributionH\x00\x42\t\n\x07support\"U\n\x08Proposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x36\n\rdistributions\x18\x02 \x03(\x0b\x32\x1f.specserve.v1.DraftDistribution\"\xde\x01\n\x07Verdict\x12\x16\n\x0e\x61\x63\x63\x65pted_count\x18\x01 \x01(\r\x12\x1b\n\x13\x63ommitted_token_ids\x18\x02 \x03(\r\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12\x13\n\x0bnew_version\x18\x04 \x01(\x04\x12\x15\n\rcommitted_len\x18\x05 \x01(\r\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\x30\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1e.specserve.v1.PositionLogprobs\"&\n\x0eLogprobsParams\x12\x14\n\x0ctop_logprobs\x18\x01 \x01(\r\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"g\n\x10PositionLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x30\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\xe0\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x0c\x65os_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fparameter_count\x18\x07 \x01(\x04\x12\x1a\n\rmax_positions\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x0f\n\r_eos_token_idB\x10\n\x0e_max_positions*c\n\x0cSamplingMode\x12\x1d\n\x19SAMPLING_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SAMPLING_MODE_OPTIMAL\x10\x01\x12\x19\n\x15SAMPLING_MODE_COUPLED\x10\x02*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x04*z\n\x0cProposerKind\x12\x1d\n\x19PROPOSER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13PROPOSER_KIND_MODEL\x10\x01\x12\x17\n\x13PROPOSER_KIND_NGRAM\x10\x02\x12\x19\n\x15PROPOSER_KIND_FEATURE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"\x96\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x31\n\rsampling_mode\x18\x07 \x01(\x0e\x32\x1a.specserve.v1.SamplingMode\x12,\n\nconstraint\x18\x08 \x01(\x0b\x32\x18.specserve.v1.ConstraintB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\x92\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.specserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x82\x01\n\x0eStopConditions\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0cstop_strings\x18\x03 \x03(\t\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x16\n\x0emin_new_tokens\x18\x05 \x01(\r\"K\n\x08\x46\x65\x61tures\x12\x16\n\x0estart_position\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x12\n\nfloat16_le\x18\x03 \x01(\x0c\"I\n\x0bSessionBase\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\"(\n\x11\x44\x65nseDistribution\x12\x13\n\x0bprobs_f32le\x18\x01 \x01(\x0c\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x84\x01\n\x11\x44raftDistribution\x12\x30\n\x05\x64\x65nse\x18\x01 \x01(\x0b\x32\x1f.specserve.v1.DenseDistributionH\x00\x12\x32\n\x06sparse\x18\x02 \x01(\x0b\x32 .specserve.v1.SparseDistributionH\x00\x42\t\n\x07support\"f\n\x08Proposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x36\n\rdistributions\x18\x02 \x03(\x0b\x32\x1f.specserve.v1.DraftDistribution\x12\x0f\n\x07parents\x18\x03 \x03(\x05\"\xde\x01\n\x07Verdict\x12\x16\n\x0e\x61\x63\x63\x65pted_count\x18\x01 \x01(\r\x12\x1b\n\x13\x63ommitted_token_ids\x18\x02 \x03(\r\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12\x13\n\x0bnew_version\x18\x04 \x01(\x04\x12\x15\n\rcommitted_len\x18\x05 \x01(\r\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\x30\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1e.specserve.v1.PositionLogprobs\"&\n\x0eLogprobsParams\x12\x14\n\x0ctop_logprobs\x18\x01 \x01(\r\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"g\n\x10PositionLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x30\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\xe0\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x0c\x65os_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fparameter_count\x18\x07 \x01(\x04\x12\x1a\n\rmax_positions\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x0f\n\r_eos_token_idB\x10\n\x0e_max_positions*c\n\x0cSamplingMode\x12\x1d\n\x19SAMPLING_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SAMPLING_MODE_OPTIMAL\x10\x01\x12\x19\n\x15SAMPLING_MODE_COUPLED\x10\x02*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x04*z\n\x0cProposerKind\x12\x1d\n\x19PROPOSER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13PROPOSER_KIND_MODEL\x10\x01\x12\x17\n\x13PROPOSER_KIND_NGRAM\x10\x02\x12\x19\n\x15PROPOSER_KIND_FEATURE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGMODE']._serialized_start=1757
-  _globals['_SAMPLINGMODE']._serialized_end=1856
-  _globals['_FINISHREASON']._serialized_start=1859
-  _globals['_FINISHREASON']._serialized_end=2014
-  _globals['_PROPOSERKIND']._serialized_start=2016
-  _globals['_PROPOSERKIND']._serialized_end=2138
+  _globals['_SAMPLINGMODE']._serialized_start=1774
+  _globals['_SAMPLINGMODE']._serialized_end=1873
+  _globals['_FINISHREASON']._serialized_start=1876
+  _globals['_FINISHREASON']._serialized_end=2031
+  _globals['_PROPOSERKIND']._serialized_start=2033
+  _globals['_PROPOSERKIND']._serialized_end=2155
   _globals['_SAMPLINGPARAMS']._serialized_start=44
   _globals['_SAMPLINGPARAMS']._serialized_end=322
   _globals['_CONSTRAINT']._serialized_start=325
@@ -56,15 +56,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTDISTRIBUTION']._serialized_start=888
   _globals['_DRAFTDISTRIBUTION']._serialized_end=1020
   _globals['_PROPOSAL']._serialized_start=1022
-  _globals['_PROPOSAL']._serialized_end=1107
-  _globals['_VERDICT']._serialized_start=1110
-  _globals['_VERDICT']._serialized_end=1332
-  _globals['_LOGPROBSPARAMS']._serialized_start=1334
-  _globals['_LOGPROBSPARAMS']._serialized_end=1372
-  _globals['_TOKENLOGPROB']._serialized_start=1374
-  _globals['_TOKENLOGPROB']._serialized_end=1423
-  _globals['_POSITIONLOGPROBS']._serialized_start=1425
-  _globals['_POSITIONLOGPROBS']._serialized_end=1528
-  _globals['_MODELINFO']._serialized_start=1531
-  _globals['_MODELINFO']._serialized_end=1755
+  _globals['_PROPOSAL']._serialized_end=1124
+  _globals['_VERDICT']._serialized_start=1127
+  _globals['_VERDICT']._serialized_end=1349
+  _globals['_LOGPROBSPARAMS']._serialized_start=1351
+  _globals['_LOGPROBSPARAMS']._serialized_end=1389
+  _globals['_TOKENLOGPROB']._serialized_start=1391
+  _globals['_TOKENLOGPROB']._serialized_end=1440
+  _globals['_POSITIONLOGPROBS']._serialized_start=1442
+  _globals['_POSITIONLOGPROBS']._serialized_end=1545
+  _globals['_MODELINFO']._serialized_start=1548
+  _globals['_MODELINFO']._serialized_end=1772
 # @@protoc_insertion_point(module_scope)

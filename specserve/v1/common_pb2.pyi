@@ -137,12 +137,14 @@ class DraftDistribution(_message.Message):
     def __init__(self, dense: _Optional[_Union[DenseDistribution, _Mapping]] = ..., sparse: _Optional[_Union[SparseDistribution, _Mapping]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("token_ids", "distributions")
+    __slots__ = ("token_ids", "distributions", "parents")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     distributions: _containers.RepeatedCompositeFieldContainer[DraftDistribution]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("accepted_count", "committed_token_ids", "bonus", "new_version", "committed_len", "finish_reason", "logprobs")

@@ -102,9 +102,16 @@ class VerifyReply:
 
 def _verify_item(request: VerifyRequest) -> target_pb2.VerifyItem:
     proposal = request.proposal
+    distributions = proposal.distributions
+    if proposal.parents and any(d is None for d in distributions):  # a tree's point masses among drawn tokens
+        distributions = tuple(
+            _point_mass(t) if d is None else d for t, d in zip(proposal.token_ids, distributions, strict=True)
+        )
     item = target_pb2.VerifyItem(
         base=request.base.to_pb(),
-        proposal=common_pb2.Proposal(token_ids=proposal.token_ids, distributions=proposal.distributions),
+        proposal=common_pb2.Proposal(
+            token_ids=proposal.token_ids, distributions=distributions, parents=proposal.parents
+        ),
         decode_steps=request.decode_steps,
         cache_scope=request.cache_scope,
     )
@@ -115,6 +122,10 @@ def _verify_item(request: VerifyRequest) -> target_pb2.VerifyItem:
         item.features_from_uncached = request.features.uncached
         item.features_max_bytes = request.features.max_bytes
     return item
+
+
+def _point_mass(token: int) -> common_pb2.DraftDistribution:
+    return common_pb2.DraftDistribution(sparse=common_pb2.SparseDistribution(token_ids=[token], probs=[1.0]))
 
 
 def _verified(request: VerifyRequest, pb: target_pb2.VerifyResult) -> Verified:

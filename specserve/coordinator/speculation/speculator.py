@@ -191,7 +191,7 @@ class Speculator:
         sent (without the proposal the target refused), which says what was proposed."""
         verdict = verified.verdict
         assert verdict is not None
-        proposed = len(verified.request.proposal.token_ids)
+        proposed = verified.request.proposal.depth  # a tree's levels: a round accepts at most that many
         accepted = min(verdict.accepted_count, proposed)
         committed = verdict.committed_token_ids
         if plan.source is not None:
@@ -204,7 +204,7 @@ class Speculator:
             else:
                 self.tracker.observe(proposed=proposed, accepted=accepted)
                 self.memory.observe(self.speculation_key, proposed=proposed, accepted=accepted)
-        positions = len(request.proposal.token_ids) + request.decode_steps
+        positions = request.proposal.depth + request.decode_steps
         for source in self._own:
             shadow = source.shadow(positions) if source is not plan.source else ()
             if shadow and committed:

@@ -9,6 +9,7 @@ from specserve.coordinator.speculation.sources.forced_text import ForcedText
 from specserve.coordinator.speculation.sources.ngram import HybridLookup, Ngram
 from specserve.coordinator.speculation.sources.prediction import Prediction
 from specserve.coordinator.speculation.sources.repeat_last import RepeatLast
+from specserve.coordinator.speculation.sources.tree import ModelLookupTree
 
 #: Sources with a tracker of their own are asked first, in this order; then the session's proposers, in this order.
 SOURCES: tuple[type[Source], ...] = (
@@ -18,6 +19,7 @@ SOURCES: tuple[type[Source], ...] = (
     Prediction,
     Ngram,
     FeatureHead,
+    ModelLookupTree,
     DraftModel,
 )
 

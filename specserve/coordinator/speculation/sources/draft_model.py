@@ -44,6 +44,8 @@ class DraftModel(Source):
     def build(cls, setup: SourceSetup) -> Source | None:
         if setup.request.speculation.proposer != PROPOSER_KINDS["model"]:
             return None
+        if "tree" in setup.settings.opt_in_sources and setup.matcher is None:
+            return None  # the tree source drafts the session's chains (sources/tree.py)
         return cls(setup.session, setup.fleet, overlap=setup.settings.overlap, max_gamma=setup.max_gamma)
 
     def ready(self) -> bool:

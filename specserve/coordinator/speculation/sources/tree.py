@@ -1,0 +1,83 @@
+"""The draft model's chain with the n-gram lookup's continuation as a free branch: a draft tree, opt-in
+(``opt_in_sources=tree``; docs/design.md, "Draft trees: exact acceptance").
+
+Each round the draft model drafts its chain as the :class:`~specserve.coordinator.speculation.sources.draft_model.
+DraftModel` source would, and the lookup over the session's own tokens (:class:`specserve.core.ngram.NgramIndex`)
+offers its continuation for nothing. Where the two agree the chain already holds it; where they part, the rest of
+the lookup hangs below the last token they share, a later sibling of the chain's token there. Every lookup node is
+a point mass that depends only on the committed tokens and on the chain's tokens before it (drawn earlier), so
+each tree rule stays exact (the preconditions of the design note); the target verifies the tree in one pass. The
+round loop sees a proposal like any other: a tree is a proposal with parents. No overlap drafting: the next round
+is drafted after the verdict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Iterable, Sequence
+
+from specserve.api.params import PROPOSER_KINDS
+from specserve.coordinator.messages import Proposal, Verified
+from specserve.coordinator.session import Session
+from specserve.coordinator.speculation.source import Fleet, Source, SourceSetup
+from specserve.coordinator.speculation.sources.draft_model import DraftModel
+from specserve.core.ngram import NgramIndex
+from specserve.engine.kvcache import common_prefix_len
+
+
+class ModelLookupTree(DraftModel):
+    """The draft model's chain, and the lookup's continuation where it parts from it (module docstring)."""
+
+    name = "tree"
+    opt_in = True
+
+    def __init__(self, session: Session, fleet: Fleet, prompt_token_ids: Iterable[int]) -> None:
+        super().__init__(session, fleet)
+        self._index = NgramIndex(prompt_token_ids, max_n=3, min_n=1)
+
+    @classmethod
+    def build(cls, setup: SourceSetup) -> Source | None:
+        if not applies(setup):
+            return None
+        return cls(setup.session, setup.fleet, setup.request.prompt_token_ids)
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        self._index.extend(tokens)
+
+    async def propose(self, gamma: int) -> Proposal:
+        return with_branch(await super().propose(gamma), self._index.lookup(gamma))
+
+    async def beside(self, proposal: Proposal, verifying: Awaitable[Verified]) -> Verified:
+        return await verifying
+
+
+def applies(setup: SourceSetup) -> bool:
+    """Opted in, a draft-model session without a constraint (a constrained session's proposal is a chain)."""
+    return (
+        ModelLookupTree.name in setup.settings.opt_in_sources
+        and setup.request.speculation.proposer == PROPOSER_KINDS["model"]
+        and setup.matcher is None
+    )
+
+
+def with_branch(chain: Proposal, lookup: Sequence[int]) -> Proposal:
+    """``chain`` with the part of ``lookup`` after their common prefix as a branch below that prefix's last token
+    (the root when they part at once); ``chain`` itself when the lookup adds nothing. The branch's distributions
+    are point masses (``None``) where the chain carries distributions."""
+    tokens = tuple(chain.token_ids)
+    shared = common_prefix_len(tokens, lookup)
+    branch = tuple(int(t) for t in lookup[shared:])
+    if not branch:
+        return chain
+    parents = (*range(-1, len(tokens) - 1), shared - 1, *range(len(tokens), len(tokens) + len(branch) - 1))
+    distributions = (*chain.distributions, *(None,) * len(branch)) if chain.distributions else ()
+    return Proposal(
+        tokens + branch,
+        distributions,
+        parents=parents,  # a chain when the chain is the lookup's prefix (the target takes it as one)
+        source=chain.source,
+        wall_ns=chain.wall_ns,
+        draft_ns=chain.draft_ns,
+        queue_ns=chain.queue_ns,
+        prefill_tokens=chain.prefill_tokens,
+        features_needed_from=chain.features_needed_from,
+    )
