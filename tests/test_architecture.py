@@ -300,7 +300,6 @@ WIRE_EDGES = frozenset(
         "specserve.coordinator.chat",
         "specserve.coordinator.coordinator",
         "specserve.coordinator.openai_protocol",
-        "specserve.coordinator.openai_replies",
     }
 )
 
