@@ -32,7 +32,13 @@ from typing import Any
 import structlog
 
 from specserve.api import errors
-from specserve.api.params import DEFAULT_PROPOSER, NOT_FINISHED, PROPOSER_KINDS, PositionLogprobs
+from specserve.api.params import (
+    DEFAULT_PROPOSER,
+    NOT_FINISHED,
+    PROPOSER_KINDS,
+    GenerationParams,
+    PositionLogprobs,
+)
 from specserve.coordinator import cache_scope
 from specserve.coordinator.admission import Admission, Place, SessionRate
 from specserve.coordinator.chat import ChatMessage, TemplateOptions, chat_prompt_ids
@@ -41,7 +47,7 @@ from specserve.coordinator.constraint_compiler import ConstraintCompiler
 from specserve.coordinator.detokenize import IncrementalDetokenizer
 from specserve.coordinator.fleet.limits import Limits
 from specserve.coordinator.fleet.pool import WorkerPool
-from specserve.coordinator.requests import GenerationRequest
+from specserve.coordinator.requests import GenerationRequest, Prompt
 from specserve.coordinator.round import Committed, RoundLoop
 from specserve.coordinator.session import Session, SessionStatus
 from specserve.coordinator.speculation.acceptance import AcceptanceMemory
@@ -50,7 +56,6 @@ from specserve.coordinator.speculation.speculator import Speculator
 from specserve.runtime import metrics
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.store import SessionStore
-from specserve.v1 import coordinator_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -194,14 +199,17 @@ class Coordinator:
             per_client=settings.constraint_compile_queue_per_client,
         )
 
-    async def parse(self, pb: coordinator_pb2.GenerateRequest, *, client: str | None = None) -> GenerationRequest:
-        """Check a wire request against this server's limits (InvalidArgument says what to fix), cheapest
+    async def parse(
+        self, params: GenerationParams, prompt: Prompt, *, client: str | None = None
+    ) -> GenerationRequest:
+        """Check a front end's request against this server's limits (InvalidArgument says what to fix), cheapest
         checks first; a text prompt is tokenized off the event loop once its size is known to fit. A
         constraint is compiled in ``client``'s share of the compile queue (specserve/coordinator/constraint_compiler.py),
         and the request holds its compiled grammar. Only for an admitted request (:meth:`admit`): this is
         the request's work."""
-        request = await GenerationRequest.from_pb(
-            pb,
+        request = await GenerationRequest.check(
+            params,
+            prompt,
             settings=self.settings,
             tokenize=self.tokenize,
             render_chat=self.render_chat,

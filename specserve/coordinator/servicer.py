@@ -1,6 +1,8 @@
 """The CoordinatorService gRPC servicer: thin (request -> domain -> replies), and the coordinator's front end's
-edge with the wire: the coordinator's events (:class:`~specserve.coordinator.coordinator.Chunk`,
-:class:`~specserve.coordinator.coordinator.Finished`) become ``GenerateResponse`` messages here only.
+edge with the wire: a ``GenerateRequest`` becomes :class:`~specserve.api.params.GenerationParams` and a
+:class:`~specserve.coordinator.requests.Prompt`, and the coordinator's events
+(:class:`~specserve.coordinator.coordinator.Chunk`, :class:`~specserve.coordinator.coordinator.Finished`)
+become ``GenerateResponse`` messages, here only.
 
 Errors are raised as :mod:`specserve.api.errors` classes; the server's
 ``ErrorInterceptor`` maps them to status codes (INVALID_ARGUMENT for a bad
@@ -15,8 +17,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from specserve.api.params import GenerationParams
 from specserve.coordinator.cache_scope import grpc_tenant
+from specserve.coordinator.chat import Conversation
 from specserve.coordinator.coordinator import Chunk, Coordinator, Finished, GenerationStats
+from specserve.coordinator.requests import Prompt
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -33,11 +38,32 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         client = self.coordinator.clients.of_call(context)
         (place,) = self.coordinator.admit(client)
         with place:
-            generation = await self.coordinator.parse(request, client=client)
+            generation = await self.coordinator.parse(*request_from_pb(request), client=client)
             tenant = grpc_tenant(context, by_token=bool(self.coordinator.settings.auth_tokens))
             async with contextlib.aclosing(self.coordinator.generate(generation, place, tenant=tenant)) as events:
                 async for event in events:
                     yield response_pb(event)
+
+
+def request_from_pb(pb: coordinator_pb2.GenerateRequest) -> tuple[GenerationParams, Prompt]:
+    """A ``GenerateRequest``'s settings, checked where they need no server limit, and its prompt as sent."""
+    params = GenerationParams.from_pb(pb)
+    which = pb.WhichOneof("prompt")
+    if which == "text":
+        return params, Prompt(text=pb.text)
+    if which == "tokens":
+        return params, Prompt(token_ids=tuple(pb.tokens.token_ids))
+    if which == "chat":
+        chat = pb.chat
+        return params, Prompt(
+            chat=Conversation(
+                messages=tuple((m.role, m.content) for m in chat.messages),
+                omit_generation_prompt=chat.omit_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                template_kwargs_json=chat.template_kwargs_json,
+            )
+        )
+    return params, Prompt()
 
 
 def response_pb(event: Chunk | Finished) -> coordinator_pb2.GenerateResponse:
