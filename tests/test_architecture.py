@@ -293,14 +293,10 @@ WIRE_EDGES = frozenset(
     {
         "specserve.coordinator.fleet.clients",  # the coordinator's one client of the workers
         *(f"{role}.{m}" for role in ROLES for m in ("servicer", "server")),
+        # the workers' call and reply types with their conversions to and from the wire (the servicers convert
+        # with them; the draft's engine and the target's verifier use the types): not yet split
         "specserve.draft.messages",
         "specserve.target.messages",
-        # the coordinator's front end: the Generate request and the OpenAI bodies in, GenerationStats out
-        "specserve.coordinator.requests",
-        "specserve.coordinator.chat",
-        "specserve.coordinator.coordinator",
-        "specserve.coordinator.openai_protocol",
-        "specserve.coordinator.openai_replies",
     }
 )
 

@@ -658,6 +658,12 @@ class GenerationParams:
             request.prediction.tokens.SetInParent()
         return request
 
+    def as_sent(self) -> GenerationParams:
+        """These settings as a ``GenerateRequest`` carries them, checked again: what a server acts on, whichever
+        front end read them (the wire's floats have 32 bits; the HTTP API reads its bodies through this, so
+        that a setting means the same over HTTP as over gRPC)."""
+        return GenerationParams.from_pb(self.to_pb())
+
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.GenerateRequest) -> GenerationParams:
         """The settings of a ``GenerateRequest``, checked; absent fields are None (the server's choice)."""

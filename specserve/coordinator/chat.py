@@ -24,7 +24,6 @@ from typing import Any
 
 from specserve.api.errors import FailedPrecondition, InvalidArgument
 from specserve.coordinator.json_body import read_json
-from specserve.v1 import coordinator_pb2
 
 
 @dataclass(frozen=True)
@@ -38,16 +37,27 @@ class ChatMessage:
         if not self.role:
             raise InvalidArgument("every chat message needs a role (e.g. 'system', 'user', 'assistant')")
 
-    @classmethod
-    def from_pb(cls, pb: coordinator_pb2.ChatMessage) -> ChatMessage:
-        return cls(role=pb.role, content=pb.content)
 
-    def to_pb(self) -> coordinator_pb2.ChatMessage:
-        return coordinator_pb2.ChatMessage(role=self.role, content=self.content)
+@dataclass(frozen=True)
+class Conversation:
+    """A chat prompt as a front end received it, not yet checked (``GenerateRequest.chat`` and the OpenAI
+    chat body both become one): its messages as (role, content) pairs, whether to leave the assistant's turn
+    closed or the final message open, and the template's extra variables as a JSON object's text."""
 
+    messages: tuple[tuple[str, str], ...] = ()
+    omit_generation_prompt: bool = False
+    continue_final_message: bool = False
+    template_kwargs_json: str = ""
 
-def messages_from_pb(pb: coordinator_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
-    return tuple(ChatMessage.from_pb(m) for m in pb.messages)
+    @property
+    def size(self) -> int:
+        """Its bytes as the prompt limit counts them: every role and content, and the variables' JSON."""
+        texts = [self.template_kwargs_json, *(text for message in self.messages for text in message)]
+        return sum(len(text.encode("utf-8")) for text in texts)
+
+    def chat_messages(self) -> tuple[ChatMessage, ...]:
+        """The messages, checked (every message needs a role)."""
+        return tuple(ChatMessage(role=role, content=content) for role, content in self.messages)
 
 
 #: ``apply_chat_template``'s own arguments and the template's reserved names: not template variables.
@@ -84,15 +94,16 @@ class TemplateOptions:
             )
 
     @classmethod
-    def from_pb(cls, pb: coordinator_pb2.ChatMessages) -> TemplateOptions:
+    def of(cls, chat: Conversation) -> TemplateOptions:
+        """A conversation's options, checked (the variables' JSON strictly, as a request body's)."""
         variables: Any = {}
-        if pb.template_kwargs_json:
-            variables = read_json(pb.template_kwargs_json, "template_kwargs_json")  # strictly: no recursion
+        if chat.template_kwargs_json:
+            variables = read_json(chat.template_kwargs_json, "template_kwargs_json")  # strictly: no recursion
             if not isinstance(variables, dict):
                 raise InvalidArgument("template_kwargs_json must be a JSON object of variable names to values")
         return cls(
-            add_generation_prompt=not (pb.omit_generation_prompt or pb.continue_final_message),
-            continue_final_message=pb.continue_final_message,
+            add_generation_prompt=not (chat.omit_generation_prompt or chat.continue_final_message),
+            continue_final_message=chat.continue_final_message,
             variables=variables,
         )
 

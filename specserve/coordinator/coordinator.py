@@ -32,7 +32,13 @@ from typing import Any
 import structlog
 
 from specserve.api import errors
-from specserve.api.params import PositionLogprobs
+from specserve.api.params import (
+    DEFAULT_PROPOSER,
+    NOT_FINISHED,
+    PROPOSER_KINDS,
+    GenerationParams,
+    PositionLogprobs,
+)
 from specserve.coordinator import cache_scope
 from specserve.coordinator.admission import Admission, Place, SessionRate
 from specserve.coordinator.chat import ChatMessage, TemplateOptions, chat_prompt_ids
@@ -41,7 +47,7 @@ from specserve.coordinator.constraint_compiler import ConstraintCompiler
 from specserve.coordinator.detokenize import IncrementalDetokenizer
 from specserve.coordinator.fleet.limits import Limits
 from specserve.coordinator.fleet.pool import WorkerPool
-from specserve.coordinator.requests import GenerationRequest
+from specserve.coordinator.requests import GenerationRequest, Prompt
 from specserve.coordinator.round import Committed, RoundLoop
 from specserve.coordinator.session import Session, SessionStatus
 from specserve.coordinator.speculation.acceptance import AcceptanceMemory
@@ -50,7 +56,6 @@ from specserve.coordinator.speculation.speculator import Speculator
 from specserve.runtime import metrics
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.store import SessionStore
-from specserve.v1 import common_pb2, coordinator_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -66,22 +71,57 @@ class Chunk:
     text: str
     logprobs: tuple[PositionLogprobs, ...] = ()
 
-    def to_pb(self) -> coordinator_pb2.GenerateResponse:
-        return coordinator_pb2.GenerateResponse(
-            chunk=coordinator_pb2.TokenChunk(
-                token_ids=self.token_ids, text=self.text, logprobs=[p.to_pb() for p in self.logprobs]
-            )
-        )
+
+@dataclass(frozen=True)
+class SourceRow:
+    """What one proposal source of a session drafted (``GenerationStats.sources`` on the wire, same names)."""
+
+    name: str = ""
+    draft_rounds: int = 0  # rounds it drafted (proposed at least one token)
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """A session's closing statistics: the fields of the wire's ``GenerationStats``, by the same names (only the
+    gRPC servicer, specserve/coordinator/servicer.py, converts them). ``finish_reason`` and ``proposer`` are the
+    wire's enum values (:data:`~specserve.api.params.FINISH_REASONS`, :data:`~specserve.api.params.PROPOSER_KINDS`)."""
+
+    session_id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    rounds: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+    draft_ns: int = 0
+    verify_ns: int = 0
+    queue_ns: int = 0
+    first_token_ns: int = 0
+    total_ns: int = 0
+    finish_reason: int = NOT_FINISHED
+    seed: int = 0
+    draft_rounds: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    target_ns: int = 0
+    forward_ns: int = 0
+    #: The ``ngram`` and ``forced`` sources' rows again, for clients that predate ``sources``.
+    lookup_proposed_tokens: int = 0
+    lookup_accepted_tokens: int = 0
+    cached_tokens: int = 0
+    forced_proposed_tokens: int = 0
+    forced_accepted_tokens: int = 0
+    proposer: int = DEFAULT_PROPOSER
+    sources: tuple[SourceRow, ...] = ()
 
 
 @dataclass(frozen=True)
 class Finished:
     """The closing statistics (always the last event)."""
 
-    stats: coordinator_pb2.GenerationStats
-
-    def to_pb(self) -> coordinator_pb2.GenerateResponse:
-        return coordinator_pb2.GenerateResponse(stats=self.stats)
+    stats: GenerationStats
 
 
 def default_proposer(setting: str, feature_head: bool) -> int:
@@ -93,8 +133,8 @@ def default_proposer(setting: str, feature_head: bool) -> int:
             "--feature-head or set default_proposer to 'auto' or 'model'"
         )
     if setting == "feature" or (setting == "auto" and feature_head):
-        return common_pb2.PROPOSER_KIND_FEATURE
-    return common_pb2.PROPOSER_KIND_MODEL
+        return PROPOSER_KINDS["feature"]
+    return PROPOSER_KINDS["model"]
 
 
 def _grammar_engine(tokenizer: Any, vocab_size: int) -> Any:
@@ -159,14 +199,17 @@ class Coordinator:
             per_client=settings.constraint_compile_queue_per_client,
         )
 
-    async def parse(self, pb: coordinator_pb2.GenerateRequest, *, client: str | None = None) -> GenerationRequest:
-        """Check a wire request against this server's limits (InvalidArgument says what to fix), cheapest
+    async def parse(
+        self, params: GenerationParams, prompt: Prompt, *, client: str | None = None
+    ) -> GenerationRequest:
+        """Check a front end's request against this server's limits (InvalidArgument says what to fix), cheapest
         checks first; a text prompt is tokenized off the event loop once its size is known to fit. A
         constraint is compiled in ``client``'s share of the compile queue (specserve/coordinator/constraint_compiler.py),
         and the request holds its compiled grammar. Only for an admitted request (:meth:`admit`): this is
         the request's work."""
-        request = await GenerationRequest.from_pb(
-            pb,
+        request = await GenerationRequest.check(
+            params,
+            prompt,
             settings=self.settings,
             tokenize=self.tokenize,
             render_chat=self.render_chat,
@@ -358,19 +401,19 @@ class Coordinator:
         self.constraints.close()
 
 
-def generation_stats(session: Session) -> coordinator_pb2.GenerationStats:
-    """The session's closing statistics, on the wire (``lookup_*`` and ``forced_*``: the ``ngram`` and ``forced``
+def generation_stats(session: Session) -> GenerationStats:
+    """The session's closing statistics (``lookup_*`` and ``forced_*``: the ``ngram`` and ``forced``
     sources' rows, for clients that predate ``sources``)."""
     s = session.stats
     lookup, forced = s.source("ngram"), s.source("forced")
-    return coordinator_pb2.GenerationStats(
+    return GenerationStats(
         session_id=session.session_id,
         prompt_tokens=session.prompt_len,
         completion_tokens=session.committed_len - session.prompt_len,
         rounds=s.rounds,
         proposed_tokens=s.proposed_tokens,
         accepted_tokens=s.accepted_tokens,
-        accepted_per_position=s.accepted_per_position,
+        accepted_per_position=tuple(s.accepted_per_position),
         draft_ns=s.draft_ns,
         verify_ns=s.verify_ns,
         queue_ns=s.queue_ns,
@@ -389,15 +432,15 @@ def generation_stats(session: Session) -> coordinator_pb2.GenerationStats:
         draft_rounds=s.draft_rounds,
         accepted_prediction_tokens=s.accepted_prediction_tokens,
         rejected_prediction_tokens=s.rejected_prediction_tokens,
-        sources=[
-            coordinator_pb2.SourceStats(
+        sources=tuple(
+            SourceRow(
                 name=name,
                 draft_rounds=row.draft_rounds,
                 proposed_tokens=row.proposed_tokens,
                 accepted_tokens=row.accepted_tokens,
             )
             for name, row in s.sources.items()
-        ],
+        ),
     )
 
 

@@ -276,7 +276,7 @@ class OpenAIServer:
             raise bad_param("n", f"n={body.n} is above this server's limit of {limit} sessions per request")
         places = self.coordinator.admit(client, sessions=body.n)  # before any tokenizing or compiling
         try:
-            first = await self.coordinator.parse(body.to_pb(0), client=client)  # the prompt is tokenized once for all n
+            first = await self.coordinator.parse(*body.generation(0), client=client)  # the prompt is tokenized once for all n
         except BaseException:
             for place in places:
                 place.release()

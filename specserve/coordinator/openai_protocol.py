@@ -1,11 +1,11 @@
-"""The OpenAI API's wire shapes: request bodies in, ``GenerateRequest`` messages out.
+"""The OpenAI API's wire shapes: request bodies in, the coordinator's request (settings and prompt) out.
 
 Pure data (pydantic and dicts); no HTTP, no sessions. A body parses into :class:`CompletionRequest` or
 :class:`ChatCompletionRequest` (:func:`parse_body`: an unknown field refused, or dropped under
 ``http_unknown_fields: ignore``), refuses what this server cannot honour exactly with a 400 naming the field
 (:meth:`~_OpenAIRequest.check_supported`; every number range-checked), and meets the SDK's knobs in one
-:class:`~specserve.api.params.GenerationParams` (:meth:`~_OpenAIRequest.params`), which writes one
-``GenerateRequest`` per choice (:meth:`~_OpenAIRequest.to_pb`, choice ``i`` seeded ``seed + i``); what only
+:class:`~specserve.api.params.GenerationParams` (:meth:`~_OpenAIRequest.params`), which with the prompt makes
+one request per choice (:meth:`~_OpenAIRequest.generation`, choice ``i`` seeded ``seed + i``); what only
 shapes the reply is :class:`ReplyOptions`. Every field and what becomes of it is the table in
 docs/operations.md ("Request fields"), which tests/specserve/coordinator/test_field_table.py checks against
 :meth:`~_OpenAIRequest.effect`.
@@ -28,15 +28,14 @@ from specserve.api.params import (
     REPETITION_PENALTY_RANGE,
     GenerationParams,
 )
-from specserve.coordinator.chat import RESERVED_TEMPLATE_NAMES
-from specserve.coordinator.requests import random_seed
+from specserve.coordinator.chat import RESERVED_TEMPLATE_NAMES, Conversation
+from specserve.coordinator.requests import Prompt, random_seed
 from specserve.coordinator.structured_outputs import (
     CONSTRAINT_FIELDS,
     StructuredOutput,
     ToolCallShape,
     structured_output,
 )
-from specserve.v1 import coordinator_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -281,7 +280,7 @@ class _OpenAIRequest(BaseModel):
         """Alternatives per token when the request asks for logprobs; None when it does not."""
         return None
 
-    def prompt_pb(self, pb: coordinator_pb2.GenerateRequest) -> None:
+    def to_prompt(self) -> Prompt:
         raise NotImplementedError
 
     def params(self, choice: int = 0) -> GenerationParams:
@@ -324,11 +323,10 @@ class _OpenAIRequest(BaseModel):
             return self.cache_salt
         return f"{self.cache_salt or ''}\x00{self.prompt_cache_key}"
 
-    def to_pb(self, choice: int = 0) -> coordinator_pb2.GenerateRequest:
-        """The ``GenerateRequest`` of choice ``choice`` (its seed is ``seed + choice``)."""
-        pb = self.params(choice).to_pb()
-        self.prompt_pb(pb)
-        return pb
+    def generation(self, choice: int = 0) -> tuple[GenerationParams, Prompt]:
+        """What the coordinator checks of choice ``choice`` (its seed is ``seed + choice``): its settings as a
+        ``GenerateRequest`` would carry them (:meth:`GenerationParams.as_sent`) and its prompt."""
+        return self.params(choice).as_sent(), self.to_prompt()
 
     def reply_options(self) -> ReplyOptions:
         """How the reply is shaped (:class:`ReplyOptions`)."""
@@ -343,10 +341,10 @@ class _OpenAIRequest(BaseModel):
 
     def effect(self) -> tuple[Any, ...]:
         """Everything the HTTP layer reads from the request: the model it names, whether it streams,
-        each choice's ``GenerateRequest`` and the reply's options. Two bodies with the same effect are
-        served alike (the field table's test compares them)."""
-        pbs = tuple(self.to_pb(i).SerializeToString(deterministic=True) for i in range(self.n))
-        return (self.model, self.stream, pbs, self.reply_options())
+        each choice's request (:meth:`generation`) and the reply's options. Two bodies with the same effect
+        are served alike (the field table's test compares them)."""
+        requests = tuple(self.generation(i) for i in range(self.n))
+        return (self.model, self.stream, requests, self.reply_options())
 
     def choice_seed(self, choice: int) -> int:
         """The seed of choice ``choice``: ``seed + choice``, or a fresh one when the request sets none."""
@@ -394,18 +392,16 @@ class CompletionRequest(_OpenAIRequest):
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
 
-    def prompt_pb(self, pb: coordinator_pb2.GenerateRequest) -> None:
+    def to_prompt(self) -> Prompt:
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            pb.text = prompt
-            return
+            return Prompt(text=prompt)
         bad = [t for t in prompt if not 0 <= t < 2**32]
         if bad:
             raise bad_param("prompt", f"prompt token id {bad[0]} is not a token id")
-        pb.tokens.token_ids.extend(prompt)
-        pb.tokens.SetInParent()
+        return Prompt(token_ids=tuple(prompt))
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -478,15 +474,17 @@ class ChatCompletionRequest(_OpenAIRequest):
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def prompt_pb(self, pb: coordinator_pb2.GenerateRequest) -> None:
-        pb.chat.messages.extend(
-            coordinator_pb2.ChatMessage(role=m.role, content=m.text(i)) for i, m in enumerate(self.messages)
+    def to_prompt(self) -> Prompt:
+        return Prompt(
+            chat=Conversation(
+                messages=tuple((m.role, m.text(i)) for i, m in enumerate(self.messages)),
+                omit_generation_prompt=not self.add_generation_prompt,
+                continue_final_message=self.continue_final_message,
+                template_kwargs_json=json.dumps(self.chat_template_kwargs, sort_keys=True)
+                if self.chat_template_kwargs
+                else "",
+            )
         )
-        pb.chat.omit_generation_prompt = not self.add_generation_prompt
-        pb.chat.continue_final_message = self.continue_final_message
-        if self.chat_template_kwargs:
-            pb.chat.template_kwargs_json = json.dumps(self.chat_template_kwargs, sort_keys=True)
-        pb.chat.SetInParent()
 
 
 def check_prompt_size(body: Any, *, max_tokens: int, max_bytes: int) -> None:

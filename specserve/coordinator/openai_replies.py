@@ -15,20 +15,15 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from specserve.api.params import PositionLogprobs
-from specserve.coordinator.coordinator import Chunk, Finished
+from specserve.api.params import FINISH_REASONS, PositionLogprobs
+from specserve.coordinator.coordinator import Chunk, Finished, GenerationStats
 from specserve.coordinator.openai_protocol import ReplyOptions
 from specserve.coordinator.structured_outputs import ToolCallText
-from specserve.v1 import common_pb2, coordinator_pb2
 
-_STOPPED = (
-    common_pb2.FINISH_REASON_EOS,
-    common_pb2.FINISH_REASON_STOP_TOKEN,
-    common_pb2.FINISH_REASON_STOP_STRING,
-)
+_STOPPED = (FINISH_REASONS["eos"], FINISH_REASONS["stop_token"], FINISH_REASONS["stop_string"])
 
 
-def finish_reason(stats: coordinator_pb2.GenerationStats, *, tool_call: bool = False) -> str:
+def finish_reason(stats: GenerationStats, *, tool_call: bool = False) -> str:
     """OpenAI's ``finish_reason``: ``stop`` (EOS, a stop token or string; ``tool_calls`` for a tool call) or
     ``length``."""
     if stats.finish_reason not in _STOPPED:
@@ -36,7 +31,7 @@ def finish_reason(stats: coordinator_pb2.GenerationStats, *, tool_call: bool = F
     return "tool_calls" if tool_call else "stop"
 
 
-def usage(stats: Sequence[coordinator_pb2.GenerationStats]) -> dict[str, Any]:
+def usage(stats: Sequence[GenerationStats]) -> dict[str, Any]:
     """``usage`` over the choices of one request (the prompt counted once, as OpenAI does).
 
     ``completion_tokens_details`` holds the Predicted Outputs counts (0 without a prediction):
@@ -135,7 +130,7 @@ def completion_logprobs(entries: Sequence[PositionLogprobs], strings: TokenStrin
     }
 
 
-def speculation_report(stats: Sequence[coordinator_pb2.GenerationStats]) -> dict[str, Any]:
+def speculation_report(stats: Sequence[GenerationStats]) -> dict[str, Any]:
     """The speculation figures of these sessions, named like vLLM's spec-decode metrics.
 
     ``num_drafts``: rounds that proposed at least one draft token; ``num_draft_tokens``: tokens
@@ -198,10 +193,10 @@ class StopTrimmer:
         out, self._pending = self._pending[:cut], self._pending[cut:]
         return out
 
-    def finish(self, stats: coordinator_pb2.GenerationStats) -> str:
+    def finish(self, stats: GenerationStats) -> str:
         """The held-back rest, without the stop string if one ended the generation."""
         rest, self._pending = self._pending, ""
-        if stats.finish_reason == common_pb2.FINISH_REASON_STOP_STRING:
+        if stats.finish_reason == FINISH_REASONS["stop_string"]:
             ends = [s for s in self._stops if rest.endswith(s)]
             if ends:
                 rest = rest[: len(rest) - max(len(s) for s in ends)]
@@ -237,7 +232,7 @@ class ReplyBuilder:
         self._texts: list[list[str]] = [[] for _ in range(n)]
         self._logprobs: list[list[PositionLogprobs]] = [[] for _ in range(n)]
         self._offsets = [0] * n  # characters of token text before each choice's next logprobs (completions)
-        self._stats: list[coordinator_pb2.GenerationStats | None] = [None] * n
+        self._stats: list[GenerationStats | None] = [None] * n
         self._started = [False] * n
         shape = getattr(options, "tool_call", None) if kind == "chat" else None
         #: Each choice's text as a tool call (None: text replies).
@@ -338,7 +333,7 @@ class ReplyBuilder:
         message = self._calls[index].message(self.text(index), stopped=True)
         return "tool_calls" in message
 
-    def _all_stats(self) -> list[coordinator_pb2.GenerationStats]:
+    def _all_stats(self) -> list[GenerationStats]:
         return [s for s in self._stats if s is not None]
 
     def usage_chunk(self) -> dict[str, Any]:

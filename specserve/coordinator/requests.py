@@ -1,4 +1,4 @@
-"""A client's generation request as a checked domain object (``GenerationRequest.from_pb``).
+"""A client's generation request as a checked domain object (``GenerationRequest.check``).
 
 Every check raises :class:`~specserve.api.errors.InvalidArgument` with a message
 that says what to fix; the server interceptor turns it into INVALID_ARGUMENT.
@@ -14,7 +14,8 @@ tokenized or rendered with the chat template (the caller's ``tokenize`` and
 the context: a prompt must leave room for one generated token in the smaller
 context of the two models, and ``max_new_tokens`` is capped so that prompt +
 generation fit (the generation then finishes with ``length`` at the context).
-Any front end (gRPC, HTTP) builds its request message and calls this.
+Any front end (gRPC, HTTP) reads its request into :class:`~specserve.api.params.GenerationParams` and a
+:class:`Prompt` and calls this.
 """
 
 from __future__ import annotations
@@ -25,10 +26,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specserve.api.errors import FailedPrecondition, InvalidArgument
-from specserve.api.params import PROPOSER_KINDS, GenerationParams, SamplingParams, StopConditions
-from specserve.coordinator.chat import ChatMessage, TemplateOptions, messages_from_pb
+from specserve.api.params import (
+    DEFAULT_PROPOSER,
+    PROPOSER_KINDS,
+    GenerationParams,
+    SamplingParams,
+    StopConditions,
+)
+from specserve.coordinator.chat import ChatMessage, Conversation, TemplateOptions
 from specserve.runtime.config import CoordinatorSettings
-from specserve.v1 import common_pb2, coordinator_pb2
 
 #: Tokenizes a text prompt (off the event loop) into token ids.
 Tokenize = Callable[[str], Awaitable[tuple[int, ...]]]
@@ -42,11 +48,21 @@ def random_seed() -> int:
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """A request's prompt as sent, not yet checked: one of its text, its token ids or a conversation (None:
+    not sent; all None: no prompt)."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    chat: Conversation | None = None
+
+
+@dataclass(frozen=True)
 class SpeculationSettings:
     """How a session speculates: ``gamma`` fixed, or None for the automatic policy."""
 
     gamma: int | None
-    proposer: int  # common_pb2.ProposerKind, never UNSPECIFIED
+    proposer: int  # a value of PROPOSER_KINDS (the wire's ProposerKind), never UNSPECIFIED
     draft_top_k: int = 0
     #: Keep a hybrid lookup beside the draft model (specserve/coordinator/speculation/sources/ngram.py); only where it applies:
     #: the automatic policy and the model proposer.
@@ -83,9 +99,10 @@ class GenerationRequest:
         return replace(self, sampling=replace(self.sampling, seed=seed))
 
     @classmethod
-    async def from_pb(
+    async def check(
         cls,
-        pb: coordinator_pb2.GenerateRequest,
+        params: GenerationParams,
+        prompt: Prompt,
         *,
         settings: CoordinatorSettings,
         tokenize: Tokenize,
@@ -93,14 +110,14 @@ class GenerationRequest:
         vocab_size: int,
         max_gamma: int,
         context_tokens: int | None = None,
-        default_proposer: int = common_pb2.PROPOSER_KIND_MODEL,
+        default_proposer: int = DEFAULT_PROPOSER,
         feature_head: bool = False,
     ) -> GenerationRequest:
-        """Check ``pb`` against the server's limits, cheapest first; tokenize a text prompt last.
+        """Check ``params`` (already through every check that needs no server limit) and ``prompt`` against
+        the server's limits, cheapest first; tokenize a text prompt last.
 
         ``default_proposer``: the proposer of a request that names none; ``feature_head``: whether the
         draft tier serves the feature head (a request for it is refused otherwise)."""
-        params = GenerationParams.from_pb(pb)  # every check that needs no server limit
         if params.max_new_tokens is not None and params.max_new_tokens > settings.max_new_tokens_limit:
             raise InvalidArgument(
                 f"max_new_tokens={params.max_new_tokens} is above this server's limit of "
@@ -119,26 +136,26 @@ class GenerationRequest:
             feature_head=feature_head,
         )
         top_logprobs = params.top_logprobs if params.logprobs else None
-        prompt = await _prompt(
-            pb, settings=settings, tokenize=tokenize, render_chat=render_chat, vocab_size=vocab_size
+        prompt_ids = await _prompt(
+            prompt, settings=settings, tokenize=tokenize, render_chat=render_chat, vocab_size=vocab_size
         )
-        if len(prompt) > settings.max_prompt_tokens:
+        if len(prompt_ids) > settings.max_prompt_tokens:
             raise InvalidArgument(
-                f"the prompt has {len(prompt)} tokens, more than this server's limit of "
+                f"the prompt has {len(prompt_ids)} tokens, more than this server's limit of "
                 f"{settings.max_prompt_tokens}; shorten it"
             )
         if context_tokens is not None:
-            room = context_tokens - len(prompt)
+            room = context_tokens - len(prompt_ids)
             if room < 1:
                 raise InvalidArgument(
-                    f"the prompt has {len(prompt)} tokens but the model's context holds {context_tokens}, "
+                    f"the prompt has {len(prompt_ids)} tokens but the model's context holds {context_tokens}, "
                     f"prompt and generation together; shorten the prompt to at most {context_tokens - 1} tokens"
                 )
             if stop.max_new_tokens > room:  # generate up to the context, then finish with `length`
                 stop = replace(stop, max_new_tokens=room, min_new_tokens=min(stop.min_new_tokens, room))
         prediction = await _prediction(params, settings=settings, tokenize=tokenize, vocab_size=vocab_size)
         return cls(
-            prompt_token_ids=prompt,
+            prompt_token_ids=prompt_ids,
             sampling=sampling,
             stop=stop,
             speculation=speculation,
@@ -198,41 +215,38 @@ def _check_stop_lists(params: GenerationParams, settings: CoordinatorSettings, v
 
 
 async def _prompt(
-    pb: coordinator_pb2.GenerateRequest,
+    prompt: Prompt,
     *,
     settings: CoordinatorSettings,
     tokenize: Tokenize,
     render_chat: RenderChat,
     vocab_size: int,
 ) -> tuple[int, ...]:
-    which = pb.WhichOneof("prompt")
-    if which == "text":
-        if not pb.text:
+    if prompt.text is not None:
+        if not prompt.text:
             raise InvalidArgument("the prompt is empty: send prompt text or prompt token ids")
-        _check_bytes("the prompt text", len(pb.text.encode("utf-8")), settings)
-        prompt = tuple(await tokenize(pb.text))
-        if not prompt:
+        _check_bytes("the prompt text", len(prompt.text.encode("utf-8")), settings)
+        ids = tuple(await tokenize(prompt.text))
+        if not ids:
             raise InvalidArgument("the prompt text tokenizes to no tokens: send a non-empty prompt")
-        return prompt
-    if which == "tokens":
-        prompt = tuple(pb.tokens.token_ids)
-        if not prompt:
+        return ids
+    if prompt.token_ids is not None:
+        ids = tuple(prompt.token_ids)
+        if not ids:
             raise InvalidArgument("the prompt is empty: send at least one prompt token id")
-        bad = [t for t in prompt if t >= vocab_size]
+        bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise InvalidArgument(
                 f"prompt token id {bad[0]} is outside the model's vocabulary of {vocab_size} tokens "
                 f"(ids must be in [0, {vocab_size}))"
             )
-        return prompt
-    if which == "chat":
-        size = sum(len(m.role.encode("utf-8")) + len(m.content.encode("utf-8")) for m in pb.chat.messages)
-        size += len(pb.chat.template_kwargs_json.encode("utf-8"))
-        _check_bytes("the conversation", size, settings)
-        prompt = tuple(await render_chat(list(messages_from_pb(pb.chat)), TemplateOptions.from_pb(pb.chat)))
-        if not prompt:
+        return ids
+    if prompt.chat is not None:
+        _check_bytes("the conversation", prompt.chat.size, settings)
+        ids = tuple(await render_chat(list(prompt.chat.chat_messages()), TemplateOptions.of(prompt.chat)))
+        if not ids:
             raise InvalidArgument("the conversation renders to no tokens: send a non-empty message")
-        return prompt
+        return ids
     raise InvalidArgument(
         "the prompt is empty: set GenerateRequest.text, GenerateRequest.tokens or GenerateRequest.chat"
     )
@@ -253,14 +267,14 @@ def _speculation(
     vocab_size: int,
     hybrid_lookup: bool = True,
     min_confidence: float = 0.0,
-    default_proposer: int = common_pb2.PROPOSER_KIND_MODEL,
+    default_proposer: int = DEFAULT_PROPOSER,
     feature_head: bool = False,
 ) -> SpeculationSettings:
     """The request's speculation against the server's limits and defaults (``hybrid_lookup``,
     ``min_confidence``: the server's settings for them under the automatic policy; ``default_proposer``,
-    ``feature_head``: see ``GenerationRequest.from_pb``)."""
+    ``feature_head``: see ``GenerationRequest.check``)."""
     proposer = default_proposer if params.proposer is None else PROPOSER_KINDS[params.proposer]
-    if proposer == common_pb2.PROPOSER_KIND_FEATURE and not feature_head:
+    if proposer == PROPOSER_KINDS["feature"] and not feature_head:
         raise FailedPrecondition(
             "proposer 'feature' needs the feature head, and this server's draft replicas do not serve one "
             "(start them with --feature-head); use proposer 'model' or leave it unset"
@@ -276,7 +290,7 @@ def _speculation(
             f"draft_top_k={params.draft_top_k} exceeds the vocabulary size {vocab_size}; use 0 (off) or a smaller k"
         )
     lookup = hybrid_lookup if params.hybrid_lookup is None else params.hybrid_lookup
-    model = proposer in (common_pb2.PROPOSER_KIND_MODEL, common_pb2.PROPOSER_KIND_FEATURE)  # a draft tier proposer
+    model = proposer in (PROPOSER_KINDS["model"], PROPOSER_KINDS["feature"])  # a draft tier proposer
     if params.min_confidence is not None:
         confidence = params.min_confidence
     else:

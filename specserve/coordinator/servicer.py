@@ -1,4 +1,8 @@
-"""The CoordinatorService gRPC servicer: thin (request -> domain -> replies).
+"""The CoordinatorService gRPC servicer: thin (request -> domain -> replies), and the coordinator's front end's
+edge with the wire: a ``GenerateRequest`` becomes :class:`~specserve.api.params.GenerationParams` and a
+:class:`~specserve.coordinator.requests.Prompt`, and the coordinator's events
+(:class:`~specserve.coordinator.coordinator.Chunk`, :class:`~specserve.coordinator.coordinator.Finished`)
+become ``GenerateResponse`` messages, here only.
 
 Errors are raised as :mod:`specserve.api.errors` classes; the server's
 ``ErrorInterceptor`` maps them to status codes (INVALID_ARGUMENT for a bad
@@ -8,12 +12,16 @@ request, with a message that says what to fix).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
 
+from specserve.api.params import GenerationParams
 from specserve.coordinator.cache_scope import grpc_tenant
-from specserve.coordinator.coordinator import Coordinator
+from specserve.coordinator.chat import Conversation
+from specserve.coordinator.coordinator import Chunk, Coordinator, Finished, GenerationStats
+from specserve.coordinator.requests import Prompt
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -30,8 +38,47 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         client = self.coordinator.clients.of_call(context)
         (place,) = self.coordinator.admit(client)
         with place:
-            generation = await self.coordinator.parse(request, client=client)
+            generation = await self.coordinator.parse(*request_from_pb(request), client=client)
             tenant = grpc_tenant(context, by_token=bool(self.coordinator.settings.auth_tokens))
             async with contextlib.aclosing(self.coordinator.generate(generation, place, tenant=tenant)) as events:
                 async for event in events:
-                    yield event.to_pb()
+                    yield response_pb(event)
+
+
+def request_from_pb(pb: coordinator_pb2.GenerateRequest) -> tuple[GenerationParams, Prompt]:
+    """A ``GenerateRequest``'s settings, checked where they need no server limit, and its prompt as sent."""
+    params = GenerationParams.from_pb(pb)
+    which = pb.WhichOneof("prompt")
+    if which == "text":
+        return params, Prompt(text=pb.text)
+    if which == "tokens":
+        return params, Prompt(token_ids=tuple(pb.tokens.token_ids))
+    if which == "chat":
+        chat = pb.chat
+        return params, Prompt(
+            chat=Conversation(
+                messages=tuple((m.role, m.content) for m in chat.messages),
+                omit_generation_prompt=chat.omit_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                template_kwargs_json=chat.template_kwargs_json,
+            )
+        )
+    return params, Prompt()
+
+
+def response_pb(event: Chunk | Finished) -> coordinator_pb2.GenerateResponse:
+    """An event of :meth:`Coordinator.generate` on the wire."""
+    if isinstance(event, Finished):
+        return coordinator_pb2.GenerateResponse(stats=stats_pb(event.stats))
+    return coordinator_pb2.GenerateResponse(
+        chunk=coordinator_pb2.TokenChunk(
+            token_ids=event.token_ids, text=event.text, logprobs=[p.to_pb() for p in event.logprobs]
+        )
+    )
+
+
+def stats_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
+    """The closing statistics on the wire: every field by its name, ``sources`` a ``SourceStats`` per row."""
+    fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats) if f.name != "sources"}
+    sources = [coordinator_pb2.SourceStats(**dataclasses.asdict(row)) for row in stats.sources]
+    return coordinator_pb2.GenerationStats(**fields, sources=sources)

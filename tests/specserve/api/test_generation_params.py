@@ -237,18 +237,18 @@ NOT_OVER_HTTP: set[str] = set()
 def test_the_http_body_carries_every_field():
     body = parse_body(ChatCompletionRequest, FULL_BODY)
     body.check_supported()
-    assert GenerationParams.from_pb(body.to_pb()) == FULL
+    assert body.generation()[0] == FULL
     minimum = parse_body(ChatCompletionRequest, {**FULL_BODY, "min_tokens": 2, "stop": None, "guided_regex": None})
-    assert GenerationParams.from_pb(minimum.to_pb()).min_new_tokens == 2
+    assert minimum.generation()[0].min_new_tokens == 2
     # Prediction token ids are the one form HTTP lacks (OpenAI's prediction is text).
-    reached = moved(GenerationParams.from_pb(body.to_pb())) | {"min_new_tokens"}
+    reached = moved(body.generation()[0]) | {"min_new_tokens"}
     assert reached == {f.name for f in FIELDS} - NOT_OVER_HTTP
 
 
 def test_a_bad_setting_over_http_is_the_same_refusal():
     body = parse_body(ChatCompletionRequest, {**FULL_BODY, "temperature": 0.001})
     with pytest.raises(InvalidArgument, match=r"temperature=0\.001 is too small"):
-        body.to_pb()
+        body.generation()
 
 
 def test_a_cache_salt_out_of_bounds_is_refused_naming_it():
@@ -265,7 +265,7 @@ def test_http_cache_salt_and_prompt_cache_key_each_make_a_salt_of_their_own():
     base = {"messages": [{"role": "user", "content": "hi"}]}
 
     def salt(**fields: str) -> str | None:
-        return GenerationParams.from_pb(parse_body(ChatCompletionRequest, {**base, **fields}).to_pb()).cache_salt
+        return parse_body(ChatCompletionRequest, {**base, **fields}).generation()[0].cache_salt
 
     salts = [salt(), salt(cache_salt="a"), salt(prompt_cache_key="a"), salt(cache_salt="a", prompt_cache_key="b")]
     assert salts[0] is None and salts[1] == "a"

@@ -6,10 +6,10 @@ import pytest
 import tiny_models
 
 from specserve.api.errors import FailedPrecondition, InvalidArgument
-from specserve.coordinator.chat import ChatMessage, TemplateOptions, chat_prompt_ids
-from specserve.coordinator.requests import GenerationRequest
+from specserve.api.params import GenerationParams
+from specserve.coordinator.chat import ChatMessage, Conversation, TemplateOptions, chat_prompt_ids
+from specserve.coordinator.requests import GenerationRequest, Prompt
 from specserve.runtime.config import CoordinatorSettings
-from specserve.v1 import coordinator_pb2
 
 pytestmark = pytest.mark.unit
 
@@ -31,11 +31,8 @@ def plain_tokenizer(tmp_path_factory):
     return tiny_models.make_tiny_tokenizer(tmp_path_factory.mktemp("plain-tok"), chat_template=None)
 
 
-def _pb(messages) -> coordinator_pb2.GenerateRequest:
-    req = coordinator_pb2.GenerateRequest()
-    req.chat.messages.extend(m.to_pb() for m in messages)
-    req.chat.SetInParent()
-    return req
+def _chat(messages) -> Prompt:
+    return Prompt(chat=Conversation(messages=tuple((m.role, m.content) for m in messages)))
 
 
 def test_prompt_ids_equal_hugging_face_apply_chat_template(tokenizer):
@@ -71,39 +68,45 @@ def test_a_template_that_raises_becomes_invalid_argument(tmp_path):
         chat_prompt_ids(tok, [ChatMessage("assistant", "hi")])
 
 
-async def _parse(pb, tokenizer, settings):
+async def _parse(prompt, tokenizer, settings):
     async def tokenize(text):
         return tuple(tokenizer.encode(text, add_special_tokens=False))
 
     async def render_chat(messages, options):
         return chat_prompt_ids(tokenizer, messages, options)
 
-    return await GenerationRequest.from_pb(
-        pb, settings=settings, tokenize=tokenize, render_chat=render_chat, vocab_size=384, max_gamma=8
+    return await GenerationRequest.check(
+        GenerationParams(),
+        prompt,
+        settings=settings,
+        tokenize=tokenize,
+        render_chat=render_chat,
+        vocab_size=384,
+        max_gamma=8,
     )
 
 
 async def test_generation_request_renders_chat_and_applies_the_prompt_limits(tokenizer, plain_tokenizer):
     settings = CoordinatorSettings(host="127.0.0.1", max_prompt_tokens=100, max_prompt_bytes=2000)
-    parsed = await _parse(_pb(CONVERSATION), tokenizer, settings)
+    parsed = await _parse(_chat(CONVERSATION), tokenizer, settings)
     assert parsed.prompt_token_ids == chat_prompt_ids(tokenizer, CONVERSATION)
     long = [ChatMessage("user", "the quick brown fox " * 40)]
     with pytest.raises(InvalidArgument, match="limit of 100"):
-        await _parse(_pb(long), tokenizer, settings)
+        await _parse(_chat(long), tokenizer, settings)
     huge = [ChatMessage("user", "x" * 2001)]  # refused by its bytes, before the template runs
     with pytest.raises(InvalidArgument, match="conversation is 2005 bytes"):
-        await _parse(_pb(huge), plain_tokenizer, settings)
+        await _parse(_chat(huge), plain_tokenizer, settings)
     with pytest.raises(InvalidArgument, match="conversation is empty"):
-        await _parse(_pb([]), tokenizer, settings)
+        await _parse(_chat([]), tokenizer, settings)
     with pytest.raises(FailedPrecondition, match="no chat template"):
-        await _parse(_pb(CONVERSATION), plain_tokenizer, settings)
+        await _parse(_chat(CONVERSATION), plain_tokenizer, settings)
 
 
-def test_template_options_from_the_wire_and_their_refusals():
-    pb = coordinator_pb2.ChatMessages(continue_final_message=True, template_kwargs_json='{"greeting": "hi"}')
-    options = TemplateOptions.from_pb(pb)
+def test_template_options_of_a_conversation_and_their_refusals():
+    conversation = Conversation(continue_final_message=True, template_kwargs_json='{"greeting": "hi"}')
+    options = TemplateOptions.of(conversation)
     assert options == TemplateOptions(add_generation_prompt=False, continue_final_message=True, variables={"greeting": "hi"})
-    assert TemplateOptions.from_pb(coordinator_pb2.ChatMessages(omit_generation_prompt=True)).add_generation_prompt is False
+    assert TemplateOptions.of(Conversation(omit_generation_prompt=True)).add_generation_prompt is False
     hostile = (
         ('{"a": ' * 5000 + "1" + "}" * 5000, "template_kwargs_json nests arrays and objects more than 64 levels"),
         ('{"a": 1, "a": 2}', "the key 'a' appears twice"),
@@ -111,7 +114,7 @@ def test_template_options_from_the_wire_and_their_refusals():
     )
     for bad, message in (("{", "not valid JSON"), ("[1]", "must be a JSON object"), ('{"tokenize": 1}', "'tokenize'"), *hostile):
         with pytest.raises(InvalidArgument, match=message):
-            TemplateOptions.from_pb(coordinator_pb2.ChatMessages(template_kwargs_json=bad))
+            TemplateOptions.of(Conversation(template_kwargs_json=bad))
     with pytest.raises(InvalidArgument, match="leave add_generation_prompt off"):
         TemplateOptions(continue_final_message=True)
 

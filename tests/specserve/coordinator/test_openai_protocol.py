@@ -1,17 +1,21 @@
-"""OpenAI request bodies -> GenerateRequest messages, and what is refused (no servers)."""
+"""OpenAI request bodies -> the coordinator's requests (settings and prompt), and what is refused (no servers)."""
 
 from __future__ import annotations
+
+import struct
 
 import pytest
 
 from specserve.api.errors import InvalidArgument
+from specserve.api.params import GenerationParams
+from specserve.coordinator.chat import Conversation
 from specserve.coordinator.openai_protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     parse_body,
 )
-from specserve.v1 import common_pb2
+from specserve.coordinator.requests import Prompt
 
 pytestmark = pytest.mark.unit
 
@@ -50,44 +54,51 @@ def test_every_chat_field_reaches_the_generate_request():
         response_format={"type": "text"},
     )
     body.check_supported()
-    pb = body.to_pb(2)
-    assert pb.WhichOneof("prompt") == "chat"
-    assert [(m.role, m.content) for m in pb.chat.messages] == [("system", "be brief"), ("user", "hi")]
-    s = pb.sampling
-    assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
-    assert (s.top_k, s.seed) == (5, 9), "choice 2 of seed 7 uses seed 9"
-    assert s.min_p == pytest.approx(0.05) and s.repetition_penalty == pytest.approx(1.2)
-    assert pb.stop.max_new_tokens == 12, "max_completion_tokens wins over max_tokens"
-    assert list(pb.stop.stop_strings) == ["\n\n", "END"] and list(pb.stop.stop_token_ids) == [3, 4]
-    assert pb.stop.ignore_eos
-    assert pb.speculation.gamma == 4 and pb.speculation.draft_top_k == 8
-    assert pb.speculation.proposer == common_pb2.PROPOSER_KIND_NGRAM
-    assert pb.speculation.min_confidence == pytest.approx(0.25)
+    params, prompt = body.generation(2)
+    assert prompt.text is None and prompt.token_ids is None
+    assert prompt.chat.messages == (("system", "be brief"), ("user", "hi"))
+    assert params.temperature == pytest.approx(0.7) and params.top_p == pytest.approx(0.9)
+    assert (params.top_k, params.seed) == (5, 9), "choice 2 of seed 7 uses seed 9"
+    assert params.min_p == pytest.approx(0.05) and params.repetition_penalty == pytest.approx(1.2)
+    assert params.max_new_tokens == 12, "max_completion_tokens wins over max_tokens"
+    assert params.stop == ("\n\n", "END") and params.stop_token_ids == (3, 4)
+    assert params.ignore_eos
+    assert params.gamma == 4 and params.draft_top_k == 8
+    assert params.proposer == "ngram"
+    assert params.min_confidence == pytest.approx(0.25)
     assert body.stop_strings == ("\n\n", "END") and not body.reply_options().include_usage
 
 
+def test_settings_are_the_wires_32_bit_floats_as_over_grpc():
+    """An HTTP body's settings are what a GenerateRequest carries (GenerationParams.as_sent): the same
+    request over HTTP and over gRPC samples alike."""
+    params, _ = chat(temperature=0.7, top_p=0.9).generation()
+    assert params.temperature == struct.unpack("f", struct.pack("f", 0.7))[0] != 0.7
+    assert params == GenerationParams.from_pb(params.to_pb())
+
+
 def test_defaults_follow_openai_and_leave_server_choices_absent():
-    pb = chat().to_pb()
-    assert pb.sampling.temperature == 1.0, "OpenAI's default temperature is 1"
-    assert not pb.sampling.HasField("top_p") and not pb.sampling.HasField("seed")
-    assert not pb.sampling.HasField("repetition_penalty")
-    assert pb.stop.max_new_tokens == 0, "chat: the server's default length"
-    assert not pb.speculation.HasField("gamma") and pb.speculation.proposer == common_pb2.PROPOSER_KIND_UNSPECIFIED  # the server's default
-    assert not pb.speculation.HasField("min_confidence")
-    assert completion().to_pb().stop.max_new_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS == 16
-    assert completion(max_tokens=5).to_pb().stop.max_new_tokens == 5
-    assert chat(max_tokens=5).to_pb().stop.max_new_tokens == 5
-    assert chat(top_k=-1).to_pb().sampling.top_k == 0, "vLLM's -1 disables top-k"
-    assert not chat(speculation={"gamma": "auto"}).to_pb().speculation.HasField("gamma")
-    assert chat(stop="x").to_pb().stop.stop_strings == ["x"]
-    assert chat(seed=2**64 - 1).to_pb(1).sampling.seed == 0, "seeds wrap around 2**64"
+    params, _ = chat().generation()
+    assert params.temperature == 1.0, "OpenAI's default temperature is 1"
+    assert params.top_p == 1.0 and params.seed is None
+    assert params.repetition_penalty == 1.0
+    assert params.max_new_tokens is None, "chat: the server's default length"
+    assert params.gamma is None and params.proposer is None  # the server's default
+    assert params.min_confidence is None
+    assert completion().generation()[0].max_new_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS == 16
+    assert completion(max_tokens=5).generation()[0].max_new_tokens == 5
+    assert chat(max_tokens=5).generation()[0].max_new_tokens == 5
+    assert chat(top_k=-1).generation()[0].top_k == 0, "vLLM's -1 disables top-k"
+    assert chat(speculation={"gamma": "auto"}).generation()[0].gamma is None
+    assert chat(stop="x").generation()[0].stop == ("x",)
+    assert chat(seed=2**64 - 1).generation(1)[0].seed == 0, "seeds wrap around 2**64"
 
 
 def test_completion_prompts_text_tokens_and_one_item_lists():
-    assert completion().to_pb().text == "def f(x):"
-    assert list(parse_body(CompletionRequest, {"prompt": [5, 6, 7]}).to_pb().tokens.token_ids) == [5, 6, 7]
-    assert parse_body(CompletionRequest, {"prompt": ["only one"]}).to_pb().text == "only one"
-    assert list(parse_body(CompletionRequest, {"prompt": [[1, 2]]}).to_pb().tokens.token_ids) == [1, 2]
+    assert completion().generation()[1] == Prompt(text="def f(x):")
+    assert parse_body(CompletionRequest, {"prompt": [5, 6, 7]}).generation()[1] == Prompt(token_ids=(5, 6, 7))
+    assert parse_body(CompletionRequest, {"prompt": ["only one"]}).generation()[1] == Prompt(text="only one")
+    assert parse_body(CompletionRequest, {"prompt": [[1, 2]]}).generation()[1] == Prompt(token_ids=(1, 2))
 
 
 def test_text_content_parts_are_joined():
@@ -96,29 +107,40 @@ def test_text_content_parts_are_joined():
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
     )
     body.check_supported()
-    assert body.to_pb().chat.messages[0].content == "ab"
+    assert body.generation()[1].chat.messages == (("user", "ab"),)
+
+
+def test_chat_template_options_reach_the_conversation():
+    body = chat(add_generation_prompt=False, continue_final_message=True, chat_template_kwargs={"b": 1, "a": True})
+    conversation = body.generation()[1].chat
+    assert conversation.omit_generation_prompt and conversation.continue_final_message
+    assert conversation.template_kwargs_json == '{"a": true, "b": 1}'
+    assert chat().generation()[1].chat == Conversation(messages=(("system", "be brief"), ("user", "hi")))
 
 
 def test_logprobs_reach_the_generate_request_in_both_shapes():
-    assert not chat().to_pb().HasField("logprobs")
-    assert not chat(logprobs=False, top_logprobs=0).to_pb().HasField("logprobs")
-    pb = chat(logprobs=True).to_pb()
-    assert pb.HasField("logprobs") and pb.logprobs.top_logprobs == 0
-    assert chat(logprobs=True, top_logprobs=20).to_pb().logprobs.top_logprobs == 20
-    assert not completion().to_pb().HasField("logprobs")
-    pb = completion(logprobs=0).to_pb()
-    assert pb.HasField("logprobs") and pb.logprobs.top_logprobs == 0
-    assert completion(logprobs=5).to_pb().logprobs.top_logprobs == 5
+    def logprobs(body):
+        params = body.generation()[0]
+        return params.top_logprobs if params.logprobs else None
+
+    assert logprobs(chat()) is None
+    assert logprobs(chat(logprobs=False, top_logprobs=0)) is None
+    assert logprobs(chat(logprobs=True)) == 0
+    assert logprobs(chat(logprobs=True, top_logprobs=20)) == 20
+    assert logprobs(completion()) is None
+    assert logprobs(completion(logprobs=0)) == 0
+    assert logprobs(completion(logprobs=5)) == 5
 
 
 def test_a_prediction_reaches_the_generate_request_as_text():
-    assert not chat().to_pb().HasField("prediction")
+    assert chat().generation()[0].prediction is None
     body = chat(prediction={"type": "content", "content": "def f(x):\n    return x\n"})
     body.check_supported()
-    assert body.to_pb().prediction.text == "def f(x):\n    return x\n"
+    assert body.generation()[0].prediction == "def f(x):\n    return x\n"
     parts = [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]
-    assert chat(prediction={"type": "content", "content": parts}).to_pb().prediction.text == "abcd"
-    assert completion(prediction={"type": "content", "content": "x = 1"}).to_pb().prediction.text == "x = 1"
+    assert chat(prediction={"type": "content", "content": parts}).generation()[0].prediction == "abcd"
+    body = completion(prediction={"type": "content", "content": "x = 1"})
+    assert body.generation()[0].prediction == "x = 1"
 
 
 REFUSED = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.api.params import PositionLogprobs, TokenLogprob
-from specserve.coordinator.coordinator import Chunk, Finished
+from specserve.api.params import FINISH_REASONS, PositionLogprobs, TokenLogprob
+from specserve.coordinator.coordinator import Chunk, Finished, GenerationStats, SourceRow
 from specserve.coordinator.openai_protocol import ReplyOptions
 from specserve.coordinator.openai_replies import (
     ReplyBuilder,
@@ -16,16 +16,15 @@ from specserve.coordinator.openai_replies import (
     speculation_report,
     usage,
 )
-from specserve.v1 import common_pb2, coordinator_pb2
 
 pytestmark = pytest.mark.unit
 
-STOP_STRING = common_pb2.FINISH_REASON_STOP_STRING
+STOP_STRING = FINISH_REASONS["stop_string"]
 
 
-def stats(**kw) -> coordinator_pb2.GenerationStats:
-    base = {"prompt_tokens": 5, "completion_tokens": 4, "finish_reason": common_pb2.FINISH_REASON_LENGTH}
-    return coordinator_pb2.GenerationStats(**{**base, **kw})
+def stats(**kw) -> GenerationStats:
+    base = {"prompt_tokens": 5, "completion_tokens": 4, "finish_reason": FINISH_REASONS["length"]}
+    return GenerationStats(**{**base, **kw})
 
 
 @pytest.mark.parametrize(
@@ -54,7 +53,7 @@ def test_text_that_did_not_stop_on_a_string_is_kept_whole():
 
 
 def test_finish_reasons_map_to_stop_and_length():
-    for reason in (common_pb2.FINISH_REASON_EOS, common_pb2.FINISH_REASON_STOP_TOKEN, STOP_STRING):
+    for reason in (FINISH_REASONS["eos"], FINISH_REASONS["stop_token"], STOP_STRING):
         assert finish_reason(stats(finish_reason=reason)) == "stop"
     assert finish_reason(stats()) == "length"
 
@@ -81,8 +80,8 @@ def test_usage_sums_the_prediction_counts_of_every_choice():
 
 
 def test_speculation_report_sums_sessions_like_vllm_metrics():
-    a = stats(rounds=5, draft_rounds=4, proposed_tokens=10, accepted_tokens=6, accepted_per_position=[4, 2])
-    b = stats(rounds=3, draft_rounds=2, proposed_tokens=6, accepted_tokens=5, accepted_per_position=[2, 2, 1])
+    a = stats(rounds=5, draft_rounds=4, proposed_tokens=10, accepted_tokens=6, accepted_per_position=(4, 2))
+    b = stats(rounds=3, draft_rounds=2, proposed_tokens=6, accepted_tokens=5, accepted_per_position=(2, 2, 1))
     report = speculation_report([a, b])
     assert report["num_drafts"] == 6 and report["rounds"] == 8
     assert report["num_draft_tokens"] == 16 and report["num_accepted_tokens"] == 11
@@ -95,9 +94,9 @@ def test_speculation_report_sums_sessions_like_vllm_metrics():
 
 
 def test_speculation_report_sums_each_source_over_the_choices():
-    row = coordinator_pb2.SourceStats
-    a = stats(sources=[row(name="ngram", draft_rounds=2, proposed_tokens=5, accepted_tokens=4), row(name="model")])
-    b = stats(sources=[row(name="ngram", draft_rounds=1, proposed_tokens=3, accepted_tokens=1)])
+    row = SourceRow
+    a = stats(sources=(row(name="ngram", draft_rounds=2, proposed_tokens=5, accepted_tokens=4), row(name="model")))
+    b = stats(sources=(row(name="ngram", draft_rounds=1, proposed_tokens=3, accepted_tokens=1),))
     assert speculation_report([a, b])["sources"] == {
         "ngram": {"num_drafts": 3, "num_draft_tokens": 8, "num_accepted_tokens": 5},
         "model": {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0},
@@ -109,7 +108,7 @@ def test_chat_stream_chunks_then_the_usage_chunk():
     out = b.on_event(1, Chunk((7, 8), "he"))
     assert [c["choices"][0]["delta"] for c in out] == [{"role": "assistant", "content": ""}, {"content": "he"}]
     assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in out)
-    out = b.on_event(0, Finished(stats(completion_tokens=0, finish_reason=common_pb2.FINISH_REASON_EOS)))
+    out = b.on_event(0, Finished(stats(completion_tokens=0, finish_reason=FINISH_REASONS["eos"])))
     assert out[0]["choices"][0]["delta"]["role"] == "assistant"
     assert out[-1]["choices"][0]["finish_reason"] == "stop" and out[-1]["choices"][0]["delta"] == {}
     assert not b.finished

@@ -7,8 +7,9 @@ from worker_fakes import speculator_for
 
 from specserve.api.errors import FailedPrecondition
 from specserve.api.params import SamplingParams, StopConditions, Verdict
-from specserve.coordinator.coordinator import generation_stats
+from specserve.coordinator.coordinator import GenerationStats, SourceRow, generation_stats
 from specserve.coordinator.requests import SpeculationSettings
+from specserve.coordinator.servicer import stats_pb
 from specserve.coordinator.session import Session, SessionStats, SessionStatus
 from specserve.v1 import common_pb2
 
@@ -118,7 +119,7 @@ def test_each_source_has_a_row_and_the_wire_repeats_the_ngram_and_forced_rows():
     s.stats.observe_round(proposed=2, accepted=2, source="forced")
     s.stats.observe_round(proposed=4, accepted=1, source="model")
     s.stats.observe_round(proposed=0, accepted=0, source="model")  # gamma 0: no draft round
-    pb = generation_stats(s)
+    pb = stats_pb(generation_stats(s))
     rows = {r.name: (r.draft_rounds, r.proposed_tokens, r.accepted_tokens) for r in pb.sources}
     assert rows == {"ngram": (1, 3, 2), "forced": (1, 2, 2), "model": (1, 4, 1)}
     assert sum(r.proposed_tokens for r in pb.sources) == pb.proposed_tokens == 9
@@ -131,3 +132,28 @@ def test_each_source_has_a_row_and_the_wire_repeats_the_ngram_and_forced_rows():
         ("model", 4, 1),
     ]
     assert sdk.sources[0].acceptance_rate == pytest.approx(2 / 3)
+
+
+def test_the_closing_statistics_go_on_the_wire_field_by_field():
+    """The domain ``GenerationStats`` has the wire message's fields by the same names, and the servicer's
+    conversion carries each value (``sources`` a row each)."""
+    from specserve.v1 import coordinator_pb2
+
+    wire = {f.name for f in coordinator_pb2.GenerationStats.DESCRIPTOR.fields}
+    assert {f for f in GenerationStats.__dataclass_fields__} == wire
+    assert set(SourceRow.__dataclass_fields__) == {f.name for f in coordinator_pb2.SourceStats.DESCRIPTOR.fields}
+    values = {name: i + 1 for i, name in enumerate(sorted(wire - {"session_id", "accepted_per_position", "sources"}))}
+    values["finish_reason"], values["proposer"] = common_pb2.FINISH_REASON_STOP_STRING, common_pb2.PROPOSER_KIND_NGRAM
+    stats = GenerationStats(
+        session_id="s-1",
+        accepted_per_position=(3, 1),
+        sources=(SourceRow("ngram", 1, 2, 3), SourceRow("model", 4, 5, 6)),
+        **values,
+    )
+    pb = stats_pb(stats)
+    assert pb.session_id == "s-1" and list(pb.accepted_per_position) == [3, 1]
+    assert {name: getattr(pb, name) for name in values} == values
+    assert [(r.name, r.draft_rounds, r.proposed_tokens, r.accepted_tokens) for r in pb.sources] == [
+        ("ngram", 1, 2, 3),
+        ("model", 4, 5, 6),
+    ]
