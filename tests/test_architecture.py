@@ -292,11 +292,9 @@ def test_the_round_is_one_short_step():
 WIRE_EDGES = frozenset(
     {
         "specserve.coordinator.fleet.clients",  # the coordinator's one client of the workers
+        # each role's servicer converts its calls and replies to and from the domain types (the workers'
+        # messages.py, the coordinator's params and events), and its server builds the gRPC server
         *(f"{role}.{m}" for role in ROLES for m in ("servicer", "server")),
-        # the workers' call and reply types with their conversions to and from the wire (the servicers convert
-        # with them; the draft's engine and the target's verifier use the types): not yet split
-        "specserve.draft.messages",
-        "specserve.target.messages",
     }
 )
 

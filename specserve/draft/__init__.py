@@ -8,10 +8,11 @@ Modules:
   proposer runs in the coordinator (``specserve.coordinator.speculation.sources.ngram``).
 * :mod:`specserve.draft.history`: what this replica knows of each session's
   committed tokens (``start_position`` protocol, FAILED_PRECONDITION to resync).
-* :mod:`specserve.draft.messages`: ``ProposeCall.from_pb`` (request checks) and
-  ``ProposeResult.to_pb``.
+* :mod:`specserve.draft.messages`: the engine's calls and results (``ProposeCall``, ``ProposeResult``),
+  no wire.
 * :mod:`specserve.draft.engine`: ``DraftEngine``, one Propose / Release as domain calls on its model thread.
-* :mod:`specserve.draft.servicer`: the thin gRPC servicer.
+* :mod:`specserve.draft.servicer`: the thin gRPC servicer, the draft's edge with the wire: ``call_from_pb``
+  (request checks) and ``proposal_pb``.
 * :mod:`specserve.draft.server`: ``build_draft`` / ``start_draft(settings, model=None) -> DraftApp`` /
   ``serve(settings)``.
 """

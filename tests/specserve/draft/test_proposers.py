@@ -19,6 +19,7 @@ from specserve.draft.proposers import (
     ModelProposer,
     draft_distribution,
 )
+from specserve.draft.servicer import proposal_pb
 from specserve.engine import cpu_kernels, row_invariant
 from specserve.engine.kvcache import SessionCacheStore
 
@@ -104,7 +105,7 @@ def test_model_proposer_in_coupled_mode_takes_the_gumbel_argmax_and_ships_tokens
         noise = gumbel_noise([31], [len(PROMPT) + i], draft_model.vocab_size)[0]
         assert token == int(torch.argmax(q.log() + noise))
         seq.append(token)
-    reply = ProposeResult(drafted, draft_ns=1).to_pb()
+    reply = proposal_pb(ProposeResult(drafted, draft_ns=1))
     assert list(reply.proposal.token_ids) == list(drafted.token_ids) and not reply.proposal.distributions
 
 

@@ -27,6 +27,7 @@ from specserve.core.rng import gumbel_noise
 from specserve.core.tree import MAX_TREE_NODES, DraftTree
 from specserve.core.tree_verification import verify_tree
 from specserve.target.messages import ItemToVerify, VerifyBatch
+from specserve.target.servicer import batch_from_pb
 from specserve.v1 import common_pb2, target_pb2
 
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 11)
@@ -199,7 +200,7 @@ async def test_a_malformed_tree_is_refused_alone_and_the_session_goes_on(
     record = await new_session(store, PROMPT, GREEDY)
     mate = await new_session(store, PROMPT[::-1], GREEDY)
     request = target_pb2.VerifyRequest(items=[_pb_item(record, tokens, parents), _pb_item(mate, (), ())])
-    batch = VerifyBatch.from_pb(request, vocab_size=target.vocab_size, max_gamma=5, max_batch_size=8)
+    batch = batch_from_pb(request, vocab_size=target.vocab_size, max_gamma=5, max_batch_size=8)
     assert [i.session_id for i in batch.items] == [mate.session_id]
     ((index, refused),) = batch.refused
     assert index == 0 and isinstance(refused.error, InvalidArgument)
@@ -208,7 +209,7 @@ async def test_a_malformed_tree_is_refused_alone_and_the_session_goes_on(
     assert results[0].error is refused.error and results[1].verdict is not None
     tree = greedy_tree(target, record.token_ids, 2, 2)
     request = target_pb2.VerifyRequest(items=[_pb_item(record, tree.tokens, tree.parents)])
-    batch = VerifyBatch.from_pb(request, vocab_size=target.vocab_size, max_gamma=5, max_batch_size=8)
+    batch = batch_from_pb(request, vocab_size=target.vocab_size, max_gamma=5, max_batch_size=8)
     verdict = (await verifier.verify(batch)).results[0].verdict
     assert list(verdict.committed_token_ids) == greedy_continuation(target, record.token_ids, 3)
     verifier.close()
@@ -220,9 +221,7 @@ def test_a_chain_sent_with_its_parents_is_a_chain():
     pb = target_pb2.VerifyItem(
         base=base, proposal=common_pb2.Proposal(token_ids=(4, 5, 6), parents=(-1, 0, 1))
     )
-    batch = VerifyBatch.from_pb(
-        target_pb2.VerifyRequest(items=[pb]), vocab_size=50, max_gamma=4, max_batch_size=2
-    )
+    batch = batch_from_pb(target_pb2.VerifyRequest(items=[pb]), vocab_size=50, max_gamma=4, max_batch_size=2)
     assert batch.items[0].tree is None and batch.items[0].proposal.token_ids == (4, 5, 6)
 
 
