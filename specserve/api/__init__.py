@@ -1,1 +1,2 @@
-"""What the SDK and the servers share, without torch: the exception hierarchy, status codes, request parameters."""
+"""What the SDK and the servers share, without torch: the exception hierarchy, status codes, request parameters,
+generation statistics."""

@@ -67,14 +67,13 @@ token has arrived a request is never re-sent, so output is never duplicated.
 """
 
 from specserve.api.params import GenerationParams, PositionLogprobs, TokenLogprob
+from specserve.api.stats import GenerationStats, SourceStats
 from specserve.api.status import ERROR_CLASS_KEY, ERRORS_BY_CODE, error_from_rpc
 from specserve.client._client import (
     AsyncClient,
     AsyncTokenStream,
     Client,
     GenerateResult,
-    GenerationStats,
-    SourceStats,
     StreamChunk,
     TokenStream,
 )

@@ -32,13 +32,8 @@ from typing import Any
 import structlog
 
 from specserve.api import errors
-from specserve.api.params import (
-    DEFAULT_PROPOSER,
-    NOT_FINISHED,
-    PROPOSER_KINDS,
-    GenerationParams,
-    PositionLogprobs,
-)
+from specserve.api.params import PROPOSER_KINDS, GenerationParams, PositionLogprobs
+from specserve.api.stats import FINISH_REASON_NAMES, PROPOSER_NAMES, GenerationStats, SourceStats
 from specserve.coordinator import cache_scope
 from specserve.coordinator.admission import Admission, Place, SessionRate
 from specserve.coordinator.chat import ChatMessage, TemplateOptions, chat_prompt_ids
@@ -70,51 +65,6 @@ class Chunk:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[PositionLogprobs, ...] = ()
-
-
-@dataclass(frozen=True)
-class SourceRow:
-    """What one proposal source of a session drafted (``GenerationStats.sources`` on the wire, same names)."""
-
-    name: str = ""
-    draft_rounds: int = 0  # rounds it drafted (proposed at least one token)
-    proposed_tokens: int = 0
-    accepted_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class GenerationStats:
-    """A session's closing statistics: the fields of the wire's ``GenerationStats``, by the same names (only the
-    gRPC servicer, specserve/coordinator/servicer.py, converts them). ``finish_reason`` and ``proposer`` are the
-    wire's enum values (:data:`~specserve.api.params.FINISH_REASONS`, :data:`~specserve.api.params.PROPOSER_KINDS`)."""
-
-    session_id: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    rounds: int = 0
-    proposed_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: tuple[int, ...] = ()
-    draft_ns: int = 0
-    verify_ns: int = 0
-    queue_ns: int = 0
-    first_token_ns: int = 0
-    total_ns: int = 0
-    finish_reason: int = NOT_FINISHED
-    seed: int = 0
-    draft_rounds: int = 0
-    accepted_prediction_tokens: int = 0
-    rejected_prediction_tokens: int = 0
-    target_ns: int = 0
-    forward_ns: int = 0
-    #: The ``ngram`` and ``forced`` sources' rows again, for clients that predate ``sources``.
-    lookup_proposed_tokens: int = 0
-    lookup_accepted_tokens: int = 0
-    cached_tokens: int = 0
-    forced_proposed_tokens: int = 0
-    forced_accepted_tokens: int = 0
-    proposer: int = DEFAULT_PROPOSER
-    sources: tuple[SourceRow, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -424,16 +374,16 @@ def generation_stats(session: Session) -> GenerationStats:
         cached_tokens=s.cached_tokens,
         forced_proposed_tokens=forced.proposed_tokens,
         forced_accepted_tokens=forced.accepted_tokens,
-        proposer=session.speculation.proposer,
+        proposer=PROPOSER_NAMES.get(session.speculation.proposer, ""),
         first_token_ns=s.first_token_ns,
         total_ns=time.perf_counter_ns() - session.start_ns,
-        finish_reason=session.finish_reason,
+        finish_reason=FINISH_REASON_NAMES.get(session.finish_reason, str(session.finish_reason)),
         seed=session.sampling.seed,
         draft_rounds=s.draft_rounds,
         accepted_prediction_tokens=s.accepted_prediction_tokens,
         rejected_prediction_tokens=s.rejected_prediction_tokens,
         sources=tuple(
-            SourceRow(
+            SourceStats(
                 name=name,
                 draft_rounds=row.draft_rounds,
                 proposed_tokens=row.proposed_tokens,

@@ -15,12 +15,13 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from specserve.api.params import FINISH_REASONS, PositionLogprobs
-from specserve.coordinator.coordinator import Chunk, Finished, GenerationStats
+from specserve.api.params import PositionLogprobs
+from specserve.api.stats import GenerationStats
+from specserve.coordinator.coordinator import Chunk, Finished
 from specserve.coordinator.openai_protocol import ReplyOptions
 from specserve.coordinator.structured_outputs import ToolCallText
 
-_STOPPED = (FINISH_REASONS["eos"], FINISH_REASONS["stop_token"], FINISH_REASONS["stop_string"])
+_STOPPED = ("eos", "stop_token", "stop_string")
 
 
 def finish_reason(stats: GenerationStats, *, tool_call: bool = False) -> str:
@@ -196,7 +197,7 @@ class StopTrimmer:
     def finish(self, stats: GenerationStats) -> str:
         """The held-back rest, without the stop string if one ended the generation."""
         rest, self._pending = self._pending, ""
-        if stats.finish_reason == FINISH_REASONS["stop_string"]:
+        if stats.finish_reason == "stop_string":
             ends = [s for s in self._stops if rest.endswith(s)]
             if ends:
                 rest = rest[: len(rest) - max(len(s) for s in ends)]

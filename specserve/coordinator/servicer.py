@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from specserve.api.params import GenerationParams
+from specserve.api.params import PROPOSER_KINDS, GenerationParams
+from specserve.api.stats import FINISH_REASON_NAMES, GenerationStats
 from specserve.coordinator.cache_scope import grpc_tenant
 from specserve.coordinator.chat import Conversation
-from specserve.coordinator.coordinator import Chunk, Coordinator, Finished, GenerationStats
+from specserve.coordinator.coordinator import Chunk, Coordinator, Finished
 from specserve.coordinator.requests import Prompt
-from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specserve.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -77,8 +78,16 @@ def response_pb(event: Chunk | Finished) -> coordinator_pb2.GenerateResponse:
     )
 
 
+#: The SDK's name of each ``FinishReason`` -> its value (``FINISH_REASON_NAMES`` inverted).
+_FINISH_REASON_VALUES: dict[str, int] = {name: value for value, name in FINISH_REASON_NAMES.items()}
+
+
 def stats_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
-    """The closing statistics on the wire: every field by its name, ``sources`` a ``SourceStats`` per row."""
+    """The closing statistics on the wire: every field by its name, ``sources`` a ``SourceStats`` per row,
+    ``finish_reason`` and ``proposer`` the enum values of their names (a finish reason without a name is its
+    value's digits, as ``GenerationStats.from_pb`` writes it; a proposer "" is UNSPECIFIED)."""
     fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats) if f.name != "sources"}
+    fields["finish_reason"] = int(_FINISH_REASON_VALUES.get(stats.finish_reason, stats.finish_reason))
+    fields["proposer"] = PROPOSER_KINDS.get(stats.proposer, common_pb2.PROPOSER_KIND_UNSPECIFIED)
     sources = [coordinator_pb2.SourceStats(**dataclasses.asdict(row)) for row in stats.sources]
     return coordinator_pb2.GenerationStats(**fields, sources=sources)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.api.params import FINISH_REASONS, PositionLogprobs, TokenLogprob
-from specserve.coordinator.coordinator import Chunk, Finished, GenerationStats, SourceRow
+from specserve.api.params import PositionLogprobs, TokenLogprob
+from specserve.api.stats import GenerationStats, SourceStats
+from specserve.coordinator.coordinator import Chunk, Finished
 from specserve.coordinator.openai_protocol import ReplyOptions
 from specserve.coordinator.openai_replies import (
     ReplyBuilder,
@@ -19,11 +20,26 @@ from specserve.coordinator.openai_replies import (
 
 pytestmark = pytest.mark.unit
 
-STOP_STRING = FINISH_REASONS["stop_string"]
+STOP_STRING = "stop_string"
 
 
 def stats(**kw) -> GenerationStats:
-    base = {"prompt_tokens": 5, "completion_tokens": 4, "finish_reason": FINISH_REASONS["length"]}
+    base = dict(
+        session_id="s",
+        prompt_tokens=5,
+        completion_tokens=4,
+        rounds=0,
+        proposed_tokens=0,
+        accepted_tokens=0,
+        accepted_per_position=(),
+        draft_ns=0,
+        verify_ns=0,
+        queue_ns=0,
+        first_token_ns=0,
+        total_ns=0,
+        finish_reason="length",
+        seed=0,
+    )
     return GenerationStats(**{**base, **kw})
 
 
@@ -53,7 +69,7 @@ def test_text_that_did_not_stop_on_a_string_is_kept_whole():
 
 
 def test_finish_reasons_map_to_stop_and_length():
-    for reason in (FINISH_REASONS["eos"], FINISH_REASONS["stop_token"], STOP_STRING):
+    for reason in ("eos", "stop_token", STOP_STRING):
         assert finish_reason(stats(finish_reason=reason)) == "stop"
     assert finish_reason(stats()) == "length"
 
@@ -94,7 +110,7 @@ def test_speculation_report_sums_sessions_like_vllm_metrics():
 
 
 def test_speculation_report_sums_each_source_over_the_choices():
-    row = SourceRow
+    row = SourceStats
     a = stats(sources=(row(name="ngram", draft_rounds=2, proposed_tokens=5, accepted_tokens=4), row(name="model")))
     b = stats(sources=(row(name="ngram", draft_rounds=1, proposed_tokens=3, accepted_tokens=1),))
     assert speculation_report([a, b])["sources"] == {
@@ -108,7 +124,7 @@ def test_chat_stream_chunks_then_the_usage_chunk():
     out = b.on_event(1, Chunk((7, 8), "he"))
     assert [c["choices"][0]["delta"] for c in out] == [{"role": "assistant", "content": ""}, {"content": "he"}]
     assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in out)
-    out = b.on_event(0, Finished(stats(completion_tokens=0, finish_reason=FINISH_REASONS["eos"])))
+    out = b.on_event(0, Finished(stats(completion_tokens=0, finish_reason="eos")))
     assert out[0]["choices"][0]["delta"]["role"] == "assistant"
     assert out[-1]["choices"][0]["finish_reason"] == "stop" and out[-1]["choices"][0]["delta"] == {}
     assert not b.finished

@@ -7,8 +7,9 @@ import pytest
 
 from specserve.api.errors import InvalidArgument
 from specserve.api.params import GenerationParams
+from specserve.api.stats import GenerationStats
 from specserve.coordinator.chat import Conversation
-from specserve.coordinator.coordinator import Chunk, Finished, GenerationStats
+from specserve.coordinator.coordinator import Chunk, Finished
 from specserve.coordinator.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from specserve.coordinator.requests import Prompt
 from specserve.coordinator.servicer import request_from_pb, response_pb
@@ -68,6 +69,16 @@ def test_a_body_over_http_is_the_request_its_generate_request_is_over_grpc():
 def test_events_go_out_as_generate_responses():
     chunk = response_pb(Chunk((7, 8), "ab"))
     assert chunk.WhichOneof("event") == "chunk" and list(chunk.chunk.token_ids) == [7, 8] and chunk.chunk.text == "ab"
-    done = response_pb(Finished(GenerationStats(session_id="s", completion_tokens=2, seed=5)))
+    counts = dict.fromkeys(["prompt_tokens", "rounds", "proposed_tokens", "accepted_tokens", "draft_ns"], 0)
+    counts.update(dict.fromkeys(["verify_ns", "queue_ns", "first_token_ns", "total_ns"], 0))
+    stats = GenerationStats(
+        session_id="s",
+        completion_tokens=2,
+        seed=5,
+        accepted_per_position=(),
+        finish_reason="length",
+        **counts,
+    )
+    done = response_pb(Finished(stats))
     assert done.WhichOneof("event") == "stats"
     assert (done.stats.session_id, done.stats.completion_tokens, done.stats.seed) == ("s", 2, 5)

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from worker_fakes import speculator_for
 
 from specserve.api.errors import FailedPrecondition
-from specserve.api.params import SamplingParams, StopConditions, Verdict
-from specserve.coordinator.coordinator import GenerationStats, SourceRow, generation_stats
+from specserve.api.params import (
+    FINISH_REASONS,
+    NOT_FINISHED,
+    PROPOSER_KINDS,
+    SamplingParams,
+    StopConditions,
+    Verdict,
+)
+from specserve.api.stats import GenerationStats, SourceStats
+from specserve.coordinator.coordinator import generation_stats
 from specserve.coordinator.requests import SpeculationSettings
 from specserve.coordinator.servicer import stats_pb
 from specserve.coordinator.session import Session, SessionStats, SessionStatus
@@ -63,7 +73,7 @@ def test_finish_reason_finishes_the_session():
     s.end(SessionStatus.RUNNING)  # status never goes back
     assert s.status == SessionStatus.FINISHED
     pb = generation_stats(s)
-    assert pb.completion_tokens == 2 and pb.finish_reason == common_pb2.FINISH_REASON_EOS and pb.seed == 7
+    assert pb.completion_tokens == 2 and pb.finish_reason == "eos" and pb.seed == 7
 
 
 def test_draft_sees_only_new_tokens_and_everything_after_a_switch():
@@ -135,20 +145,22 @@ def test_each_source_has_a_row_and_the_wire_repeats_the_ngram_and_forced_rows():
 
 
 def test_the_closing_statistics_go_on_the_wire_field_by_field():
-    """The domain ``GenerationStats`` has the wire message's fields by the same names, and the servicer's
-    conversion carries each value (``sources`` a row each)."""
+    """The shared ``GenerationStats`` has the wire message's fields by the same names; the servicer's
+    conversion carries each value (``sources`` a row each, ``finish_reason`` and ``proposer`` their names'
+    enum values), and the SDK's ``from_pb`` gives back the coordinator's statistics."""
     from specserve.v1 import coordinator_pb2
 
     wire = {f.name for f in coordinator_pb2.GenerationStats.DESCRIPTOR.fields}
     assert {f for f in GenerationStats.__dataclass_fields__} == wire
-    assert set(SourceRow.__dataclass_fields__) == {f.name for f in coordinator_pb2.SourceStats.DESCRIPTOR.fields}
+    row_fields = {f.name for f in coordinator_pb2.SourceStats.DESCRIPTOR.fields}
+    assert set(SourceStats.__dataclass_fields__) == row_fields
     values = {name: i + 1 for i, name in enumerate(sorted(wire - {"session_id", "accepted_per_position", "sources"}))}
     values["finish_reason"], values["proposer"] = common_pb2.FINISH_REASON_STOP_STRING, common_pb2.PROPOSER_KIND_NGRAM
     stats = GenerationStats(
         session_id="s-1",
         accepted_per_position=(3, 1),
-        sources=(SourceRow("ngram", 1, 2, 3), SourceRow("model", 4, 5, 6)),
-        **values,
+        sources=(SourceStats("ngram", 1, 2, 3), SourceStats("model", 4, 5, 6)),
+        **{**values, "finish_reason": "stop_string", "proposer": "ngram"},
     )
     pb = stats_pb(stats)
     assert pb.session_id == "s-1" and list(pb.accepted_per_position) == [3, 1]
@@ -157,3 +169,16 @@ def test_the_closing_statistics_go_on_the_wire_field_by_field():
         ("ngram", 1, 2, 3),
         ("model", 4, 5, 6),
     ]
+    assert GenerationStats.from_pb(pb) == stats
+
+
+@pytest.mark.parametrize("reason", [*FINISH_REASONS.values(), NOT_FINISHED])
+@pytest.mark.parametrize("proposer", [*PROPOSER_KINDS.values(), common_pb2.PROPOSER_KIND_UNSPECIFIED])
+def test_every_finish_reason_and_proposer_goes_out_as_its_enum_value(reason, proposer):
+    """A session's ``FinishReason`` and ``ProposerKind`` reach the wire as the values the session held,
+    through their names in the shared type."""
+    s = _session()
+    s.finish_reason = reason
+    s.speculation = dataclasses.replace(s.speculation, proposer=proposer)
+    pb = stats_pb(generation_stats(s))
+    assert (pb.finish_reason, pb.proposer) == (reason, proposer)
