@@ -215,6 +215,7 @@ async def test_a_malformed_tree_is_refused_alone_and_the_session_goes_on(
     verifier.close()
 
 
+@pytest.mark.unit
 def test_a_chain_sent_with_its_parents_is_a_chain():
     """Parents (-1, 0, 1, ...) are the chain's: the item takes the chain's path, no tree."""
     base = common_pb2.SessionBase(session_id="s", committed_len=3, version=1)
