@@ -59,6 +59,8 @@ sys.path.insert(0, str(ROOT))
 from specserve.engine.feature_head import (  # noqa: E402
     FeatureHead,
     FinalNormInput,
+    LayerOutputs,
+    default_fused_layers,
     head_from_target,
     load_feature_head,
     save_feature_head,
@@ -69,7 +71,7 @@ from specserve.prompts import chat as cp  # noqa: E402
 DEFAULT_DATA = ROOT / "data" / "smollm2-answers"
 DEFAULT_WORK = Path(os.environ.get("SPECSERVE_HEAD_DIR", Path.home() / ".cache" / "specserve" / "feature-head"))
 KINDS = {"chat": 0, "code": 1}
-MODES = {"greedy": 0, "t0.7": 1, "t1.0": 2}
+MODES = {"greedy": 0, "t0.7": 1, "t1.0": 2, "text": 3}  # text: fixed text, teacher-forced (the ``text`` stage)
 
 
 def _tqdm():
@@ -140,16 +142,21 @@ def load_records(folder: Path, prefix: str, shards: int | None = None) -> list[R
 
 
 def training_records(args: argparse.Namespace) -> list[Record]:
-    """The training phases' records (``--shards``: the first N shards of each phase)."""
-    return [r for prefix in TRAIN_PHASES for r in load_records(args.data, prefix, args.shards)]
+    """The training phases' records (``--shards``: the first N shards of each phase), then the fixed text's
+    (``--text``: the ``text`` stage's shards, ``--text-shards`` of them)."""
+    records = [r for prefix in TRAIN_PHASES for r in load_records(args.data, prefix, args.shards)]
+    if args.text is not None:
+        records += load_records(args.text, "text", args.text_shards)
+    return records
 
 
 def save_features(path: Path, per_record: list[np.ndarray], hidden: int) -> None:
-    """A shard's features: every record's rows (one per token; its last token's row is zeros), float16."""
+    """A shard's features: every record's rows (one per token; its last token's row is zeros), float16. A row is
+    ``[hidden]``, or ``[layers, hidden]`` for fused features (the ``--feature fused`` features stage)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     blocks = []
     for f in per_record:
-        blocks += [f.astype(np.float16), np.zeros((1, hidden), dtype=np.float16)]
+        blocks += [f.astype(np.float16), np.zeros((1, *f.shape[1:]), dtype=np.float16)]
     tmp = path.with_name(path.name + ".tmp.npy")
     np.save(tmp, np.concatenate(blocks))
     tmp.rename(path)
@@ -246,24 +253,29 @@ def question_requests(samples: int) -> list[Request]:
     return out
 
 
-_HELDOUT_WORDS = None
+_HELDOUT_WORDS: list[str] | None = None
 
 
-def clean_question(text: str) -> str | None:
-    """The question in a meta-prompt's answer, or None when it is unusable (or names a held-out subject)."""
+def names_heldout(text: str) -> bool:
+    """Whether ``text`` names a held-out subject (which no training phase may)."""
     global _HELDOUT_WORDS
     if _HELDOUT_WORDS is None:
         subjects = []
         for block in (cp.TOPICS, cp.TASKS, cp.CODE_TASKS, cp.CODE_CONCEPTS):
             subjects += [s.lower() for s in cp._items(block) if cp.is_heldout(s)]
         _HELDOUT_WORDS = subjects
+    low = text.lower()
+    return any(s in low for s in _HELDOUT_WORDS)
+
+
+def clean_question(text: str) -> str | None:
+    """The question in a meta-prompt's answer, or None when it is unusable (or names a held-out subject)."""
     quoted = re.findall(r'"([^"]{15,400})"', text)
     text = max(quoted, key=len) if quoted else text.strip().split("\n")[0]
     text = re.sub(r"^(question|request|exercise|task)\s*:\s*", "", text.strip(), flags=re.I).strip()
     if not 15 <= len(text) <= 400 or "<|" in text or len(text.split()) < 3 or text[-1] not in "?.":
         return None
-    low = text.lower()
-    if any(s in low for s in _HELDOUT_WORDS):
+    if names_heldout(text):
         return None
     return text
 
@@ -439,6 +451,91 @@ def _follow_ups(args, tok, prefix: str) -> list[Request]:
     return out
 
 
+# ------------------------------------------------------------------------------------------ fixed text
+
+
+def _stdlib_files() -> list[Path]:
+    """The Python standard library's own modules (PSF licence), tests and bundled packages left out."""
+    root = Path(os.__file__).parent
+    skip = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def _text_items(root: Path, path: Path) -> list[tuple[str, str, str, str]]:
+    """(kind, key, user turn, assistant turn) of one module: each top-level function or class of 6-60 lines as
+    code, and each docstring of 200-2,000 characters as prose about what it documents."""
+    import ast
+    import inspect
+
+    source = path.read_text(errors="replace")
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+    lines = source.splitlines()
+    out = []
+    doc = ast.get_docstring(tree)
+    if doc and 200 <= len(doc) <= 2000:
+        out.append(("chat", f"text/doc/{module}", f"What is Python's `{module}` module for?", inspect.cleandoc(doc)))
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef | ast.ClassDef) or node.name.startswith("_"):
+            continue
+        what = "class" if isinstance(node, ast.ClassDef) else "function"
+        doc = ast.get_docstring(node)
+        if doc and 200 <= len(doc) <= 2000:
+            user = f"What does the {what} `{node.name}` in Python's `{module}` module do?"
+            out.append(("chat", f"text/doc/{module}.{node.name}", user, inspect.cleandoc(doc)))
+        start = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
+        if node.end_lineno is not None and 6 <= node.end_lineno - start <= 60:
+            code = "\n".join(lines[start : node.end_lineno])
+            user = f"Write the Python {what} `{node.name}` of the `{module}` module."
+            answer = f"Here is `{node.name}`:\n\n```python\n{code}\n```"
+            out.append(("code", f"text/code/{module}.{node.name}", user, answer))
+    return out
+
+
+def text(args: argparse.Namespace) -> None:
+    """Fixed text as conversations for teacher-forced training (``--text``): the standard library's functions and
+    classes as code answers, its docstrings as prose answers, in random order, held-out subjects left out, up to
+    ``--text-tokens`` answer tokens in shards of ``--batch-size``. The target answers nothing here: the features
+    stage's one pass gives its distributions over this text (EAGLE-1's fixed-data training)."""
+    from transformers import AutoTokenizer
+
+    if args.text is None:
+        raise SystemExit("pass --text, the folder the text shards go to")
+    args.text.mkdir(parents=True, exist_ok=True)
+    if any(args.text.glob("text-*.npz.xz")):
+        print(f"{args.text} already holds text shards: nothing to do")
+        return
+    tok = AutoTokenizer.from_pretrained(args.target)
+    root = Path(os.__file__).parent
+    items = [item for path in _stdlib_files() for item in _text_items(root, path)]
+    random.Random(args.seed).shuffle(items)
+    records: list[Record] = []
+    written = shards = 0
+    bar = _tqdm()(total=args.text_tokens, desc="text", unit="tok")
+    for kind, key, user, answer in items:
+        if written >= args.text_tokens:
+            break
+        if names_heldout(user + answer):
+            continue
+        prompt = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
+        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        reply = tok(answer, add_special_tokens=False)["input_ids"][: args.max_new_tokens]
+        if len(reply) < args.max_new_tokens:
+            reply.append(tok.eos_token_id)
+        records.append(Record(key, np.array(prompt + reply, dtype=np.uint16), len(prompt), KINDS[kind], MODES["text"]))
+        written += len(reply)
+        bar.update(len(reply))
+        if len(records) == args.batch_size:
+            save_shard(args.text / f"text-{shards:05d}.npz.xz", records)
+            records, shards = [], shards + 1
+    if records:
+        save_shard(args.text / f"text-{shards:05d}.npz.xz", records)
+    print(f"{written:,} answer tokens of fixed text in {args.text}")
+
+
 # ------------------------------------------------------------------------------------------ train
 
 
@@ -485,12 +582,13 @@ class Batches:
             longest = max(longest, n)
 
     def tensors(self, records: list[Record], device: torch.device):
-        """ids ``[B, T]``, features ``[B, T, d]`` float32, and the slots' loss mask ``[B, T - 1]``: slot ``j``
-        (ids index ``j >= 1``) counts when the token it predicts, ``j + 1``, is an answer token."""
+        """ids ``[B, T]``, features ``[B, T, d]`` (fused: ``[B, T, layers, d]``) float32, and the slots' loss mask
+        ``[B, T - 1]``: slot ``j`` (ids index ``j >= 1``) counts when the token it predicts, ``j + 1``, is an
+        answer token."""
         width = max(min(len(r.tokens), self.max_len) for r in records)
-        hidden = self.features.of(records[0]).shape[1]
+        row_shape = self.features.of(records[0]).shape[1:]
         ids = torch.zeros((len(records), width), dtype=torch.long)
-        feats = torch.zeros((len(records), width, hidden), dtype=torch.float32)
+        feats = torch.zeros((len(records), width, *row_shape), dtype=torch.float32)
         answer = torch.zeros((len(records), width), dtype=torch.bool)
         for b, r in enumerate(records):
             start = max(0, len(r.tokens) - self.max_len)
@@ -509,12 +607,22 @@ def target_logits(head: FeatureHead, feats: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(feats * head.norm.weight.float(), head.head_rows.float())
 
 
+def head_inputs(head: FeatureHead, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the head's input features, the last layer's features) of cached rows ``[..., d]`` or ``[..., layers, d]``:
+    a fused head's inputs are ``fuse``'s projection; the target's distributions come from the last layer's."""
+    if head.fuse is None:
+        return feats, feats
+    return head.fused(feats, head.config.rms_norm_eps), feats[..., -1, :]
+
+
 def head_losses(head: FeatureHead, ids, feats, slot_loss, steps: int, args):
     """Loss and per-step statistics of the unrolled head on one batch (see the module docstring). The
     output head runs at the slots a loss reads only (the answer's; prompt slots feed attention alone)."""
     x = ids[:, 1:]  # slot tokens x_1 .. x_{T-1}
-    f_in = feats[:, :-1]  # f_0 .. f_{T-2}
-    f_out = feats[:, 1:]  # what slot j estimates: f_j
+    inputs, last = head_inputs(head, feats)
+    f_in = inputs[:, :-1]  # f_0 .. f_{T-2}
+    f_out = last[:, 1:]  # what slot j's distribution is the target's from: f_j
+    reg_of = inputs[:, 1:].detach()  # what slot j's output would regress on: the next slot's input feature
     outs = head.unrolled(x, f_in, steps, logits=False)
     total = torch.zeros((), device=ids.device)
     stats = []
@@ -532,7 +640,8 @@ def head_losses(head: FeatureHead, ids, feats, slot_loss, steps: int, args):
         logq = torch.log_softmax(head.head_logits(hidden), dim=-1)
         kl = (p * (logp - logq)).sum(-1).sum() / n
         ce = -logq.gather(-1, top[:, None]).sum() / n
-        reg = torch.nn.functional.smooth_l1_loss(hidden.float(), target, reduction="sum") / (n * target.shape[-1])
+        reg_target = reg_of[valid].float()
+        reg = torch.nn.functional.smooth_l1_loss(hidden.float(), reg_target, reduction="sum") / (n * target.shape[-1])
         total = total + args.step_decay ** (k - 1) * (kl + args.ce_weight * ce + args.reg_weight * reg)
         agree = (logq.argmax(-1) == top).sum()
         stats.append(
@@ -562,7 +671,7 @@ def evaluate(head: FeatureHead, records: list[Record], features: FeatureFiles, a
         for i in range(0, len(rs), 8):
             ids, feats, slot_loss = shaper.tensors(rs[i : i + 8], device)
             with _autocast(device):
-                outs = head.unrolled(ids[:, 1:], feats[:, :-1], args.unroll)
+                outs = head.unrolled(ids[:, 1:], head_inputs(head, feats)[0][:, :-1], args.unroll)
             starts = slot_loss[:, :-1]  # [B, S-1]: slot m predicts answer token (ids index) m + 2
             label = _slot_of(head, ids[:, 2:])  # [B, S-1]
             n = starts.shape[1]
@@ -601,7 +710,8 @@ def _autocast(device: torch.device):
 
 
 def features(args: argparse.Namespace) -> None:
-    """Compute the features of every shard that has none cached: one target pass per conversation."""
+    """Compute the features of every shard that has none cached: one target pass per conversation (``--feature
+    fused``: the fused layers' states, each over its RMS, ``[len, layers, d]`` per record)."""
     device = _device(args.device)
     records = load_records(args.data, "heldout") + training_records(args)
     files = FeatureFiles(args.features)
@@ -611,17 +721,37 @@ def features(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.feature_dtype)).to(device).eval()
+    layers = fused_layers(args, target.config.num_hidden_layers)
+    eps = target.config.rms_norm_eps
     by_shard: dict[str, list[Record]] = {}
     for r in records:
         by_shard.setdefault(r.shard, []).append(r)
-    for shard in _tqdm()(missing, desc="features", unit="shard"):
+    bar = _tqdm()(total=sum(len(r.tokens) for s in missing for r in by_shard[s]), desc="features", unit="tok")
+    for shard in missing:
         rows = []
         for r in by_shard[shard]:
             ids = torch.as_tensor(r.tokens.astype(np.int64), device=device)[None]
-            with torch.inference_mode(), FinalNormInput(target) as tap:
-                target.get_decoder()(input_ids=ids[:, :-1])
-            rows.append(target_features(tap.hidden[0], target.config.rms_norm_eps).half().cpu().numpy())
+            with torch.inference_mode():
+                if layers is None:
+                    with FinalNormInput(target) as tap:
+                        target.get_decoder()(input_ids=ids[:, :-1])
+                    state = tap.hidden[0]  # [len - 1, d]
+                else:
+                    with LayerOutputs(target, layers) as taps:
+                        target.get_decoder()(input_ids=ids[:, :-1])
+                    state = taps.stacked()[0]  # [len - 1, layers, d]
+            rows.append(target_features(state, eps).half().cpu().numpy())
+            bar.update(len(r.tokens))
         save_features(args.features / f"{shard}.npy", rows, target.config.hidden_size)
+
+
+def fused_layers(args: argparse.Namespace, num_layers: int) -> list[int] | None:
+    """The target layers of ``--feature fused`` (``--fused-layers``, else a low, a middle and the last), or None."""
+    if args.feature != "fused":
+        return None
+    if args.fused_layers:
+        return [int(x) for x in args.fused_layers.split(",")]
+    return default_fused_layers(num_layers)
 
 
 TRAIN_PHASES = ("turn1", "turn2", "selfinstruct", "turn2si")
@@ -647,7 +777,8 @@ def train(args: argparse.Namespace) -> None:
     ids = head_tokens(records, args.head_size, target.config.eos_token_id)
     chosen = subset(records, args.fraction)
     n_tokens = sum(len(r.tokens) - r.prompt_len for r in chosen)
-    head = head_from_target(target, ids, target_model=args.target_name).to(device)
+    layers = fused_layers(args, target.config.num_hidden_layers)
+    head = head_from_target(target, ids, target_model=args.target_name, fused_layers=layers).to(device)
     del target
     if args.init is not None and not (out_dir / "checkpoint.pt").exists():
         _init_from(head, args.init, args.target)
@@ -664,6 +795,10 @@ def train(args: argparse.Namespace) -> None:
         state = saved["state"]
         print(f"resumed at step {state['step']}", flush=True)
     pool = [r for r in chosen for _ in range(args.code_repeat if r.kind == KINDS["code"] else 1)]
+    if args.epochs is not None:  # a fixed number of passes over the data: steps of about --batch-tokens tokens
+        args.train_steps = max(1, math.ceil(args.epochs * sum(min(len(r.tokens), args.max_len) for r in pool)
+                                            / args.batch_tokens))
+        print(f"{args.epochs:g} epochs of {len(pool)} records: {args.train_steps} steps", flush=True)
     batches = Batches(pool, files, args.max_len, args.batch_tokens, args.seed + state["step"])
     deadline = time.monotonic() + (args.time_budget or float("inf"))
     started = time.monotonic() - state["elapsed_s"]
@@ -745,7 +880,11 @@ def export(args: argparse.Namespace) -> None:
         raise SystemExit(f"no checkpoint in {args.out}: run the train stage first")
     saved = torch.load(ckpt, map_location="cpu", weights_only=False)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
-    head = head_from_target(target, saved["head"]["head_token_ids"], target_model=args.target_name)
+    fuse = saved["head"].get("fuse.weight")
+    layers = fused_layers(args, target.config.num_hidden_layers) if fuse is not None else None
+    if fuse is not None and layers is None:
+        raise SystemExit("the checkpoint is a fused head: pass --feature fused (and its --fused-layers)")
+    head = head_from_target(target, saved["head"]["head_token_ids"], target_model=args.target_name, fused_layers=layers)
     head.load_state_dict(saved["head"], strict=False)
     save_feature_head(head, args.export)
     meta = json.loads((args.out / "train_meta.json").read_text())
@@ -781,7 +920,7 @@ def stats(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("stage", choices=("generate", "features", "train", "export", "stats"))
+    ap.add_argument("stage", choices=("generate", "text", "features", "train", "export", "stats"))
     ap.add_argument("--target", default=str(Path.home() / ".cache/specserve/models/smollm2-135m-instruct"))
     ap.add_argument("--target-name", default="smollm2-135m-instruct")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -804,7 +943,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=None, help="at most this many requests per phase (smoke runs)")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--worker", type=int, default=0)
+    # text
+    ap.add_argument("--text", type=Path, default=None, help="fixed text's shards (the text stage's; trained on too)")
+    ap.add_argument("--text-shards", type=int, default=None, help="use the first N shards of --text")
+    ap.add_argument("--text-tokens", type=int, default=400_000, help="the text stage's answer tokens")
     # features
+    ap.add_argument("--feature", choices=("last", "fused"), default="last",
+                    help="last: the last layer's feature (EAGLE-1); fused: a low, a mid and the last layer (EAGLE-3)")
+    ap.add_argument("--fused-layers", default=None, help="comma-separated target layers of --feature fused")
     ap.add_argument("--feature-dtype", default="bfloat16", help="the target's dtype while it computes features")
     ap.add_argument("--shards", type=int, default=None, help="use the first N shards of each training phase")
     # train
@@ -815,6 +961,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--head-size", type=int, default=8192)
     ap.add_argument("--unroll", type=int, default=4)
     ap.add_argument("--train-steps", type=int, default=2000)
+    ap.add_argument("--epochs", type=float, default=None, help="train this many passes over the data (sets the steps)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--batch-tokens", type=int, default=16384)
@@ -830,7 +977,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    stages = {"generate": generate, "features": features, "train": train, "export": export, "stats": stats}
+    stages = {"generate": generate, "text": text, "features": features, "train": train, "export": export,
+              "stats": stats}
     stages[args.stage](args)
 
 

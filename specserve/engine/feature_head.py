@@ -39,8 +39,12 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-#: The one feature kind today: the last layer's hidden state over its RMS.
+#: The last layer's hidden state over its RMS (EAGLE-1's feature).
 FEATURE_LAST_HIDDEN_RMS = "last_hidden_rms"
+#: EAGLE-3's fused feature: the states of a low, a middle and the last layer, each over its RMS, concatenated and
+#: projected to one ``hidden``-wide row by the head's ``fuse`` matrix (:meth:`FeatureHead.fused`).
+FEATURE_FUSED_LAYERS = "fused_layers"
+FEATURE_KINDS = (FEATURE_LAST_HIDDEN_RMS, FEATURE_FUSED_LAYERS)
 
 
 class FeatureHeadConfig(LlamaConfig):
@@ -53,10 +57,16 @@ class FeatureHeadConfig(LlamaConfig):
         head_size: int = 8192,
         feature: str = FEATURE_LAST_HIDDEN_RMS,
         target_model: str | None = None,
+        fused_layers: list[int] | None = None,
         **kwargs,
     ) -> None:
+        if feature not in FEATURE_KINDS:
+            raise ValueError(f"feature must be one of {FEATURE_KINDS}, got {feature!r}")
+        if (feature == FEATURE_FUSED_LAYERS) != bool(fused_layers):
+            raise ValueError("fused_layers names the target's layers exactly when feature is fused_layers")
         self.head_size = head_size
         self.feature = feature
+        self.fused_layers = list(fused_layers) if fused_layers else None
         self.target_model = target_model  # a registered name or a path: where the embedding comes from
         kwargs["num_hidden_layers"] = 1
         kwargs["tie_word_embeddings"] = False
@@ -93,6 +103,45 @@ class FinalNormInput:
             self._handle.remove()
 
 
+def default_fused_layers(num_layers: int) -> list[int]:
+    """A low, a middle and the last decoder layer of a ``num_layers``-layer target (EAGLE-3's choice of three,
+    with the last layer's output as the high one: the state the target's own head reads)."""
+    return [min(2, num_layers - 1), num_layers // 2, num_layers - 1]
+
+
+class LayerOutputs:
+    """Records the outputs of some of a model's decoder layers on every forward pass.
+
+    ``with LayerOutputs(model, [2, 15, 29]) as tap: model(...); tap.stacked()`` -> ``[batch, T, 3, hidden]``.
+    """
+
+    def __init__(self, model: nn.Module, layers: list[int]) -> None:
+        decoder = model.get_decoder()
+        self.modules = [decoder.layers[i] for i in layers]
+        self.outputs: list[torch.Tensor | None] = [None] * len(layers)
+        self._handles: list = []
+
+    def __enter__(self) -> LayerOutputs:
+        for i, module in enumerate(self.modules):
+
+            def hook(_module, _args, output, i=i):
+                self.outputs[i] = output[0] if isinstance(output, tuple) else output
+
+            self._handles.append(module.register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def stacked(self) -> torch.Tensor:
+        """The recorded outputs, ``[batch, T, layers, hidden]``."""
+        if any(o is None for o in self.outputs):
+            raise RuntimeError("no forward pass recorded")
+        return torch.stack([o for o in self.outputs if o is not None], dim=-2)
+
+
 @dataclass
 class HeadStep:
     """One pass of the head: its outputs (the next features) and logits over its own tokens."""
@@ -114,6 +163,8 @@ class FeatureHead(nn.Module):
         self.config = config
         d = config.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=False)
+        # EAGLE-3's projection of the fused layers' states (FEATURE_FUSED_LAYERS); run where the features are made.
+        self.fuse = nn.Linear(len(config.fused_layers) * d, d, bias=False) if config.fused_layers else None
         self.model = LlamaModel(config)
         self.model.embed_tokens = None  # the target's table is attached instead
         self.model.norm = nn.Identity()
@@ -151,6 +202,14 @@ class FeatureHead(nn.Module):
         """``[B, T]`` tokens and ``[B, T, hidden]`` previous features -> the layer's inputs ``[B, T, hidden]``."""
         e = self.embedding[input_ids]  # [B, T, hidden]
         return self.fc(torch.cat([e, features.to(e.dtype)], dim=-1))
+
+    def fused(self, states: torch.Tensor, eps: float) -> torch.Tensor:
+        """``[..., layers, hidden]`` layer states (before any norm) -> the feature ``[..., hidden]``: each state
+        over its RMS (:func:`target_features`), concatenated, through ``fuse``."""
+        if self.fuse is None:
+            raise ValueError("this head reads the last layer's feature, not fused layers")
+        f = target_features(states, eps)  # [..., layers, hidden] float32
+        return self.fuse(f.flatten(-2).to(self.fuse.weight.dtype))
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> ``[..., head_size]`` float32 logits over the head's tokens."""
@@ -288,14 +347,24 @@ def _shift_right(x: torch.Tensor, by: int) -> torch.Tensor:
     return torch.cat([torch.zeros_like(x[:, :, :by]), x[:, :, :-by]], dim=2)
 
 
-def head_from_target(target: nn.Module, head_token_ids: torch.Tensor, *, target_model: str | None = None):
-    """A fresh head shaped like ``target``'s layers, its final norm copied, its tables attached."""
+def head_from_target(
+    target: nn.Module,
+    head_token_ids: torch.Tensor,
+    *,
+    target_model: str | None = None,
+    fused_layers: list[int] | None = None,
+):
+    """A fresh head shaped like ``target``'s layers, its final norm copied, its tables attached; ``fused_layers``:
+    the target layers of an EAGLE-3 fused feature (None: the last layer's feature)."""
     settings = target.config.to_dict()
     for key in ("quantization_config", "model_type", "architectures", "auto_map", "tie_word_embeddings"):
         settings.pop(key, None)
     settings["num_hidden_layers"] = 1
     ids = torch.as_tensor(head_token_ids, dtype=torch.long)
-    config = FeatureHeadConfig(head_size=len(ids), target_model=target_model, **settings)
+    feature = FEATURE_FUSED_LAYERS if fused_layers else FEATURE_LAST_HIDDEN_RMS
+    config = FeatureHeadConfig(
+        head_size=len(ids), target_model=target_model, feature=feature, fused_layers=fused_layers, **settings
+    )
     head = FeatureHead(config)
     _init(head, config.initializer_range)
     with torch.no_grad():
@@ -316,6 +385,9 @@ def _init(head: FeatureHead, std: float) -> None:
                 p.normal_(0.0, std * (0.1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0))
         head.fc.weight.normal_(0.0, std / math.sqrt(2))
         head.fc.weight[:, d:] += torch.eye(d)
+        if head.fuse is not None:  # starts as the last layer's feature alone
+            head.fuse.weight.normal_(0.0, std / math.sqrt(head.fuse.in_features / d))
+            head.fuse.weight[:, -d:] += torch.eye(d)
 
 
 # ---- the head on disk ----------------------------------------------------------------------------

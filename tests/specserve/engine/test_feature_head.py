@@ -6,7 +6,16 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specserve.engine.feature_head import FeatureHead, FinalNormInput, head_from_target, target_features
+from specserve.engine.feature_head import (
+    FEATURE_FUSED_LAYERS,
+    FeatureHead,
+    FeatureHeadConfig,
+    FinalNormInput,
+    LayerOutputs,
+    head_from_target,
+    save_feature_head,
+    target_features,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -87,3 +96,40 @@ def test_head_logits_cover_only_its_tokens(pair) -> None:
         full = head.scatter(step.logits)
     assert torch.isinf(full[..., 1::2]).all()
     assert torch.isfinite(full[..., ::2]).all()
+
+
+def test_layer_outputs_end_with_the_final_norms_input(pair) -> None:
+    """The fused feature's taps: a layer's output as the model computes it; the last layer's is the input of
+    the final norm (the last-layer feature), so a fused head's ``high`` state is EAGLE-1's feature."""
+    target, _ = pair
+    ids = torch.randint(0, 96, (2, 9))
+    with torch.no_grad(), LayerOutputs(target, [0, 1]) as taps, FinalNormInput(target) as tap:
+        out = target(ids, output_hidden_states=True)
+    stacked = taps.stacked()  # [2, 9, 2, 48]
+    assert stacked.shape == (2, 9, 2, 48)
+    torch.testing.assert_close(stacked[..., 0, :], out.hidden_states[1])
+    torch.testing.assert_close(stacked[..., 1, :], tap.hidden)
+
+
+def test_a_fused_head_starts_as_the_last_layer_feature_and_round_trips(pair, tmp_path) -> None:
+    """A fresh fused head's ``fuse`` passes the last layer's feature through (plus small noise), its config
+    names its layers, and its weights survive save/load; a head config without layers cannot claim fusion."""
+    target, _ = pair
+    torch.manual_seed(3)
+    head = head_from_target(target, torch.arange(0, 96, 2), target_model="t", fused_layers=[0, 1]).eval()
+    assert head.config.feature == FEATURE_FUSED_LAYERS and head.config.fused_layers == [0, 1]
+    states = torch.randn(3, 5, 2, 48)
+    last = target_features(states[..., -1, :], target.config.rms_norm_eps)
+    fused = head.fused(states, target.config.rms_norm_eps)
+    assert (fused - last).abs().max() < 0.5 * last.abs().max()  # close to pass-through, not equal
+    assert not torch.equal(fused, last)
+    save_feature_head(head, tmp_path / "head", dtype=torch.float32)
+    config = FeatureHeadConfig.from_json_file(str(tmp_path / "head" / "config.json"))
+    assert config.fused_layers == [0, 1]
+    with pytest.raises(ValueError, match="fused_layers"):
+        FeatureHeadConfig(feature=FEATURE_FUSED_LAYERS)
+    with pytest.raises(ValueError, match="feature must be"):
+        FeatureHeadConfig(feature="middle_layer")
+    last_only = head_from_target(target, torch.arange(0, 96, 2))
+    with pytest.raises(ValueError, match="last layer"):
+        last_only.fused(states, 1e-6)
