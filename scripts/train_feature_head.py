@@ -520,8 +520,8 @@ def text(args: argparse.Namespace) -> None:
             break
         if names_heldout(user + answer):
             continue
-        prompt = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
-        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        chat = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
+        prompt = tok(chat, add_special_tokens=False)["input_ids"]
         reply = tok(answer, add_special_tokens=False)["input_ids"][: args.max_new_tokens]
         if len(reply) < args.max_new_tokens:
             reply.append(tok.eos_token_id)
@@ -705,8 +705,12 @@ def _slot_of(head: FeatureHead, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _autocast(device: torch.device):
-    """bfloat16 autocast (CUDA, and CPUs: the head's matrices run about twice as fast)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    """bfloat16 autocast where bfloat16 matrices are fast (CUDA; CPUs with AVX-512 BF16 or AMX: about twice
+    float32's speed), else none (an AVX2 CPU runs bfloat16 matrices several times slower than float32)."""
+    from specserve.engine.kernel_choice import cpu_model_and_flags
+
+    fast = device.type == "cuda" or bool({"avx512_bf16", "amx_bf16"} & set(cpu_model_and_flags()[1]))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast)
 
 
 def features(args: argparse.Namespace) -> None:

@@ -72,13 +72,15 @@ class ProbeClock:
     draft's catch-up on its prompt, each time.
     """
 
-    __slots__ = ("probe_interval", "rounds_at_zero")
+    __slots__ = ("fruitless", "probe_interval", "rounds_at_zero")
 
     def __init__(self) -> None:
         #: Rounds in a row at gamma = 0 (of every session sharing the clock).
         self.rounds_at_zero = 0
         #: Rounds at gamma = 0 before the next probe; None: the policy's base interval.
         self.probe_interval: int | None = None
+        #: Probes in a row whose token was rejected (the interval backs off at the second).
+        self.fruitless = 0
 
 
 class AcceptanceTracker:
@@ -164,6 +166,15 @@ class AcceptanceTracker:
     @rounds_at_zero.setter
     def rounds_at_zero(self, value: int) -> None:
         self.probe_clock.rounds_at_zero = value
+
+    @property
+    def fruitless_probes(self) -> int:
+        """Probes in a row whose token was rejected (:class:`ProbeClock`)."""
+        return self.probe_clock.fruitless
+
+    @fruitless_probes.setter
+    def fruitless_probes(self, value: int) -> None:
+        self.probe_clock.fruitless = value
 
     @property
     def probe_interval(self) -> int | None:

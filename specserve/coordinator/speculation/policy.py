@@ -262,9 +262,12 @@ class AdaptiveGamma(SpeculationPolicy):
             best = current
         if acceptance.probing:
             acceptance.probing = False
-            if acceptance.last_accepted == 0:
-                acceptance.probe_interval = min(2 * self._interval(acceptance), self.max_probe_interval)
+            if acceptance.last_accepted == 0:  # back off at the second fruitless probe in a row
+                acceptance.fruitless_probes += 1
+                if acceptance.fruitless_probes >= 2:
+                    acceptance.probe_interval = min(2 * self._interval(acceptance), self.max_probe_interval)
             else:  # promising, if not yet enough: come back sooner
+                acceptance.fruitless_probes = 0
                 acceptance.probe_interval = max(self._interval(acceptance) // 2, self.probe_interval or 1)
         if best == 0 and self.probe_interval is not None and len(self.choices) > 1:
             if acceptance.rounds_at_zero >= self._interval(acceptance) * self.batch_size(load):
@@ -272,6 +275,7 @@ class AdaptiveGamma(SpeculationPolicy):
                 best = self.choices[1]
         elif best > 0 and not acceptance.probing:
             acceptance.probe_interval = None
+            acceptance.fruitless_probes = 0
         return self._record(acceptance, best)
 
     def _interval(self, acceptance: AcceptanceTracker) -> int:
