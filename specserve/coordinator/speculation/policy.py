@@ -249,10 +249,11 @@ class AdaptiveGamma(SpeculationPolicy):
     ) -> float:
         """The break-even of one more node in a round of ``gamma`` drafted tokens, times :data:`TREE_MARGIN`.
 
-        The node costs one more verified position, ``V(b, P + 1) - V(b, P)`` at the round's ``P = b (gamma + 1)``
-        positions, plus the waste charge for the batch-mates it delays and its row on the wire both ways; it
-        adds its chance of acceptance to the round's committed tokens, which the round buys at ``score(gamma)``
-        tokens per ns. So it pays when that chance is at least the cost times ``score(gamma)``: a position's
+        The node costs one more verified position at the round's ``P = b (gamma + 1)`` positions
+        (:meth:`CostModel.position_ns`: the fit's marginal, or the target's measured curve's steepest rise from
+        there on where that is more), plus the waste charge for the batch-mates it delays and its row on the
+        wire both ways; it adds its chance of acceptance to the round's committed tokens, which the round buys
+        at ``score(gamma)`` tokens per ns. So it pays when that chance is at least the cost times ``score(gamma)``: a position's
         cost as a fraction of a committed token's, never less than its fraction of a target step where the
         policy drafts. The draft's path probability stands in for the chance, with the margin; 1 (a chain)
         before the cost model has data, and never below :data:`TREE_FLOOR`.
@@ -262,7 +263,7 @@ class AdaptiveGamma(SpeculationPolicy):
             return 1.0
         b = self.batch_size(load)
         positions = b * (gamma + 1)
-        cost = cm.verify_ns(b, positions + 1) - cm.verify_ns(b, positions)
+        cost = cm.position_ns(b, positions)
         cost += self.waste_charge(load) * cm.verify_ns_per_position() + 2 * (cm.rtt_ns(1) - cm.rtt_ns(0))
         score = self._drafted_score(acceptance, load, gamma)
         return min(1.0, max(TREE_FLOOR, TREE_MARGIN * max(cost, 0.0) * score))
