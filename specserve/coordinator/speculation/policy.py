@@ -253,9 +253,9 @@ class AdaptiveGamma(SpeculationPolicy):
         (:meth:`CostModel.position_ns`: the fit's marginal, or the target's measured curve's steepest rise from
         there on where that is more), plus the waste charge for the batch-mates it delays and its row on the
         wire both ways; it adds its chance of acceptance to the round's committed tokens, which the round buys
-        at ``score(gamma)`` tokens per ns. So it pays when that chance is at least the cost times ``score(gamma)``: a position's
-        cost as a fraction of a committed token's, never less than its fraction of a target step where the
-        policy drafts. The draft's path probability stands in for the chance, with the margin; 1 (a chain)
+        at ``score(gamma)`` tokens per ns. So it pays when that chance is at least the cost times
+        ``score(gamma)``: a position's cost as a fraction of a committed token's, never less than its fraction of
+        a target step where the policy drafts. The draft's path probability stands in for the chance, with the margin; 1 (a chain)
         before the cost model has data, and never below :data:`TREE_FLOOR`.
         """
         cm = self.cost_model

@@ -149,7 +149,8 @@ class Speculator:
         threshold = self.tree_min_path_probability
         if threshold is None:
             threshold = self.policy.tree_min_path_probability(self.tracker, load, gamma)
-        return TreeBudget(min(gamma + self.tree_nodes, MAX_TREE_NODES), threshold)
+        tree = TreeBudget(min(gamma + self.tree_nodes, MAX_TREE_NODES), threshold)
+        return tree if tree.branches else CHAIN
 
     def _capped(self, gamma: int) -> int:
         s = self.session

@@ -490,7 +490,9 @@ def test_a_threshold_of_1_a_small_budget_or_a_constraint_gives_the_chain(draft_m
 
 def test_trees_drafted_in_one_batch_equal_each_drafted_alone(draft_model):
     """A tree is the same alone or batched (tokens, parents, q bytes), as a chain is."""
-    requests = [dataclasses.replace(r, tree=TreeBudget(r.gamma + 6, 0.01)) for r in _eight_sessions(draft_model.vocab_size)]
+    requests = [
+        dataclasses.replace(r, tree=TreeBudget(r.gamma + 6, 0.01)) for r in _eight_sessions(draft_model.vocab_size)
+    ]
     alone = ModelProposer(_store(draft_model.model))
     batched = ModelProposer(_store(draft_model.model))
     by_alone = [alone.propose(r) for r in requests]
