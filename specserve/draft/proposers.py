@@ -5,7 +5,11 @@ tokens after them, returning a :class:`Drafted` (the tokens and the exact float3
 vectors they were sampled from, or ``None`` for point masses). It never sees the
 verifier: the target rebuilds ``q`` from the wire form with
 ``specserve.core.proposal.draft_probs_from_pb`` (docs/design.md, "Conventions":
-the proposer and the verifier never import each other).
+the proposer and the verifier never import each other). With a tree budget
+(``DraftRequest.tree``) the proposal is a draft tree: the same chain, then the
+next-best tokens of the draft's own distributions along it as point-mass
+siblings (:func:`draw_step` ranks them, ``specserve.core.ranked_tree`` keeps
+the best; docs/design.md, "Draft trees from the draft's ranking").
 
 :class:`ModelProposer` is the draft model. It samples ``x_i`` from its own
 logits processed exactly as the target processes its own (``SamplingParams``),
@@ -66,7 +70,7 @@ class Drafted:
     """What a proposer drafted after ``C``."""
 
     token_ids: tuple[int, ...]  # [nodes]: a chain's tokens, or a tree's (the chain's, then alternatives)
-    probs_f32: torch.Tensor | None  # [chain, vocab] float32 wire vectors of the chain's tokens; None = point masses
+    probs_f32: torch.Tensor | None  # [chain, vocab] float32 wire rows of the chain's tokens; None = point masses
     sparse: bool = False  # ship the non-zero support instead of dense bytes
     prefill_tokens: int = 0  # tokens fed to catch up with C
     #: The feature head lacks the target's features from this position on (nothing drafted); None: it lacks none.
@@ -300,7 +304,8 @@ class _Row:
     def drafted(self) -> Drafted:
         """What the row drafted, as the proposer's result."""
         shipped = None if not self.shipped else torch.stack(self.shipped)  # [gamma, vocab] float32
-        tokens, parents = tuple(self.tokens), ()
+        tokens: tuple[int, ...] = tuple(self.tokens)
+        parents: tuple[int, ...] = ()
         if self.candidates:
             tokens, parents = grow_tree(self.tokens, self.chain_probs, self.candidates, self.request.tree)
         return Drafted(

@@ -396,8 +396,8 @@ class CostModel:
     def position_ns(self, batch_size: int, positions: int) -> float:
         """What one more position costs a Verify call of ``batch_size`` items feeding ``positions``, erring high:
         the fit's marginal, or the largest rise of the target's measured curve (``CostPrior.verify_curve``, one
-        session) from the positions per session on, in the fit's units there, where that is more. A line with a step
-        through a curve with a jump spreads the jump over every position and understates it where it is."""
+        session) from the positions per session on, in the fit's units there, where that is more. A line with a
+        step through a curve with a jump spreads the jump over every position and understates it where it is."""
         fitted = self.verify_ns(batch_size, positions + 1) - self.verify_ns(batch_size, positions)
         curve = self.prior.verify_curve
         k = -(-positions // batch_size)  # positions per session, rounded up

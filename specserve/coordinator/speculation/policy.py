@@ -255,8 +255,8 @@ class AdaptiveGamma(SpeculationPolicy):
         wire both ways; it adds its chance of acceptance to the round's committed tokens, which the round buys
         at ``score(gamma)`` tokens per ns. So it pays when that chance is at least the cost times
         ``score(gamma)``: a position's cost as a fraction of a committed token's, never less than its fraction of
-        a target step where the policy drafts. The draft's path probability stands in for the chance, with the margin; 1 (a chain)
-        before the cost model has data, and never below :data:`TREE_FLOOR`.
+        a target step where the policy drafts. The draft's path probability stands in for the chance, with the
+        margin; 1 (a chain) before the cost model has data, and never below :data:`TREE_FLOOR`.
         """
         cm = self.cost_model
         if gamma == 0 or not cm.ready_for(drafted=True):

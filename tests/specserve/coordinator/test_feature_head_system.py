@@ -187,9 +187,8 @@ async def test_greedy_with_head_trees_is_the_target_alone(tree_stack, pair, gamm
     gamma every drafting round proposes the chain and its runners-up (more nodes than levels), and the
     accepted tokens per position never outnumber the levels a round reaches."""
     prompts = [*PROMPTS, *([(11 * i + j) % 380 + 1 for j in range(5 + i)] for i in range(4))]
-    outs = await asyncio.gather(
-        *(sf.generate(tree_stack.address, sf.request(p, max_new_tokens=24, gamma=gamma, proposer=FEATURE)) for p in prompts)
-    )
+    requests = [sf.request(p, max_new_tokens=24, gamma=gamma, proposer=FEATURE) for p in prompts]
+    outs = await asyncio.gather(*(sf.generate(tree_stack.address, r) for r in requests))
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == sf.reference_greedy(pair.target_dir, prompt, 24)
         assert len(out.stats.accepted_per_position) <= (gamma or 16)

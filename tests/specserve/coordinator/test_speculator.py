@@ -76,8 +76,7 @@ def test_constrained_sessions_the_token_draft_and_trees_off_draft_chains(session
 
 def test_a_fixed_gamma_drafts_chains_unless_the_threshold_is_fixed():
     assert speculator_for(_session(), pool=IdleFleet(), policy=FixedGamma(4)).plan().tree == CHAIN
-    fixed = speculator_for(
-        _session(), pool=IdleFleet(), policy=FixedGamma(4), draft_tree_nodes=5, draft_tree_min_path_probability=0.05
-    )
+    settings = {"draft_tree_nodes": 5, "draft_tree_min_path_probability": 0.05}
+    fixed = speculator_for(_session(), pool=IdleFleet(), policy=FixedGamma(4), **settings)
     assert fixed.plan().tree == TreeBudget(9, 0.05)
     assert speculator_for(_session(), pool=IdleFleet(), policy=FixedGamma(0)).plan().tree == CHAIN

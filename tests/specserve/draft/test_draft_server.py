@@ -57,14 +57,15 @@ def request(
     )
 
 
-def _with_tree(req: draft_pb2.ProposeRequest, max_nodes: int, min_path_probability: float) -> draft_pb2.ProposeRequest:
+def _with_tree(req: draft_pb2.ProposeRequest, max_nodes: int, threshold: float) -> draft_pb2.ProposeRequest:
     req.tree_max_nodes = max_nodes
-    req.tree_min_path_probability = min_path_probability
+    req.tree_min_path_probability = threshold
     return req
 
 
 def _constrained(req: draft_pb2.ProposeRequest) -> draft_pb2.ProposeRequest:
-    req.sampling.CopyFrom(SamplingParams(temperature=1.0, seed=3, constraint=Constraint("regex", "[a-z]+")).to_pb())
+    constrained = SamplingParams(temperature=1.0, seed=3, constraint=Constraint("regex", "[a-z]+"))
+    req.sampling.CopyFrom(constrained.to_pb())
     req.prompt_len = len(req.token_ids)
     return req
 
@@ -225,7 +226,7 @@ async def test_bad_input_is_refused_precisely_and_the_session_stays_usable(llama
             for c in (1.0, -0.25, float("nan"), float("inf"))
         ),
         (_with_tree(request("bad", PROMPT), 257, 0.1), grpc.StatusCode.INVALID_ARGUMENT, "tree_max_nodes"),
-        (_with_tree(request("bad", PROMPT), 8, 1.5), grpc.StatusCode.INVALID_ARGUMENT, "tree_min_path_probability"),
+        (_with_tree(request("bad", PROMPT), 8, 1.5), grpc.StatusCode.INVALID_ARGUMENT, "path_probability"),
         (_with_tree(_constrained(request("bad", PROMPT)), 8, 0.1), grpc.StatusCode.INVALID_ARGUMENT, "a chain"),
     ]
     for req, code, match in cases:
