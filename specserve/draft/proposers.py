@@ -370,14 +370,13 @@ def ranking_distribution(logits: torch.Tensor, request: DraftRequest, context: S
 
 def rank_alternatives(probs: torch.Tensor, token: int, k: int) -> tuple[Candidate, ...]:
     """The ``k`` most likely tokens of ``probs`` ``[vocab]`` other than ``token``, with their probabilities, best
-    first (ties: the lowest id); never a token of probability 0."""
+    first (equal ones: the lower id first); never a token of probability 0."""
     k = min(k, probs.shape[-1] - 1)
     if k <= 0:
         return ()
-    order = torch.sort(probs, descending=True, stable=True)  # [vocab]
-    top = order.indices[: k + 1].tolist()
-    values = order.values[: k + 1].tolist()
-    out = [(int(t), float(p)) for t, p in zip(top, values, strict=True) if t != token and p > 0.0]
+    top = torch.topk(probs, k + 1)  # [k + 1]: a full sort of the vocabulary per row and step is not needed
+    pairs = sorted(zip(top.values.tolist(), top.indices.tolist(), strict=True), key=lambda vp: (-vp[0], vp[1]))
+    out = [(int(t), float(p)) for p, t in pairs if t != token and p > 0.0]
     return tuple(out[:k])
 
 
