@@ -95,7 +95,9 @@ class RoundLoop:
         new = self._committed(verdict, s.apply_verdict(verdict))
         sent = verified.request.proposal
         count = len(sent.token_ids)
-        s.stats.observe_round(proposed=count, accepted=verdict.accepted_count, source=sent.source)
+        s.stats.observe_round(
+            proposed=count, accepted=verdict.accepted_count, source=sent.source, levels=sent.depth
+        )
         self._fruitless = 0
         _count_round(count, verdict.accepted_count, len(verdict.committed_token_ids), sent.source)
         if verified.replayed:

@@ -67,8 +67,12 @@ class SessionStats:
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
 
-    def observe_round(self, *, proposed: int, accepted: int, source: str = "") -> None:
-        """One round: ``proposed`` draft tokens, ``accepted`` of them accepted, drafted by ``source``."""
+    def observe_round(
+        self, *, proposed: int, accepted: int, source: str = "", levels: int | None = None
+    ) -> None:
+        """One round: ``proposed`` draft tokens (a tree's nodes), ``accepted`` of them accepted (a tree's accepted
+        path), drafted by ``source``; ``levels``: the positions past the prefix they reach (None: ``proposed``,
+        a chain), by which ``accepted_per_position`` counts."""
         self.rounds += 1
         if proposed:
             self.draft_rounds += 1
@@ -78,8 +82,9 @@ class SessionStats:
             row.accepted_tokens += accepted
         self.proposed_tokens += proposed
         self.accepted_tokens += accepted
-        if len(self.accepted_per_position) < proposed:
-            self.accepted_per_position.extend([0] * (proposed - len(self.accepted_per_position)))
+        levels = proposed if levels is None else levels
+        if len(self.accepted_per_position) < levels:
+            self.accepted_per_position.extend([0] * (levels - len(self.accepted_per_position)))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 

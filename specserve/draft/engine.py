@@ -213,6 +213,7 @@ class DraftEngine:
             stop_tokens_from=call.stop_tokens_from,
             prompt_len=call.prompt_len,
             cache_scope=call.cache_scope,
+            tree=call.tree,
             grammar=grammars.get(call.sampling.constraint) if call.sampling.constraint else None,
         )
         return request, proposer
@@ -225,6 +226,7 @@ class DraftEngine:
             committed_len=call.base.committed_len,
             gamma=call.gamma,
             proposed=len(drafted.token_ids),
+            tree=bool(drafted.parents),
             prefill_tokens=drafted.prefill_tokens,
             draft_ns=elapsed,
         )

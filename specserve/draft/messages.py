@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from specserve.api.errors import SpecServeError
 from specserve.api.params import SamplingParams, SessionBase
 from specserve.core.features import FeatureBlock
+from specserve.core.ranked_tree import CHAIN, TreeBudget
 from specserve.draft.proposers import Drafted
 
 
@@ -45,6 +46,7 @@ class ProposeCall:
     prompt_len: int = 0  # the session's prompt length (a constraint applies after it); 0: not sent
     #: The session's prefix-cache scope: its cache attaches and shares blocks of it only.
     cache_scope: bytes = b""
+    tree: TreeBudget = CHAIN  # how far the proposal may branch into the draft's alternatives
 
     @property
     def session_id(self) -> str:

@@ -5,7 +5,11 @@ tokens after them, returning a :class:`Drafted` (the tokens and the exact float3
 vectors they were sampled from, or ``None`` for point masses). It never sees the
 verifier: the target rebuilds ``q`` from the wire form with
 ``specserve.core.proposal.draft_probs_from_pb`` (docs/design.md, "Conventions":
-the proposer and the verifier never import each other).
+the proposer and the verifier never import each other). With a tree budget
+(``DraftRequest.tree``) the proposal is a draft tree: the same chain, then the
+next-best tokens of the draft's own distributions along it as point-mass
+siblings (:func:`draw_step` ranks them, ``specserve.core.ranked_tree`` keeps
+the best; docs/design.md, "Draft trees from the draft's ranking").
 
 :class:`ModelProposer` is the draft model. It samples ``x_i`` from its own
 logits processed exactly as the target processes its own (``SamplingParams``),
@@ -42,6 +46,7 @@ import torch
 from specserve.api.errors import InvalidArgument, SpecServeError
 from specserve.api.params import PROPOSER_KINDS, SamplingParams
 from specserve.core.features import FeatureBlock
+from specserve.core.ranked_tree import CHAIN, Candidate, TreeBudget, grow_tree
 from specserve.core.rng import Purpose, gumbel_noise, uniform
 from specserve.core.sampling import (
     check_distribution,
@@ -64,12 +69,15 @@ log = structlog.get_logger(__name__)
 class Drafted:
     """What a proposer drafted after ``C``."""
 
-    token_ids: tuple[int, ...]
-    probs_f32: torch.Tensor | None  # [gamma, vocab] float32 wire vectors; None = point mass on each token
+    token_ids: tuple[int, ...]  # [nodes]: a chain's tokens, or a tree's (the chain's, then alternatives)
+    probs_f32: torch.Tensor | None  # [chain, vocab] float32 wire rows of the chain's tokens; None = point masses
     sparse: bool = False  # ship the non-zero support instead of dense bytes
     prefill_tokens: int = 0  # tokens fed to catch up with C
     #: The feature head lacks the target's features from this position on (nothing drafted); None: it lacks none.
     features_needed_from: int | None = None
+    #: A draft tree's parents (``specserve.core.ranked_tree``; its tokens past the chain are point masses);
+    #: empty: a chain.
+    parents: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,8 @@ class DraftRequest:
     features_reset: bool = False
     #: The session's prompt length: its constraint (``sampling.constraint``) applies to the tokens after it.
     prompt_len: int = 0
+    #: How far the proposal may branch into alternatives from the draft's own ranking (``CHAIN``: not at all).
+    tree: TreeBudget = CHAIN
     #: The session's prefix-cache scope: its cache attaches and shares blocks of this scope only.
     cache_scope: bytes = b""
     #: The constraint's compiled grammar, taken when the call was prepared (``SessionGrammars.prepare``,
@@ -279,6 +289,10 @@ class _Row:
     context: list[int] = field(default_factory=list)  # C + drafted so far (the repetition penalty reads it)
     confidence: float = 1.0  # the last drafted token's probability under the draft's distribution
     matcher: ConstraintMatcher | None = None  # a constrained session's grammar state at C + drafted so far
+    #: A tree's inputs (``request.tree`` branches): per drafted token its probability under the draft's ranking
+    #: distribution there, and the next-best tokens there (:func:`rank_alternatives`).
+    chain_probs: list[float] = field(default_factory=list)
+    candidates: list[tuple[Candidate, ...]] = field(default_factory=list)
 
     def done(self) -> bool:
         return (
@@ -290,11 +304,16 @@ class _Row:
     def drafted(self) -> Drafted:
         """What the row drafted, as the proposer's result."""
         shipped = None if not self.shipped else torch.stack(self.shipped)  # [gamma, vocab] float32
+        tokens: tuple[int, ...] = tuple(self.tokens)
+        parents: tuple[int, ...] = ()
+        if self.candidates:
+            tokens, parents = grow_tree(self.tokens, self.chain_probs, self.candidates, self.request.tree)
         return Drafted(
-            token_ids=tuple(self.tokens),
+            token_ids=tokens,
             probs_f32=shipped,
             sparse=self.request.draft_top_k > 0,
             prefill_tokens=self.prefill,
+            parents=parents,
         )
 
 
@@ -327,6 +346,10 @@ def draw_step(rows: Sequence[_Row], last: torch.Tensor) -> list[int]:
         else:
             base = len(row.request.committed)
             token, q32, row.confidence = draw_token(last[b], row.request, base + len(row.tokens), row.context)
+        if row.request.tree.branches and row.matcher is None:  # a constrained session's proposal is a chain
+            ranked = q32 if q32 is not None else ranking_distribution(last[b], row.request, row.context)
+            row.chain_probs.append(float(ranked[token]))
+            row.candidates.append(rank_alternatives(ranked, token, row.request.tree.max_nodes - 1))
         row.tokens.append(token)
         row.context.append(token)
         if row.matcher is not None and not row.matcher.accept(token):  # masked: only a bug gets here
@@ -334,6 +357,27 @@ def draw_step(rows: Sequence[_Row], last: torch.Tensor) -> list[int]:
         if q32 is not None:
             row.shipped.append(q32)
     return [b for b, row in enumerate(rows) if not row.done()]
+
+
+def ranking_distribution(logits: torch.Tensor, request: DraftRequest, context: Sequence[int]) -> torch.Tensor:
+    """The distribution a row's alternatives are ranked by, ``[vocab]`` logits -> ``[vocab]``: the one its token
+    was drawn from (:func:`draft_distribution`), or for a greedy row the processed one at temperature 1 (its
+    one-hot would rank nothing), as :func:`greedy_confidence` reads it."""
+    if request.sampling.greedy:
+        return processed_logprobs(logits.unsqueeze(0), request.sampling, [context])[0].exp()  # [vocab]
+    return draft_distribution(logits.unsqueeze(0), request.sampling, [context], request.draft_top_k)[0]  # [vocab]
+
+
+def rank_alternatives(probs: torch.Tensor, token: int, k: int) -> tuple[Candidate, ...]:
+    """The ``k`` most likely tokens of ``probs`` ``[vocab]`` other than ``token``, with their probabilities, best
+    first (equal ones: the lower id first); never a token of probability 0."""
+    k = min(k, probs.shape[-1] - 1)
+    if k <= 0:
+        return ()
+    top = torch.topk(probs, k + 1)  # [k + 1]: a full sort of the vocabulary per row and step is not needed
+    pairs = sorted(zip(top.values.tolist(), top.indices.tolist(), strict=True), key=lambda vp: (-vp[0], vp[1]))
+    out = [(int(t), float(p)) for p, t in pairs if t != token and p > 0.0]
+    return tuple(out[:k])
 
 
 def suppress_rows(last: torch.Tensor, row: int, token_ids: frozenset[int]) -> torch.Tensor:

@@ -26,6 +26,7 @@ from specserve.api.params import (
 from specserve.api.status import item_code
 from specserve.core.features import FeatureBlock
 from specserve.core.proposal import draft_probs_to_pb
+from specserve.core.ranked_tree import TreeBudget
 from specserve.draft.engine import DraftEngine
 from specserve.draft.messages import ProposeBatchCall, ProposeBatchResult, ProposeCall, ProposeResult
 from specserve.engine.models import ModelInfo
@@ -125,6 +126,11 @@ def call_from_pb(
             f"prompt_len={pb.prompt_len} must be in [1, base.committed_len={base.committed_len}] with a "
             "constraint (it applies to the tokens after the prompt)"
         )
+    tree = TreeBudget(pb.tree_max_nodes, pb.tree_min_path_probability)
+    if sampling.constraint is not None and tree.branches:
+        raise InvalidArgument(
+            "a constrained session's proposal is a chain (its grammar masks walk a chain): send tree_max_nodes=0"
+        )
     return ProposeCall(
         base=base,
         start_position=pb.start_position,
@@ -142,6 +148,7 @@ def call_from_pb(
         stop_tokens_from=pb.stop_tokens_from,
         prompt_len=pb.prompt_len,
         cache_scope=check_cache_scope(pb.cache_scope),
+        tree=tree,
     )
 
 
@@ -177,9 +184,12 @@ def batch_call_from_pb(
 def proposal_pb(result: ProposeResult) -> draft_pb2.ProposeResponse:
     """A proposal on the wire, with its cost."""
     d = result.drafted
-    proposal = common_pb2.Proposal(token_ids=list(d.token_ids))
+    proposal = common_pb2.Proposal(token_ids=list(d.token_ids), parents=list(d.parents))
     if d.probs_f32 is not None and d.token_ids:
         proposal.distributions.extend(draft_probs_to_pb(d.probs_f32, sparse=d.sparse))
+        for token in d.token_ids[d.probs_f32.shape[0] :]:  # a tree's alternatives: point masses
+            point = common_pb2.SparseDistribution(token_ids=[token], probs=[1.0])
+            proposal.distributions.append(common_pb2.DraftDistribution(sparse=point))
     reply = draft_pb2.ProposeResponse(
         proposal=proposal, draft_ns=result.draft_ns, prefill_tokens=d.prefill_tokens
     )

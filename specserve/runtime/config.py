@@ -449,6 +449,25 @@ class CoordinatorSettings(CommonSettings):
         "is not (HF's assistant_confidence_threshold, 0.4 there too). 0 drafts the whole gamma. A request "
         "may set its own (SpeculationParams.min_confidence). Exactness is kept at any value.",
     )
+    draft_tree_nodes: int = Field(
+        8,
+        ge=0,
+        le=255,
+        description="Draft trees from the feature head's own ranking: the most alternatives (next-best tokens "
+        "of the head's distribution, point-mass siblings of its chain's tokens) a round adds to the chain. "
+        "Under the adaptive policy an alternative is added only where its path probability beats what one "
+        "more verified position costs, from the cost model, with a margin (docs/design.md, 'Draft trees "
+        "from the draft's ranking'); a fixed gamma drafts chains unless draft_tree_min_path_probability is "
+        "set. 0: chains. Constrained sessions always draft chains. Exactness is kept at any value.",
+    )
+    draft_tree_min_path_probability: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Fixes the path probability a feature-head tree's alternative needs, for every policy "
+        "(a fixed gamma included), instead of the adaptive policy's break-even from the cost model: for "
+        "tests and measurements. 1: chains. Unset: the policy decides.",
+    )
     default_proposer: Literal["auto", "model", "feature"] = Field(
         "auto",
         description="The proposer of a request that names none: 'model' (the token draft), 'feature' (the "

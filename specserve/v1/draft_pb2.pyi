@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("base", "start_position", "token_ids", "sampling", "gamma", "proposer", "draft_top_k", "seed", "stop_token_ids", "ignore_eos", "min_confidence", "features", "features_reset", "stop_tokens_from", "prompt_len", "cache_scope")
+    __slots__ = ("base", "start_position", "token_ids", "sampling", "gamma", "proposer", "draft_top_k", "seed", "stop_token_ids", "ignore_eos", "min_confidence", "features", "features_reset", "stop_tokens_from", "prompt_len", "cache_scope", "tree_max_nodes", "tree_min_path_probability")
     BASE_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class ProposeRequest(_message.Message):
     STOP_TOKENS_FROM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    TREE_MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    TREE_MIN_PATH_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     base: _common_pb2.SessionBase
     start_position: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -41,7 +43,9 @@ class ProposeRequest(_message.Message):
     stop_tokens_from: int
     prompt_len: int
     cache_scope: bytes
-    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_confidence: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., features_reset: _Optional[bool] = ..., stop_tokens_from: _Optional[int] = ..., prompt_len: _Optional[int] = ..., cache_scope: _Optional[bytes] = ...) -> None: ...
+    tree_max_nodes: int
+    tree_min_path_probability: float
+    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_confidence: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., features_reset: _Optional[bool] = ..., stop_tokens_from: _Optional[int] = ..., prompt_len: _Optional[int] = ..., cache_scope: _Optional[bytes] = ..., tree_max_nodes: _Optional[int] = ..., tree_min_path_probability: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("proposal", "draft_ns", "prefill_tokens", "features_needed_from")

@@ -9,7 +9,9 @@ each has a few tokens, the draft replica that most of them draft on is killed.
 Every stream must equal the target alone and no session may fail; the sessions
 that were on the dead replica continue on the other, which rebuilds each head
 context from the features the coordinator keeps, and their acceptance after
-the kill must be back near the head's own.
+the kill must be back near the head's own. Run with chains and with draft
+trees from the head's own ranking (every round the chain and its runners-up:
+``draft_tree_min_path_probability=0``), each against its own workers.
 """
 
 from __future__ import annotations
@@ -44,8 +46,18 @@ def pair(tmp_path_factory):
     return sf.tiny_pair(tmp_path_factory, seed=3)
 
 
+TREES = {"draft_tree_nodes": 6, "draft_tree_min_path_probability": 0.0}
+
+
+@pytest.fixture(scope="module", params=[{}, TREES], ids=["chains", "trees"])
+def shape(request) -> dict:
+    """The coordinator's tree settings."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def workers(request, pair, redis_server, tmp_path_factory):
+def workers(request, pair, redis_server, tmp_path_factory, shape):
+    # ``shape``: fresh workers for each (the test kills a draft replica).
     head = sf.tiny_head(pair, tmp_path_factory, PROMPTS, length=MAX_NEW + 8)
     start = role_starter(request, tmp_path_factory)
     common = {"shutdown_grace_s": 1, **sf.head_overrides(pair, head)}
@@ -56,7 +68,7 @@ def workers(request, pair, redis_server, tmp_path_factory):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def coordinator(workers, pair, redis_server):
+async def coordinator(workers, pair, redis_server, shape):
     app = await start_test_coordinator(
         pair.target_dir,
         redis_server.url,
@@ -64,12 +76,13 @@ async def coordinator(workers, pair, redis_server):
         drafts=[d.address for d in workers["drafts"]],
         rpc_timeout_s=3.0,
         default_proposer="auto",
+        **shape,
     )
     yield app
     await app.stop(grace=1.0)
 
 
-async def test_kill_9_of_a_head_replica_mid_stream(coordinator, workers, store, pair):
+async def test_kill_9_of_a_head_replica_mid_stream(coordinator, workers, store, pair, shape):
     address = f"127.0.0.1:{coordinator.port}"
     pool = coordinator.coordinator.pool
     assert coordinator.coordinator.default_proposer == common_pb2.PROPOSER_KIND_FEATURE
@@ -106,3 +119,6 @@ async def test_kill_9_of_a_head_replica_mid_stream(coordinator, workers, store, 
         # GAMMA + 1, so the head's own rate is 2/3 of the tokens; a lost or broken rebuild would accept ~0.
         after = s.stats.accepted_tokens - n
         assert after >= 0.4 * (MAX_NEW - n), (s.stats.accepted_tokens, s.stats.proposed_tokens, n)
+    # With trees every drafting round proposed more nodes than its GAMMA levels.
+    branched = [s.stats.proposed_tokens > GAMMA * s.stats.draft_rounds for s in streams]
+    assert all(branched) if shape else not any(branched)

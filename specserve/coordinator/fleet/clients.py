@@ -27,6 +27,7 @@ from specserve.api.params import SamplingParams, SessionBase, Verdict
 from specserve.api.status import item_error, worker_error_from_rpc
 from specserve.coordinator.messages import Proposal, Verified, VerifyRequest
 from specserve.core.features import FeatureBlock
+from specserve.core.ranked_tree import CHAIN, TreeBudget
 from specserve.engine.models import ModelInfo
 from specserve.runtime.config import CoordinatorSettings
 from specserve.runtime.interceptors import outgoing_metadata
@@ -84,6 +85,7 @@ class DraftCall:
     cache_scope: bytes = b""
     features: FeatureBlock | None = None  # the target's features the feature head lacks
     features_reset: bool = False  # they replace the head's context instead of continuing it
+    tree: TreeBudget = CHAIN  # how far the proposal may branch into the draft's alternatives
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,9 @@ def _propose_request(call: DraftCall) -> draft_pb2.ProposeRequest:
     if call.features is not None:
         request.features.CopyFrom(call.features.to_pb())
         request.features_reset = call.features_reset
+    if call.tree.branches:
+        request.tree_max_nodes = call.tree.max_nodes
+        request.tree_min_path_probability = call.tree.min_path_probability
     return request
 
 
@@ -163,6 +168,7 @@ def _proposal(pb: draft_pb2.ProposeResponse) -> Proposal:
     return Proposal(
         tuple(pb.proposal.token_ids),
         tuple(pb.proposal.distributions),
+        parents=tuple(pb.proposal.parents),
         draft_ns=pb.draft_ns,
         prefill_tokens=pb.prefill_tokens,
         features_needed_from=needed,

@@ -27,7 +27,7 @@ class CallCosts:
         """A Propose call answered with ``proposal`` (``wall_ns``: the call as the coordinator saw it)."""
         assert proposal.draft_ns is not None
         self.cost_model.observe_draft(
-            tokens=len(proposal.token_ids), ns=proposal.draft_ns, prefill_tokens=proposal.prefill_tokens
+            tokens=proposal.depth, ns=proposal.draft_ns, prefill_tokens=proposal.prefill_tokens
         )
         self.cost_model.observe_rtt(
             ns=proposal.wall_ns - proposal.queue_ns - proposal.draft_ns, tokens=len(proposal.distributions)

@@ -33,6 +33,7 @@ from specserve.coordinator.session import Session
 from specserve.coordinator.speculation.cost_model import CostModel
 from specserve.coordinator.speculation.policy import LoadSnapshot
 from specserve.core.features import FeatureBlock
+from specserve.core.ranked_tree import CHAIN, TreeBudget
 from specserve.runtime.config import CoordinatorSettings
 
 log = structlog.get_logger(__name__)
@@ -209,10 +210,12 @@ class WorkerPool:
         self._bind(session.session_id, self.target_for(session))
         self._bind_draft(session.session_id, None)
 
-    async def propose(self, session: Session, gamma: int, *, features: FeatureStream | None = None) -> Proposal:
+    async def propose(
+        self, session: Session, gamma: int, *, features: FeatureStream | None = None, tree: TreeBudget = CHAIN
+    ) -> Proposal:
         """Up to ``gamma`` draft tokens from the session's draft replica after its committed tokens (none: gamma
         0, every draft replica backing off, or any failure). ``features``: a feature session's relay, whose rows
-        the call carries."""
+        the call carries; ``tree``: how far the proposal may branch into the draft's alternatives."""
         sid = session.session_id
         self._bind(sid, self.target_for(session))
         endpoint = self.draft_for(session) if gamma > 0 else None
@@ -222,7 +225,7 @@ class WorkerPool:
         self._binding(sid).drafts_used.add(endpoint)
         start_ns = time.perf_counter_ns()
         try:
-            proposal = await self._propose_on(endpoint, session, gamma, features)
+            proposal = await self._propose_on(endpoint, session, gamma, features, tree)
         except Exception as exc:  # any failure: this round runs at gamma = 0
             wall_ns = time.perf_counter_ns() - start_ns
             session.draft_lost()
@@ -242,7 +245,7 @@ class WorkerPool:
         session.draft_caught_up(endpoint)
         self.drafts.mark_ok(endpoint)
         self.costs.propose(proposal)
-        if len(proposal.token_ids) > gamma:
+        if proposal.depth > gamma or len(proposal.token_ids) > max(gamma, tree.max_nodes):
             log.error("draft_overproposed", session_id=sid, asked=gamma, got=len(proposal.token_ids))
             return Proposal(wall_ns=proposal.wall_ns, draft_ns=proposal.draft_ns, queue_ns=proposal.queue_ns)
         return proposal
@@ -273,18 +276,20 @@ class WorkerPool:
         return asyncio.create_task(draft())
 
     async def _propose_on(
-        self, endpoint: str, session: Session, gamma: int, features: FeatureStream | None
+        self, endpoint: str, session: Session, gamma: int, features: FeatureStream | None, tree: TreeBudget
     ) -> Proposal:
         sid = session.session_id
         start, tokens = session.unseen_by_draft(endpoint)
         try:
-            proposal = await self._shielded(sid, self._send_propose(endpoint, session, start, tokens, gamma, features))
+            proposal = await self._shielded(
+                sid, self._send_propose(endpoint, session, start, tokens, gamma, features, tree)
+            )
         except errors.FailedPrecondition:
             # The draft lacks tokens before start_position: resend everything (and the head's context).
             if features is not None:
                 features.refused()
             proposal = await self._shielded(
-                sid, self._send_propose(endpoint, session, 0, session.token_ids, gamma, features)
+                sid, self._send_propose(endpoint, session, 0, session.token_ids, gamma, features, tree)
             )
         if features is not None and proposal.features_needed_from is not None:
             # The head lacks features from there: sent again at once when the relay holds them, else asked of
@@ -293,7 +298,7 @@ class WorkerPool:
             if features.needed(endpoint, proposal.features_needed_from, session.committed_len):
                 start, tokens = session.unseen_by_draft(endpoint)
                 proposal = await self._shielded(
-                    sid, self._send_propose(endpoint, session, start, tokens, gamma, features)
+                    sid, self._send_propose(endpoint, session, start, tokens, gamma, features, tree)
                 )
                 if proposal.features_needed_from is not None:
                     features.needed(endpoint, proposal.features_needed_from, session.committed_len)
@@ -307,10 +312,11 @@ class WorkerPool:
         tokens: tuple[int, ...],
         gamma: int,
         features: FeatureStream | None,
+        tree: TreeBudget,
     ) -> Proposal:
         """The one way a Propose leaves for the draft replica at ``endpoint`` (batched or alone), with the
-        target's features the replica lacks for a feature session."""
-        call = _draft_call(session, session.base, start, tokens, gamma)
+        target's features the replica lacks for a feature session and the round's tree budget."""
+        call = dataclasses.replace(_draft_call(session, session.base, start, tokens, gamma), tree=tree)
         if features is not None:
             block, reset = features.outgoing(endpoint, session.committed_len, self.settings.feature_bytes_per_call)
             call = dataclasses.replace(call, features=block, features_reset=reset)

@@ -393,6 +393,19 @@ class CostModel:
         """Marginal cost of one more position in a Verify call (``v_p``)."""
         return self._verify.coef[2]
 
+    def position_ns(self, batch_size: int, positions: int) -> float:
+        """What one more position costs a Verify call of ``batch_size`` items feeding ``positions``, erring high:
+        the fit's marginal, or the largest rise of the target's measured curve (``CostPrior.verify_curve``, one
+        session) from the positions per session on, in the fit's units there, where that is more. A line with a
+        step through a curve with a jump spreads the jump over every position and understates it where it is."""
+        fitted = self.verify_ns(batch_size, positions + 1) - self.verify_ns(batch_size, positions)
+        curve = self.prior.verify_curve
+        k = -(-positions // batch_size)  # positions per session, rounded up
+        rises = [after - before for before, after in zip(curve[k - 1 :], curve[k:], strict=False)]
+        if not rises:
+            return fitted
+        return max(fitted, max(rises) * self.verify_ns(1, k) / curve[k - 1])  # scaled where the fit stands now
+
     def rtt_ns(self, tokens: int = 0) -> float:
         """Predicted round trip of one call carrying ``tokens`` draft distributions (0 before any data)."""
         if self._rtt.n_observations == 0:

@@ -42,6 +42,14 @@ __all__ = [
 #: per pass where 8 proposals stop at 9.
 GAMMA_LADDER: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 
+#: A tree's alternative must promise this many times its break-even: the draft's probability of a runner-up
+#: stands in for the target's chance of taking it, and the verify fit is a line extrapolated past the positions
+#: it was measured at (docs/design.md, "Draft trees from the draft's ranking").
+TREE_MARGIN = 2.0
+#: The least path probability an alternative needs however cheap a position is: below it a node's expected gain
+#: is under 1% of a token, less than the wire and attention work the verify fit does not see.
+TREE_FLOOR = 0.01
+
 
 @dataclass(frozen=True)
 class LoadSnapshot:
@@ -87,6 +95,13 @@ class SpeculationPolicy(abc.ABC):
         n-gram), which costs no draft call. ``target_only_steps``: target steps a round at gamma 0 would
         take (None: one for a local draft, which keeps one step per round, else ``decode_steps``).
         """
+
+    def tree_min_path_probability(
+        self, acceptance: AcceptanceTracker, load: LoadSnapshot, gamma: int
+    ) -> float:
+        """The path probability a draft tree's alternative needs in a round of ``gamma`` drafted tokens (1: none
+        is added, the proposal is a chain). Here: 1, a chain; :class:`AdaptiveGamma` prices the node."""
+        return 1.0
 
 
 class FixedGamma(SpeculationPolicy):
@@ -208,18 +223,50 @@ class AdaptiveGamma(SpeculationPolicy):
         ``target_only_steps``: as :meth:`SpeculationPolicy.choose_gamma`)."""
         if target_only_steps is None:  # a local draft keeps one step per round (Speculator._target_steps)
             target_only_steps = 1 if local_draft else self.decode_steps
-        cm = self.cost_model
         b = self.batch_size(load)
-        charge = self.waste_charge(load) * cm.verify_ns_per_position()
         out: dict[int, float] = {}
         for g in self.choices:
-            expected = acceptance.expected_tokens(g)
             if g == 0:  # one token per step; the call's fixed part is shared by the call's steps
-                cost = cm.target_only_token_ns(b, target_only_steps)
+                out[g] = 1.0 / max(self.cost_model.target_only_token_ns(b, target_only_steps), 1.0)
             else:
-                cost = cm.round_ns(g, b, drafted=not local_draft) + charge * (g + 1 - expected)
-            out[g] = expected / max(cost, 1.0)
+                out[g] = self._drafted_score(acceptance, load, g, local_draft=local_draft)
         return out
+
+    def _drafted_score(
+        self, acceptance: AcceptanceTracker, load: LoadSnapshot, gamma: int, *, local_draft: bool = False
+    ) -> float:
+        """``score(gamma)`` of a round that drafts (``gamma >= 1``)."""
+        cm = self.cost_model
+        expected = acceptance.expected_tokens(gamma)
+        charge = self.waste_charge(load) * cm.verify_ns_per_position()
+        cost = cm.round_ns(gamma, self.batch_size(load), drafted=not local_draft) + charge * (
+            gamma + 1 - expected
+        )
+        return expected / max(cost, 1.0)
+
+    def tree_min_path_probability(
+        self, acceptance: AcceptanceTracker, load: LoadSnapshot, gamma: int
+    ) -> float:
+        """The break-even of one more node in a round of ``gamma`` drafted tokens, times :data:`TREE_MARGIN`.
+
+        The node costs one more verified position at the round's ``P = b (gamma + 1)`` positions
+        (:meth:`CostModel.position_ns`: the fit's marginal, or the target's measured curve's steepest rise from
+        there on where that is more), plus the waste charge for the batch-mates it delays and its row on the
+        wire both ways; it adds its chance of acceptance to the round's committed tokens, which the round buys
+        at ``score(gamma)`` tokens per ns. So it pays when that chance is at least the cost times
+        ``score(gamma)``: a position's cost as a fraction of a committed token's, never less than its fraction of
+        a target step where the policy drafts. The draft's path probability stands in for the chance, with the
+        margin; 1 (a chain) before the cost model has data, and never below :data:`TREE_FLOOR`.
+        """
+        cm = self.cost_model
+        if gamma == 0 or not cm.ready_for(drafted=True):
+            return 1.0
+        b = self.batch_size(load)
+        positions = b * (gamma + 1)
+        cost = cm.position_ns(b, positions)
+        cost += self.waste_charge(load) * cm.verify_ns_per_position() + 2 * (cm.rtt_ns(1) - cm.rtt_ns(0))
+        score = self._drafted_score(acceptance, load, gamma)
+        return min(1.0, max(TREE_FLOOR, TREE_MARGIN * max(cost, 0.0) * score))
 
     # -- the choice ---------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from specserve.coordinator.requests import GenerationRequest
 from specserve.coordinator.session import Session
 from specserve.coordinator.speculation.acceptance import AcceptanceTracker
 from specserve.coordinator.speculation.policy import LoadSnapshot
+from specserve.core.ranked_tree import CHAIN, TreeBudget
 from specserve.runtime.config import CoordinatorSettings
 
 
@@ -31,7 +32,9 @@ class Fleet(Protocol):
 
     def bind_round(self, session: Session) -> None: ...
 
-    async def propose(self, session: Session, gamma: int, *, features: Any = None) -> Proposal: ...
+    async def propose(
+        self, session: Session, gamma: int, *, features: Any = None, tree: TreeBudget = CHAIN
+    ) -> Proposal: ...
 
     def propose_ahead(
         self, session: Session, hypothesis: Sequence[int], gamma: int
@@ -66,6 +69,8 @@ class Source(abc.ABC):
     prior: ClassVar[float | None] = None
     #: Its own tracker opens at the best rung for its prior (a free source falls at once where wrong).
     warm_start: ClassVar[bool] = False
+    #: Its draft call may branch into a tree from the draft's own ranking (``tree`` of :meth:`propose`).
+    trees: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.tracker: AcceptanceTracker | None = None
@@ -83,8 +88,9 @@ class Source(abc.ABC):
         """Whether :meth:`propose` may offer tokens now (for a gamma of at least 1)."""
 
     @abc.abstractmethod
-    async def propose(self, gamma: int) -> Proposal:
-        """Up to ``gamma`` tokens to follow the committed ones (none: nothing to offer)."""
+    async def propose(self, gamma: int, tree: TreeBudget = CHAIN) -> Proposal:
+        """Up to ``gamma`` tokens to follow the committed ones (none: nothing to offer); a source with
+        :attr:`trees` may branch as far as ``tree`` lets it (the others draft chains)."""
 
     def shadow(self, n: int) -> tuple[int, ...]:
         """What it would propose for ``n`` positions now, recording nothing (``()``: no guess)."""
@@ -123,5 +129,5 @@ class LocalSource(Source):
         """The tokens :meth:`propose` offers (a source that counts what it drafted records it here)."""
         return self.shadow(gamma) if gamma > 0 else ()
 
-    async def propose(self, gamma: int) -> Proposal:
+    async def propose(self, gamma: int, tree: TreeBudget = CHAIN) -> Proposal:
         return Proposal(self.draft(gamma))

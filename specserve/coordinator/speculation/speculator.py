@@ -16,9 +16,11 @@ from specserve.coordinator.messages import NO_PROPOSAL, Proposal, Verified, Veri
 from specserve.coordinator.requests import GenerationRequest
 from specserve.coordinator.session import Session, SourceStats
 from specserve.coordinator.speculation.acceptance import AcceptanceMemory, AcceptanceTracker
-from specserve.coordinator.speculation.policy import SpeculationPolicy
+from specserve.coordinator.speculation.policy import LoadSnapshot, SpeculationPolicy
 from specserve.coordinator.speculation.source import Fleet, Source, SourceSetup
 from specserve.coordinator.speculation.sources import SOURCES
+from specserve.core.ranked_tree import CHAIN, TreeBudget
+from specserve.core.tree import MAX_TREE_NODES
 from specserve.engine.kvcache import common_prefix_len
 from specserve.runtime import metrics
 from specserve.runtime.config import CoordinatorSettings
@@ -27,10 +29,11 @@ from specserve.runtime.config import CoordinatorSettings
 @dataclass(frozen=True)
 class Plan:
     """A round's gamma and, where one with a tracker of its own takes the round, its source (None: the session's
-    proposers)."""
+    proposers), and how far a proposer that drafts trees may branch."""
 
     gamma: int
     source: Source | None = None
+    tree: TreeBudget = CHAIN
 
 
 class Speculator:
@@ -46,6 +49,8 @@ class Speculator:
         max_gamma: int,
         memory: AcceptanceMemory | None = None,
         decode_steps: int = 1,
+        tree_nodes: int = 0,
+        tree_min_path_probability: float | None = None,
     ) -> None:
         self.session = session
         self.sources = tuple(sources)
@@ -54,6 +59,10 @@ class Speculator:
         self.max_gamma = max_gamma
         self.memory = memory if memory is not None else AcceptanceMemory()
         self.decode_steps = decode_steps
+        #: Most alternatives a tree adds to the chain (0: chains), and the path probability that fixes the
+        #: policy's threshold (None: the policy's).
+        self.tree_nodes = tree_nodes
+        self.tree_min_path_probability = tree_min_path_probability
         self._own = tuple(s for s in self.sources if s.tracker is not None)  # asked first, with their trackers
         self._proposers = tuple(s for s in self.sources if s.tracker is None)  # share the session's tracker
         local = [s.name for s in self._proposers if s.free]
@@ -102,6 +111,8 @@ class Speculator:
             max_gamma=max_gamma,
             memory=memory,
             decode_steps=settings.decode_steps,
+            tree_nodes=settings.draft_tree_nodes,
+            tree_min_path_probability=settings.draft_tree_min_path_probability,
         )
 
     def source(self, name: str) -> Source | None:
@@ -125,7 +136,21 @@ class Speculator:
                     return Plan(gamma, source)
         gamma = self._capped(self.policy.choose_gamma(self.tracker, load, local_draft=self._local()))
         metrics.GAMMA_CHOSEN.observe(gamma)
-        return Plan(gamma)
+        return Plan(gamma, tree=self._tree(gamma, load))
+
+    def _tree(self, gamma: int, load: LoadSnapshot) -> TreeBudget:
+        """How far the round's proposal may branch (docs/design.md, "Draft trees from the draft's ranking"): a
+        chain at gamma 0, with trees off, for a constrained session (its masks walk a chain) or where no proposer
+        drafts trees; else up to ``tree_nodes`` alternatives at the policy's threshold (or the fixed one)."""
+        if gamma == 0 or self.tree_nodes == 0 or self.session.sampling.constraint is not None:
+            return CHAIN
+        if not any(source.trees for source in self._proposers):
+            return CHAIN
+        threshold = self.tree_min_path_probability
+        if threshold is None:
+            threshold = self.policy.tree_min_path_probability(self.tracker, load, gamma)
+        tree = TreeBudget(min(gamma + self.tree_nodes, MAX_TREE_NODES), threshold)
+        return tree if tree.branches else CHAIN
 
     def _capped(self, gamma: int) -> int:
         s = self.session
@@ -157,7 +182,7 @@ class Speculator:
         proposal = NO_PROPOSAL
         for source in (plan.source,) if plan.source is not None else self._proposers:
             start_ns = time.perf_counter_ns()
-            proposal = await source.propose(plan.gamma)
+            proposal = await source.propose(plan.gamma, plan.tree)
             if proposal.token_ids:
                 metrics.PROPOSALS.labels(proposer=source.name).inc()
                 wall_ns = time.perf_counter_ns() - start_ns if source.free else proposal.wall_ns

@@ -7,7 +7,9 @@ the head ships). N = 800 seeded sessions of 3 tokens each (the first round is
 the prefill, which brings the head its features; the next drafts the other
 two). The empirical joint of the 3 tokens against the target's exact joint by
 enumeration: Pearson chi-square, cells with expected count < 5 merged,
-significance level 0.001. For power, the same test runs against a
+significance level 0.001; with chains, and with draft trees from the head's
+own ranking (every runner-up of its q a point-mass sibling: the coordinator's
+``draft_tree_min_path_probability=0``). For power, the same test runs against a
 deliberately biased head that proposes the mode of its q while shipping q (a
 proposal that is not a draw from the q it reports): it must fail.
 """
@@ -40,16 +42,24 @@ def pair(tmp_path_factory):
     return sf.tiny_vocab_pair(tmp_path_factory, vocab_size=VOCAB)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(pair, redis_server, tmp_path_factory):
+@pytest.fixture(scope="module")
+def head(pair, tmp_path_factory):
     # The head as initialised, untrained: a soft q unlike the target's p (a head trained to memorise is
     # nearly one-hot, its samples are its mode anyway, and the biased variant below would change nothing).
-    head = sf.tiny_head(pair, tmp_path_factory, [PROMPT], length=4, steps=0)
+    return sf.tiny_head(pair, tmp_path_factory, [PROMPT], length=4, steps=0)
+
+
+CHAINS = {"max_batch_size": 32}
+TREES = {**CHAINS, "draft_tree_nodes": 8, "draft_tree_min_path_probability": 0.0}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[CHAINS, TREES], ids=["chains", "trees"])
+async def stack(pair, head, redis_server, request):
     async with sf.local_stack(
         pair,
         redis_server.url,
         draft_overrides=sf.head_overrides(pair, head),
-        coordinator_overrides={"max_batch_size": 32},
+        coordinator_overrides=request.param,
     ) as s:
         yield s
 
@@ -76,15 +86,19 @@ async def _sample(stack, stats: list) -> Counter:
     return Counter(await asyncio.gather(*(one(seed) for seed in range(N))))
 
 
-async def test_the_joint_with_the_head_is_target_only_sampling(stack, pair):
+async def test_the_joint_with_the_head_is_target_only_sampling(stack, pair, request):
+    trees = request.node.callspec.id == "trees"
     exact = sf.exact_joint(pair.target_dir, PROMPT, SamplingParams(temperature=TEMPERATURE), LENGTH)
     stats: list = []
     observed = await _sample(stack, stats)
     assert sum(observed.values()) == N and all(seq in exact for seq in observed)
     stat, p, cells = sf.merged_chi_square(observed, exact)
-    print(f"feature head: chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
+    print(f"feature head, {request.node.callspec.id}: chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
     assert p > ALPHA, f"chi-square {stat:.1f} on {cells} cells, p = {p:.2e}"
     assert sum(s.proposed_tokens for s in stats) >= N, "the head drafted (the test exercises it)"
+    # With trees a drafting round proposes more nodes than its gamma of 2 levels: the runners-up beside them.
+    branched = sum(s.proposed_tokens for s in stats) > 2 * sum(s.draft_rounds for s in stats)
+    assert branched == trees
 
 
 def _mode_of_q(draw_step):
@@ -98,6 +112,7 @@ def _mode_of_q(draw_step):
     return biased
 
 
+@pytest.mark.parametrize("stack", [CHAINS], ids=["chains"], indirect=True)
 async def test_the_same_test_rejects_a_head_that_proposes_its_mode(stack, pair, monkeypatch):
     exact = sf.exact_joint(pair.target_dir, PROMPT, SamplingParams(temperature=TEMPERATURE), LENGTH)
     module = specserve.draft.feature_proposer

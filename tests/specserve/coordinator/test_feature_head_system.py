@@ -4,7 +4,9 @@ A tiny pair with a head trained briefly on the target's own greedy text
 (``system_fixtures.tiny_head``), served by the draft tier, the target's features
 relayed by the coordinator (docs/design.md, "The feature head"). Greedy output
 is compared token for token with stock transformers ``generate()`` (the target
-alone); coupled sampling with the target's own Gumbel-max reference.
+alone); coupled sampling with the target's own Gumbel-max reference. The same
+with draft trees from the head's own ranking (every runner-up kept up to the
+node budget: ``draft_tree_min_path_probability=0``).
 """
 
 from __future__ import annotations
@@ -168,6 +170,50 @@ async def test_eight_concurrent_streams_with_the_head_are_each_exact(stack, pair
     )
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == sf.reference_greedy(pair.target_dir, prompt, 20)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tree_stack(pair, head_dir, redis_server):
+    overrides = {"max_batch_size": 8, "draft_tree_nodes": 6, "draft_tree_min_path_probability": 0.0}
+    async with sf.local_stack(
+        pair, redis_server.url, draft_overrides=sf.head_overrides(pair, head_dir), coordinator_overrides=overrides
+    ) as s:
+        yield s
+
+
+@pytest.mark.parametrize("gamma", [1, 4, None], ids=["gamma1", "gamma4", "adaptive"])
+async def test_greedy_with_head_trees_is_the_target_alone(tree_stack, pair, gamma):
+    """Greedy with the head's trees is token-identical to the target alone, four sessions at once; at a fixed
+    gamma every drafting round proposes the chain and its runners-up (more nodes than levels), and the
+    accepted tokens per position never outnumber the levels a round reaches."""
+    prompts = [*PROMPTS, *([(11 * i + j) % 380 + 1 for j in range(5 + i)] for i in range(4))]
+    requests = [sf.request(p, max_new_tokens=24, gamma=gamma, proposer=FEATURE) for p in prompts]
+    outs = await asyncio.gather(*(sf.generate(tree_stack.address, r) for r in requests))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == sf.reference_greedy(pair.target_dir, prompt, 24)
+        assert len(out.stats.accepted_per_position) <= (gamma or 16)
+    if gamma is not None:
+        drafted = [o.stats for o in outs if o.stats.draft_rounds]
+        assert drafted and all(s.proposed_tokens > gamma * s.draft_rounds for s in drafted)
+        assert sum(s.accepted_tokens for s in drafted) > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_coupled_mode_with_head_trees_gives_the_target_alones_text(tree_stack, pair, seed):
+    prompt = PROMPTS[1]
+    request = sf.request(
+        prompt,
+        max_new_tokens=20,
+        temperature=0.7,
+        seed=seed,
+        gamma=3,
+        proposer=FEATURE,
+        ignore_eos=True,
+        sampling_mode=common_pb2.SAMPLING_MODE_COUPLED,
+    )
+    out = await sf.generate(tree_stack.address, request)
+    assert out.token_ids == sf.reference_coupled(pair.target_dir, prompt, 20, seed=seed, temperature=0.7)
+    assert out.stats.proposed_tokens > 3 * out.stats.draft_rounds > 0
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

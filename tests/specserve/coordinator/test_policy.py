@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 
 from specserve.coordinator.speculation.acceptance import AcceptanceMemory, ProbeClock
 from specserve.coordinator.speculation.policy import (
+    TREE_FLOOR,
+    TREE_MARGIN,
     AcceptanceTracker,
     AdaptiveGamma,
     CostModel,
@@ -33,6 +35,7 @@ from specserve.coordinator.speculation.policy import (
     expected_tokens_iid,
     predicted_speedup,
 )
+from specserve.core.ranked_tree import TreeBudget, grow_tree
 
 pytestmark = pytest.mark.unit
 
@@ -778,3 +781,85 @@ def test_one_rejected_probe_does_not_back_off_two_in_a_row_do() -> None:
     assert tracker.fruitless_probes == 2 and policy._interval(tracker) == 16, "the second in a row backs off"
     until_probe(0)
     assert tracker.fruitless_probes == 0 and policy._interval(tracker) == 8, "an accepted probe halves it"
+
+
+# ---- draft trees: what one more node must promise -----------------------------------------------------------
+
+
+def _learnt_costs(pair: MeasuredPair, *, with_curve: bool = True, calls: int = 40) -> CostModel:
+    """A cost model after ``calls`` Propose and Verify calls of one session at gamma 1..8 (noise-free), with the
+    target's curve as its prior (or without)."""
+    cm = CostModel(prior=CostPrior(verify_curve=pair.curve if with_curve else ()))
+    for i in range(calls):
+        gamma = 1 + i % 8
+        cm.observe_draft(tokens=gamma, ns=int(pair.draft_ns(gamma)))
+        cm.observe_verify(batch_size=1, positions=gamma + 1, ns=int(pair.verify_ns(1, gamma + 1)))
+        cm.observe_rtt(ns=int(pair.rtt_ns), tokens=gamma)
+    return cm
+
+
+def _tracker(alpha: float) -> AcceptanceTracker:
+    return AcceptanceTracker(prior_alpha=alpha, prior_weight=1000.0)
+
+
+STEEP_RATIOS = tuple(1.0 + k for k in range(9))  # each position costs a step more: no parallelism at all
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4])
+def test_a_steep_verify_cost_rules_out_every_sibling_and_a_flat_one_admits_them(gamma: int) -> None:
+    """A runner-up never has more than half of its node's probability, so a threshold above 0.5 rules out every
+    sibling: where each position costs a whole step the policy asks more than that (a chain); on an
+    accelerator's flat curve it asks less than 0.2, so the tree takes a runner-up of 0.2 at depth 1."""
+    steep = _learnt_costs(MeasuredPair(curve=_curve(STEEP_RATIOS), draft_token_ns=DRAFT_6MS))
+    flat = _learnt_costs(MeasuredPair(curve=_curve(GPU_RATIOS), draft_token_ns=DRAFT_6MS))
+    idle = LoadSnapshot.idle()
+    for alpha in (0.35, 0.7, 0.9):
+        assert AdaptiveGamma(steep).tree_min_path_probability(_tracker(alpha), idle, gamma) > 0.5
+        threshold = AdaptiveGamma(flat).tree_min_path_probability(_tracker(alpha), idle, gamma)
+        assert TREE_FLOOR <= threshold < 0.2
+        chain = tuple(range(10, 10 + gamma))
+        tokens, parents = grow_tree(chain, (0.6,) * gamma, (((50, 0.2),),), TreeBudget(gamma + 4, threshold))
+        assert tokens == (*chain, 50) and parents[-1] == -1
+
+
+def test_no_data_no_fixed_gamma_and_gamma_0_give_chains() -> None:
+    pair = MeasuredPair(curve=_curve(GPU_RATIOS), draft_token_ns=DRAFT_6MS)
+    idle = LoadSnapshot.idle()
+    cold = AdaptiveGamma(CostModel(prior=CostPrior(verify_curve=pair.curve)))
+    assert cold.tree_min_path_probability(_tracker(0.9), idle, 4) == 1.0
+    assert AdaptiveGamma(_learnt_costs(pair)).tree_min_path_probability(_tracker(0.9), idle, 0) == 1.0
+    assert FixedGamma(4).tree_min_path_probability(_tracker(0.9), idle, 4) == 1.0
+
+
+@pytest.mark.parametrize("ratios", [CPU_RATIOS, GPU_RATIOS, STEEP_RATIOS], ids=["cpu", "gpu", "steep"])
+@pytest.mark.parametrize("gamma", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("alpha", [0.35, 0.48, 0.7, 0.9])
+def test_a_node_the_threshold_admits_never_loses_on_the_true_costs(
+    ratios: Sequence[float], gamma: int, alpha: float
+) -> None:
+    """The true goodput of a round with one more node of acceptance chance ``pi`` (its true cost: the measured
+    curve's next rise) is no lower than the round's without it, for every ``pi`` the threshold admits even
+    where the draft's probability overstates the chance by the margin (``pi = threshold / TREE_MARGIN``). On
+    the CPU curve the fitted line puts 4% of a step on every position where going from 2 to 3 positions costs
+    30%: the curve's own rises keep the threshold honest there."""
+    pair = MeasuredPair(curve=_curve(ratios), draft_token_ns=DRAFT_6MS)
+    policy = AdaptiveGamma(_learnt_costs(pair))
+    threshold = policy.tree_min_path_probability(_tracker(alpha), LoadSnapshot.idle(), gamma)
+    if threshold >= 1.0:
+        return  # a chain
+    expected, round_ns = expected_tokens_iid(alpha, gamma), pair.round_ns(gamma)
+    node_ns = pair.curve[gamma + 1] - pair.curve[gamma]  # a pass over gamma + 2 positions, not gamma + 1
+    pi = threshold / TREE_MARGIN
+    assert (expected + pi) / (round_ns + node_ns) >= expected / round_ns, (threshold, node_ns / STEP_63MS)
+
+
+def test_without_the_curve_the_fitted_line_would_admit_a_losing_node_on_the_cpu() -> None:
+    """Why the curve's rises are read: with the same calls but no curve, the line's 4%-of-a-step slope admits
+    at gamma 1 a node that loses on the true costs (the jump from 2 to 3 positions costs 30% of a step)."""
+    pair = MeasuredPair(curve=_curve(CPU_RATIOS), draft_token_ns=DRAFT_6MS)
+    threshold = AdaptiveGamma(_learnt_costs(pair, with_curve=False)).tree_min_path_probability(
+        _tracker(0.48), LoadSnapshot.idle(), 1
+    )
+    expected, round_ns = expected_tokens_iid(0.48, 1), pair.round_ns(1)
+    pi = threshold / TREE_MARGIN
+    assert (expected + pi) / (round_ns + pair.curve[2] - pair.curve[1]) < expected / round_ns

@@ -9,6 +9,7 @@ import torch
 from draft_helpers import MAX_GAMMA, draft_settings
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specserve.api.constraints import Constraint
 from specserve.api.params import SamplingParams, SessionBase
 from specserve.core.proposal import draft_probs_from_pb
 from specserve.core.rng import Purpose, uniform
@@ -54,6 +55,19 @@ def request(
         draft_top_k=draft_top_k,
         seed=params.seed,
     )
+
+
+def _with_tree(req: draft_pb2.ProposeRequest, max_nodes: int, threshold: float) -> draft_pb2.ProposeRequest:
+    req.tree_max_nodes = max_nodes
+    req.tree_min_path_probability = threshold
+    return req
+
+
+def _constrained(req: draft_pb2.ProposeRequest) -> draft_pb2.ProposeRequest:
+    constrained = SamplingParams(temperature=1.0, seed=3, constraint=Constraint("regex", "[a-z]+"))
+    req.sampling.CopyFrom(constrained.to_pb())
+    req.prompt_len = len(req.token_ids)
+    return req
 
 
 def _with_min_confidence(req: draft_pb2.ProposeRequest, value: float) -> draft_pb2.ProposeRequest:
@@ -211,6 +225,9 @@ async def test_bad_input_is_refused_precisely_and_the_session_stays_usable(llama
             (_with_min_confidence(request("bad", PROMPT), c), grpc.StatusCode.INVALID_ARGUMENT, "[0, 1)")
             for c in (1.0, -0.25, float("nan"), float("inf"))
         ),
+        (_with_tree(request("bad", PROMPT), 257, 0.1), grpc.StatusCode.INVALID_ARGUMENT, "tree_max_nodes"),
+        (_with_tree(request("bad", PROMPT), 8, 1.5), grpc.StatusCode.INVALID_ARGUMENT, "path_probability"),
+        (_with_tree(_constrained(request("bad", PROMPT)), 8, 0.1), grpc.StatusCode.INVALID_ARGUMENT, "a chain"),
     ]
     for req, code, match in cases:
         await expect_code(llama_stub.Propose(req), code, match)

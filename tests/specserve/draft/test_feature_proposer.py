@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 import tiny_models
@@ -12,6 +14,8 @@ from transformers import DynamicCache
 from specserve.api.params import SamplingParams, SessionBase
 from specserve.core import features as wire
 from specserve.core.proposal import draft_probs_to_pb
+from specserve.core.ranked_tree import CHAIN, TreeBudget
+from specserve.core.tree import DraftTree
 from specserve.draft.feature_proposer import FeatureProposer
 from specserve.draft.proposers import Drafted, DraftRequest
 from specserve.draft.server import start_draft
@@ -73,24 +77,33 @@ def _next_round(target, request: DraftRequest, drafted: Drafted) -> DraftRequest
     committed = (*request.committed, *drafted.token_ids[:1], 3)
     block = _features(target, committed)
     new = block.slice(len(request.committed) - 1, len(committed) - 1)
-    return DraftRequest(request.session_id, committed, request.gamma, request.sampling, request.seed, features=new)
+    return DraftRequest(
+        request.session_id, committed, request.gamma, request.sampling, request.seed, features=new, tree=request.tree
+    )
 
 
 @pytest.mark.unit
-def test_eight_sessions_in_one_batch_equal_each_drafted_alone(target, head):
-    """Token for token, with the same q bytes, in two rounds (the second with only the new features)."""
+@pytest.mark.parametrize("tree", [CHAIN, TreeBudget(12, 0.01)], ids=["chains", "trees"])
+def test_eight_sessions_in_one_batch_equal_each_drafted_alone(target, head, tree):
+    """Token for token, with the same q bytes, in two rounds (the second with only the new features); with a
+    tree budget, the same trees (the head's runners-up, never a token outside the head's vocabulary)."""
     alone, batched = _proposer(head), _proposer(head)
-    requests = _requests(target)
+    requests = [dataclasses.replace(r, tree=tree) for r in _requests(target)]
+    branched = 0
     for round_ in range(2):
         by_alone = [alone.propose(r) for r in requests]
         by_batch = batched.propose_batch(requests)
         for r, a, b in zip(requests, by_alone, by_batch, strict=True):
             assert isinstance(b, Drafted)
-            assert b.token_ids == a.token_ids, f"round {round_}, {r.session_id}"
+            assert (b.token_ids, b.parents) == (a.token_ids, a.parents), f"round {round_}, {r.session_id}"
             assert _wire(b) == _wire(a), f"round {round_}, {r.session_id}: q bytes differ"
-            assert len(a.token_ids) == r.gamma
+            shape = DraftTree(a.token_ids, a.parents or tuple(range(-1, len(a.token_ids) - 1)))
+            assert shape.max_depth == r.gamma and shape.nodes <= max(r.gamma, tree.max_nodes)
+            assert set(a.token_ids) <= set(head.head_token_ids.tolist())
             assert (a.probs_f32 is None) == r.sampling.greedy
+            branched += bool(a.parents)
         requests = [_next_round(target, r, a) for r, a in zip(requests, by_alone, strict=True)]
+    assert (branched > 0) == tree.branches
 
 
 @pytest.mark.unit

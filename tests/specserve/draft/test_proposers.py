@@ -9,9 +9,11 @@ import torch
 
 from specserve.api.errors import InvalidArgument
 from specserve.api.params import SamplingParams
-from specserve.core.proposal import draft_probs_to_pb
+from specserve.core.proposal import draft_probs_from_pb, draft_probs_to_pb
+from specserve.core.ranked_tree import CHAIN, TreeBudget
 from specserve.core.rng import Purpose, gumbel_noise, uniform
 from specserve.core.sampling import check_distribution, logits_to_probs, processed_logprobs, sample_from
+from specserve.core.tree import DraftTree
 from specserve.draft.messages import ProposeResult
 from specserve.draft.proposers import (
     Drafted,
@@ -410,3 +412,92 @@ def test_a_constrained_draft_proposes_inside_the_grammar_and_ships_q_without_mas
     free = grammars.engine.matcher(constraint)
     free.sync(prefix)
     assert not all(free.accept(t) for t in unmasked.token_ids)  # the tiny draft leaves the grammar unmasked
+
+
+# ---- draft trees from the draft's own ranking --------------------------------------------------
+
+
+def _ranked(model, request: DraftRequest, seq: list[int]) -> torch.Tensor:
+    """The distribution a drafted token's alternatives are ranked by, from a fresh prefill: the one it was drawn
+    from, or a greedy row's processed softmax at temperature 1."""
+    logits = fresh_logits(model, seq).unsqueeze(0)
+    if request.sampling.greedy:
+        return processed_logprobs(logits, request.sampling, [seq])[0].exp()
+    return draft_distribution(logits, request.sampling, [seq], request.draft_top_k)[0].double()
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, top_p=0.95, seed=3),
+        SamplingParams(temperature=0.9, seed=3, sampling_mode="coupled"),
+    ],
+    ids=["greedy", "sampled", "coupled"],
+)
+@pytest.mark.parametrize("threshold", [0.0, 0.02])
+def test_a_tree_is_the_chain_with_the_drafts_runners_up_beside_it(draft_model, sampling, threshold):
+    """With a tree budget the chain is the chain drafted without one (tokens, q bytes, cache); after it come
+    the best runners-up of the draft's own distributions, by path probability (recomputed here from fresh
+    prefills), each a sibling of the chain's token at its depth, distinct from it, at or above the threshold,
+    up to the node budget; the wire carries the parents and, where rows are sent, a point mass per alternative."""
+    model = draft_model.model
+    chain_request = DraftRequest("t", PROMPT, gamma=4, sampling=sampling, seed=3)
+    chain = ModelProposer(_store(model)).propose(chain_request)
+    assert len(chain.token_ids) == 4 and chain.parents == ()
+    budget = TreeBudget(10, threshold)
+    proposer = ModelProposer(_store(model))
+    tree = proposer.propose(dataclasses.replace(chain_request, tree=budget))
+    assert tree.token_ids[:4] == chain.token_ids and _wire(tree) == _wire(chain)
+    assert proposer.caches.get("t").tokens == PROMPT + chain.token_ids[:-1]
+    shape = DraftTree(tree.token_ids, tree.parents)  # valid: distinct siblings, parents first
+    assert shape.max_depth == 4 and 4 < shape.nodes <= 10
+    assert tree.parents[:4] == (-1, 0, 1, 2)
+    # Every candidate's path probability, fresh: the kept ones are the best, none below the threshold.
+    seq, above, paths = list(PROMPT), 1.0, {}
+    for d, token in enumerate(chain.token_ids):
+        ranked = _ranked(model, chain_request, seq)
+        for alt in torch.argsort(ranked, descending=True)[:12].tolist():
+            if alt != token and ranked[alt] > 0:
+                paths[(d, alt)] = above * float(ranked[alt])
+        above *= float(ranked[token])
+        seq.append(token)
+    kept = {(shape.depths[i] - 1, tree.token_ids[i]) for i in range(4, shape.nodes)}
+    assert kept <= paths.keys()
+    assert all(paths[k] >= threshold - 1e-6 for k in kept)
+    left = [p for k, p in paths.items() if k not in kept and p >= threshold]
+    if shape.nodes < 10:
+        assert not [p for p in left if p > threshold + 1e-6], "room was left for a candidate that passes"
+    assert max(left, default=0.0) <= min(paths[k] for k in kept) + 1e-6, "a better candidate was left out"
+    reply = proposal_pb(ProposeResult(tree, draft_ns=1)).proposal
+    assert tuple(reply.parents) == tree.parents and tuple(reply.token_ids) == tree.token_ids
+    if tree.probs_f32 is None:
+        assert not reply.distributions
+    else:
+        rows = draft_probs_from_pb(reply.distributions, draft_model.vocab_size)  # what the target rebuilds
+        for i in range(4, shape.nodes):
+            assert float(rows[i, tree.token_ids[i]]) == 1.0
+
+
+def test_a_threshold_of_1_a_small_budget_or_a_constraint_gives_the_chain(draft_model):
+    model = draft_model.model
+    request = DraftRequest("t", PROMPT, gamma=4, sampling=SamplingParams(temperature=0.0), seed=3)
+    chain = ModelProposer(_store(model)).propose(request)
+    for budget in (TreeBudget(10, 1.0), TreeBudget(4, 0.0), CHAIN):
+        got = ModelProposer(_store(model)).propose(dataclasses.replace(request, tree=budget))
+        assert (got.token_ids, got.parents) == (chain.token_ids, ()), budget
+
+
+def test_trees_drafted_in_one_batch_equal_each_drafted_alone(draft_model):
+    """A tree is the same alone or batched (tokens, parents, q bytes), as a chain is."""
+    requests = [
+        dataclasses.replace(r, tree=TreeBudget(r.gamma + 6, 0.01)) for r in _eight_sessions(draft_model.vocab_size)
+    ]
+    alone = ModelProposer(_store(draft_model.model))
+    batched = ModelProposer(_store(draft_model.model))
+    by_alone = [alone.propose(r) for r in requests]
+    by_batch = batched.propose_batch(requests)
+    assert any(a.parents for a in by_alone), "some session branched"
+    for r, a, b in zip(requests, by_alone, by_batch, strict=True):
+        assert isinstance(b, Drafted)
+        assert (b.token_ids, b.parents, _wire(b)) == (a.token_ids, a.parents, _wire(a)), r.session_id

@@ -19,6 +19,7 @@ from specserve.api.params import PROPOSER_KINDS, Verdict
 from specserve.coordinator.messages import Proposal, Verified, VerifyRequest
 from specserve.coordinator.session import Session
 from specserve.coordinator.speculation.source import Fleet, Source, SourceSetup
+from specserve.core.ranked_tree import CHAIN, TreeBudget
 from specserve.runtime import metrics
 
 
@@ -51,7 +52,8 @@ class DraftModel(Source):
     def ready(self) -> bool:
         return True
 
-    async def propose(self, gamma: int) -> Proposal:
+    async def propose(self, gamma: int, tree: TreeBudget = CHAIN) -> Proposal:
+        """A chain (its draft ahead hypothesises the whole chain accepted); ``tree`` is not read."""
         drafted, self._next_proposal = self._next_proposal, None
         if drafted is not None and drafted[0] == self.session.token_ids:
             self.used += 1

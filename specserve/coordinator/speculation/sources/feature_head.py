@@ -16,6 +16,7 @@ from specserve.coordinator.messages import NO_PROPOSAL, FeatureAsk, Proposal, Ve
 from specserve.coordinator.session import Session
 from specserve.coordinator.speculation.source import Fleet, Source, SourceSetup
 from specserve.core.features import VALUE_BYTES, FeatureBlock
+from specserve.core.ranked_tree import CHAIN, TreeBudget
 from specserve.runtime import metrics
 
 #: Rows kept beyond those not yet sent, per session: the context a new draft replica is rebuilt from.
@@ -30,6 +31,7 @@ class FeatureHead(Source):
 
     name = "feature"
     free = False
+    trees = True
 
     def __init__(self, session: Session, fleet: Fleet, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         super().__init__()
@@ -46,10 +48,10 @@ class FeatureHead(Source):
     def ready(self) -> bool:
         return self.relay.ready(self.session.committed_len)
 
-    async def propose(self, gamma: int) -> Proposal:
+    async def propose(self, gamma: int, tree: TreeBudget = CHAIN) -> Proposal:
         if not self.ready():
             return NO_PROPOSAL
-        return await self.fleet.propose(self.session, gamma, features=self.relay)
+        return await self.fleet.propose(self.session, gamma, features=self.relay, tree=tree)
 
     def ask(self, request: VerifyRequest) -> VerifyRequest:
         """Every Verify item asks the target for the features the head will need (the relay's :meth:`~FeatureRelay.ask`)."""

@@ -21,6 +21,7 @@ from specserve.coordinator.session import Session
 from specserve.coordinator.speculation.source import Fleet, Source, SourceSetup
 from specserve.coordinator.speculation.sources.draft_model import DraftModel
 from specserve.core.ngram import NgramIndex
+from specserve.core.ranked_tree import CHAIN, TreeBudget
 from specserve.engine.kvcache import common_prefix_len
 
 
@@ -43,7 +44,7 @@ class ModelLookupTree(DraftModel):
     def observe(self, tokens: Sequence[int]) -> None:
         self._index.extend(tokens)
 
-    async def propose(self, gamma: int) -> Proposal:
+    async def propose(self, gamma: int, tree: TreeBudget = CHAIN) -> Proposal:
         return with_branch(await super().propose(gamma), self._index.lookup(gamma))
 
     async def beside(self, proposal: Proposal, verifying: Awaitable[Verified]) -> Verified:
