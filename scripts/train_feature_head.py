@@ -609,9 +609,11 @@ def target_logits(head: FeatureHead, feats: torch.Tensor) -> torch.Tensor:
 
 def head_inputs(head: FeatureHead, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the head's input features, the last layer's features) of cached rows ``[..., d]`` or ``[..., layers, d]``:
-    a fused head's inputs are ``fuse``'s projection; the target's distributions come from the last layer's."""
+    a fused head's inputs are ``fuse``'s projection; the target's distributions come from the last layer's. A
+    last-layer head reads the last layer of fused rows (one features cache serves both kinds of head)."""
     if head.fuse is None:
-        return feats, feats
+        last = feats[..., -1, :] if feats.dim() == 4 else feats
+        return last, last
     return head.fused(feats, head.config.rms_norm_eps), feats[..., -1, :]
 
 
@@ -785,7 +787,7 @@ def train(args: argparse.Namespace) -> None:
     head = head_from_target(target, ids, target_model=args.target_name, fused_layers=layers).to(device)
     del target
     if args.init is not None and not (out_dir / "checkpoint.pt").exists():
-        _init_from(head, args.init, args.target)
+        _init_from(head, args.init, args.target, keep_tokens=args.keep_init_tokens)
     head.norm.weight.requires_grad_(False)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -859,10 +861,15 @@ def train(args: argparse.Namespace) -> None:
     save()
 
 
-def _init_from(head: FeatureHead, directory: Path, target: str) -> None:
-    """Start from an exported head's layer weights (``--init``); the head's tokens stay this run's."""
+def _init_from(head: FeatureHead, directory: Path, target: str, *, keep_tokens: bool = False) -> None:
+    """Start from an exported head's layer weights (``--init``); the head's tokens stay this run's unless
+    ``keep_tokens`` (``--keep-init-tokens``: a fine-tune on a few shards, whose own most frequent tokens would
+    replace rows the earlier head learned). A last-layer head's weights start a fused head (its ``fuse`` then
+    passes the last layer through)."""
     earlier = load_feature_head(directory, target=target)  # checks that the files fit a head
     head.load_state_dict({k: v for k, v in earlier.state_dict().items() if k != "head_token_ids"}, strict=False)
+    if keep_tokens:
+        head.set_head_tokens(earlier.head_token_ids.clone())
     print(f"initialised from {directory}", flush=True)
 
 
@@ -961,6 +968,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fraction", type=float, default=1.0)
     ap.add_argument("--heldout-records", type=int, default=None, help="evaluate on the first N held-out answers")
     ap.add_argument("--init", type=Path, default=None, help="start from this exported head's weights (a new run only)")
+    ap.add_argument("--keep-init-tokens", action="store_true", help="keep --init's head tokens (a fine-tune)")
     ap.add_argument("--code-repeat", type=int, default=1, help="sample each code record this many times as often")
     ap.add_argument("--head-size", type=int, default=8192)
     ap.add_argument("--unroll", type=int, default=4)

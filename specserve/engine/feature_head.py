@@ -385,9 +385,9 @@ def _init(head: FeatureHead, std: float) -> None:
                 p.normal_(0.0, std * (0.1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0))
         head.fc.weight.normal_(0.0, std / math.sqrt(2))
         head.fc.weight[:, d:] += torch.eye(d)
-        if head.fuse is not None:  # starts as the last layer's feature alone
-            head.fuse.weight.normal_(0.0, std / math.sqrt(head.fuse.in_features / d))
-            head.fuse.weight[:, -d:] += torch.eye(d)
+        if head.fuse is not None:  # starts as the last layer's feature alone: a last-layer head's weights fit it
+            head.fuse.weight.zero_()
+            head.fuse.weight[:, -d:] = torch.eye(d)
 
 
 # ---- the head on disk ----------------------------------------------------------------------------
