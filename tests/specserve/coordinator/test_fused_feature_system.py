@@ -48,8 +48,8 @@ async def stack(pair, fused_dir, redis_server):
 
 @pytest.mark.parametrize("gamma", [1, 4], ids=["gamma1", "gamma4"])
 async def test_greedy_with_a_fused_head_is_the_target_alone(stack, pair, gamma):
-    """Token-identical to the target alone, and the head's proposals are accepted: the feature it reads is
-    the one it was trained on (a target shipping another would leave it drafting from garbage)."""
+    """Token-identical to the target alone, and the head's proposals are accepted: it drafts from the fused
+    features the target made (that they are exactly its own fusion: tests/specserve/engine/test_feature_maker.py)."""
     outs = await asyncio.gather(
         *(
             sf.generate(stack.address, sf.request(p, max_new_tokens=24, gamma=gamma, proposer=FEATURE))
