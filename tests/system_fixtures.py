@@ -475,36 +475,48 @@ _HEADS: dict[tuple, Path] = {}
 
 
 def tiny_head(
-    pair: TinyPair, tmp_path_factory, prompts: Sequence[Sequence[int]], *, length: int = 32, steps: int = 60
+    pair: TinyPair,
+    tmp_path_factory,
+    prompts: Sequence[Sequence[int]],
+    *,
+    length: int = 32,
+    steps: int = 60,
+    fused_layers: Sequence[int] | None = None,
 ) -> Path:
     """A feature head for ``pair``'s target, saved once per test session: trained (``steps`` Adam steps, two
     unrolled steps, cross-entropy on the target's token) on the target's own greedy continuations of
     ``prompts`` (``length`` tokens, EOS an ordinary token). A tiny random target's text does not generalise,
     so the head knows these continuations only: on them its proposals are accepted and every path of the
-    head runs; elsewhere it is simply a poor draft (exactness never depends on the draft)."""
-    key = (pair.target_dir, tuple(map(tuple, prompts)), length, steps)
+    head runs; elsewhere it is simply a poor draft (exactness never depends on the draft). ``fused_layers``:
+    a fused head (EAGLE-3's feature) of those target layers, its ``fuse`` trained with it."""
+    key = (pair.target_dir, tuple(map(tuple, prompts)), length, steps, tuple(fused_layers or ()))
     if key in _HEADS:
         return _HEADS[key]
     import torch
 
-    from specserve.engine.feature_head import FinalNormInput, head_from_target, target_features
+    from specserve.engine.feature_head import LayerOutputs, head_from_target, target_features
 
     torch.manual_seed(0)
     target = load_reference(pair.target_dir)
     vocab = target.config.vocab_size
+    eps = target.config.rms_norm_eps
+    layers = list(fused_layers or [target.config.num_hidden_layers - 1])  # the last layer's: its feature
     data = []
     for prompt in prompts:
         seq = torch.tensor([[*prompt, *reference_greedy(pair.target_dir, prompt, length, ignore_eos=True)]])
-        with torch.no_grad(), FinalNormInput(target) as tap:
+        with torch.no_grad(), LayerOutputs(target, layers) as tap:
             target.get_decoder()(input_ids=seq[:, :-1])
         # slot j takes x_j and f_{j-1} and predicts x_{j+1}
-        data.append((seq[:, 1:-1], target_features(tap.hidden, target.config.rms_norm_eps)[:, :-1], seq[:, 2:]))
-    head = head_from_target(target, torch.arange(vocab), target_model=str(pair.target_dir))
+        data.append((seq[:, 1:-1], tap.stacked()[:, :-1], seq[:, 2:]))
+    head = head_from_target(
+        target, torch.arange(vocab), target_model=str(pair.target_dir), fused_layers=list(fused_layers or []) or None
+    )
     head.train()
     opt = torch.optim.Adam([p for n, p in head.named_parameters() if n != "norm.weight"], lr=1e-2)
     for _ in range(steps):
         opt.zero_grad()
-        for inputs, feats, labels in data:
+        for inputs, states, labels in data:
+            feats = head.fused(states, eps) if fused_layers else target_features(states[..., -1, :], eps)
             chain = head.unrolled(inputs, feats, 2)  # step k: a chain k deep, from slot k - 1 on
             sum(
                 torch.nn.functional.cross_entropy(step.logits[0, k:], labels[0, k:]) for k, step in enumerate(chain)

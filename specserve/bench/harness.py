@@ -590,7 +590,11 @@ async def _process_stack(opts: StackOptions):
         redis_url=opts.redis_url,
         # "fastest" reaches here only from `load`, which loads no baselines: a target timing its kernels runs
         # without invariance.
-        target_overrides={"metrics_port": target_port, "kernels": opts.kernels},
+        target_overrides={
+            "metrics_port": target_port,
+            "kernels": opts.kernels,
+            "feature_head": head_overrides(opts)["feature_head"],  # the feature the draft's head reads
+        },
         draft_overrides={"max_batch_size": opts.draft_batch, **head_overrides(opts)},
         coordinator_overrides={**_coordinator_overrides(opts.draft_batch), "metrics_port": coordinator_port},
     )

@@ -28,7 +28,10 @@ from the target's features, as the service relays them:
 * **Cost**: the target's decode step over the head's draft step (both after a
   ``--context``-token context, interleaved medians), and the bytes the features
   add per committed token on the wire (float16 rows), measured over the greedy
-  runs: rows relayed / tokens committed, times the row's bytes.
+  runs: rows relayed / tokens committed, times the row's bytes. A fused head's
+  feature is projected on the target (:class:`~specserve.engine.feature_maker.FeatureMaker`),
+  so its rows are ``hidden`` values too; the card also gives what shipping the
+  layers' states unprojected would cost.
 """
 
 from __future__ import annotations
@@ -54,8 +57,9 @@ from specserve.core.sampling import logits_to_probs
 from specserve.core.verification import verify_batch
 from specserve.draft.feature_proposer import FeatureProposer
 from specserve.draft.proposers import DraftRequest
-from specserve.engine.feature_head import FeatureHead, FinalNormInput, load_feature_head
-from specserve.engine.kvcache import SessionCacheStore, features_of
+from specserve.engine.feature_head import FeatureHead, load_feature_head
+from specserve.engine.feature_maker import FeatureMaker
+from specserve.engine.kvcache import SessionCacheStore
 from specserve.prompts.chat import heldout_prompts
 
 
@@ -66,19 +70,19 @@ def _proposer(head: FeatureHead) -> FeatureProposer:
 
 
 @torch.inference_mode()
-def sequence_features(target, tokens: list[int]) -> wire.FeatureBlock:
+def sequence_features(features: FeatureMaker, tokens: list[int]) -> wire.FeatureBlock:
     """The target's features of positions ``[0, len(tokens) - 1)`` from one pass, as the target ships them."""
-    with FinalNormInput(target) as tap:
-        target.get_decoder()(input_ids=torch.tensor([tokens[:-1]]))
-    return wire.encode(features_of(target, tap.hidden[0]), 0)
+    with features.tap() as tap:
+        features.model.get_decoder()(input_ids=torch.tensor([tokens[:-1]]))
+    return wire.encode(tap.rows(0, len(tokens) - 1), 0)
 
 
 def replay_greedy(
-    proposer: FeatureProposer, target, prompt: list[int], continuation: list[int], gamma: int, key: str
+    proposer: FeatureProposer, features: FeatureMaker, prompt: list[int], continuation: list[int], gamma: int, key: str
 ) -> dict[str, int]:
-    """Greedy rounds of the head replayed on the target's continuation, from the session's first round
-    (the prompt's features, as the first verify pass returns them) on."""
-    block = sequence_features(target, prompt + continuation)
+    """Greedy rounds of the head replayed on the target's continuation (``features``: its maker of the head's
+    feature), from the session's first round (the prompt's features, as the first verify pass returns them) on."""
+    block = sequence_features(features, prompt + continuation)
     params = SamplingParams(temperature=0.0)
     seq = list(prompt)
     sent = 0  # features relayed so far: positions [0, sent)
@@ -107,16 +111,17 @@ def replay_greedy(
 
 @torch.inference_mode()
 def sampled_rounds(
-    proposer: FeatureProposer, target, prompt: list[int], max_new: int, gamma: int, params: SamplingParams,
-    eos: int, key: str,
+    proposer: FeatureProposer, features: FeatureMaker, prompt: list[int], max_new: int, gamma: int,
+    params: SamplingParams, eos: int, key: str,
 ) -> dict[str, int]:
     """Real speculative sampling with the head and specserve's verifier; the features of each round's
-    committed positions come from the target's own verify pass."""
+    committed positions come from the target's own verify pass (``features``: its maker of the head's feature)."""
+    target = features.model
     cache = DynamicCache(config=target.config)
     seq = list(prompt)
-    with FinalNormInput(target) as tap:
+    with features.tap() as tap:
         target(input_ids=torch.tensor([seq[:-1]]), cache=cache, use_cache=True)
-    kept = features_of(target, tap.hidden[0])  # [len(seq) - 1, hidden]: positions whose KV is cached
+    kept = tap.rows(0, len(seq) - 1)  # [len(seq) - 1, hidden]: positions whose KV is cached
     sent = 0
     proposed = accepted = rounds = new = 0
     while new < max_new:
@@ -129,7 +134,7 @@ def sampled_rounds(
             drafted = proposer.propose(DraftRequest(key, tuple(seq), g, params, params.seed or 0, features=block))
             props = drafted.token_ids
             probs = drafted.probs_f32.double() if drafted.probs_f32 is not None else None
-        with FinalNormInput(target) as tap:
+        with features.tap() as tap:
             logits = target(
                 input_ids=torch.tensor([[seq[-1], *props]]), cache=cache, use_cache=True
             ).logits[0].float()  # [g + 1, vocab]
@@ -137,7 +142,7 @@ def sampled_rounds(
         outcome = verify_batch(p[None], [DraftProposal(props, probs)], [params.seed], [len(seq)])[0]
         out = outcome.emitted(props)
         # The pending token and the accepted drafts are committed: their features (and KV) stay.
-        kept = torch.cat([kept, features_of(target, tap.hidden[0, : outcome.accepted + 1])])
+        kept = torch.cat([kept, tap.rows(0, outcome.accepted + 1)])
         if len(props) > outcome.accepted:
             cache.crop(outcome.accepted - len(props))
         proposed += len(props)
@@ -191,9 +196,10 @@ def run(args: HeadCardOptions) -> dict:
     tok = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     head = load_feature_head(head_dir, target=target_dir)
+    features = FeatureMaker.for_head(target, head_dir)  # the target's side: a fused head's projection made here
     proposer = _proposer(head)
     eos = tok.eos_token_id
-    row_bytes = head.config.hidden_size * wire.VALUE_BYTES
+    row_bytes = features.hidden_size * wire.VALUE_BYTES
     result: dict = {
         "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
@@ -201,7 +207,10 @@ def run(args: HeadCardOptions) -> dict:
         "head": str(head_dir),
         "dtype": "float32",
         "command": args.command,
+        "feature": features.name,
         "feature_row_bytes": row_bytes,
+        # What a row would be with the layers' states shipped and the projection on the draft's side.
+        "unprojected_row_bytes": max(1, len(features.layers)) * row_bytes,
     }
     result["costs"] = step_costs(target, head, context=args.context, steps=args.cost_steps)
     print(json.dumps(result["costs"], indent=1), flush=True)
@@ -213,7 +222,7 @@ def run(args: HeadCardOptions) -> dict:
         for gamma in args.gammas:
             tot = {"proposed": 0, "accepted": 0, "rounds": 0, "drafted_rounds": 0, "rows": 0}
             for n, (p, ref) in enumerate(zip(ids, refs, strict=True)):
-                for key, v in replay_greedy(proposer, target, p, ref, gamma, f"{kind}-{n}").items():
+                for key, v in replay_greedy(proposer, features, p, ref, gamma, f"{kind}-{n}").items():
                     tot[key] += v
             committed = sum(len(r) for r in refs)
             greedy[gamma] = {
@@ -228,7 +237,7 @@ def run(args: HeadCardOptions) -> dict:
             tot = {"proposed": 0, "accepted": 0, "rounds": 0, "tokens": 0}
             for n, p in enumerate(ids[: args.sampled_prompts]):
                 params = SamplingParams(temperature=0.7, seed=1000 + n)
-                got = sampled_rounds(proposer, target, p, args.sampled_tokens, gamma, params, eos, f"s-{kind}-{n}")
+                got = sampled_rounds(proposer, features, p, args.sampled_tokens, gamma, params, eos, f"s-{kind}-{n}")
                 for key, v in got.items():
                     tot[key] += v
             sampled[gamma] = {
@@ -357,6 +366,16 @@ def render(card: dict, meta: dict | None, points: list[dict]) -> str:
         f"- On the wire: {proj['rows_per_token'] * card['feature_row_bytes']:.0f} bytes per committed token "
         f"(float16 rows of {card['feature_row_bytes'] // wire.VALUE_BYTES} values, "
         f"{proj['rows_per_token']:.2f} rows per committed token, measured over the greedy rounds).",
+        *(
+            [
+                f"- The fused feature is projected on the target: shipping its "
+                f"{card['unprojected_row_bytes'] // card['feature_row_bytes']} layers' states for the draft to "
+                f"project would be {proj['rows_per_token'] * card['unprojected_row_bytes']:.0f} bytes per committed "
+                "token."
+            ]
+            if card.get("unprojected_row_bytes", card["feature_row_bytes"]) > card["feature_row_bytes"]
+            else []
+        ),
         "- Projected for larger targets at 10,000 committed tokens/s: "
         + ", ".join(f"hidden {h}: {mb:.0f} MB/s" for h, mb in proj["wire_mb_per_s"].items())
         + " (a projection from the measured rows per token).",

@@ -210,6 +210,8 @@ async def measure(
     from specserve.launch.redis_server import free_port
 
     target_overrides = {} if cpus is None else {"threads": len(cpus["target"])}
+    if draft_overrides and "feature_head" in draft_overrides:  # the target makes the feature the head reads
+        target_overrides["feature_head"] = draft_overrides["feature_head"]
     runs: list[LatencyRun] = []
     reference: dict[str, list[int]] = {}
     for side in sides:

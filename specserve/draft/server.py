@@ -83,7 +83,13 @@ def build_draft(settings: DraftSettings, *, model: LoadedModel | None = None) ->
         grammars=grammars,
     )
     max_tokens = min(settings.max_session_tokens, model.max_positions or settings.max_session_tokens)
-    servicer = DraftServicer(engine, model.info, max_gamma=settings.max_gamma, max_tokens=max_tokens)
+    servicer = DraftServicer(
+        engine,
+        model.info,
+        max_gamma=settings.max_gamma,
+        max_tokens=max_tokens,
+        feature=head.feature_name if head is not None else "",
+    )
     return DraftApp(settings=settings, model=model, caches=caches, engine=engine, servicer=servicer)
 
 

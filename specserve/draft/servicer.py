@@ -37,11 +37,14 @@ from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """Hosts one :class:`DraftEngine` (whose model thread drafts what is queued, a batch at a time)."""
 
-    def __init__(self, engine: DraftEngine, info: ModelInfo, *, max_gamma: int, max_tokens: int) -> None:
+    def __init__(
+        self, engine: DraftEngine, info: ModelInfo, *, max_gamma: int, max_tokens: int, feature: str = ""
+    ) -> None:
         self.engine = engine
         self.info = info
         self.max_gamma = max_gamma
         self.max_tokens = max_tokens  # longest committed history a Propose may carry
+        self.feature = feature  # the feature its head reads (FeatureHead.feature_name); "" without a head
 
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
@@ -82,6 +85,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             max_gamma=self.max_gamma,
             max_batch_size=self.engine.max_batch_size,
             proposers=sorted(self.engine.proposers),
+            feature=self.feature,
         )
 
 

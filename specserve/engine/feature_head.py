@@ -6,7 +6,9 @@ from EAGLE-3, arXiv 2503.01840). Terms:
 * **feature** ``f_t``: the target's last decoder layer output at position ``t``
   (the input of its final norm), divided by its RMS: :func:`target_features`.
   ``f_t`` is what the target's head turns into the distribution of token
-  ``t + 1``. The target ships it, float16, for every position it commits.
+  ``t + 1``. The target ships it, float16, for every position it commits. A fused
+  head (``FEATURE_FUSED_LAYERS``, EAGLE-3's) reads another ``f_t`` instead, made
+  on the target too (:mod:`specserve.engine.feature_maker`).
 * **slot** ``j`` (``j >= 1``): one position of the head's own sequence. Its input
   is ``fc([embed(x_j) ; f_{j-1}])``; its output ``h_j`` (before the final norm)
   is the head's estimate of ``f_j``, and ``head(norm(h_j))`` its distribution
@@ -30,6 +32,7 @@ outside it have ``q = 0``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +74,20 @@ class FeatureHeadConfig(LlamaConfig):
         kwargs["num_hidden_layers"] = 1
         kwargs["tie_word_embeddings"] = False
         super().__init__(**kwargs)
+
+
+def feature_name(
+    kind: str, hidden_size: int, layers: list[int] | None = None, fuse: torch.Tensor | None = None
+) -> str:
+    """What names a feature on both sides of the relay (the target's GetTargetInfo, a draft's GetDraftInfo): its
+    kind, its width and, for a fused feature, its layers and a digest of the ``fuse`` matrix's values as stored
+    (``[hidden, layers * hidden]``), so a target that projects with another head's matrix is caught too."""
+    if kind != FEATURE_FUSED_LAYERS:
+        return f"{kind} hidden={hidden_size}"
+    if fuse is None or not layers:
+        raise ValueError("a fused feature is named by its layers and its fuse matrix")
+    digest = hashlib.sha256(fuse.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+    return f"{kind}={','.join(map(str, layers))} hidden={hidden_size} fuse={digest}"
 
 
 def target_features(hidden: torch.Tensor, eps: float) -> torch.Tensor:
@@ -165,6 +182,9 @@ class FeatureHead(nn.Module):
         self.fc = nn.Linear(2 * d, d, bias=False)
         # EAGLE-3's projection of the fused layers' states (FEATURE_FUSED_LAYERS); run where the features are made.
         self.fuse = nn.Linear(len(config.fused_layers) * d, d, bias=False) if config.fused_layers else None
+        #: The feature it reads (:func:`feature_name`), named with its fuse matrix as its files hold it: set by
+        #: :func:`load_feature_head` ("" for a head not loaded from its files).
+        self.feature_name = ""
         self.model = LlamaModel(config)
         self.model.embed_tokens = None  # the target's table is attached instead
         self.model.norm = nn.Identity()
@@ -439,6 +459,8 @@ def load_feature_head(
     missing, unexpected = head.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if not k.endswith("inv_freq")]:
         raise FailedPrecondition(f"{path}: weights do not fit the head (missing {missing}, unexpected {unexpected})")
+    fuse = state.get("fuse.weight")  # as stored: the target names the feature from the same file
+    head.feature_name = feature_name(config.feature, config.hidden_size, config.fused_layers, fuse)
     head.to(device=device, dtype=dtype).eval()
     head.attach_target(*_token_tables(Path(resolve_model(str(spec), progress=False))))
     return head

@@ -96,7 +96,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from specserve.api.errors import FailedPrecondition, InvalidArgument, NotFound
-from specserve.engine.feature_head import FinalNormInput, target_features
+from specserve.engine.feature_maker import FeatureMaker
 from specserve.engine.models import vocab_size_of
 
 log = structlog.get_logger(__name__)
@@ -204,11 +204,19 @@ class SessionCache:
     """One session's KV cache (a transformers ``DynamicCache``) and the tokens whose KV it holds."""
 
     def __init__(
-        self, model: Any, session_id: str = "", *, scope: bytes = b"", clock: Callable[[], float] = time.monotonic
+        self,
+        model: Any,
+        session_id: str = "",
+        *,
+        scope: bytes = b"",
+        clock: Callable[[], float] = time.monotonic,
+        feature_maker: FeatureMaker | None = None,
     ):
         from transformers import DynamicCache
 
         self.model = model
+        #: What makes its positions' features once it tracks them (None: the last layer's feature).
+        self.feature_maker = feature_maker or FeatureMaker(model)
         self.session_id = session_id
         #: The session's cache scope: it attaches and shares only blocks of this scope (the store's prefix cache).
         self.scope = scope
@@ -373,9 +381,9 @@ class SessionCache:
         if self._features is None:
             out = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
         else:
-            with FinalNormInput(self.model) as tap:
+            with self.feature_maker.tap() as tap:
                 out = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
-            self._append_features(features_of(self.model, tap.hidden[0]), start)
+            self._append_features(tap.rows(0, len(token_ids)), start)
         self._tokens.extend(int(t) for t in token_ids)
         self._nbytes = None
         self.touch()
@@ -603,14 +611,6 @@ class SessionCache:
         self.touch()
 
 
-def features_of(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """``model``'s features (:func:`~specserve.engine.feature_head.target_features`) of last-layer states
-    ``[..., hidden]`` captured before its final norm."""
-    config = model.config.get_text_config(decoder=True)
-    eps = getattr(config, "rms_norm_eps", None) or getattr(config, "layer_norm_epsilon", None) or 1e-6
-    return target_features(hidden, eps)
-
-
 @dataclass
 class PrefixStats:
     """The prefix cache's counters since the store was made (vLLM's names: tokens, not requests)."""
@@ -641,7 +641,8 @@ class SessionCacheStore:
     """The session caches of one service and their shared blocks: LRU eviction by count and bytes,
     TTL release (see the module docstring, "The prefix cache").
 
-    ``budget_bytes``: the store's own budget, or a :class:`KVBudget` it shares with other stores."""
+    ``budget_bytes``: the store's own budget, or a :class:`KVBudget` it shares with other stores;
+    ``feature_maker``: what makes the features of the sessions that track them (None: the last layer's)."""
 
     def __init__(
         self,
@@ -654,6 +655,7 @@ class SessionCacheStore:
         block_tokens: int = 16,
         on_lookup: Callable[[int, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        feature_maker: FeatureMaker | None = None,
     ) -> None:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
@@ -662,6 +664,7 @@ class SessionCacheStore:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.model = model
+        self.feature_maker = feature_maker or FeatureMaker(model)
         self.max_sessions = max_sessions
         #: The budget this store counts against (its own, or one shared with other stores).
         self.budget = budget_bytes if isinstance(budget_bytes, KVBudget) else KVBudget(budget_bytes)
@@ -739,7 +742,9 @@ class SessionCacheStore:
             self._drop(session_id, "cache_scope")
         while len(self._sessions) >= self.max_sessions:
             self._evict_lru("max_sessions")
-        cache = SessionCache(self.model, session_id, scope=scope, clock=self._clock)
+        cache = SessionCache(
+            self.model, session_id, scope=scope, clock=self._clock, feature_maker=self.feature_maker
+        )
         self._sessions[session_id] = cache
         self.trim(protect=(session_id,))
         return cache, True

@@ -269,6 +269,14 @@ class TargetSettings(WorkerSettings):
         "alone's except where two tokens' logits lie within that rounding.",
     )
     max_batch_size: int = Field(32, ge=1, description="Most sessions in one Verify call.")
+    feature_head: str | None = Field(
+        None,
+        description="The feature head the draft tier serves (a registered name or a directory; only its "
+        "config.json and fuse matrix are read): this target makes the feature it reads, a fused head's "
+        "projected here (docs/design.md, 'The feature head'). 'none': the last layer's feature. Unset: the "
+        "default pair's head when the target is the default target and the head is present, else 'none'. A "
+        "coordinator refuses to start where a draft's head reads another feature than this.",
+    )
     features_per_call_bytes: int | None = Field(
         None,
         ge=1024,

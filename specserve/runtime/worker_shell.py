@@ -28,10 +28,11 @@ import structlog
 from specserve.api.errors import FailedPrecondition
 from specserve.engine.cpu_kernels import Kernels
 from specserve.engine.feature_head import FeatureHead
+from specserve.engine.feature_maker import FeatureMaker
 from specserve.engine.kvcache import SessionCacheStore
 from specserve.engine.models import LoadedModel, load_model, resolve_model_path
 from specserve.runtime import metrics
-from specserve.runtime.config import DraftSettings, WorkerSettings
+from specserve.runtime.config import DraftSettings, TargetSettings, WorkerSettings
 from specserve.runtime.interceptors import BearerTokenInterceptor, ClientCertificateInterceptor
 from specserve.runtime.server import Registration, RunningServer, create_server
 
@@ -108,6 +109,27 @@ def load_worker_head(settings: DraftSettings, model: LoadedModel) -> FeatureHead
     return head
 
 
+def load_target_features(settings: TargetSettings, model: LoadedModel) -> FeatureMaker:
+    """What makes the target's features: the feature of the head ``settings.feature_head`` names (unset: the
+    default pair's, beside the default target of its vocabulary, when present), else the last layer's.
+    A head that does not fit the target is refused (:class:`FailedPrecondition`)."""
+    from specserve.engine import model_registry
+
+    spec = settings.feature_head
+    if spec is not None and spec.lower() == "none":
+        return FeatureMaker(model.model)
+    if spec is None:
+        named = settings.model and (model_registry.is_registered_cache(settings.model) or settings.model)
+        source = model_registry.REGISTRY.get(model_registry.DEFAULT_HEAD)
+        if named not in (None, "", model_registry.DEFAULT_TARGET) or source is None or not source.present():
+            return FeatureMaker(model.model)
+        spec = model_registry.DEFAULT_HEAD
+    head_dir = Path(model_registry.resolve_model(spec, progress=False))
+    if settings.feature_head is None and _vocab_size(head_dir) != model.vocab_size:
+        return FeatureMaker(model.model)  # the default pair's head, only beside a target of its vocabulary
+    return FeatureMaker.for_head(model.model, head_dir)
+
+
 def caller_checks(settings: WorkerSettings) -> list[Any]:
     """The interceptors that authenticate a worker's callers: the shared worker token and / or the
     pinned client-certificate names (health and reflection stay open for probes)."""
@@ -119,9 +141,11 @@ def caller_checks(settings: WorkerSettings) -> list[Any]:
     return checks
 
 
-def session_caches(model: LoadedModel, settings: WorkerSettings, role: str) -> SessionCacheStore:
+def session_caches(
+    model: LoadedModel, settings: WorkerSettings, role: str, *, feature_maker: FeatureMaker | None = None
+) -> SessionCacheStore:
     """The replica's KV-cache store, limited as ``settings`` says, its prefix cache counted in the
-    ``role``'s ``prefix_cache_*`` metrics."""
+    ``role``'s ``prefix_cache_*`` metrics; ``feature_maker``: a target's (:func:`load_target_features`)."""
     return SessionCacheStore(
         model.model,
         max_sessions=settings.max_sessions,
@@ -130,6 +154,7 @@ def session_caches(model: LoadedModel, settings: WorkerSettings, role: str) -> S
         prefix_cache=settings.prefix_cache,
         block_tokens=settings.prefix_block_tokens,
         on_lookup=metrics.prefix_lookup_counter(role),
+        feature_maker=feature_maker,
     )
 
 

@@ -22,7 +22,7 @@ from specserve.engine.models import LoadedModel
 from specserve.runtime.config import TargetSettings
 from specserve.runtime.server import Registration, run_role
 from specserve.runtime.store import SessionStore
-from specserve.runtime.worker_shell import WorkerApp, load_worker_model, session_caches
+from specserve.runtime.worker_shell import WorkerApp, load_target_features, load_worker_model, session_caches
 from specserve.target.calibration import CURVE_MAX_POSITIONS
 from specserve.target.servicer import TargetServicer
 from specserve.target.verifier import Verifier
@@ -52,7 +52,11 @@ class TargetApp(WorkerApp):
         return Registration(target_pb2_grpc.add_TargetServiceServicer_to_server, self.servicer, SERVICE_NAME)
 
     def facts(self) -> dict[str, Any]:
-        return {**super().facts(), "max_batch_size": self.settings.max_batch_size}
+        return {
+            **super().facts(),
+            "max_batch_size": self.settings.max_batch_size,
+            "feature": self.caches.feature_maker.name,
+        }
 
     async def start(self) -> TargetApp:
         if self.settings.measure_verify_cost:
@@ -79,7 +83,8 @@ def build_target(
     owns_store = store is None
     if store is None:
         store = SessionStore.from_url(settings.redis_url.get_secret_value())
-    caches = session_caches(model, settings, "target")
+    features = thread.call(load_target_features, settings, model)
+    caches = session_caches(model, settings, "target", feature_maker=features)
     verifier = Verifier(model, caches, store, thread=thread, features_per_call_bytes=settings.feature_bytes_per_call)
     servicer = TargetServicer(
         verifier, model, max_gamma=settings.max_gamma, max_batch_size=settings.max_batch_size

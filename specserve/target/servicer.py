@@ -64,6 +64,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             max_gamma=self.max_gamma,
             max_batch_size=self.max_batch_size,
             verify_curve_ns=self.verifier.verify_curve_ns,
+            feature=self.verifier.caches.feature_maker.name,
         )
 
 

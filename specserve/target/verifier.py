@@ -44,9 +44,8 @@ from specserve.core.sampling import (
 from specserve.core.tree_verification import verify_tree, verify_tree_coupled, verify_tree_greedy
 from specserve.core.verification import VerifyOutcome, verify_batch, verify_coupled, verify_greedy
 from specserve.engine import batching, position_invariant
-from specserve.engine.feature_head import FinalNormInput
 from specserve.engine.grammar import Prepared, SessionGrammars, apply_masks
-from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len, features_of
+from specserve.engine.kvcache import SessionCache, SessionCacheStore, common_prefix_len
 from specserve.engine.model_thread import ModelThread
 from specserve.engine.models import LoadedModel
 from specserve.runtime import metrics
@@ -503,18 +502,17 @@ class Verifier:
                     )
                 )
             packed = batching.pack(rows, config=self.model.model.config, device=self.model.device)
-            hidden = None
+            tap = None
             if any(w.cache is not None and w.cache.tracks_features for w in ready):
-                with FinalNormInput(self.model.model) as tap:
+                with self.caches.feature_maker.tap() as tap:  # what the pass's features are made of
                     logits, grown = position_invariant.forward(self.model.model, packed)
-                hidden = tap.hidden  # [batch, T, d]: the pass's last-layer states, for the features
             else:
                 logits, grown = position_invariant.forward(self.model.model, packed)
             for b, w in enumerate(ready):
                 assert w.cache is not None
                 rows_b = None
-                if hidden is not None and w.cache.tracks_features:
-                    rows_b = features_of(self.model.model, hidden[b, : len(w.feed)])
+                if tap is not None and w.cache.tracks_features:
+                    rows_b = tap.rows(b, len(w.feed))  # [len(feed), hidden] float32
                 kv = batching.new_kv(grown, packed, b)
                 if w.item.tree is not None:  # the nodes wait for the verdict: only its path stays
                     chain = len(w.feed) - w.item.tree.nodes

@@ -104,13 +104,15 @@ class GetDraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDraftInfoResponse(_message.Message):
-    __slots__ = ("model", "max_gamma", "max_batch_size", "proposers")
+    __slots__ = ("model", "max_gamma", "max_batch_size", "proposers", "feature")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROPOSERS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     max_gamma: int
     max_batch_size: int
     proposers: _containers.RepeatedScalarFieldContainer[_common_pb2.ProposerKind]
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_gamma: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., proposers: _Optional[_Iterable[_Union[_common_pb2.ProposerKind, str]]] = ...) -> None: ...
+    feature: str
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_gamma: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., proposers: _Optional[_Iterable[_Union[_common_pb2.ProposerKind, str]]] = ..., feature: _Optional[str] = ...) -> None: ...

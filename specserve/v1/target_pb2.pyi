@@ -84,13 +84,15 @@ class GetTargetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetTargetInfoResponse(_message.Message):
-    __slots__ = ("model", "max_gamma", "max_batch_size", "verify_curve_ns")
+    __slots__ = ("model", "max_gamma", "max_batch_size", "verify_curve_ns", "feature")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_CURVE_NS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     max_gamma: int
     max_batch_size: int
     verify_curve_ns: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_gamma: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., verify_curve_ns: _Optional[_Iterable[int]] = ...) -> None: ...
+    feature: str
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., max_gamma: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., verify_curve_ns: _Optional[_Iterable[int]] = ..., feature: _Optional[str] = ...) -> None: ...

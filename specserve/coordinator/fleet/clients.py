@@ -64,6 +64,8 @@ class WorkerInfo:
     verify_curve_ns: tuple[int, ...] = ()
     #: The proposers a draft serves (``ProposerKind`` values; empty for a target).
     proposers: frozenset[int] = frozenset()
+    #: The feature a target returns, or a draft's head reads ("": a draft without a head).
+    feature: str = ""
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,7 @@ class DraftClient(_WorkerClient):
             reply.max_gamma,
             reply.max_batch_size or None,
             proposers=frozenset(int(k) for k in reply.proposers),
+            feature=reply.feature,
         )
 
 
@@ -280,7 +283,11 @@ class TargetClient(_WorkerClient):
     async def info(self, timeout_s: float | None = None) -> WorkerInfo:
         reply = await self._call("GetTargetInfo", target_pb2.GetTargetInfoRequest(), timeout_s)
         return WorkerInfo(
-            ModelInfo.from_pb(reply.model), reply.max_gamma, reply.max_batch_size, tuple(reply.verify_curve_ns)
+            ModelInfo.from_pb(reply.model),
+            reply.max_gamma,
+            reply.max_batch_size,
+            tuple(reply.verify_curve_ns),
+            feature=reply.feature,
         )
 
 

@@ -4,7 +4,8 @@
 (``GetDraftInfo`` / ``GetTargetInfo``; a replica that does not answer within
 :data:`INFO_TIMEOUT_S` is left out and used once it is up), refuses a worker
 whose vocabulary differs from the target's
-(:class:`~specserve.api.errors.VocabularyMismatch`), and returns :class:`Limits`.
+(:class:`~specserve.api.errors.VocabularyMismatch`) and a draft whose feature head reads another feature
+than a target returns (:func:`check_features`), and returns :class:`Limits`.
 The worker pool, the cost model and the policy are built once from them
 (``specserve/coordinator/server.py``); nothing is patched afterwards.
 """
@@ -83,6 +84,7 @@ async def probe_limits(settings: CoordinatorSettings, clients: WorkerClients, to
             f"the coordinator's tokenizer has {len(tokenizer)} tokens but the target's vocabulary only {vocab_size}; "
             "point `tokenizer` at the target model's directory"
         )
+    check_features(targets, drafts)
     contexts = [i.model.max_positions for i in (*targets.values(), *drafts.values()) if i.model.max_positions]
     return Limits(
         vocab_size=vocab_size,
@@ -94,6 +96,20 @@ async def probe_limits(settings: CoordinatorSettings, clients: WorkerClients, to
         feature_head=bool(drafts)
         and all(PROPOSER_KINDS["feature"] in i.proposers for i in drafts.values()),
     )
+
+
+def check_features(targets: Mapping[str, WorkerInfo], drafts: Mapping[str, WorkerInfo]) -> None:
+    """Raise :class:`~specserve.api.errors.FailedPrecondition` where a draft's feature head reads another
+    feature than a target returns (a fused head beside a target that ships the last layer's, another width,
+    another head's projection): its drafts would read garbage."""
+    for draft_ep, draft in drafts.items():
+        for target_ep, target in targets.items():
+            if draft.feature and target.feature != draft.feature:
+                raise errors.FailedPrecondition(
+                    f"the feature head of the draft {draft_ep} reads the feature '{draft.feature}' but the target "
+                    f"{target_ep} returns '{target.feature or 'one it does not name'}': start the target with "
+                    "feature_head naming the head the draft serves (--feature-head, docs/design.md, 'The feature head')"
+                )
 
 
 def median_curve(curves: Sequence[Sequence[float]]) -> tuple[float, ...]:

@@ -12,6 +12,7 @@ import torch
 from specserve.api.params import SamplingParams
 from specserve.bench import head_card
 from specserve.engine.feature_head import FinalNormInput, head_from_target, target_features
+from specserve.engine.feature_maker import FeatureMaker
 from specserve.engine.models import load_model
 
 pytestmark = pytest.mark.unit
@@ -34,7 +35,7 @@ def test_greedy_replay_at_gamma_1_is_the_heads_one_step_agreement(pair):
     target, head = pair
     prompt = [5, 9, 14, 3, 8]
     continuation = head_card.target_greedy(target, prompt, 24, eos=-1)
-    got = head_card.replay_greedy(head_card._proposer(head), target, prompt, continuation, 1, "k")
+    got = head_card.replay_greedy(head_card._proposer(head), FeatureMaker(target), prompt, continuation, 1, "k")
     # By hand: round r drafts at the end of the committed text; slot j's step-1 output predicts token j + 1.
     seq = prompt + continuation
     with FinalNormInput(target) as tap:
@@ -59,7 +60,14 @@ def test_greedy_replay_at_gamma_1_is_the_heads_one_step_agreement(pair):
 def test_sampled_rounds_commit_what_they_count(pair):
     target, head = pair
     got = head_card.sampled_rounds(
-        head_card._proposer(head), target, [5, 9, 14], 20, 3, SamplingParams(temperature=0.7, seed=4), -1, "s"
+        head_card._proposer(head),
+        FeatureMaker(target),
+        [5, 9, 14],
+        20,
+        3,
+        SamplingParams(temperature=0.7, seed=4),
+        -1,
+        "s",
     )
     assert got["tokens"] >= 20 and got["rounds"] >= 1
     assert 0 <= got["accepted"] <= got["proposed"] <= 3 * got["rounds"]

@@ -385,7 +385,7 @@ def test_the_prefix_cache_off_shares_nothing(model):
 def fresh_features(model, tokens) -> torch.Tensor:
     """``[len(tokens), hidden]`` float16: the model's features of ``tokens`` from one fresh pass."""
     from specserve.engine.feature_head import FinalNormInput
-    from specserve.engine.kvcache import features_of
+    from specserve.engine.feature_maker import features_of
 
     with FinalNormInput(model) as tap:
         model(input_ids=torch.tensor([tokens]))

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 from specserve.api.params import SamplingParams, SessionBase, StopConditions
 from specserve.core.proposal import DraftProposal
 from specserve.core.sampling import logits_to_probs
+from specserve.engine.feature_maker import FeatureMaker
 from specserve.engine.kvcache import SessionCacheStore
 from specserve.engine.models import LoadedModel
 from specserve.runtime.store import SessionRecord, SessionStore
@@ -39,8 +40,11 @@ def make_verifier(
     *,
     max_sessions: int = 64,
     inline_catchup_max: int = 32,
+    feature_maker: FeatureMaker | None = None,
 ) -> Verifier:
-    caches = SessionCacheStore(model.model, max_sessions=max_sessions, budget_bytes=1 << 30, ttl_s=600)
+    caches = SessionCacheStore(
+        model.model, max_sessions=max_sessions, budget_bytes=1 << 30, ttl_s=600, feature_maker=feature_maker
+    )
     return Verifier(model, caches, store, inline_catchup_max=inline_catchup_max)
 
 

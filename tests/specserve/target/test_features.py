@@ -9,8 +9,8 @@ import torch
 from target_helpers import greedy_continuation, item, make_verifier, new_session
 
 from specserve.core import features as wire
-from specserve.engine.feature_head import FinalNormInput
-from specserve.engine.kvcache import features_of
+from specserve.engine.feature_head import FinalNormInput, head_from_target, save_feature_head
+from specserve.engine.feature_maker import FeatureMaker, features_of
 from specserve.engine.models import LoadedModel
 from specserve.target.messages import VerifyBatch
 
@@ -126,3 +126,36 @@ async def test_a_reply_holds_at_most_its_feature_budget_shared_fairly_and_the_re
     capped = dataclasses.replace(asking(record, start=got[2].stop), features_max_bytes=10 * row)
     more = (await verifier.verify(VerifyBatch(items=(capped,)))).results[0].features
     assert (more.start, more.count) == (got[2].stop, 10)
+
+
+async def test_a_fused_heads_features_come_from_a_lone_pass_and_a_batched_one_alike(llama_target, store, tmp_path):
+    """With a fused head's maker (the target's ``feature_head``), a session's features are that head's fused
+    feature of the positions it committed, from a lone session's pass and from a batch's."""
+    model = llama_target.model
+    torch.manual_seed(5)
+    head = head_from_target(model, torch.arange(model.config.vocab_size), fused_layers=[0, 1, 2])
+    with torch.no_grad():
+        head.fuse.weight.add_(0.3 * torch.randn_like(head.fuse.weight))
+    save_feature_head(head.eval(), tmp_path, dtype=torch.float32)
+    maker = FeatureMaker.for_head(model, tmp_path)
+    verifier = make_verifier(llama_target, store, inline_catchup_max=4, feature_maker=maker)
+
+    def fused(tokens: Sequence[int]) -> torch.Tensor:
+        with torch.no_grad(), maker.tap() as tap:
+            model(input_ids=torch.tensor([list(tokens)]))
+        return tap.rows(0, len(tokens))
+
+    prompts = [PROMPT, PROMPT[:3], (8, 9) * 9]
+    records = [await new_session(store, p) for p in prompts]
+    lone = (await verifier.verify(VerifyBatch(items=(asking(records[0], start=0),)))).results[0]
+    items = tuple(
+        asking(r, greedy_continuation(llama_target, p, 2), start=0)
+        for r, p in zip(records[1:], prompts[1:], strict=True)
+    )
+    batched = (await verifier.verify(VerifyBatch(items=items))).results
+    for r, p in zip((lone, *batched), prompts, strict=True):
+        committed = p + tuple(r.verdict.committed_token_ids)
+        assert (r.features.start, r.features.stop) == (0, len(committed) - 1)
+        expected = fused(committed[:-1])
+        torch.testing.assert_close(wire.decode(r.features), expected, atol=2e-3, rtol=2e-3)
+        assert not torch.allclose(wire.decode(r.features), fresh_features(llama_target, committed[:-1]), atol=0.05)
