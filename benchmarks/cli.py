@@ -36,6 +36,7 @@ EXPERIMENTS: tuple[Subcommand, ...] = (
     Subcommand("prefix-cache", o.PrefixCacheOptions, "benchmarks.prefix_cache:main"),
     Subcommand("prefix-cache-memory", o.PrefixCacheMemoryOptions, "benchmarks.prefix_cache:main_memory"),
     Subcommand("structured", o.StructuredOptions, "benchmarks.structured:main"),
+    Subcommand("trees", o.TreesOptions, "benchmarks.trees:main"),
     Subcommand("report", ReportOptions, "benchmarks.report:main"),
 )
 

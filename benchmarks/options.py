@@ -15,6 +15,10 @@ from specserve.bench.options import (
     DEFAULT_DRAFT,
     DEFAULT_OUT,
     DEFAULT_TARGET,
+    GATE_KINDS,
+    HEAD_HELP,
+    PROMPT_SETS,
+    GateOptions,
     Kernels,
     Options,
     PairOptions,
@@ -283,3 +287,36 @@ class StructuredOptions(Options):
                 raise ValueError(f"{flag} must be 1..{26 * 26}, got {value}")
 
 
+
+
+@dataclass
+class TreesOptions(PairOptions):
+    """``trees``: the feature head drafting trees (the default request) against the same head drafting chains
+    (``draft_tree_nodes=0``), with HF generate() at both ends of each turn, on the speed gate's held-out kinds,
+    into trees.json and trees.md (benchmarks/trees.py)."""
+
+    kinds: list[str] = opt(list(GATE_KINDS), "held-out kinds", choices=PROMPT_SETS)
+    prompts: int = opt(2, "prompts per kind for chat and chat-code")
+    task_prompts: int = opt(2, "prompts per kind for the five task kinds")
+    max_new_tokens: int = opt(64, "tokens per generation (EOS ignored)")
+    repeats: int = opt(2, "passes over the prompts, every other one with the modes in the reverse order")
+    threads: int = opt(2, "torch threads of HF generate() (the target service takes the machine's cores)")
+    head: str = opt("auto", HEAD_HELP)
+    gamma: int | None = opt(None, "a fixed gamma in both arms' requests (default: the adaptive policy's)")
+    setting: list[str] = opt([], "ROLE.KEY=VALUE settings of the stack, both coordinators alike (e.g. "
+                             "coordinator.draft_tree_min_path_probability=0.05)", nargs="*")
+    start_timeout_s: float = opt(600.0, "longest each process of the stack may take to start")
+
+    def __post_init__(self) -> None:
+        at_least(self.prompts, 1, "--prompts")
+        at_least(self.task_prompts, 1, "--task-prompts")
+        at_least(self.max_new_tokens, 2, "--max-new-tokens")
+        at_least(self.repeats, 1, "--repeats")
+        at_least(self.threads, 1, "--threads")
+        if self.gamma is not None:
+            at_least(self.gamma, 0, "--gamma")
+        self.overrides()  # --setting checked
+
+    def overrides(self) -> dict[str, dict[str, object]]:
+        """``--setting`` by role, as the speed gate reads it (:meth:`GateOptions.overrides`)."""
+        return GateOptions(setting=self.setting).overrides()

@@ -32,6 +32,11 @@ from the target's features, as the service relays them:
   feature is projected on the target (:class:`~specserve.engine.feature_maker.FeatureMaker`),
   so its rows are ``hidden`` values too; the card also gives what shipping the
   layers' states unprojected would cost.
+* **Draft trees** (``--tree-nodes N``, the card's own fixed ``--tree-min-path-probability``): the same greedy
+  replay and sampled rounds with the head's tree (:mod:`specserve.core.ranked_tree`), accepted by
+  ``verify_tree_greedy`` and ``verify_tree``; per set and gamma tau (1 + accepted per drafted round), the
+  acceptance per depth, nodes per drafted round, and the target's pass over 1 + nodes positions (an explicit
+  tree mask) over a decode step, interleaved medians. Their own table in the card.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import json
 import platform
 import statistics
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -53,7 +59,10 @@ from specserve.bench.options import HeadCardOptions
 from specserve.bench.timing import Laps
 from specserve.core import features as wire
 from specserve.core.proposal import DraftProposal
+from specserve.core.ranked_tree import TreeBudget
 from specserve.core.sampling import logits_to_probs
+from specserve.core.tree import MAX_TREE_NODES, DraftTree
+from specserve.core.tree_verification import verify_tree, verify_tree_greedy
 from specserve.core.verification import verify_batch
 from specserve.draft.feature_proposer import FeatureProposer
 from specserve.draft.proposers import DraftRequest
@@ -186,6 +195,177 @@ def step_costs(target, head: FeatureHead, *, context: int, steps: int, warmup: i
     }
 
 
+# ---- draft trees (the draft's own ranking, specserve/core/ranked_tree.py) --------------------------------------
+
+
+def _tree_of(tokens: tuple[int, ...], parents: tuple[int, ...], q: torch.Tensor | None) -> DraftTree:
+    """A proposal as a tree (a chain where ``parents`` is empty); ``q`` ``[chain, vocab]``: the chain's rows,
+    the alternatives after it point masses, as the draft ships them."""
+    if q is not None and q.shape[0] < len(tokens):
+        alternatives = torch.zeros(len(tokens) - q.shape[0], q.shape[1], dtype=q.dtype)  # [nodes - chain, vocab]
+        alternatives[torch.arange(alternatives.shape[0]), torch.tensor(tokens[q.shape[0] :])] = 1.0
+        q = torch.cat([q, alternatives])  # [nodes, vocab]
+    return DraftTree(tokens, parents, q) if parents else DraftTree.from_chain(tokens, q)
+
+
+def _greedy_targets(tree: DraftTree, continuation: list[int], j: int) -> torch.Tensor:
+    """``[nodes + 1]``: the target's greedy token after the root and after each node whose path is the
+    continuation's ``continuation[j:]`` (-1, which no node carries, after any other node)."""
+    out = [continuation[j]]
+    for node in range(tree.nodes):
+        path = [tree.tokens[v] for v in tree.path(node)]
+        on = path == continuation[j : j + len(path)]
+        out.append(continuation[j + len(path)] if on else -1)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def replay_greedy_tree(
+    proposer: FeatureProposer, target: Any, prompt: list[int], continuation: list[int], gamma: int,
+    tree: TreeBudget, key: str,
+) -> dict:
+    """:func:`replay_greedy` with the draft's tree under ``tree``, accepted by :func:`verify_tree_greedy`: the
+    longest path equal to the target's continuation, then its next token."""
+    block = sequence_features(target, prompt + continuation)
+    params = SamplingParams(temperature=0.0)
+    seq = list(prompt)
+    sent = 0
+    nodes = accepted = rounds = drafted = 0
+    per_depth = [0] * gamma
+    j = 0
+    while j < len(continuation):
+        g = min(gamma, len(continuation) - j - 1)
+        take = continuation[j : j + 1]
+        if g > 0:
+            new = block.slice(sent, len(seq) - 1)
+            sent = len(seq) - 1
+            got = proposer.propose(DraftRequest(key, tuple(seq), g, params, 0, features=new, tree=tree))
+            proposal = _tree_of(got.token_ids, got.parents, None)
+            outcome = verify_tree_greedy(_greedy_targets(proposal, continuation, j), proposal)
+            take = list(outcome.emitted)
+            nodes += proposal.nodes
+            accepted += outcome.accepted
+            drafted += 1
+            for d in range(outcome.accepted):
+                per_depth[d] += 1
+        seq += take
+        j += len(take)
+        rounds += 1
+    proposer.release(key)
+    return {"nodes": nodes, "accepted": accepted, "rounds": rounds, "drafted_rounds": drafted, "per_depth": per_depth}
+
+
+@torch.inference_mode()
+def _tree_pass(target: Any, seq: list[int], tree: DraftTree) -> torch.Tensor:
+    """The target's logits ``[nodes + 1, vocab]`` after ``seq`` and after each node of ``tree``, from one pass
+    over ``seq`` and the nodes, each node attending to the sequence and its own path."""
+    from specserve.engine.batching import input_mask
+
+    n = len(seq)
+    allowed = input_mask(n + tree.nodes, tree.parents)  # [n + nodes, n + nodes]
+    mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    positions = torch.cat([torch.arange(n), tree.position_ids(n)])  # [n + nodes]
+    logits = target(
+        input_ids=torch.tensor([[*seq, *tree.tokens]]), attention_mask=mask[None, None], position_ids=positions[None]
+    ).logits[0]  # [n + nodes, vocab]
+    return logits[n - 1 :].float()
+
+
+def sampled_tree_rounds(
+    proposer: FeatureProposer, target: Any, prompt: list[int], max_new: int, gamma: int, tree: TreeBudget,
+    params: SamplingParams, eos: int, key: str,
+) -> dict:
+    """:func:`sampled_rounds` with the draft's tree under ``tree``, accepted by :func:`verify_tree` (recursive
+    rejection sampling without replacement). Each round's features come from a pass over the committed text
+    (:func:`sequence_features`) and the target's rows from a pass over it and the tree: simple, not fast."""
+    seq = list(prompt)
+    sent = 0
+    nodes = accepted = rounds = new = drafted = 0
+    per_depth = [0] * gamma
+    while new < max_new:
+        g = min(gamma, max_new - new - 1)
+        proposal = DraftTree((), ())
+        if g > 0:
+            block = sequence_features(target, seq).slice(sent, len(seq) - 1)
+            sent = len(seq) - 1
+            got = proposer.propose(
+                DraftRequest(key, tuple(seq), g, params, params.seed or 0, features=block, tree=tree)
+            )
+            q = got.probs_f32.double() if got.probs_f32 is not None else None
+            proposal = _tree_of(got.token_ids, got.parents, q)
+        p = logits_to_probs(_tree_pass(target, seq, proposal), params, None)  # [nodes + 1, vocab]
+        outcome = verify_tree(p, proposal, params.seed or 0, len(seq))
+        if proposal.nodes:
+            drafted += 1
+            for d in range(outcome.accepted):
+                per_depth[d] += 1
+        nodes += proposal.nodes
+        accepted += outcome.accepted
+        rounds += 1
+        seq += outcome.emitted
+        new += len(outcome.emitted)
+        if eos in outcome.emitted:
+            break
+    proposer.release(key)
+    return {"nodes": nodes, "accepted": accepted, "rounds": rounds, "drafted_rounds": drafted,
+            "per_depth": per_depth, "tokens": new, "token_ids": seq[len(prompt) :]}  # fmt: skip
+
+
+@torch.inference_mode()
+def tree_pass_costs(target: Any, *, context: int, max_positions: int, steps: int, warmup: int = 5) -> dict:
+    """Medians of interleaved target passes after ``context`` tokens: a decode step, and a pass over ``k``
+    positions (``k`` = 1 .. ``max_positions``) with an explicit attention mask, as a tree's verify pass runs,
+    each over the decode step."""
+    from specserve.engine.batching import input_mask
+
+    g = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    cache = DynamicCache(config=target.config)
+    target(input_ids=torch.randint(0, vocab, (1, context), generator=g), cache=cache, use_cache=True)
+    masks = {}
+    for k in range(1, max_positions + 1):
+        allowed = torch.ones(k, context + k, dtype=torch.bool)
+        allowed[:, context:] = input_mask(k, tuple(range(-1, k - 2)))  # the pending token, then k - 1 nodes
+        masks[k] = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+    laps = Laps(warmup)
+    for _ in laps.rounds(steps):
+        with laps.time("decode"):
+            target(input_ids=torch.randint(0, vocab, (1, 1), generator=g), cache=cache, use_cache=True)
+        cache.crop(-1)
+        for k, mask in masks.items():
+            ids = torch.randint(0, vocab, (1, k), generator=g)
+            positions = torch.arange(context, context + k)[None]
+            with laps.time(f"pass{k}"):
+                target(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            cache.crop(-k)
+    decode = laps.median_ms("decode")
+    return {
+        "decode_step_ms": decode,
+        "pass_over_decode": {str(k): laps.median_ms(f"pass{k}") / decode for k in masks},
+        "context_tokens": context,
+        "steps": steps,
+    }
+
+
+def _tree_row(tot: dict, costs: dict | None) -> dict:
+    """A tree row of the card from summed replay counts: tau, nodes per drafted round, per-depth acceptance
+    (the share of drafted rounds that accepted a node at that depth), and the verify pass over 1 + nodes
+    positions over a decode step (the measured pass nearest that size)."""
+    drafted = max(1, tot["drafted_rounds"])
+    nodes = tot["nodes"] / drafted
+    row = {
+        "tau": 1.0 + tot["accepted"] / drafted,
+        "nodes_per_round": nodes,
+        "per_depth": [a / drafted for a in tot["per_depth"]],
+        "drafted_rounds": tot["drafted_rounds"],
+        "rounds": tot["rounds"],
+    }
+    if costs is not None:
+        sizes = sorted(int(k) for k in costs["pass_over_decode"])
+        k = min(sizes, key=lambda s: abs(s - (1.0 + nodes)))
+        row["verify_over_decode"] = costs["pass_over_decode"][str(k)]
+    return row
+
+
 def run(args: HeadCardOptions) -> dict:
     from specserve.engine.model_registry import DEFAULT_HEAD, resolve_model
     from specserve.engine.models import resolve_model_path
@@ -214,6 +394,12 @@ def run(args: HeadCardOptions) -> dict:
     }
     result["costs"] = step_costs(target, head, context=args.context, steps=args.cost_steps)
     print(json.dumps(result["costs"], indent=1), flush=True)
+    tree_costs = None
+    if args.tree_nodes:
+        result["tree"] = {"nodes": args.tree_nodes, "min_path_probability": args.tree_min_path_probability}
+        widest = min(max(*args.gammas, *args.sampled_gammas) + args.tree_nodes, MAX_TREE_NODES) + 1
+        tree_costs = tree_pass_costs(target, context=args.context, max_positions=widest, steps=args.cost_steps)
+        result["tree_costs"] = tree_costs
     for kind in ("chat", "code"):
         prompts = heldout_prompts(kind, args.prompts)
         ids = [_prompt_ids(tok, p) for p in prompts]
@@ -256,7 +442,43 @@ def run(args: HeadCardOptions) -> dict:
             "t0.7_max_new_tokens": args.sampled_tokens,
         }
         print(kind, json.dumps({"greedy": greedy, "t0.7": sampled}), flush=True)
+        if args.tree_nodes:
+            result[kind] |= _tree_rows(args, proposer, target, kind, ids, refs, eos, tree_costs)
     return result
+
+
+def _tree_rows(args: HeadCardOptions, proposer: FeatureProposer, target: Any, kind: str, ids: list[list[int]],
+               refs: list[list[int]], eos: int, costs: dict | None) -> dict:
+    """A set's tree rows: greedy replays and sampled rounds at each gamma with the draft's tree."""
+    out: dict = {"tree_greedy": {}, "tree_t0.7": {}}
+    for gamma in args.gammas:
+        tree = TreeBudget(min(gamma + args.tree_nodes, MAX_TREE_NODES), args.tree_min_path_probability)
+        tot: dict = {"nodes": 0, "accepted": 0, "rounds": 0, "drafted_rounds": 0, "per_depth": [0] * gamma}
+        for n, (p, ref) in enumerate(zip(ids, refs, strict=True)):
+            got = replay_greedy_tree(proposer, target, p, ref, gamma, tree, f"t-{kind}-{n}")
+            _add(tot, got)
+        out["tree_greedy"][gamma] = _tree_row(tot, costs)
+    for gamma in args.sampled_gammas:
+        tree = TreeBudget(min(gamma + args.tree_nodes, MAX_TREE_NODES), args.tree_min_path_probability)
+        tot = {"nodes": 0, "accepted": 0, "rounds": 0, "drafted_rounds": 0, "per_depth": [0] * gamma, "tokens": 0}
+        for n, p in enumerate(ids[: args.sampled_prompts]):
+            params = SamplingParams(temperature=0.7, seed=1000 + n)
+            got = sampled_tree_rounds(
+                proposer, target, p, args.sampled_tokens, gamma, tree, params, eos, f"ts-{kind}-{n}"
+            )
+            _add(tot, got)
+        out["tree_t0.7"][gamma] = _tree_row(tot, costs)
+    print(kind, "trees", json.dumps(out), flush=True)
+    return out
+
+
+def _add(tot: dict, got: dict) -> None:
+    """Sum ``got``'s counts of the keys ``tot`` has into it (``per_depth`` element by element)."""
+    for key in tot:
+        if key == "per_depth":
+            tot[key] = [a + b for a, b in zip(tot[key], got[key], strict=True)]
+        else:
+            tot[key] += got[key]
 
 
 def curve_points(run_dirs: list[Path]) -> list[dict]:
@@ -392,6 +614,7 @@ def render(card: dict, meta: dict | None, points: list[dict]) -> str:
             align=[md.LEFT, md.RIGHT, md.RIGHT, md.RIGHT],
         ),
     ]  # fmt: skip
+    lines += tree_section(card)
     if points:
         lines += [
             "",
@@ -429,6 +652,46 @@ def render(card: dict, meta: dict | None, points: list[dict]) -> str:
             + (f", starting from the head in `{args['init']}`." if args.get("init") else "."),
         ]
     return "\n".join(lines) + "\n"
+
+
+def tree_section(card: dict) -> list[str]:
+    """The card's draft-tree rows in their own table ([] for a card measured without ``--tree-nodes``)."""
+    if "tree" not in card:
+        return []
+    tree, costs = card["tree"], card.get("tree_costs")
+
+    def cells(kind: str, label: str, g: str, row: dict) -> list[object]:
+        chain = card[kind]["greedy" if label == "0" else "t0.7"].get(g)
+        verify = row.get("verify_over_decode")
+        return [
+            kind, label, g, f"{row['tau']:.2f}", "-" if chain is None else f"{1.0 + chain['accepted_per_round']:.2f}",
+            f"{row['nodes_per_round']:.1f}", " / ".join(f"{a:.2f}" for a in row["per_depth"]),
+            "-" if verify is None else f"{verify:.2f}x",
+        ]  # fmt: skip
+
+    return [
+        "",
+        "## Draft trees from the head's ranking",
+        "",
+        f"The same rounds with the head's tree: its chain, and its next-best tokens as siblings wherever their path "
+        f"probability is at least {tree['min_path_probability']:g}, at most gamma + {tree['nodes']} nodes "
+        "(docs/design.md, \"Draft trees from the draft's ranking\"; the threshold is fixed here, the service's "
+        "policy sets its own). T = 0: the longest path equal to the target's greedy answer; T = 0.7: recursive "
+        "rejection sampling without replacement. tau = 1 + accepted per drafted round (the chain's beside it); "
+        "per depth: the share of drafted rounds that accepted a node at that depth; verify: the target's pass "
+        "over 1 + nodes positions (the measured size nearest the mean) over a decode step"
+        + (f", medians of {costs['steps']} interleaved passes after {costs['context_tokens']} tokens." if costs
+           else "."),
+        "",
+        *md.table(
+            ("set", "T", "gamma", "tau, tree", "tau, chain", "nodes per round", "accepted per depth", "verify"),
+            (cells(kind, label, g, row)
+             for kind in ("chat", "code")
+             for label, table in (("0", card[kind]["tree_greedy"]), ("0.7", card[kind]["tree_t0.7"]))
+             for g, row in table.items()),
+            align=[md.LEFT, md.LEFT, *[md.RIGHT] * 6],
+        ),
+    ]  # fmt: skip
 
 
 #: The card's one hand-written section, last: where the head stands in the service (from the harness's

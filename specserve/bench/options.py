@@ -330,6 +330,19 @@ class HeadCardOptions(CardOptions):
     readme: Path | None = opt(None, "render the model card here")
     curve: list[Path] = opt([], "training runs of the data-size curve", nargs="*")
     from_json: Path | None = opt(None, "render from these figures, measuring nothing")
+    tree_nodes: int = opt(
+        0,
+        "also replay and sample each gamma with the draft's trees (specserve/core/ranked_tree.py) of at most "
+        "gamma + this many nodes, and time the target's pass over that many positions (0: chains only)",
+    )
+    tree_min_path_probability: float = opt(
+        0.05, "the path probability a tree's alternative needs (fixed: the card measures the head, not the policy)"
+    )
+
+    def __post_init__(self) -> None:
+        at_least(self.tree_nodes, 0, "--tree-nodes")
+        if not 0.0 <= self.tree_min_path_probability <= 1.0:
+            raise ValueError(f"--tree-min-path-probability must be in [0, 1], got {self.tree_min_path_probability}")
 
 
 @dataclass

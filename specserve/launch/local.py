@@ -203,10 +203,33 @@ class ProcessStack:
     target_ports: list[int]
     draft_port: int | None
     processes: dict[str, asyncio.subprocess.Process]
+    #: Starts one more process of the stack (its name, role and settings), in the stack's environment.
+    _spawn: Callable[[str, str, Mapping[str, Any]], Awaitable[asyncio.subprocess.Process]] | None = field(
+        default=None, repr=False
+    )
+    #: The first coordinator's settings, which :meth:`add_coordinator` starts from.
+    _coordinator_settings: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    async def add_coordinator(
+        self, overrides: Mapping[str, Any] | None = None, *, start_timeout_s: float = 300.0
+    ) -> str:
+        """Start one more coordinator process on the stack's workers, with the first one's settings and
+        ``overrides`` (a free port of its own, no HTTP API), and return its address; :meth:`stop` stops it too."""
+        from specserve.launch.redis_server import free_port
+
+        if self._spawn is None:
+            raise RuntimeError("the stack is not running")
+        port = free_port()
+        name = f"coordinator-{sum(n.startswith('coordinator') for n in self.processes) + 1}"
+        settings = {**self._coordinator_settings, "port": port, "http_port": None, **(overrides or {})}
+        proc = await self._spawn(name, "coordinator", settings)
+        loopback = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        await _wait_serving(proc, name, f"{loopback}:{port}", start_timeout_s)
+        return f"{self.host}:{port}"
 
     @property
     def http_url(self) -> str | None:
@@ -214,7 +237,8 @@ class ProcessStack:
 
     async def stop(self, grace: float = 5.0) -> None:
         """SIGTERM the coordinator (it drains), then the workers; SIGKILL whatever outlives ``grace``."""
-        order = ["coordinator", *(name for name in self.processes if name != "coordinator")]
+        coordinators = [name for name in self.processes if name.startswith("coordinator")]
+        order = [*coordinators, *(name for name in self.processes if name not in coordinators)]
         for name in order:
             proc = self.processes.get(name)
             if proc is None or proc.returncode is not None:
@@ -354,7 +378,7 @@ async def start_process_stack(
         http_port = free_port()
     processes: dict[str, asyncio.subprocess.Process] = {}
 
-    async def spawn(role: str, settings: Mapping[str, Any]) -> asyncio.subprocess.Process:
+    async def spawn(name: str, role: str, settings: Mapping[str, Any]) -> asyncio.subprocess.Process:
         args = [sys.executable, "-m", "specserve.launch.cli", "serve", role, *_flags(settings)]
         pin = affinity.get(role)
         proc = await asyncio.create_subprocess_exec(
@@ -364,7 +388,7 @@ async def start_process_stack(
             # Set in the child before exec, so the interpreter and every thread it starts inherit it.
             preexec_fn=None if pin is None else (lambda: os.sched_setaffinity(0, pin)),
         )
-        processes[role] = proc
+        processes[name] = proc
         return proc
 
     stack = ProcessStack(
@@ -374,6 +398,7 @@ async def start_process_stack(
         target_ports=[target_port],
         draft_port=draft_port,
         processes=processes,
+        _spawn=spawn,
     )
     try:
         # The draft first, then the target: the target times its verify pass as it starts
@@ -387,11 +412,11 @@ async def start_process_stack(
                 **(draft_overrides or {}),
             }
             await _wait_serving(
-                await spawn("draft", settings), "draft", f"{loopback}:{draft_port}", start_timeout_s
+                await spawn("draft", "draft", settings), "draft", f"{loopback}:{draft_port}", start_timeout_s
             )
         settings = {**worker, "port": target_port, "model": target_model, **(target_overrides or {})}
         await _wait_serving(
-            await spawn("target", settings), "target", f"{loopback}:{target_port}", start_timeout_s
+            await spawn("target", "target", settings), "target", f"{loopback}:{target_port}", start_timeout_s
         )
         target_endpoints = [f"{loopback}:{target_port}"]
         draft_endpoints = [f"{loopback}:{draft_port}"] if draft_port is not None else []
@@ -408,7 +433,8 @@ async def start_process_stack(
             "tokenizer": target_model,
             **(coordinator_overrides or {}),
         }
-        proc = await spawn("coordinator", coordinator)
+        stack._coordinator_settings = coordinator
+        proc = await spawn("coordinator", "coordinator", coordinator)
         await _wait_serving(
             proc, "coordinator", f"{loopback if host in ('0.0.0.0', '::') else host}:{port}", start_timeout_s
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -11,6 +12,8 @@ import torch
 
 from specserve.api.params import SamplingParams
 from specserve.bench import head_card
+from specserve.core.ranked_tree import CHAIN, TreeBudget
+from specserve.core.tree import DraftTree
 from specserve.engine.feature_head import FinalNormInput, head_from_target, target_features
 from specserve.engine.feature_maker import FeatureMaker
 from specserve.engine.models import load_model
@@ -73,6 +76,78 @@ def test_sampled_rounds_commit_what_they_count(pair):
     assert 0 <= got["accepted"] <= got["proposed"] <= 3 * got["rounds"]
 
 
+@torch.no_grad()
+def test_greedy_tree_replay_at_gamma_1_accepts_the_heads_top_k(pair):
+    """Every alternative kept (threshold 0): at gamma 1 a round accepts its token iff the continuation's next
+    token is among the head's 1 + 3 best there."""
+    target, head = pair
+    prompt = [5, 9, 14, 3, 8]
+    continuation = head_card.target_greedy(target, prompt, 24, eos=-1)
+    tree = TreeBudget(1 + 3, 0.0)
+    got = head_card.replay_greedy_tree(head_card._proposer(head), target, prompt, continuation, 1, tree, "k")
+    seq = prompt + continuation
+    with FinalNormInput(target) as tap:
+        target(input_ids=torch.tensor([seq]))
+    feats = target_features(tap.hidden[0], target.config.rms_norm_eps)
+    logits = head.unrolled(torch.tensor([seq[1:]]), feats[None, :-1], 1)[0].logits[0]  # slot j at j - 1
+    accepted = drafted = 0
+    n = len(prompt)
+    while n < len(seq):
+        if n < len(seq) - 1:
+            drafted += 1
+            hit = seq[n] in head.head_token_ids[logits[n - 2].topk(4).indices].tolist()
+            accepted += hit
+            n += 2 if hit else 1
+        else:
+            n += 1
+    assert (got["drafted_rounds"], got["accepted"], got["per_depth"]) == (drafted, accepted, [accepted])
+    assert got["nodes"] == 4 * drafted
+    chain = head_card.replay_greedy_tree(head_card._proposer(head), target, prompt, continuation, 1, CHAIN, "c")
+    plain = head_card.replay_greedy(head_card._proposer(head), target, prompt, continuation, 1, "p")
+    assert (chain["nodes"], chain["accepted"], chain["rounds"]) == (plain["proposed"], plain["accepted"], plain["rounds"])
+
+
+def test_sampled_tree_rounds_at_temperature_0_give_the_targets_greedy_text(pair):
+    """The tree's verify pass (tree mask, positions) is right: greedy acceptance of real trees commits exactly
+    the target's own greedy continuation."""
+    target, head = pair
+    prompt = [5, 9, 14, 3, 8]
+    want = head_card.target_greedy(target, prompt, 20, eos=-1)
+    proposer = head_card._proposer(head)
+    tree = TreeBudget(3 + 5, 0.0)
+    got = head_card.sampled_tree_rounds(proposer, target, prompt, 20, 3, tree, SamplingParams(temperature=0.0), -1, "g")
+    assert got["token_ids"] == want and got["nodes"] > 3 * got["drafted_rounds"]  # trees, not chains
+    # The greedy replay on that text drafts the same trees and accepts the same paths.
+    again = head_card.replay_greedy_tree(proposer, target, prompt, want, 3, tree, "again")
+    assert {k: again[k] for k in ("nodes", "accepted", "per_depth")} == {
+        k: got[k] for k in ("nodes", "accepted", "per_depth")
+    }
+    sampled = head_card.sampled_tree_rounds(
+        proposer, target, prompt, 20, 3, tree, SamplingParams(temperature=0.7, seed=4), -1, "s"
+    )
+    assert sampled["tokens"] >= 20 and sampled["accepted"] == sum(sampled["per_depth"]) <= sampled["nodes"]
+    assert all(a >= b for a, b in itertools.pairwise(sampled["per_depth"]))  # a depth is reached through the one above
+
+
+@torch.no_grad()
+def test_the_tree_pass_gives_each_node_the_logits_of_its_own_path(pair):
+    target, _ = pair
+    seq = [5, 9, 14, 3, 8]
+    tree = DraftTree((11, 12, 13, 21, 22, 31), (-1, 0, 1, -1, 0, 3))  # a chain of 3; siblings at depths 1 and 2
+    got = head_card._tree_pass(target, seq, tree)  # [nodes + 1, vocab]
+    for row, node in enumerate((None, *range(tree.nodes))):
+        path = [] if node is None else [tree.tokens[v] for v in tree.path(node)]
+        want = target(input_ids=torch.tensor([seq + path])).logits[0, -1]
+        torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)
+
+
+def test_tree_pass_costs_time_every_size(pair):
+    target, _ = pair
+    costs = head_card.tree_pass_costs(target, context=8, max_positions=4, steps=2, warmup=1)
+    assert sorted(costs["pass_over_decode"]) == ["1", "2", "3", "4"]
+    assert all(r > 0 for r in costs["pass_over_decode"].values()) and costs["decode_step_ms"] > 0
+
+
 def _card() -> dict:
     row = {"acceptance": 0.5, "accepted_per_round": 1.0, "proposed": 10, "rounds": 10, "feature_bytes_per_token": 1152.0}
     kind = {
@@ -116,6 +191,24 @@ def test_the_card_renders_every_measured_row(tmp_path):
     assert "0.100 of a target decode step" in text and "| r0.5 | 0.5 | 500 |" in text
     head_card.plot_curve(points, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_the_tree_rows_render_in_their_own_table_beside_the_chains_tau():
+    card = _card()
+    assert "Draft trees" not in head_card.render(card, None, [])  # a card measured without --tree-nodes
+    costs = {"decode_step_ms": 10.0, "pass_over_decode": {"1": 1.0, "4": 1.3, "6": 1.5}, "context_tokens": 8,
+             "steps": 4}
+    tot = {"nodes": 50, "accepted": 12, "rounds": 14, "drafted_rounds": 10, "per_depth": [8, 4]}
+    row = head_card._tree_row(tot, costs)
+    assert row["tau"] == pytest.approx(2.2) and row["per_depth"] == [0.8, 0.4]
+    assert row["verify_over_decode"] == 1.5  # 1 + 5 nodes: the 6-position pass
+    for kind in ("chat", "code"):
+        card[kind] = {**card[kind], "tree_greedy": {"2": row}, "tree_t0.7": {"2": row}}
+    card |= {"tree": {"nodes": 8, "min_path_probability": 0.05}, "tree_costs": costs}
+    text = head_card.render(card, None, [])
+    assert "## Draft trees from the head's ranking" in text and "at least 0.05, at most gamma + 8 nodes" in text
+    assert "| chat | 0 | 2 | 2.20 | 2.50 | 5.0 | 0.80 / 0.40 | 1.50x |" in text  # the chain's tau: 1 + 1.5
+    assert "| code | 0.7 | 2 | 2.20 | - |" in text  # no chain row sampled at gamma 2
 
 
 def test_a_new_rendering_keeps_the_hand_written_section_and_only_it(tmp_path):
