@@ -220,12 +220,12 @@ def _greedy_targets(tree: DraftTree, continuation: list[int], j: int) -> torch.T
 
 
 def replay_greedy_tree(
-    proposer: FeatureProposer, target: Any, prompt: list[int], continuation: list[int], gamma: int,
+    proposer: FeatureProposer, features: FeatureMaker, prompt: list[int], continuation: list[int], gamma: int,
     tree: TreeBudget, key: str,
 ) -> dict:
     """:func:`replay_greedy` with the draft's tree under ``tree``, accepted by :func:`verify_tree_greedy`: the
     longest path equal to the target's continuation, then its next token."""
-    block = sequence_features(target, prompt + continuation)
+    block = sequence_features(features, prompt + continuation)
     params = SamplingParams(temperature=0.0)
     seq = list(prompt)
     sent = 0
@@ -271,7 +271,7 @@ def _tree_pass(target: Any, seq: list[int], tree: DraftTree) -> torch.Tensor:
 
 
 def sampled_tree_rounds(
-    proposer: FeatureProposer, target: Any, prompt: list[int], max_new: int, gamma: int, tree: TreeBudget,
+    proposer: FeatureProposer, features: FeatureMaker, prompt: list[int], max_new: int, gamma: int, tree: TreeBudget,
     params: SamplingParams, eos: int, key: str,
 ) -> dict:
     """:func:`sampled_rounds` with the draft's tree under ``tree``, accepted by :func:`verify_tree` (recursive
@@ -285,14 +285,14 @@ def sampled_tree_rounds(
         g = min(gamma, max_new - new - 1)
         proposal = DraftTree((), ())
         if g > 0:
-            block = sequence_features(target, seq).slice(sent, len(seq) - 1)
+            block = sequence_features(features, seq).slice(sent, len(seq) - 1)
             sent = len(seq) - 1
             got = proposer.propose(
                 DraftRequest(key, tuple(seq), g, params, params.seed or 0, features=block, tree=tree)
             )
             q = got.probs_f32.double() if got.probs_f32 is not None else None
             proposal = _tree_of(got.token_ids, got.parents, q)
-        p = logits_to_probs(_tree_pass(target, seq, proposal), params, None)  # [nodes + 1, vocab]
+        p = logits_to_probs(_tree_pass(features.model, seq, proposal), params, None)  # [nodes + 1, vocab]
         outcome = verify_tree(p, proposal, params.seed or 0, len(seq))
         if proposal.nodes:
             drafted += 1
@@ -443,11 +443,11 @@ def run(args: HeadCardOptions) -> dict:
         }
         print(kind, json.dumps({"greedy": greedy, "t0.7": sampled}), flush=True)
         if args.tree_nodes:
-            result[kind] |= _tree_rows(args, proposer, target, kind, ids, refs, eos, tree_costs)
+            result[kind] |= _tree_rows(args, proposer, features, kind, ids, refs, eos, tree_costs)
     return result
 
 
-def _tree_rows(args: HeadCardOptions, proposer: FeatureProposer, target: Any, kind: str, ids: list[list[int]],
+def _tree_rows(args: HeadCardOptions, proposer: FeatureProposer, features: FeatureMaker, kind: str, ids: list[list[int]],
                refs: list[list[int]], eos: int, costs: dict | None) -> dict:
     """A set's tree rows: greedy replays and sampled rounds at each gamma with the draft's tree."""
     out: dict = {"tree_greedy": {}, "tree_t0.7": {}}
@@ -455,7 +455,7 @@ def _tree_rows(args: HeadCardOptions, proposer: FeatureProposer, target: Any, ki
         tree = TreeBudget(min(gamma + args.tree_nodes, MAX_TREE_NODES), args.tree_min_path_probability)
         tot: dict = {"nodes": 0, "accepted": 0, "rounds": 0, "drafted_rounds": 0, "per_depth": [0] * gamma}
         for n, (p, ref) in enumerate(zip(ids, refs, strict=True)):
-            got = replay_greedy_tree(proposer, target, p, ref, gamma, tree, f"t-{kind}-{n}")
+            got = replay_greedy_tree(proposer, features, p, ref, gamma, tree, f"t-{kind}-{n}")
             _add(tot, got)
         out["tree_greedy"][gamma] = _tree_row(tot, costs)
     for gamma in args.sampled_gammas:
@@ -464,7 +464,7 @@ def _tree_rows(args: HeadCardOptions, proposer: FeatureProposer, target: Any, ki
         for n, p in enumerate(ids[: args.sampled_prompts]):
             params = SamplingParams(temperature=0.7, seed=1000 + n)
             got = sampled_tree_rounds(
-                proposer, target, p, args.sampled_tokens, gamma, tree, params, eos, f"ts-{kind}-{n}"
+                proposer, features, p, args.sampled_tokens, gamma, tree, params, eos, f"ts-{kind}-{n}"
             )
             _add(tot, got)
         out["tree_t0.7"][gamma] = _tree_row(tot, costs)

@@ -84,7 +84,7 @@ def test_greedy_tree_replay_at_gamma_1_accepts_the_heads_top_k(pair):
     prompt = [5, 9, 14, 3, 8]
     continuation = head_card.target_greedy(target, prompt, 24, eos=-1)
     tree = TreeBudget(1 + 3, 0.0)
-    got = head_card.replay_greedy_tree(head_card._proposer(head), target, prompt, continuation, 1, tree, "k")
+    got = head_card.replay_greedy_tree(head_card._proposer(head), FeatureMaker(target), prompt, continuation, 1, tree, "k")
     seq = prompt + continuation
     with FinalNormInput(target) as tap:
         target(input_ids=torch.tensor([seq]))
@@ -102,8 +102,8 @@ def test_greedy_tree_replay_at_gamma_1_accepts_the_heads_top_k(pair):
             n += 1
     assert (got["drafted_rounds"], got["accepted"], got["per_depth"]) == (drafted, accepted, [accepted])
     assert got["nodes"] == 4 * drafted
-    chain = head_card.replay_greedy_tree(head_card._proposer(head), target, prompt, continuation, 1, CHAIN, "c")
-    plain = head_card.replay_greedy(head_card._proposer(head), target, prompt, continuation, 1, "p")
+    chain = head_card.replay_greedy_tree(head_card._proposer(head), FeatureMaker(target), prompt, continuation, 1, CHAIN, "c")
+    plain = head_card.replay_greedy(head_card._proposer(head), FeatureMaker(target), prompt, continuation, 1, "p")
     assert (chain["nodes"], chain["accepted"], chain["rounds"]) == (plain["proposed"], plain["accepted"], plain["rounds"])
 
 
@@ -115,15 +115,15 @@ def test_sampled_tree_rounds_at_temperature_0_give_the_targets_greedy_text(pair)
     want = head_card.target_greedy(target, prompt, 20, eos=-1)
     proposer = head_card._proposer(head)
     tree = TreeBudget(3 + 5, 0.0)
-    got = head_card.sampled_tree_rounds(proposer, target, prompt, 20, 3, tree, SamplingParams(temperature=0.0), -1, "g")
+    got = head_card.sampled_tree_rounds(proposer, FeatureMaker(target), prompt, 20, 3, tree, SamplingParams(temperature=0.0), -1, "g")
     assert got["token_ids"] == want and got["nodes"] > 3 * got["drafted_rounds"]  # trees, not chains
     # The greedy replay on that text drafts the same trees and accepts the same paths.
-    again = head_card.replay_greedy_tree(proposer, target, prompt, want, 3, tree, "again")
+    again = head_card.replay_greedy_tree(proposer, FeatureMaker(target), prompt, want, 3, tree, "again")
     assert {k: again[k] for k in ("nodes", "accepted", "per_depth")} == {
         k: got[k] for k in ("nodes", "accepted", "per_depth")
     }
     sampled = head_card.sampled_tree_rounds(
-        proposer, target, prompt, 20, 3, tree, SamplingParams(temperature=0.7, seed=4), -1, "s"
+        proposer, FeatureMaker(target), prompt, 20, 3, tree, SamplingParams(temperature=0.7, seed=4), -1, "s"
     )
     assert sampled["tokens"] >= 20 and sampled["accepted"] == sum(sampled["per_depth"]) <= sampled["nodes"]
     assert all(a >= b for a, b in itertools.pairwise(sampled["per_depth"]))  # a depth is reached through the one above

@@ -96,7 +96,8 @@ def test_the_fused_maker_is_the_heads_own_fusion_of_a_plain_pass(target, fused_d
     for b in range(2):
         got = tap.rows(b, 6)
         assert got.shape == (6, target.config.hidden_size) and got.dtype == torch.float32
-        assert torch.equal(got, expected[b, :6])
+        # Two code paths of the same float32 math: equal to rounding (bit-equal only where both run one kernel).
+        torch.testing.assert_close(got, expected[b, :6], rtol=1e-5, atol=1e-5)
     with FinalNormInput(target) as last:
         target(input_ids=IDS)
     assert not torch.allclose(
