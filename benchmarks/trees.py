@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from benchmarks.options import TreesOptions
 from specserve.bench import gate
@@ -289,18 +288,9 @@ async def measure(opts: TreesOptions) -> list[Generation]:
                     "gamma_sum": after[0] - before[0], "gamma_rounds": after[1] - before[1],
                 }  # fmt: skip
 
-            warm = next(iter(prompts.values()))[0][1]
-            for mode in ORDER:  # each path once before anything is timed
-                await one(mode, warm[:32])
-            jobs = [(k, name, ids) for k, ps in prompts.items() for name, ids in ps]
-            bar = tqdm(total=opts.repeats * len(jobs) * len(ORDER), desc="trees against chains", unit="gen")
-            for repeat in range(opts.repeats):
-                for kind, name, ids in jobs:
-                    for mode in ORDER if repeat % 2 == 0 else ORDER[::-1]:
-                        new, seconds, stats = await one(mode, ids)
-                        gens.append(Generation(kind, name, repeat, mode, len(new), seconds, new, **stats))
-                        bar.update()
-            bar.close()
+            gens = await gate.interleaved_turns(
+                prompts, list(ORDER), opts.repeats, one, Generation, desc="trees against chains"
+            )
         finally:
             for client in clients.values():
                 await client.close()

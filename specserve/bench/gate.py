@@ -27,6 +27,7 @@ import os
 import statistics
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,18 +306,7 @@ async def measure(opts: GateOptions) -> dict[str, Any]:
                     }
 
                 modes = [m for m in ORDER if m in runners or m in (GAMMA_0, DEFAULT)]
-                warm = next(iter(prompts.values()))[0][1]
-                for mode in modes:  # each path once before anything is timed
-                    await one(mode, warm[:32])
-                jobs = [(k, name, ids) for k, ps in prompts.items() for name, ids in ps]
-                bar = tqdm(total=opts.repeats * len(jobs) * len(modes), desc="speed gate", unit="gen")
-                for repeat in range(opts.repeats):
-                    for kind, name, ids in jobs:
-                        for mode in modes if repeat % 2 == 0 else modes[::-1]:
-                            new, seconds, stats = await one(mode, ids)
-                            gens.append(Generation(kind, name, repeat, mode, len(new), seconds, new, **stats))
-                            bar.update()
-                bar.close()
+                gens += await interleaved_turns(prompts, modes, opts.repeats, one, Generation, desc="speed gate")
         finally:
             await stack.stop()
     return {
@@ -324,6 +314,33 @@ async def measure(opts: GateOptions) -> dict[str, Any]:
         "kernels": kernels,
         "llama_cpp": llama_note if llama is None else f"llama-cpp-python {llama.version}, {opts.threads} threads",
     }
+
+
+async def interleaved_turns(
+    prompts: dict[str, list[tuple[str, list[int]]]],
+    modes: list[str],
+    repeats: int,
+    one: Callable[[str, list[int]], Awaitable[tuple[list[int], float, dict[str, Any]]]],
+    generation: Callable[..., Generation],
+    *,
+    desc: str,
+) -> list[Generation]:
+    """Every mode once on a short warm-up, then ``repeats`` passes over the prompts, each prompt's turn running
+    every mode in order (reversed every other pass); ``one(mode, ids)`` runs a generation, ``generation`` records
+    it (a :class:`Generation` or a subclass, with ``one``'s stats as keywords)."""
+    warm = next(iter(prompts.values()))[0][1]
+    for mode in modes:  # each path once before anything is timed
+        await one(mode, warm[:32])
+    jobs = [(k, name, ids) for k, ps in prompts.items() for name, ids in ps]
+    gens = []
+    with tqdm(total=repeats * len(jobs) * len(modes), desc=desc, unit="gen") as bar:
+        for repeat in range(repeats):
+            for kind, name, ids in jobs:
+                for mode in modes if repeat % 2 == 0 else modes[::-1]:
+                    new, seconds, stats = await one(mode, ids)
+                    gens.append(generation(kind, name, repeat, mode, len(new), seconds, new, **stats))
+                    bar.update()
+    return gens
 
 
 def main(opts: GateOptions) -> int:

@@ -7,30 +7,16 @@ import json
 import shutil
 
 import pytest
-import tiny_models
 import torch
 
 from specserve.api.params import SamplingParams
 from specserve.bench import head_card
 from specserve.core.ranked_tree import CHAIN, TreeBudget
 from specserve.core.tree import DraftTree
-from specserve.engine.feature_head import FinalNormInput, head_from_target, target_features
+from specserve.engine.feature_head import FinalNormInput, target_features
 from specserve.engine.feature_maker import FeatureMaker
-from specserve.engine.models import load_model
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    target_dir, _ = tiny_models.make_tiny_pair(tmp_path_factory.mktemp("head_card"), seed=9)
-    target = load_model(target_dir, device="cpu", dtype="float32").model
-    torch.manual_seed(1)
-    head = head_from_target(target, torch.arange(target.config.vocab_size))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return target, head.eval()
 
 
 @torch.no_grad()

@@ -6,27 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import tiny_models
 import torch
 
 from specserve.bench import head_card
 from specserve.bench.options import HeadCardOptions
-from specserve.engine.feature_head import head_from_target, save_feature_head
-from specserve.engine.models import load_model
+from specserve.engine.feature_head import save_feature_head
 
 pytestmark = pytest.mark.system  # the card names the machine's processor (uname)
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    target_dir, _ = tiny_models.make_tiny_pair(tmp_path_factory.mktemp("head_card"), seed=9)
-    target = load_model(target_dir, device="cpu", dtype="float32").model
-    torch.manual_seed(1)
-    head = head_from_target(target, torch.arange(target.config.vocab_size))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return target, head.eval()
 
 
 def test_a_card_with_tree_nodes_measures_the_tree_rows_of_every_gamma(pair, tmp_path):
