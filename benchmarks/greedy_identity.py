@@ -86,7 +86,7 @@ def top2_gap(model: Any, ids: list[int]) -> float:
 
 
 async def run_config(
-    address: str, items, max_new: int, concurrency: int, gamma: int | None
+    address: str, items, max_new: int, concurrency: int, gamma: int | None, proposer: str = "model"
 ) -> list[list[int]]:
     import grpc
 
@@ -98,7 +98,9 @@ async def run_config(
         request = coordinator_pb2.GenerateRequest(
             sampling=common_pb2.SamplingParams(temperature=0.0),
             stop=common_pb2.StopConditions(max_new_tokens=max_new, ignore_eos=True),
-            speculation=coordinator_pb2.SpeculationParams(proposer=common_pb2.PROPOSER_KIND_MODEL),
+            speculation=coordinator_pb2.SpeculationParams(
+                proposer=common_pb2.PROPOSER_KIND_FEATURE if proposer == "feature" else common_pb2.PROPOSER_KIND_MODEL
+            ),
         )
         if gamma is not None:
             request.speculation.gamma = gamma
@@ -217,7 +219,7 @@ async def measure(args: GreedyIdentityOptions) -> dict:
                 for name, c in data["configs"].items():
                     concurrency, gamma = CONFIGS[name]
                     with Stopwatch() as config_sw:
-                        got = await run_config(stack.address, chunk, args.max_new_tokens, concurrency, gamma)
+                        got = await run_config(stack.address, chunk, args.max_new_tokens, concurrency, gamma, args.proposer)
                     for (prompt_name, ids), want, have in zip(chunk, refs, got, strict=True):
                         if have == want:
                             c["identical"] += 1
@@ -246,7 +248,8 @@ def render(data: dict) -> str:
         *md.command_block(data["command"]),
         f"{data['done']} held-out chat and code prompts (`specserve/prompts/chat.py`), "
         f"{data['max_new_tokens']} tokens each (EOS ignored), through the system (one `specserve serve` process "
-        "per role, float32 on CPU, the target on its defaults, the model draft) against stock transformers "
+        "per role, float32 on CPU, the target on its defaults; requests drafted by the token draft, or by the "
+        "feature head where the command says `--proposer feature`) against stock transformers "
         "`generate(do_sample=False)` of the target in float32, batch 1:",
         "",
         *(

@@ -210,6 +210,8 @@ class GreedyIdentityOptions(Options):
     draft: str = opt(DEFAULT_DRAFT, "a registered model name or a directory")
     out: Path = opt(Path("greedy-identity-out"), "the folder greedy_identity.json and .md go to")
     only: list[str] = opt([], "run only these of the --n prompts, by name (a recheck of some)")
+    proposer: str = opt("model", "the requests' proposer: the token draft, or the feature head (its trees)",
+                        choices=["model", "feature"])
 
 
 @dataclass
