@@ -120,6 +120,13 @@ class FinalNormInput:
             self._handle.remove()
 
 
+def fuse_states(states: torch.Tensor, fuse: torch.Tensor, eps: float) -> torch.Tensor:
+    """EAGLE-3's fused feature: ``[..., layers, hidden]`` layer states (before any norm), each over its RMS
+    (:func:`target_features`), concatenated and projected by ``fuse`` ``[hidden, layers * hidden]``."""
+    f = target_features(states, eps).flatten(-2)  # [..., layers * hidden] float32
+    return nn.functional.linear(f.to(fuse.dtype), fuse)
+
+
 def default_fused_layers(num_layers: int) -> list[int]:
     """A low, a middle and the last decoder layer of a ``num_layers``-layer target (EAGLE-3's choice of three,
     with the last layer's output as the high one: the state the target's own head reads)."""
@@ -228,8 +235,7 @@ class FeatureHead(nn.Module):
         over its RMS (:func:`target_features`), concatenated, through ``fuse``."""
         if self.fuse is None:
             raise ValueError("this head reads the last layer's feature, not fused layers")
-        f = target_features(states, eps)  # [..., layers, hidden] float32
-        return self.fuse(f.flatten(-2).to(self.fuse.weight.dtype))
+        return fuse_states(states, self.fuse.weight, eps)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> ``[..., head_size]`` float32 logits over the head's tokens."""

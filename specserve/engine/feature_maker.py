@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from specserve.api.errors import FailedPrecondition
 from specserve.engine.feature_head import (
@@ -32,6 +31,7 @@ from specserve.engine.feature_head import (
     FinalNormInput,
     LayerOutputs,
     feature_name,
+    fuse_states,
     target_features,
 )
 
@@ -75,8 +75,7 @@ class FeatureTap:
         if any(o is None for o in outputs):
             raise RuntimeError("no forward pass recorded")
         states = torch.stack([o[b, :n] for o in outputs if o is not None], dim=-2)  # [n, layers, hidden]
-        fused = target_features(states, self.maker.eps).flatten(-2)  # [n, layers * hidden] float32
-        return nn.functional.linear(fused, self.maker.fuse)
+        return fuse_states(states, self.maker.fuse, self.maker.eps)
 
 
 class FeatureMaker:
