@@ -8,6 +8,7 @@ converts them to and from the wire.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -55,6 +56,33 @@ class Proposal:
     def from_call(self) -> bool:
         """Drafted by a draft call made for this round (not in the coordinator, nor ahead during the last one)."""
         return self.draft_ns is not None and self.wall_ns > 0
+
+    def with_branch(self, lookup: Sequence[int], room: int | None = None) -> Proposal:
+        """This proposal with the part of ``lookup`` it lacks as a branch (docs/design.md, "Free branches"):
+        ``lookup`` walks down from the root through the node that carries each of its tokens (a chain: its
+        tokens in order), and the rest of it hangs below the last node reached (the root when none), a later
+        sibling of that node's children; at most ``room`` nodes of it (None: all). Itself when the lookup adds
+        nothing. The branch's distributions are point masses (``None``) where the proposal carries any; a
+        branch that only continues a chain leaves a chain (its parents spelt out)."""
+        tokens = self.token_ids
+        parents = self.parents or tuple(range(-1, len(tokens) - 1))
+        node = -1
+        shared = 0
+        for token in lookup:
+            child = next((i for i, (t, p) in enumerate(zip(tokens, parents, strict=True)) if p == node and t == token), None)
+            if child is None:
+                break
+            node, shared = child, shared + 1
+        branch = tuple(int(t) for t in lookup[shared:])[: None if room is None else max(0, room)]
+        if not branch:
+            return self
+        n = len(tokens)
+        return replace(
+            self,
+            token_ids=tokens + branch,
+            distributions=(*self.distributions, *(None,) * len(branch)) if self.distributions else (),
+            parents=(*parents, node, *range(n, n + len(branch) - 1)),
+        )
 
     def first(self, n: int) -> Proposal:
         """The first ``n`` tokens, with their distributions (and nothing of what drafting cost)."""

@@ -164,6 +164,12 @@ PROPOSALS = Counter(
     "Rounds that proposed, by proposer: a proposal source's name (model, feature, ngram, prediction, forced, ...).",
     ["proposer"],
 )
+BRANCH_NODES = Counter(
+    "specserve_coordinator_branch_nodes",
+    "Nodes a source's free guess added to another source's draft tree (the hybrid lookup's, on the feature "
+    "head's trees).",
+    ["source"],
+)
 SOURCE_TOKENS = Counter(
     "specserve_coordinator_source_tokens",
     "Draft tokens per proposal source (a source's name), proposed and accepted.",

@@ -96,6 +96,11 @@ class Source(abc.ABC):
         """What it would propose for ``n`` positions now, recording nothing (``()``: no guess)."""
         return ()
 
+    def branch(self, n: int, min_path_probability: float) -> tuple[int, ...]:
+        """A free guess of up to ``n`` tokens to hang on another source's tree, in a round whose alternatives
+        need a path probability of ``min_path_probability`` (``()``: none; docs/design.md, "Free branches")."""
+        return ()
+
     def observe(self, tokens: Sequence[int]) -> None:
         """Tokens just committed after those observed before."""
         return None

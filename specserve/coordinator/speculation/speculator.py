@@ -184,9 +184,31 @@ class Speculator:
             start_ns = time.perf_counter_ns()
             proposal = await source.propose(plan.gamma, plan.tree)
             if proposal.token_ids:
+                proposal = self._with_branches(proposal, plan, source)
                 metrics.PROPOSALS.labels(proposer=source.name).inc()
                 wall_ns = time.perf_counter_ns() - start_ns if source.free else proposal.wall_ns
                 return replace(proposal, source=source.name, wall_ns=wall_ns)
+        return proposal
+
+    def _with_branches(self, proposal: Proposal, plan: Plan, drafter: Source) -> Proposal:
+        """The drafter's tree with the other sources' free guesses hung on it (:meth:`Source.branch`: each
+        priced against the round's threshold itself; the node budget is the draft's alternatives'); the proposal
+        itself where the round does not branch (docs/design.md, "Free branches"). Each guess depends on the
+        committed tokens alone: a point mass, so every tree rule stays exact."""
+        if not (drafter.trees and plan.tree.branches):
+            return proposal
+        for source in self.sources:
+            if source is drafter:
+                continue
+            guess = source.branch(plan.gamma, plan.tree.min_path_probability)
+            room = MAX_TREE_NODES - len(proposal.token_ids)
+            if guess and room > 0:
+                branched = proposal.with_branch(guess, room)
+                if branched is not proposal:
+                    metrics.BRANCH_NODES.labels(source=source.name).inc(
+                        len(branched.token_ids) - len(proposal.token_ids)
+                    )
+                proposal = branched
         return proposal
 
     def request(self, proposal: Proposal) -> VerifyRequest:

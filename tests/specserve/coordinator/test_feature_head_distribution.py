@@ -11,7 +11,8 @@ significance level 0.001; with chains, and with draft trees from the head's
 own ranking (every runner-up of its q a point-mass sibling: the coordinator's
 ``draft_tree_min_path_probability=0``). For power, the same test runs against a
 deliberately biased head that proposes the mode of its q while shipping q (a
-proposal that is not a draw from the q it reports): it must fail.
+proposal that is not a draw from the q it reports): it must fail. And once more
+with the hybrid lookup's continuation hung on the trees as point masses.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from collections import Counter
 import pytest
 import pytest_asyncio
 import system_fixtures as sf
+from prometheus_client import REGISTRY
 
 import specserve.draft.feature_proposer
 from specserve.api.params import SamplingParams
+from specserve.coordinator.speculation.policy import AdaptiveGamma
 from specserve.v1 import common_pb2
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.system]
@@ -64,7 +67,7 @@ async def stack(pair, head, redis_server, request):
         yield s
 
 
-async def _sample(stack, stats: list) -> Counter:
+async def _sample(stack, stats: list, gamma: int | None = 2) -> Counter:
     sem = asyncio.Semaphore(64)
 
     async def one(seed: int) -> tuple[int, ...]:
@@ -74,7 +77,7 @@ async def _sample(stack, stats: list) -> Counter:
                 max_new_tokens=LENGTH,
                 temperature=TEMPERATURE,
                 seed=seed,
-                gamma=2,
+                gamma=gamma,
                 ignore_eos=True,
                 proposer=common_pb2.PROPOSER_KIND_FEATURE,
                 sampling_mode=common_pb2.SAMPLING_MODE_OPTIMAL,
@@ -99,6 +102,33 @@ async def test_the_joint_with_the_head_is_target_only_sampling(stack, pair, requ
     # With trees a drafting round proposes more nodes than its gamma of 2 levels: the runners-up beside them.
     branched = sum(s.proposed_tokens for s in stats) > 2 * sum(s.draft_rounds for s in stats)
     assert branched == trees
+
+
+#: One runner-up per tree (the chain's token and one more at depth 1 of 4 tokens): room for the lookup's guess.
+BRANCHES = {**CHAINS, "draft_tree_nodes": 1, "draft_tree_min_path_probability": 0.0}
+
+
+@pytest.mark.parametrize("stack", [BRANCHES], ids=["branches"], indirect=True)
+async def test_the_joint_with_the_lookups_branches_on_head_trees_is_target_only_sampling(stack, pair, monkeypatch):
+    """The same test where the hybrid lookup hangs its guesses on the head's trees (docs/design.md, "Free
+    branches"): the lookup exists only under the adaptive policy, whose session rounds are held at gamma 2 here
+    (its own choice for the lookup's rounds is the policy's)."""
+    choose = AdaptiveGamma.choose_gamma
+
+    def drafting(self, acceptance, load, *, local_draft=False, target_only_steps=None):
+        chosen = choose(self, acceptance, load, local_draft=local_draft, target_only_steps=target_only_steps)
+        return chosen if local_draft else 2
+
+    monkeypatch.setattr(AdaptiveGamma, "choose_gamma", drafting)
+    exact = sf.exact_joint(pair.target_dir, PROMPT, SamplingParams(temperature=TEMPERATURE), LENGTH)
+    before = REGISTRY.get_sample_value("specserve_coordinator_branch_nodes_total", {"source": "ngram"}) or 0.0
+    observed = await _sample(stack, [], gamma=None)
+    branched = (REGISTRY.get_sample_value("specserve_coordinator_branch_nodes_total", {"source": "ngram"}) or 0.0) - before
+    assert sum(observed.values()) == N and all(seq in exact for seq in observed)
+    stat, p, cells = sf.merged_chi_square(observed, exact)
+    print(f"feature head, trees and the lookup's branches ({branched:.0f} nodes): chi-square {stat:.1f}, p = {p:.3g}")
+    assert p > ALPHA, f"chi-square {stat:.1f} on {cells} cells, p = {p:.2e}"
+    assert branched >= N / 4, "the lookup's branches were on many of the trees"
 
 
 def _mode_of_q(draw_step):

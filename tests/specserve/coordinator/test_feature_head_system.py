@@ -20,6 +20,7 @@ import system_fixtures as sf
 from prometheus_client import REGISTRY
 
 from specserve import AsyncClient
+from specserve.coordinator.speculation.policy import AdaptiveGamma
 from specserve.v1 import common_pb2
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.system]
@@ -196,6 +197,38 @@ async def test_greedy_with_head_trees_is_the_target_alone(tree_stack, pair, gamm
         drafted = [o.stats for o in outs if o.stats.draft_rounds]
         assert drafted and all(s.proposed_tokens > gamma * s.draft_rounds for s in drafted)
         assert sum(s.accepted_tokens for s in drafted) > 0
+
+
+def _branch_nodes() -> float:
+    return REGISTRY.get_sample_value("specserve_coordinator_branch_nodes_total", {"source": "ngram"}) or 0.0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "coupled"])
+async def test_the_lookups_branches_on_head_trees_keep_the_target_alones_text(
+    tree_stack, pair, temperature, monkeypatch
+):
+    """The hybrid lookup hangs its continuation on the head's trees (docs/design.md, "Free branches"), and the
+    output is still the target alone's, greedy and coupled. The lookup exists only under the adaptive policy,
+    which on this tiny pair rarely drafts with the head: the session's own rounds are held at gamma 3 (the
+    lookup's own choice is the policy's)."""
+    choose = AdaptiveGamma.choose_gamma
+
+    def drafting(self, acceptance, load, *, local_draft=False, target_only_steps=None):
+        chosen = choose(self, acceptance, load, local_draft=local_draft, target_only_steps=target_only_steps)
+        return chosen if local_draft else 3
+
+    monkeypatch.setattr(AdaptiveGamma, "choose_gamma", drafting)
+    prompts = [*PROMPTS, [7, 8, 9, 7, 8, 9, 7, 8], [5, 6, 5, 6, 5, 6, 5, 6, 5]]
+    before = _branch_nodes()
+    coupled = {"seed": 1, "sampling_mode": common_pb2.SAMPLING_MODE_COUPLED, "ignore_eos": True} if temperature else {}
+    requests = [sf.request(p, max_new_tokens=32, temperature=temperature, proposer=FEATURE, **coupled) for p in prompts]
+    outs = await asyncio.gather(*(sf.generate(tree_stack.address, r) for r in requests))
+    for prompt, out in zip(prompts, outs, strict=True):
+        if temperature:
+            assert out.token_ids == sf.reference_coupled(pair.target_dir, prompt, 32, seed=1, temperature=temperature)
+        else:
+            assert out.token_ids == sf.reference_greedy(pair.target_dir, prompt, 32)
+    assert _branch_nodes() > before, "the lookup's guesses were hung on the head's trees"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -58,3 +58,14 @@ class HybridLookup(Ngram):
     def learn(self, *, proposed: int, accepted: int) -> None:
         super().learn(proposed=proposed, accepted=accepted)
         self.matched = self.matched or accepted > 0
+
+    def branch(self, n: int, min_path_probability: float) -> tuple[int, ...]:
+        """Its guess, as deep as each node's chance (its own acceptance to the power of the node's depth in the
+        branch) stays at the round's threshold or above. No match need have been seen: a branch costs the round
+        a few verified positions, which the threshold prices, not a round of its own."""
+        assert self.tracker is not None
+        alpha = self.tracker.alpha()
+        depth, chance = 0, alpha
+        while depth < n and chance >= min_path_probability and chance > 0.0:
+            depth, chance = depth + 1, chance * alpha
+        return self.shadow(depth) if depth else ()

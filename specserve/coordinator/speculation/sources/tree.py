@@ -22,7 +22,6 @@ from specserve.coordinator.speculation.source import Fleet, Source, SourceSetup
 from specserve.coordinator.speculation.sources.draft_model import DraftModel
 from specserve.core.ngram import NgramIndex
 from specserve.core.ranked_tree import CHAIN, TreeBudget
-from specserve.engine.kvcache import common_prefix_len
 
 
 class ModelLookupTree(DraftModel):
@@ -45,7 +44,7 @@ class ModelLookupTree(DraftModel):
         self._index.extend(tokens)
 
     async def propose(self, gamma: int, tree: TreeBudget = CHAIN) -> Proposal:
-        return with_branch(await super().propose(gamma), self._index.lookup(gamma))
+        return (await super().propose(gamma)).with_branch(self._index.lookup(gamma))
 
     async def beside(self, proposal: Proposal, verifying: Awaitable[Verified]) -> Verified:
         return await verifying
@@ -57,28 +56,4 @@ def applies(setup: SourceSetup) -> bool:
         ModelLookupTree.name in setup.settings.opt_in_sources
         and setup.request.speculation.proposer == PROPOSER_KINDS["model"]
         and setup.matcher is None
-    )
-
-
-def with_branch(chain: Proposal, lookup: Sequence[int]) -> Proposal:
-    """``chain`` with the part of ``lookup`` after their common prefix as a branch below that prefix's last token
-    (the root when they part at once); ``chain`` itself when the lookup adds nothing. The branch's distributions
-    are point masses (``None``) where the chain carries distributions."""
-    tokens = tuple(chain.token_ids)
-    shared = common_prefix_len(tokens, lookup)
-    branch = tuple(int(t) for t in lookup[shared:])
-    if not branch:
-        return chain
-    parents = (*range(-1, len(tokens) - 1), shared - 1, *range(len(tokens), len(tokens) + len(branch) - 1))
-    distributions = (*chain.distributions, *(None,) * len(branch)) if chain.distributions else ()
-    return Proposal(
-        tokens + branch,
-        distributions,
-        parents=parents,  # a chain when the chain is the lookup's prefix (the target takes it as one)
-        source=chain.source,
-        wall_ns=chain.wall_ns,
-        draft_ns=chain.draft_ns,
-        queue_ns=chain.queue_ns,
-        prefill_tokens=chain.prefill_tokens,
-        features_needed_from=chain.features_needed_from,
     )
