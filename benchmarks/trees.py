@@ -12,7 +12,9 @@ defaults, the draft serving the feature head) and two coordinators on its worker
 both arms run the same models, the same target calibration and the same caches' code on the same machine.
 Each prompt's turn runs, one stream at a time, greedy, EOS ignored, in this order (reversed every other pass):
 HF generate() (stock transformers, float32, the target alone), trees, chains, HF generate() again (the A/A
-control). Per kind: median ms/token, trees over chains (the median, min and max over (prompt, pass) pairs of
+control); each arm's generation prefills its whole prompt, as HF does (a cache salt of its own,
+:func:`specserve.bench.gate.own_cache_salt`: the arm that ran second would otherwise find the first's prompt
+in the target's prefix cache). Per kind: median ms/token, trees over chains (the median, min and max over (prompt, pass) pairs of
 chains' ms/token over trees'), each over HF; from the generations' stats: drafted rounds, nodes per drafted
 round (proposed / drafted rounds), tau = 1 + accepted per drafted round; the mean gamma of the rounds the
 policy gave a gamma above 0 (the arm's coordinator's ``specserve_coordinator_gamma`` histogram, read around
@@ -279,13 +281,15 @@ async def measure(opts: TreesOptions) -> list[Generation]:
                     return new, seconds, {}
                 before = gammas(mode)
                 stream = clients[mode].stream(prompt_token_ids=ids, max_new_tokens=opts.max_new_tokens,
-                                              temperature=0.0, seed=opts.seed, ignore_eos=True, **request)  # fmt: skip
+                                              temperature=0.0, seed=opts.seed, ignore_eos=True,
+                                              cache_salt=gate.own_cache_salt(mode), **request)  # fmt: skip
                 streamed = await timed_stream(stream)
                 st, after = streamed.stats, gammas(mode)
                 return streamed.token_ids, streamed.seconds, {
                     "proposer": st.proposer, "rounds": st.rounds, "draft_rounds": st.draft_rounds,
                     "proposed": st.proposed_tokens, "accepted": st.accepted_tokens,
                     "gamma_sum": after[0] - before[0], "gamma_rounds": after[1] - before[1],
+                    "cached_tokens": st.cached_tokens,
                 }  # fmt: skip
 
             gens = await gate.interleaved_turns(

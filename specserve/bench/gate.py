@@ -13,7 +13,10 @@ measures, on held-out prompts of seven kinds (chat, code, and the five task kind
 * **llama.cpp** on the GGUF the default target is converted from (llama-cpp-python, where it is
   installed): a peer a CPU user might run, with other arithmetic (4-bit weights, 8-bit activations).
 
-Each prompt's turn runs every mode once, the order reversed on every other pass. Per kind, a mode's figure
+Each prompt's turn runs every mode once, the order reversed on every other pass. Every specserve generation
+has a cache salt of its own (:func:`own_cache_salt`), so it prefills its whole prompt as HF generate() does:
+without it, the target's prefix cache would give every generation after a prompt's first its prompt's KV for
+nothing, and the ratio of two modes would depend on which ran first. Per kind, a mode's figure
 is the median over (prompt, pass) pairs of its speed over HF generate()'s in the same pair. The gate then
 checks the bars of docs/benchmarks/history.md ("The gate's bars") and prints the CPU it ran on; the table
 is appended to docs/benchmarks/history.md.
@@ -22,6 +25,7 @@ is appended to docs/benchmarks/history.md.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -94,6 +98,8 @@ class Generation:
     draft_rounds: int = 0
     proposed: int = 0
     accepted: int = 0
+    #: Prompt tokens the target took from its prefix cache (0: the whole prompt prefilled, as HF does).
+    cached_tokens: int = 0
 
     @property
     def ms_per_token(self) -> float:
@@ -297,12 +303,14 @@ async def measure(opts: GateOptions) -> dict[str, Any]:
                         return new, seconds, {}
                     spec = GAMMA0 if mode == GAMMA_0 else ADAPTIVE  # ADAPTIVE sets nothing: the default
                     stream = client.stream(prompt_token_ids=ids, max_new_tokens=opts.max_new_tokens, temperature=0.0,
-                                           seed=opts.seed, ignore_eos=True, **spec.request())
+                                           seed=opts.seed, ignore_eos=True, cache_salt=own_cache_salt(mode),
+                                           **spec.request())
                     streamed = await timed_stream(stream)
                     st = streamed.stats
                     return streamed.token_ids, streamed.seconds, {
                         "proposer": st.proposer, "rounds": st.rounds, "draft_rounds": st.draft_rounds,
                         "proposed": st.proposed_tokens, "accepted": st.accepted_tokens,
+                        "cached_tokens": st.cached_tokens,
                     }
 
                 modes = [m for m in ORDER if m in runners or m in (GAMMA_0, DEFAULT)]
@@ -314,6 +322,16 @@ async def measure(opts: GateOptions) -> dict[str, Any]:
         "kernels": kernels,
         "llama_cpp": llama_note if llama is None else f"llama-cpp-python {llama.version}, {opts.threads} threads",
     }
+
+
+_SALTS = itertools.count()
+
+
+def own_cache_salt(mode: str) -> str:
+    """A cache salt no other generation of this process has (``GenerateRequest.cache_salt``): the generation
+    finds none of the prefix cache's blocks of another, so it prefills its whole prompt, as HF generate() does
+    (module docstring)."""
+    return f"bench/{mode}/{next(_SALTS)}"
 
 
 async def interleaved_turns(

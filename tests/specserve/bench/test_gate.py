@@ -93,6 +93,9 @@ def test_the_gate_runs_on_the_tiny_pair_and_appends_to_the_history(tmp_path_fact
     assert modes == {gate.HF, gate.HF_AGAIN, gate.HF_ASSISTED, gate.GAMMA_0, gate.DEFAULT}
     assert len(data["generations"]) == 2 * 2 * 5  # two kinds, two passes, five modes
     assert all(g["tokens"] == 6 for g in data["generations"])
+    # Every specserve generation prefilled its whole prompt, as HF does: none found another's in the prefix cache.
+    served = [g for g in data["generations"] if g["mode"] in (gate.GAMMA_0, gate.DEFAULT)]
+    assert len(served) == 8 and all(g["cached_tokens"] == 0 for g in served)
     assert set(data["summary"]["table"]) == {"chat", "arithmetic"}
     # Greedy through the stack is the target's own greedy output (the tiny target's logits are spread wide).
     ident = data["summary"]["greedy_identity"]
