@@ -55,6 +55,7 @@ ARMS = (TREES, CHAINS)
 #: Each arm's coordinator settings over the stack's defaults.
 ARM_SETTINGS: dict[str, dict[str, Any]] = {TREES: {}, CHAINS: {"draft_tree_nodes": 0}}
 GAMMA = "specserve_coordinator_gamma"
+BRANCHES = "specserve_coordinator_branch_nodes_total"
 
 
 @dataclass
@@ -62,6 +63,9 @@ class Generation(gate.Generation):
     #: The gammas above 0 the arm's coordinator chose for the generation's rounds: their sum and count.
     gamma_sum: float = 0.0
     gamma_rounds: int = 0
+    #: Nodes the hybrid lookup's free branches added to the generation's trees (the arm's coordinator's
+    #: ``specserve_coordinator_branch_nodes_total``, read around it).
+    branch_nodes: float = 0.0
 
 
 def _arm_stats(gens: list[Generation], head_ratio: float | None) -> dict[str, Any]:
@@ -77,6 +81,7 @@ def _arm_stats(gens: list[Generation], head_ratio: float | None) -> dict[str, An
         "draft_rounds": drafted,
         "proposed": proposed,
         "accepted": accepted,
+        "branch_nodes": sum(g.branch_nodes for g in gens),
     }
     if not drafted:
         return out
@@ -182,7 +187,7 @@ def render(data: dict[str, Any]) -> str:
                 gate.KIND_NAMES.get(kind, kind), arm, row["rounds"], drafted,
                 *((f"{row['nodes_per_round']:.2f}", f"{row['gamma_per_round']:.2f}", f"{row['tau']:.2f}")
                   if drafted else ("-", "-", "-")),
-                f"{row['identical']} of {row['n']}",
+                f"{row.get('branch_nodes', 0):.0f}", f"{row['identical']} of {row['n']}",
             ])  # fmt: skip
     lines += md.table(
         (
@@ -193,10 +198,11 @@ def render(data: dict[str, Any]) -> str:
             "nodes per round",
             "mean gamma",
             "tau",
+            "lookup branch nodes",
             "identical to HF",
         ),
         stat_rows,
-        align=[md.LEFT, md.LEFT, *[md.RIGHT] * 6],
+        align=[md.LEFT, md.LEFT, *[md.RIGHT] * 7],
     )
     ident = summary["greedy_identity"]
     lines += ["", "Greedy output identical to HF generate(), token by token: "
@@ -269,6 +275,10 @@ async def measure(opts: TreesOptions) -> list[Generation]:
                 CHAINS: AsyncClient(chains, timeout=600),
             }
 
+            def branch_nodes(arm: str) -> float:
+                """The nodes the lookup's free branches have added to the arm's trees so far."""
+                return scrape(f"http://127.0.0.1:{metrics[arm]}/metrics", BRANCHES, {"source": "ngram"})
+
             def gammas(arm: str) -> tuple[float, int]:
                 """The sum and the count of the gammas above 0 the arm's coordinator has chosen so far."""
                 url = f"http://127.0.0.1:{metrics[arm]}/metrics"
@@ -279,7 +289,7 @@ async def measure(opts: TreesOptions) -> list[Generation]:
                 if mode in (HF, HF_AGAIN):
                     new, seconds = hf_generate(target, ids, opts.max_new_tokens)
                     return new, seconds, {}
-                before = gammas(mode)
+                before, branched = gammas(mode), branch_nodes(mode)
                 stream = clients[mode].stream(prompt_token_ids=ids, max_new_tokens=opts.max_new_tokens,
                                               temperature=0.0, seed=opts.seed, ignore_eos=True,
                                               cache_salt=gate.own_cache_salt(mode), **request)  # fmt: skip
@@ -289,7 +299,7 @@ async def measure(opts: TreesOptions) -> list[Generation]:
                     "proposer": st.proposer, "rounds": st.rounds, "draft_rounds": st.draft_rounds,
                     "proposed": st.proposed_tokens, "accepted": st.accepted_tokens,
                     "gamma_sum": after[0] - before[0], "gamma_rounds": after[1] - before[1],
-                    "cached_tokens": st.cached_tokens,
+                    "cached_tokens": st.cached_tokens, "branch_nodes": branch_nodes(mode) - branched,
                 }  # fmt: skip
 
             gens = await gate.interleaved_turns(

@@ -44,6 +44,10 @@ def test_both_arms_run_on_the_tiny_pair_and_match_hf(tmp_path_factory, tmp_path)
     assert modes[trees.TREES]["nodes_per_round"] > 3 == modes[trees.TREES]["gamma_per_round"]  # a tree
     assert modes[trees.TREES]["draft_steps_per_round"] == 3  # its chain's steps, not its nodes
     assert "trees_over_chains" in data["summary"]["table"]["chat"]
+    # A fixed gamma keeps no hybrid lookup: no branches; each generation prefilled its own prompt.
+    assert modes[trees.TREES]["branch_nodes"] == 0 == modes[trees.CHAINS]["branch_nodes"]
+    served = [g for g in data["generations"] if g["mode"] in trees.ARMS]
+    assert served and all(g["cached_tokens"] == 0 for g in served)
     text = (tmp_path / "trees.md").read_text()
     assert "| trees over chains |" in text and "identical to HF generate(), token by token" in text
     assert data["cpu_kind"]["cpu"] in text
