@@ -498,6 +498,7 @@ def curve_points(run_dirs: list[Path]) -> list[dict]:
         points.append(
             {
                 "run": run.name,
+                "recipe": _recipe(meta),
                 "fraction": meta["fraction"],
                 "answer_tokens": meta["answer_tokens"],
                 "steps": meta["step"],
@@ -508,17 +509,38 @@ def curve_points(run_dirs: list[Path]) -> list[dict]:
     return sorted(points, key=lambda p: p["answer_tokens"])
 
 
+#: The recipe of curve points recorded before runs named theirs: fresh heads, the same steps for every share.
+FIXED_STEPS = "fixed steps, a fresh head"
+
+
+def _recipe(meta: dict) -> str:
+    """How a curve run trained, in a few words: a fixed number of epochs (steps grow with the data) or of steps
+    (compute held fixed), from a fresh head or another's weights, and its feature and losses."""
+    args = meta.get("args", {})
+    parts = [f"{args['epochs']:g} epoch" if args.get("epochs") else "fixed steps"]
+    parts.append(f"from {Path(args['init']).name}" if args.get("init") else "a fresh head")
+    if args.get("feature") == "fused":
+        parts.append("fused layers")
+    if args.get("reg_weight", 1.0) == 0:
+        parts.append("no regression")
+    return ", ".join(parts)
+
+
 def plot_curve(points: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    for kind in ("chat", "code"):
-        xs = [p["answer_tokens"] for p in points if f"{kind}_top1" in p]
-        ys = [p[f"{kind}_top1"] for p in points if f"{kind}_top1" in p]
-        ax.plot(xs, ys, marker="o", label=f"held-out {kind}")
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    recipes = list(dict.fromkeys(p.get("recipe", FIXED_STEPS) for p in points))
+    for recipe, style in zip(recipes, ("-", "--", ":", "-."), strict=False):
+        for kind, color in (("chat", "tab:blue"), ("code", "tab:orange")):
+            mine = [p for p in points if p.get("recipe", FIXED_STEPS) == recipe and f"{kind}_top1" in p]
+            xs = [p["answer_tokens"] for p in mine]
+            ys = [p[f"{kind}_top1"] for p in mine]
+            label = f"held-out {kind}" + (f" ({recipe})" if len(recipes) > 1 else "")
+            ax.plot(xs, ys, marker="o", linestyle=style, color=color, label=label)
     ax.axhline(0.55, color="grey", linestyle="--", linewidth=0.8, label="break-even here (0.55)")
     ax.set_xscale("log")
     ax.set_xlabel("training answer tokens")
@@ -623,19 +645,22 @@ def render(card: dict, meta: dict | None, points: list[dict]) -> str:
             "![held-out acceptance against data size](data_size.png)",
             "",
             *md.table(
-                ("run", "share of the data", "answer tokens", "steps", "seconds", "chat gamma-1", "code gamma-1"),
-                ((p["run"], f"{p['fraction']:g}", f"{p['answer_tokens']:,}", p["steps"], p["seconds"],
-                  f"{p.get('chat_top1', float('nan')):.3f}", f"{p.get('code_top1', float('nan')):.3f}")
+                ("run", "recipe", "share of the data", "answer tokens", "steps", "seconds", "chat gamma-1",
+                 "code gamma-1"),
+                ((p["run"], p.get("recipe", FIXED_STEPS), f"{p['fraction']:g}", f"{p['answer_tokens']:,}",
+                  p["steps"], p["seconds"], f"{p.get('chat_top1', float('nan')):.3f}",
+                  f"{p.get('code_top1', float('nan')):.3f}")
                  for p in points),
-                align=[md.LEFT, *[md.RIGHT] * 6],
+                align=[md.LEFT, md.LEFT, *[md.RIGHT] * 6],
             ),
         ]  # fmt: skip
         lines += [
             "",
             "Held-out gamma-1 acceptance of the training script's own evaluation (greedy replay of the held-out",
-            "answers, top-1 equal to the target's token) at the end of each run. The runs of one curve start",
-            "from a fresh head and train the same number of steps of the same size on a nested share of the",
-            "data; the shipped head trained longer (below).",
+            "answers, top-1 equal to the target's token) at the end of each run. The runs of one recipe train on",
+            "a nested share of the data (`--fraction`): at fixed steps the compute is held fixed; at a fixed",
+            "number of epochs (`--epochs`) each run passes over its share that many times, so its steps grow",
+            "with the data, which is what shows the effect of data. The shipped head trained longer (below).",
         ]
     if meta is not None:
         args = meta["args"]

@@ -174,7 +174,7 @@ def test_the_card_renders_every_measured_row(tmp_path):
     ]
     text = head_card.render(_card(), None, points)
     assert text.count("| chat | 0 |") == 2 and text.count("| code | 0.7 |") == 1
-    assert "0.100 of a target decode step" in text and "| r0.5 | 0.5 | 500 |" in text
+    assert "0.100 of a target decode step" in text and "| r0.5 | fixed steps, a fresh head | 0.5 | 500 |" in text
     head_card.plot_curve(points, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000
 
@@ -214,12 +214,29 @@ def test_a_cards_json_keeps_its_curve_for_a_later_rendering(tmp_path):
     meta = {"fraction": 0.5, "answer_tokens": 500, "step": 5, "elapsed_s": 61.2, "history": history}
     (run / "train_meta.json").write_text(json.dumps(meta))
     points = head_card.curve_points([run])
-    assert points == [{"run": "curve-0.5", "fraction": 0.5, "answer_tokens": 500, "steps": 5, "seconds": 61,
-                       "chat_top1": 0.3, "code_top1": 0.2}]
+    assert points == [{"run": "curve-0.5", "recipe": "fixed steps, a fresh head", "fraction": 0.5,
+                       "answer_tokens": 500, "steps": 5, "seconds": 61, "chat_top1": 0.3, "code_top1": 0.2}]
     card = tmp_path / "card.json"
     card.write_text(json.dumps({**_card(), "curve": points}))
     shutil.rmtree(run)  # the run's directory is gone; the card's JSON still has its point
     assert head_card.curve_points([card]) == points
+
+
+def test_a_curve_at_fixed_epochs_names_its_recipe_beside_the_fixed_steps_one(tmp_path):
+    run = tmp_path / "epochs-0.5"
+    run.mkdir()
+    history = [{"step": 9, "heldout": {"chat": {"top1_per_step": [0.4]}, "code": {"top1_per_step": [0.5]}}}]
+    args = {"epochs": 1.0, "init": "/x/specserve-smollm2-head", "feature": "fused", "reg_weight": 0.0}
+    meta = {"fraction": 0.5, "answer_tokens": 900, "step": 9, "elapsed_s": 30.0, "history": history, "args": args}
+    (run / "train_meta.json").write_text(json.dumps(meta))
+    (point,) = head_card.curve_points([run])
+    assert point["recipe"] == "1 epoch, from specserve-smollm2-head, fused layers, no regression"
+    old = {"run": "old", "fraction": 1.0, "answer_tokens": 800, "steps": 400, "seconds": 9, "chat_top1": 0.4}
+    text = head_card.render(_card(), None, [old, point])
+    assert "| old | fixed steps, a fresh head | 1 | 800 | 400 |" in text
+    assert "| epochs-0.5 | 1 epoch, from specserve-smollm2-head, fused layers, no regression | 0.5 | 900 | 9 |" in text
+    head_card.plot_curve([old, point], tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 1000
 
 
 def test_the_training_section_says_what_data_and_start_the_head_had():
@@ -250,5 +267,5 @@ def test_rendering_from_a_cards_json_writes_the_curve_into_it(tmp_path):
     opts = HeadCardOptions(from_json=card, json=card, readme=readme, curve=[run])
     assert head_card.main(opts) == 0
     assert [p["run"] for p in json.loads(card.read_text())["curve"]] == ["curve-1.0"]
-    assert "| curve-1.0 | 1 | 900 | 9 | 30 | 0.450 | 0.400 |" in readme.read_text()
+    assert "| curve-1.0 | fixed steps, a fresh head | 1 | 900 | 9 | 30 | 0.450 | 0.400 |" in readme.read_text()
     assert (tmp_path / "data_size.png").stat().st_size > 1000
