@@ -506,7 +506,7 @@ def curve_points(run_dirs: list[Path]) -> list[dict]:
                 **{f"{kind}_top1": last[kind]["top1_per_step"][0] for kind in ("chat", "code") if kind in last},
             }
         )
-    return sorted(points, key=lambda p: p["answer_tokens"])
+    return sorted(points, key=lambda p: (p.get("recipe", FIXED_STEPS), p["answer_tokens"]))
 
 
 #: The recipe of curve points recorded before runs named theirs: fresh heads, the same steps for every share.
