@@ -481,6 +481,23 @@ def _add(tot: dict, got: dict) -> None:
             tot[key] += got[key]
 
 
+#: The recipe of curve points recorded before runs named theirs: fresh heads, the same steps for every share.
+FIXED_STEPS = "fixed steps, a fresh head"
+
+
+def _recipe(meta: dict) -> str:
+    """How a curve run trained, in a few words: a fixed number of epochs (steps grow with the data) or of steps
+    (compute held fixed), from a fresh head or another's weights, and its feature and losses."""
+    args = meta.get("args", {})
+    parts = [f"{args['epochs']:g} epoch" if args.get("epochs") else "fixed steps"]
+    parts.append(f"from {Path(args['init']).name}" if args.get("init") else "a fresh head")
+    if args.get("feature") == "fused":
+        parts.append("fused layers")
+    if args.get("reg_weight", 1.0) == 0:
+        parts.append("no regression")
+    return ", ".join(parts)
+
+
 def curve_points(run_dirs: list[Path]) -> list[dict]:
     """Per training run: its answer tokens and its last held-out evaluation (gamma-1 top-1 per kind). A
     card's JSON in place of a run directory gives the points it keeps (``curve``), so a card measured again
@@ -507,23 +524,6 @@ def curve_points(run_dirs: list[Path]) -> list[dict]:
             }
         )
     return sorted(points, key=lambda p: (p.get("recipe", FIXED_STEPS), p["answer_tokens"]))
-
-
-#: The recipe of curve points recorded before runs named theirs: fresh heads, the same steps for every share.
-FIXED_STEPS = "fixed steps, a fresh head"
-
-
-def _recipe(meta: dict) -> str:
-    """How a curve run trained, in a few words: a fixed number of epochs (steps grow with the data) or of steps
-    (compute held fixed), from a fresh head or another's weights, and its feature and losses."""
-    args = meta.get("args", {})
-    parts = [f"{args['epochs']:g} epoch" if args.get("epochs") else "fixed steps"]
-    parts.append(f"from {Path(args['init']).name}" if args.get("init") else "a fresh head")
-    if args.get("feature") == "fused":
-        parts.append("fused layers")
-    if args.get("reg_weight", 1.0) == 0:
-        parts.append("no regression")
-    return ", ".join(parts)
 
 
 def plot_curve(points: list[dict], path: Path) -> None:

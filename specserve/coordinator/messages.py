@@ -66,10 +66,11 @@ class Proposal:
         branch that only continues a chain leaves a chain (its parents spelt out)."""
         tokens = self.token_ids
         parents = self.parents or tuple(range(-1, len(tokens) - 1))
+        child_of = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents, strict=True))}  # siblings differ
         node = -1
         shared = 0
         for token in lookup:
-            child = next((i for i, (t, p) in enumerate(zip(tokens, parents, strict=True)) if p == node and t == token), None)
+            child = child_of.get((node, token))
             if child is None:
                 break
             node, shared = child, shared + 1

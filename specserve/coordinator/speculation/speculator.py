@@ -201,14 +201,11 @@ class Speculator:
             if source is drafter:
                 continue
             guess = source.branch(plan.gamma, plan.tree.min_path_probability)
-            room = MAX_TREE_NODES - len(proposal.token_ids)
-            if guess and room > 0:
-                branched = proposal.with_branch(guess, room)
-                if branched is not proposal:
-                    metrics.BRANCH_NODES.labels(source=source.name).inc(
-                        len(branched.token_ids) - len(proposal.token_ids)
-                    )
-                proposal = branched
+            branched = proposal.with_branch(guess, MAX_TREE_NODES - len(proposal.token_ids))
+            added = len(branched.token_ids) - len(proposal.token_ids)
+            if added:
+                metrics.BRANCH_NODES.labels(source=source.name).inc(added)
+            proposal = branched
         return proposal
 
     def request(self, proposal: Proposal) -> VerifyRequest:
