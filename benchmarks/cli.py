@@ -37,6 +37,7 @@ EXPERIMENTS: tuple[Subcommand, ...] = (
     Subcommand("prefix-cache-memory", o.PrefixCacheMemoryOptions, "benchmarks.prefix_cache:main_memory"),
     Subcommand("structured", o.StructuredOptions, "benchmarks.structured:main"),
     Subcommand("trees", o.TreesOptions, "benchmarks.trees:main"),
+    Subcommand("coupled-lists", o.CoupledListsOptions, "benchmarks.coupled_lists:main"),
     Subcommand("report", ReportOptions, "benchmarks.report:main"),
 )
 

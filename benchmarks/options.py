@@ -292,6 +292,34 @@ class StructuredOptions(Options):
 
 
 @dataclass
+class CoupledListsOptions(Options):
+    """``coupled-lists``: how often a list of K siblings holds the coupled mode's token, for each way of
+    listing them, on the feature head's own (p, q) pairs, into coupled_lists.json and coupled_lists.md
+    (benchmarks/coupled_lists.py)."""
+
+    target: str | None = opt(None, "default: the registered default target")
+    head: str | None = opt(None, "a head directory or registered name (default: the default head)")
+    sets: list[str] = opt(["chat", "code"], "held-out chat conversations (the head card's sets)", choices=["chat", "code"])
+    prompts: int = opt(12, "held-out prompts per set")
+    tokens: int = opt(48, "tokens the target samples per prompt (one (p, q) pair each)")
+    temperature: float = opt(0.7, "the sampling temperature")
+    sizes: list[int] = opt([1, 2, 4], "list sizes K")
+    draws: int = opt(100, "noise draws per pair")
+    seed: int = opt(0, "the seed of the noise draws")
+    threads: int = opt(2, "torch threads")
+    out: Path = opt(DEFAULT_OUT, "the folder the JSON and the Markdown go to")
+
+    def __post_init__(self) -> None:
+        at_least(self.prompts, 1, "--prompts")
+        at_least(self.tokens, 1, "--tokens")
+        at_least(self.draws, 1, "--draws")
+        for k in self.sizes:
+            at_least(k, 1, "--sizes")
+        if not self.temperature > 0.0:
+            raise ValueError(f"--temperature must be > 0 (the coupled mode samples), got {self.temperature}")
+
+
+@dataclass
 class TreesOptions(PairOptions):
     """``trees``: the feature head drafting trees (the default request) against the same head drafting chains
     (``draft_tree_nodes=0``), with HF generate() at both ends of each turn, on the speed gate's held-out kinds,

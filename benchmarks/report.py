@@ -2,7 +2,8 @@
 then ``specserve bench report FOLDER`` (whose README links them), measuring nothing.
 
 Rendered where their JSON is there: ``draft_scaling.md`` (with its plot), ``prediction.md``,
-``sampling_modes.md``, ``overhead.md``, ``structured.md``, ``attention.md`` and ``constraint_engines.md``. The
+``sampling_modes.md``, ``overhead.md``, ``structured.md``, ``attention.md``, ``constraint_engines.md`` and
+``coupled_lists.md``. The
 other experiments' reports carry prose written around their figures (kernels.md, invariance.md,
 prefix-cache.md): the run that measures them writes their tables.
 """
@@ -61,6 +62,12 @@ def _constraint_engines(data: dict[str, Any], folder: Path) -> Path:
     return md.write(folder, "constraint_engines", constraints.render(data))
 
 
+def _coupled_lists(data: dict[str, Any], folder: Path) -> Path:
+    from benchmarks import coupled_lists
+
+    return coupled_lists.write(data, folder)
+
+
 #: Each report rendered again: its JSON's name (without ``.json``) and what writes its Markdown from it.
 RENDERERS: dict[str, Callable[[dict[str, Any], Path], Path]] = {
     "draft_scaling": _draft_scaling,
@@ -70,6 +77,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any], Path], Path]] = {
     "structured": _structured,
     "attention": _attention,
     "constraint_engines": _constraint_engines,
+    "coupled_lists": _coupled_lists,
 }
 
 

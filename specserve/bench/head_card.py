@@ -62,7 +62,7 @@ from specserve.core.proposal import DraftProposal
 from specserve.core.ranked_tree import TreeBudget
 from specserve.core.sampling import logits_to_probs
 from specserve.core.tree import MAX_TREE_NODES, DraftTree
-from specserve.core.tree_verification import verify_tree, verify_tree_greedy
+from specserve.core.tree_verification import verify_tree, verify_tree_coupled, verify_tree_greedy
 from specserve.core.verification import verify_batch
 from specserve.draft.feature_proposer import FeatureProposer
 from specserve.draft.proposers import DraftRequest
@@ -275,7 +275,7 @@ def sampled_tree_rounds(
     params: SamplingParams, eos: int, key: str,
 ) -> dict:
     """:func:`sampled_rounds` with the draft's tree under ``tree``, accepted by :func:`verify_tree` (recursive
-    rejection sampling without replacement). Each round's features come from a pass over the committed text
+    rejection sampling without replacement), or in the coupled mode by :func:`verify_tree_coupled`. Each round's features come from a pass over the committed text
     (:func:`sequence_features`) and the target's rows from a pass over it and the tree: simple, not fast."""
     seq = list(prompt)
     sent = 0
@@ -293,7 +293,10 @@ def sampled_tree_rounds(
             q = got.probs_f32.double() if got.probs_f32 is not None else None
             proposal = _tree_of(got.token_ids, got.parents, q)
         p = logits_to_probs(_tree_pass(features.model, seq, proposal), params, None)  # [nodes + 1, vocab]
-        outcome = verify_tree(p, proposal, params.seed or 0, len(seq))
+        if params.coupled:
+            outcome = verify_tree_coupled(p, proposal, params.seed or 0, len(seq))
+        else:
+            outcome = verify_tree(p, proposal, params.seed or 0, len(seq))
         if proposal.nodes:
             drafted += 1
             for d in range(outcome.accepted):

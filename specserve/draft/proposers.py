@@ -135,7 +135,8 @@ def draft_distribution(
 
 
 def draw_token(
-    logits: torch.Tensor, request: DraftRequest, position: int, context: Sequence[int]
+    logits: torch.Tensor, request: DraftRequest, position: int, context: Sequence[int],
+    noise: torch.Tensor | None = None,
 ) -> tuple[int, torch.Tensor | None, float]:
     """One draft token from the next-token logits ``[vocab]`` at absolute ``position``.
 
@@ -145,7 +146,8 @@ def draw_token(
     the token's probability under that vector (its confidence, which dynamic
     draft length reads; for greedy, :func:`greedy_confidence`). The vector goes through :func:`draft_distribution` and
     ``check_distribution``, exactly what the target rebuilds; the uniform is
-    ``uniform(seed, position, Purpose.DRAFT)``. (A plain greedy row's token is
+    ``uniform(seed, position, Purpose.DRAFT)``; the coupled mode's noise ``[vocab]`` is ``noise`` where the
+    caller drew it already (:func:`coupled_noise`). (A plain greedy row's token is
     the argmax of its logits, which :meth:`ModelProposer._draft` takes for every
     row of a step in one reduction instead.)
     """
@@ -155,12 +157,19 @@ def draw_token(
         token = int(q32[0].argmax())
         return token, None, greedy_confidence(logits, request, context, token)
     if params.coupled:  # argmax(log q + G) with the target's noise at this position; no q is shipped
-        noise = gumbel_noise([request.seed], [position], q32.shape[-1], device=q32.device)  # [1, vocab]
-        token = int(gumbel_argmax(q32, noise)[0])
+        if noise is None:
+            noise = coupled_noise(request, position, q32)
+        token = int(gumbel_argmax(q32, noise[None])[0])
         return token, None, float(q32[0, token])
     q = check_distribution(q32[0])  # [vocab] float64, what the target rebuilds
     token = sample_from(q, uniform(request.seed, position, Purpose.DRAFT))
     return token, q32[0], float(q[token])
+
+
+def coupled_noise(request: DraftRequest, position: int, like: torch.Tensor) -> torch.Tensor:
+    """``[vocab]``: the Gumbel noise the target draws its own token at ``position`` with in the coupled mode
+    (``gumbel_noise(seed, position)``), on ``like``'s device, ``like`` ``[..., vocab]``."""
+    return gumbel_noise([request.seed], [position], like.shape[-1], device=like.device)[0]
 
 
 def greedy_confidence(logits: torch.Tensor, request: DraftRequest, context: Sequence[int], token: int) -> float:
@@ -340,16 +349,18 @@ def draw_step(rows: Sequence[_Row], last: torch.Tensor) -> list[int]:
     # row's token; a NaN or +inf row has none, and fails the batch as its sampling would.
     argmax = greedy_tokens(last).tolist()  # [batch]
     for b, row in enumerate(rows):
+        position = len(row.request.committed) + len(row.tokens)
+        # The coupled mode's noise here: the chain's token and the tree's list both follow it.
+        noise = coupled_noise(row.request, position, last) if row.request.sampling.coupled else None
         if row.request.sampling.plain_greedy:
             token, q32 = argmax[b], None
             row.confidence = greedy_confidence(last[b], row.request, row.context, token)
         else:
-            base = len(row.request.committed)
-            token, q32, row.confidence = draw_token(last[b], row.request, base + len(row.tokens), row.context)
+            token, q32, row.confidence = draw_token(last[b], row.request, position, row.context, noise)
         if row.request.tree.branches and row.matcher is None:  # a constrained session's proposal is a chain
             ranked = q32 if q32 is not None else ranking_distribution(last[b], row.request, row.context)
             row.chain_probs.append(float(ranked[token]))
-            row.candidates.append(rank_alternatives(ranked, token, row.request.tree.max_nodes - 1))
+            row.candidates.append(rank_alternatives(ranked, token, row.request.tree.max_nodes - 1, noise))
         row.tokens.append(token)
         row.context.append(token)
         if row.matcher is not None and not row.matcher.accept(token):  # masked: only a bug gets here
@@ -368,15 +379,35 @@ def ranking_distribution(logits: torch.Tensor, request: DraftRequest, context: S
     return draft_distribution(logits.unsqueeze(0), request.sampling, [context], request.draft_top_k)[0]  # [vocab]
 
 
-def rank_alternatives(probs: torch.Tensor, token: int, k: int) -> tuple[Candidate, ...]:
+def rank_alternatives(
+    probs: torch.Tensor, token: int, k: int, noise: torch.Tensor | None = None
+) -> tuple[Candidate, ...]:
     """The ``k`` most likely tokens of ``probs`` ``[vocab]`` other than ``token``, with their probabilities, best
-    first (equal ones: the lower id first); never a token of probability 0."""
+    first (equal ones: the lower id first); never a token of probability 0.
+
+    With ``noise`` ``[vocab]`` (the coupled mode's Gumbel noise at the row's position, which drew ``token`` as
+    ``argmax(log q + G)``) the tokens are the next of ``log q + G`` instead, the list the target's own
+    ``argmax(log p + G)`` most often falls in (Gumbel-top-k: the draft's draws without replacement, coupled to
+    the target's noise; docs/design.md, "Coupled lists"). Each keeps the probability of the plain ranking's
+    token of the same rank, so a tree has as many alternatives at a depth as it would have without the noise.
+    """
     k = min(k, probs.shape[-1] - 1)
     if k <= 0:
         return ()
-    top = torch.topk(probs, k + 1)  # [k + 1]: a full sort of the vocabulary per row and step is not needed
-    pairs = sorted(zip(top.values.tolist(), top.indices.tolist(), strict=True), key=lambda vp: (-vp[0], vp[1]))
-    out = [(int(t), float(p)) for p, t in pairs if t != token and p > 0.0]
+    plain = _top_other(probs, probs, token, k)
+    if noise is None:
+        return plain
+    scores = torch.where(probs > 0, probs.double().log() + noise.double(), -torch.inf)  # [vocab]
+    listed = _top_other(scores, probs, token, len(plain))
+    return tuple((t, p) for (t, _), (_, p) in zip(listed, plain, strict=True))
+
+
+def _top_other(scores: torch.Tensor, probs: torch.Tensor, token: int, k: int) -> tuple[Candidate, ...]:
+    """The ``k`` highest ``scores`` ``[vocab]`` other than ``token`` and of ``probs`` above 0, best first (ties:
+    the lower id first), each with its token's probability."""
+    top = torch.topk(scores, k + 1)  # [k + 1]: a full sort of the vocabulary per row and step is not needed
+    pairs = sorted(zip(top.values.tolist(), top.indices.tolist(), strict=True), key=lambda vt: (-vt[0], vt[1]))
+    out = [(int(t), float(probs[t])) for _, t in pairs if t != token and float(probs[t]) > 0.0]
     return tuple(out[:k])
 
 

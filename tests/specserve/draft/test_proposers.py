@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from specserve.draft.proposers import (
     DraftRequest,
     ModelProposer,
     draft_distribution,
+    rank_alternatives,
 )
 from specserve.draft.servicer import proposal_pb
 from specserve.engine import cpu_kernels, row_invariant
@@ -426,6 +428,57 @@ def _ranked(model, request: DraftRequest, seq: list[int]) -> torch.Tensor:
     return draft_distribution(logits, request.sampling, [seq], request.draft_top_k)[0].double()
 
 
+def _listed(ranked: torch.Tensor, token: int, noise: torch.Tensor | None, k: int) -> list[tuple[int, float]]:
+    """A depth's candidates, recomputed: the ``k`` likeliest tokens other than ``token``; in the coupled mode
+    (``noise``) the ``k`` next of ``log q + G`` instead, each with the probability of the likeliest of its rank."""
+    order = torch.argsort(ranked, descending=True, stable=True).tolist()
+    plain = [(t, float(ranked[t])) for t in order if t != token and ranked[t] > 0][:k]
+    if noise is None:
+        return plain
+    scores = ranked.double().log() + noise.double()
+    by_noise = [t for t in torch.argsort(scores, descending=True, stable=True).tolist() if t != token and ranked[t] > 0]
+    return [(t, p) for t, (_, p) in zip(by_noise, plain, strict=False)]
+
+
+def test_the_coupled_list_is_the_noises_ranking_with_the_plain_rankings_probabilities():
+    """Alternatives in the coupled mode: the tokens after ``token`` by ``log q + G``, carrying the plain
+    ranking's probabilities rank by rank; never a token of probability 0; without noise, the plain ranking."""
+    q = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    assert rank_alternatives(q, 0, 3) == ((1, pytest.approx(0.3)), (2, pytest.approx(0.15)), (3, pytest.approx(0.05)))
+    # log q + G: token 3 then 2 then 1 after the chain's token 0; token 4 (q = 0) is never listed.
+    noise = torch.tensor([5.0, 0.0, 1.5, 4.0, 99.0])
+    got = rank_alternatives(q, 0, 3, noise)
+    assert [t for t, _ in got] == [3, 2, 1]
+    assert [p for _, p in got] == pytest.approx([0.3, 0.15, 0.05])
+    assert [t for t, _ in rank_alternatives(q, 0, 2, noise)] == [3, 2]
+
+
+def test_the_coupled_list_holds_the_targets_token_more_often_than_the_plain_ranking():
+    """Why the coupled mode lists by its noise: over 2,000 (p, q) pairs with p a perturbation of q and the
+    target's token ``argmax(log p + G)``, a list of the chain's token and one alternative holds the target's
+    token more often when the alternative is the noise's next than when it is q's next (paired, same noise);
+    the plain list does no better than chance of the two (a sign test at 2,000 pairs)."""
+    g = torch.Generator().manual_seed(0)
+    wins = losses = 0
+    for _ in range(2000):
+        logits = 2.0 * torch.randn(64, generator=g, dtype=torch.float64)
+        q = torch.softmax(logits, -1)
+        p = torch.softmax(logits + 0.8 * torch.randn(64, generator=g, dtype=torch.float64), -1)
+        noise = -torch.log(-torch.log(torch.rand(64, generator=g, dtype=torch.float64)))
+        token = int((q.log() + noise).argmax())
+        target = int((p.log() + noise).argmax())
+        if target == token:
+            continue
+        noisy = rank_alternatives(q, token, 1, noise)[0][0] == target
+        plain = rank_alternatives(q, token, 1)[0][0] == target
+        wins += noisy and not plain
+        losses += plain and not noisy
+    # One-sided sign test: under "no better" P(wins >= observed) for wins + losses fair coins; alpha 0.001.
+    n = wins + losses
+    tail = sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n
+    assert tail < 1e-3, (wins, losses)
+
+
 @pytest.mark.parametrize(
     "sampling",
     [
@@ -457,9 +510,9 @@ def test_a_tree_is_the_chain_with_the_drafts_runners_up_beside_it(draft_model, s
     seq, above, paths = list(PROMPT), 1.0, {}
     for d, token in enumerate(chain.token_ids):
         ranked = _ranked(model, chain_request, seq)
-        for alt in torch.argsort(ranked, descending=True)[:12].tolist():
-            if alt != token and ranked[alt] > 0:
-                paths[(d, alt)] = above * float(ranked[alt])
+        noise = gumbel_noise([3], [len(seq)], ranked.shape[-1])[0] if sampling.coupled else None
+        for alt, prob in _listed(ranked, token, noise, 11):
+            paths[(d, alt)] = above * prob
         above *= float(ranked[token])
         seq.append(token)
     kept = {(shape.depths[i] - 1, tree.token_ids[i]) for i in range(4, shape.nodes)}
