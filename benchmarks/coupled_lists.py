@@ -172,23 +172,12 @@ def write(data: dict, folder: Path) -> Path:
 
 def main(opts: CoupledListsOptions) -> int:
     """``python -m benchmarks coupled-lists``: ``<out>/coupled_lists.json`` and ``.md``, the report printed."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from specserve.bench.draft_card import _prompt_ids
-    from specserve.bench.head_card import _proposer
-    from specserve.engine.feature_head import load_feature_head
-    from specserve.engine.feature_maker import FeatureMaker
-    from specserve.engine.model_registry import DEFAULT_HEAD, resolve_model
-    from specserve.engine.models import resolve_model_path
+    from specserve.bench.head_card import load_head_pair
     from specserve.prompts.chat import heldout_prompts
 
-    torch.set_num_threads(opts.threads)
-    target_dir = resolve_model_path(opts.target, "target")
-    head_dir = resolve_model(opts.head or DEFAULT_HEAD, progress=False)
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    features = FeatureMaker.for_head(target, head_dir)
-    proposer = _proposer(load_feature_head(head_dir, target=target_dir))
+    pair = load_head_pair(opts.target, opts.head, opts.threads)
+    tok, features, proposer, head_dir = pair.tokenizer, pair.features, pair.proposer, pair.head_dir
     g = torch.Generator().manual_seed(opts.seed)
     summary = {}
     for kind in opts.sets:
@@ -202,7 +191,7 @@ def main(opts: CoupledListsOptions) -> int:
     data = {
         "command": opts.command,
         "date_utc": now_utc(),
-        "head": Path(head_dir).name,
+        "head": head_dir.name,
         "settings": opts.settings(),
         "sets": list(opts.sets),
         "summary": summary,

@@ -45,6 +45,7 @@ import datetime as dt
 import json
 import platform
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -369,18 +370,40 @@ def _tree_row(tot: dict, costs: dict | None) -> dict:
     return row
 
 
-def run(args: HeadCardOptions) -> dict:
+@dataclass(frozen=True)
+class HeadPair:
+    """The target (float32) and the feature head as the card replays them: the head's feature made on the
+    target's side (a fused head's projection included) and a proposer of the head with no prefix cache."""
+
+    target_dir: Path
+    head_dir: Path
+    tokenizer: Any
+    target: Any
+    head: FeatureHead
+    features: FeatureMaker
+    proposer: FeatureProposer
+
+
+def load_head_pair(target: str | None, head: str | None, threads: int) -> HeadPair:
+    """The default target and head, or those named (a registered name or a directory), on ``threads`` threads."""
     from specserve.engine.model_registry import DEFAULT_HEAD, resolve_model
     from specserve.engine.models import resolve_model_path
 
-    torch.set_num_threads(args.threads)
-    target_dir = resolve_model_path(args.target, "target")
-    head_dir = resolve_model(args.head or DEFAULT_HEAD, progress=False)
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    head = load_feature_head(head_dir, target=target_dir)
-    features = FeatureMaker.for_head(target, head_dir)  # the target's side: a fused head's projection made here
-    proposer = _proposer(head)
+    torch.set_num_threads(threads)
+    target_dir = resolve_model_path(target, "target")
+    head_dir = resolve_model(head or DEFAULT_HEAD, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    loaded = load_feature_head(head_dir, target=target_dir)
+    return HeadPair(
+        Path(target_dir), Path(head_dir), AutoTokenizer.from_pretrained(target_dir), model, loaded,
+        FeatureMaker.for_head(model, head_dir), _proposer(loaded),
+    )  # fmt: skip
+
+
+def run(args: HeadCardOptions) -> dict:
+    pair = load_head_pair(args.target, args.head, args.threads)
+    target_dir, head_dir, tok, target = pair.target_dir, pair.head_dir, pair.tokenizer, pair.target
+    head, features, proposer = pair.head, pair.features, pair.proposer
     eos = tok.eos_token_id
     row_bytes = features.hidden_size * wire.VALUE_BYTES
     result: dict = {

@@ -269,3 +269,52 @@ def test_rendering_from_a_cards_json_writes_the_curve_into_it(tmp_path):
     assert [p["run"] for p in json.loads(card.read_text())["curve"]] == ["curve-1.0"]
     assert "| curve-1.0 | fixed steps, a fresh head | 1 | 900 | 9 | 30 | 0.450 | 0.400 |" in readme.read_text()
     assert (tmp_path / "data_size.png").stat().st_size > 1000
+
+
+@torch.no_grad()
+def test_coupled_tree_rounds_emit_the_target_alones_coupled_text_whatever_the_tree(pair):
+    """In the coupled mode the card's sampled tree rounds verify with the coupled rule: the text is the
+    target alone's Gumbel-max sampling for the seed, the same with a chain and with a tree."""
+    target, head = pair
+    params = SamplingParams(temperature=0.8, seed=7, sampling_mode="coupled")
+    prompt = [5, 9, 14]
+    runs = [
+        head_card.sampled_tree_rounds(
+            head_card._proposer(head), FeatureMaker(target), prompt, 16, 3, tree, params, -1, f"c{i}"
+        )
+        for i, tree in enumerate((CHAIN, TreeBudget(8, 0.0)))
+    ]
+    assert runs[1]["nodes"] > 3 * runs[1]["drafted_rounds"]  # more than chains of 3: the tree had alternatives
+    alone = collect_pairs_text(target, prompt, 16, params)
+    assert runs[0]["token_ids"][:16] == runs[1]["token_ids"][:16] == alone
+
+
+def collect_pairs_text(target, prompt, n, params):
+    """The target alone's coupled text: ``argmax(log p + G(seed, position))`` token by token."""
+    from specserve.core.rng import gumbel_noise
+    from specserve.core.sampling import gumbel_argmax, logits_to_probs
+
+    seq = list(prompt)
+    for _ in range(n):
+        p = logits_to_probs(target(input_ids=torch.tensor([seq])).logits[0, -1:].float(), params, None)
+        seq.append(int(gumbel_argmax(p, gumbel_noise([params.seed], [len(seq)], p.shape[-1]))[0]))
+    return seq[len(prompt) :]
+
+
+@torch.no_grad()
+def test_coupled_lists_collects_one_pair_per_token_of_the_target_alones_coupled_text(pair):
+    """benchmarks.coupled_lists.collect_pairs: one (p, q) per token, each a distribution, p the target's
+    processed row at that prefix, along the target alone's coupled text."""
+    from benchmarks.coupled_lists import collect_pairs
+    from specserve.core.sampling import logits_to_probs
+
+    target, head = pair
+    params = SamplingParams(temperature=0.8, seed=7, sampling_mode="coupled")
+    prompt = [5, 9, 14]
+    pairs = collect_pairs(head_card._proposer(head), FeatureMaker(target), prompt, 6, params, -1, "k")
+    text = collect_pairs_text(target, prompt, 6, params)
+    assert len(pairs) == 6
+    for i, (p, q) in enumerate(pairs):
+        assert float(p.sum()) == pytest.approx(1.0, abs=1e-4) and float(q.sum()) == pytest.approx(1.0, abs=1e-4)
+        want = logits_to_probs(target(input_ids=torch.tensor([prompt + text[:i]])).logits[0, -1:].float(), params, None)
+        assert torch.allclose(p, want[0].float(), atol=1e-5)
