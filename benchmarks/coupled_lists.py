@@ -102,7 +102,7 @@ def score_pair(p: torch.Tensor, q: torch.Tensor, sizes: list[int], draws: int, g
     order = q.topk(min(top + 1, p.shape[0])).indices  # [K + 1]: q's ranking
     residual = (p - q).clamp_min(0.0)
     residual = residual / residual.sum().clamp_min(1e-300)
-    accept_x = torch.where(q[x] > 0, (p[x] / q[x]).clamp(max=1.0), torch.zeros_like(p[x]))  # [draws]
+    accept_x = (p[x] / q[x]).clamp(max=1.0)  # [draws]: x = argmax(log q + G) has q[x] > 0
     out = {}
     for k in sizes:
         # q's ranking: x, then the k - 1 likeliest others (the first k of the order when x is among them).

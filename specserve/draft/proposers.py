@@ -406,8 +406,9 @@ def _top_other(scores: torch.Tensor, probs: torch.Tensor, token: int, k: int) ->
     """The ``k`` highest ``scores`` ``[vocab]`` other than ``token`` and of ``probs`` above 0, best first (ties:
     the lower id first), each with its token's probability."""
     top = torch.topk(scores, k + 1)  # [k + 1]: a full sort of the vocabulary per row and step is not needed
-    pairs = sorted(zip(top.values.tolist(), top.indices.tolist(), strict=True), key=lambda vt: (-vt[0], vt[1]))
-    out = [(int(t), float(probs[t])) for _, t in pairs if t != token and float(probs[t]) > 0.0]
+    found = zip(top.values.tolist(), top.indices.tolist(), probs[top.indices].tolist(), strict=True)
+    ranked = sorted(found, key=lambda vtp: (-vtp[0], vtp[1]))
+    out = [(int(t), float(p)) for _, t, p in ranked if t != token and p > 0.0]
     return tuple(out[:k])
 
 

@@ -285,11 +285,11 @@ def test_coupled_tree_rounds_emit_the_target_alones_coupled_text_whatever_the_tr
         for i, tree in enumerate((CHAIN, TreeBudget(8, 0.0)))
     ]
     assert runs[1]["nodes"] > 3 * runs[1]["drafted_rounds"]  # more than chains of 3: the tree had alternatives
-    alone = collect_pairs_text(target, prompt, 16, params)
+    alone = coupled_text(target, prompt, 16, params)
     assert runs[0]["token_ids"][:16] == runs[1]["token_ids"][:16] == alone
 
 
-def collect_pairs_text(target, prompt, n, params):
+def coupled_text(target, prompt, n, params):
     """The target alone's coupled text: ``argmax(log p + G(seed, position))`` token by token."""
     from specserve.core.rng import gumbel_noise
     from specserve.core.sampling import gumbel_argmax, logits_to_probs
@@ -312,7 +312,7 @@ def test_coupled_lists_collects_one_pair_per_token_of_the_target_alones_coupled_
     params = SamplingParams(temperature=0.8, seed=7, sampling_mode="coupled")
     prompt = [5, 9, 14]
     pairs = collect_pairs(head_card._proposer(head), FeatureMaker(target), prompt, 6, params, -1, "k")
-    text = collect_pairs_text(target, prompt, 6, params)
+    text = coupled_text(target, prompt, 6, params)
     assert len(pairs) == 6
     for i, (p, q) in enumerate(pairs):
         assert float(p.sum()) == pytest.approx(1.0, abs=1e-4) and float(q.sum()) == pytest.approx(1.0, abs=1e-4)
