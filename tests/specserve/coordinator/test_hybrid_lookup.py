@@ -23,6 +23,7 @@ import dataclasses
 import uuid
 
 import pytest
+import pytest_asyncio
 import system_fixtures as sf
 from worker_fakes import round_loop
 
@@ -211,10 +212,21 @@ def test_only_a_model_session_without_a_prediction_keeps_a_hybrid_lookup():
 
 # ---- the whole system ------------------------------------------------------------------------------------
 
-MAX_NEW = 32
+MAX_NEW = 64
+MAX_GAMMA = 4
 # The tiny target's greedy continuations of the first three fall into loops (a token repeated, then another
 # after a break), which the lookup matches and drafts from once seen to match; the fourth never repeats.
 PROMPTS = ([142] * 8, [160] * 8, [31] * 8, [5, 17, 42, 9, 5, 17, 42])
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(pair, redis_server):
+    """The whole system with gamma capped at MAX_GAMMA. Whether the lookup's acceptance pays for a round is the
+    policy's call on costs timed on this machine, but its probe clock is not: the lookup drafts within any 9
+    rounds in which it is ready (8 at gamma 0, then a probe). A round commits at most MAX_GAMMA + 1 tokens, so a
+    looping continuation of MAX_NEW tokens gives it well over 9 such rounds on any machine."""
+    async with sf.local_stack(pair, redis_server.url, coordinator_overrides={"max_gamma": MAX_GAMMA}) as s:
+        yield s
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -232,8 +244,8 @@ async def test_greedy_output_is_the_targets_with_the_hybrid_lookup_on_and_off(st
             assert fixed.stats.lookup_proposed_tokens == 0, "a fixed gamma drafts with the model only"
             assert on.stats.lookup_accepted_tokens <= on.stats.lookup_proposed_tokens <= on.stats.proposed_tokens
             lookup_drafted += on.stats.lookup_proposed_tokens
-        # The looping continuations give the lookup matches: it must have drafted (and been verified)
-        # somewhere, or this test checked nothing about it.
+        # The looping continuations give the lookup matches and, with the probe clock, rounds (the module's
+        # stack): it must have drafted (and been verified) somewhere, or this test checked nothing about it.
         assert lookup_drafted > 0
 
 
