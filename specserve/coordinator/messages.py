@@ -109,7 +109,7 @@ class VerifyRequest:
 
     base: SessionBase
     proposal: Proposal = NO_PROPOSAL
-    decode_steps: int = 1  # target steps for a round without a proposal
+    decode_steps: int = 1  # target steps: the proposal's verify pass, then gamma-0 steps (VerifyItem.decode_steps)
     top_logprobs: int | None = None  # report the committed tokens' logprobs with this many alternatives
     features: FeatureAsk | None = None
     cache_scope: bytes = b""

@@ -62,8 +62,8 @@ class RoundLoop:
         """One round: plan, propose, verify, learn, apply; returns what it newly committed."""
         plan = self.speculator.plan()
         proposal = await self.speculator.propose(plan)
-        request = self.speculator.request(proposal)
-        verified = await self.speculator.beside(proposal, self._verify(request))
+        request = self.speculator.request(plan, proposal)
+        verified = await self.speculator.beside(request, self._verify(request))
         if verified.verdict is None:
             return await self._resync(verified.error)
         self.speculator.learn(plan, request, verified)

@@ -24,7 +24,7 @@ from specserve.core.features import FeatureBlock
 from specserve.core.proposal import DraftProposal
 from specserve.core.tree import DraftTree
 
-#: Most target steps one gamma = 0 item may ask for in a call (``VerifyItem.decode_steps``): a call holds
+#: Most target steps one item may ask for in a call (``VerifyItem.decode_steps``): a call holds
 #: its batch's other items and the model thread for this many passes.
 MAX_DECODE_STEPS = 16
 
@@ -37,7 +37,8 @@ class ItemToVerify:
     proposal: DraftProposal
     #: Report the committed tokens' log probabilities with this many alternatives each (None: none).
     top_logprobs: int | None = None
-    #: Target steps to decode in this call (gamma = 0 only): each commits what a gamma = 0 round would.
+    #: Target steps to take in this call: the first verifies the proposal (if any), each later one commits what
+    #: a gamma = 0 round would.
     decode_steps: int = 1
     #: Return the target's features of committed positions from here on (None: none; docs/design.md,
     #: "The feature head").

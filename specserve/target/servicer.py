@@ -128,11 +128,6 @@ def _item_from_pb(pb: target_pb2.ItemToVerify, *, vocab_size: int, max_gamma: in
                 )
     top_logprobs = check_top_logprobs(pb.logprobs.top_logprobs) if pb.HasField("logprobs") else None
     steps = max(1, pb.decode_steps)
-    if steps > 1 and token_ids:
-        raise InvalidArgument(
-            f"decode_steps={steps} with {len(token_ids)} proposed tokens; several target steps in one call "
-            "are for gamma = 0 items only (send an empty proposal, or decode_steps <= 1)"
-        )
     if steps > MAX_DECODE_STEPS:
         raise InvalidArgument(
             f"decode_steps={steps}; this server decodes at most {MAX_DECODE_STEPS} per call"

@@ -56,6 +56,8 @@ from specserve.target.stops import cut_at_stop
 
 log = structlog.get_logger(__name__)
 
+_NO_PROPOSAL = DraftProposal(token_ids=())
+
 
 @dataclass
 class _ItemState:
@@ -101,13 +103,15 @@ class _ItemState:
         self.error = type(exc)(f"session {self.item.session_id!r}: {exc.message}")
 
     def next_step(self) -> _ItemState:
-        """The next target step of a gamma = 0 item (``decode_steps``): the work a gamma = 0 round would
-        do on the log as this call's verdict so far leaves it (same version: it is one commit)."""
-        assert self.verdict is not None and self.cache is not None and self.item.gamma == 0
+        """The item's next target step (``decode_steps``): the work a gamma = 0 round would do on the log as
+        this call's verdict so far leaves it (same version: it is one commit). An item that came with a
+        proposal had it verified in the first step; the steps after it propose nothing."""
+        assert self.verdict is not None and self.cache is not None
         record = dataclasses.replace(
             self.record, token_ids=self.record.token_ids + self.verdict.committed_token_ids
         )
-        return _ItemState(index=self.index, item=self.item, record=record, grammar=self.grammar)
+        plain = dataclasses.replace(self.item, proposal=_NO_PROPOSAL, tree=None) if self.item.gamma else self.item
+        return _ItemState(index=self.index, item=plain, record=record, grammar=self.grammar)
 
     def goes_on(self) -> bool:
         """Whether the item takes another target step in this call: committed so far, not finished,
@@ -390,7 +394,7 @@ class Verifier:
         (before the commit; :meth:`_roll_back` undoes it for an item whose commit fails), the budget."""
         forward_ns, positions = self._step(work)
         going = [w for w in work if w.goes_on()]
-        while going:  # gamma = 0 items asking for more target steps in this call (decode_steps)
+        while going:  # items asking for more target steps in this call (decode_steps), each at gamma = 0
             nexts = [w.next_step() for w in going]
             ns, fed = self._step(nexts)
             forward_ns, positions = forward_ns + ns, positions + fed

@@ -29,11 +29,13 @@ from specserve.runtime.config import CoordinatorSettings
 @dataclass(frozen=True)
 class Plan:
     """A round's gamma and, where one with a tracker of its own takes the round, its source (None: the session's
-    proposers), and how far a proposer that drafts trees may branch."""
+    proposers), how far a proposer that drafts trees may branch, and whether the policy drafts it only to probe
+    out of gamma 0 (the round then goes on with a gamma-0 round's target steps)."""
 
     gamma: int
     source: Source | None = None
     tree: TreeBudget = CHAIN
+    probe: bool = False
 
 
 class Speculator:
@@ -136,7 +138,7 @@ class Speculator:
                     return Plan(gamma, source)
         gamma = self._capped(self.policy.choose_gamma(self.tracker, load, local_draft=self._local()))
         metrics.GAMMA_CHOSEN.observe(gamma)
-        return Plan(gamma, tree=self._tree(gamma, load))
+        return Plan(gamma, tree=self._tree(gamma, load), probe=gamma > 0 and self.tracker.probing)
 
     def _tree(self, gamma: int, load: LoadSnapshot) -> TreeBudget:
         """How far the round's proposal may branch (docs/design.md, "Draft trees from the draft's ranking"): a
@@ -161,16 +163,18 @@ class Speculator:
         """Whether the session's next proposal needs no draft call (no model cost: the policy's question)."""
         return all(s.free for s in self._proposers) or any(s.free and s.ready() for s in self._proposers)
 
-    def _target_steps(self, proposed: int) -> int:
+    def _target_steps(self, proposed: int, *, probe: bool = False) -> int:
         """Target steps a round asks for: ``decode_steps`` for a round without a proposal once the first token is
-        out (the first round is the prefill: its token goes out alone, as soon as it exists), capped by the
-        tokens left, for a session whose proposals need a draft call; 1 otherwise (a free proposal is every
-        round's chance to start drafting a copied run)."""
+        out (the first round is the prefill: its token goes out alone, as soon as it exists), or with a probe's
+        (the policy would run gamma 0 but for the probe, so the call goes on as a gamma-0 round would: the probe
+        costs its drafted positions, not a round), capped by the tokens left, for a session whose proposals
+        need a draft call; 1 otherwise (a drafted round's verdict decides the next round; a free proposal is
+        every round's chance to start drafting a copied run)."""
         s = self.session
         generated = s.committed_len - s.prompt_len
-        if proposed or generated == 0 or self._local():
+        if (proposed and not probe) or generated == 0 or self._local():
             return 1
-        return max(1, min(self.decode_steps, s.stop.max_new_tokens - generated))
+        return max(1, min(self.decode_steps, s.stop.max_new_tokens - generated - proposed))
 
     # ---- propose ---------------------------------------------------------------------------
     async def propose(self, plan: Plan) -> Proposal:
@@ -208,13 +212,13 @@ class Speculator:
             proposal = branched
         return proposal
 
-    def request(self, proposal: Proposal) -> VerifyRequest:
+    def request(self, plan: Plan, proposal: Proposal) -> VerifyRequest:
         """The round's Verify item: its proposal after the committed prefix, with what each source asks for."""
         s = self.session
         request = VerifyRequest(
             s.base,
             proposal,
-            decode_steps=self._target_steps(len(proposal.token_ids)),
+            decode_steps=self._target_steps(len(proposal.token_ids), probe=plan.probe),
             top_logprobs=s.top_logprobs,
             cache_scope=s.cache_scope,
         )
@@ -222,9 +226,11 @@ class Speculator:
             request = source.ask(request)
         return request
 
-    async def beside(self, proposal: Proposal, verifying: Awaitable[Verified]) -> Verified:
-        """The round's verify, with its drafter's own work beside it (the draft model drafts the next round)."""
-        drafter = self.source(proposal.source) if proposal.source else None
+    async def beside(self, request: VerifyRequest, verifying: Awaitable[Verified]) -> Verified:
+        """The round's verify, with its drafter's own work beside it (the draft model drafts the next round,
+        except after a probe's: target steps follow its verdict, so no draft made ahead could be used)."""
+        proposal = request.proposal
+        drafter = self.source(proposal.source) if proposal.source and request.decode_steps == 1 else None
         return await (drafter.beside(proposal, verifying) if drafter is not None else verifying)
 
     # ---- learn -----------------------------------------------------------------------------

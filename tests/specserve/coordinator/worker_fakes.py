@@ -204,8 +204,7 @@ class FakeTarget(_Scripted):
                 break
             committed.append(token)
             accepted += 1
-        steps = 1 if proposal else max(1, item.decode_steps)
-        for _ in range(steps):
+        for _ in range(max(1, item.decode_steps)):  # the proposal's correction or bonus, then gamma-0 steps
             committed.append(next_token(tokens + committed))
         committed = committed[:left]
         logprobs = (

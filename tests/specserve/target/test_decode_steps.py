@@ -143,3 +143,37 @@ async def test_a_step_that_fails_alone_ends_the_steps_and_the_ones_before_it_are
     assert type(again.error).__name__ == "InvalidDistribution"
     assert await store.read_tokens(record.session_id) == record.token_ids
     verifier.close()
+
+
+@pytest.mark.parametrize("name", list(SETTINGS), ids=list(SETTINGS))
+async def test_a_proposal_then_steps_commits_what_its_round_and_gamma_zero_rounds_commit(target, draft, store, name):
+    """An item with a proposal (the draft's greedy guess, point masses) and 4 steps: the first step verifies the
+    proposal, the 3 after it decode as gamma = 0 rounds would. It ends with the tokens and log probabilities of
+    a twin that verified the same proposal in a call of its own and then ran three gamma = 0 rounds, in one
+    commit, with the proposal's accepted count; and its cache holds its log."""
+    params = SETTINGS[name]
+    stop = StopConditions(max_new_tokens=12, ignore_eos=True)
+    verifier = make_verifier(target, store)
+    proposal = tuple(greedy_continuation(draft, PROMPT, 3))
+    twin = await new_session(store, PROMPT, params, stop)
+    first = (await verifier.verify(VerifyBatch(items=(item(twin, proposal, top_logprobs=2),)))).results[0].verdict
+    assert first is not None
+    twin_logprobs = list(first.logprobs)
+    for _ in range(3):
+        twin = await store.load(twin.session_id)
+        result = (await verifier.verify(VerifyBatch(items=(steps_item(twin, 1, top_logprobs=2),)))).results[0]
+        assert result.verdict is not None, result.error
+        twin_logprobs.extend(result.verdict.logprobs)
+    twin = await store.load(twin.session_id)
+
+    record = await new_session(store, PROMPT, params, stop)
+    probe = dataclasses.replace(item(record, proposal, top_logprobs=2), decode_steps=4)
+    result = (await verifier.verify(VerifyBatch(items=(probe,)))).results[0]
+    assert result.verdict is not None, result.error
+    assert result.verdict.new_version == 1 and result.verdict.accepted_count == first.accepted_count
+    record = await store.load(record.session_id)
+    assert record.token_ids == twin.token_ids
+    assert len(record.token_ids) == len(PROMPT) + len(first.committed_token_ids) + 3
+    assert_same_logprobs(list(result.verdict.logprobs), twin_logprobs)
+    assert_cache_holds(verifier, record.session_id, record.token_ids)
+    verifier.close()

@@ -107,12 +107,10 @@ async def test_a_malformed_item_fails_alone_and_its_batch_mate_is_verified_as_if
             "top_logprobs must be in [0, 20]",
         ),
         "an over-long session id": (verify_item(record), "at most 128"),
-        "decode_steps with a proposal": (verify_item(record, (1,)), "gamma = 0 items only"),
         "decode_steps above the limit": (verify_item(record), "at most 16 per call"),
         "an over-long cache scope": (verify_item(record), "cache_scope has 65 bytes"),
     }
     cases["an over-long cache scope"][0].cache_scope = b"s" * 65
-    cases["decode_steps with a proposal"][0].decode_steps = 2
     cases["decode_steps above the limit"][0].decode_steps = 17
     cases["an over-long session id"][0].base.session_id = "x" * 129
     for name, (bad, needle) in cases.items():
