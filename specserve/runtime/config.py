@@ -430,7 +430,8 @@ class CoordinatorSettings(CommonSettings):
         description="Target steps per Verify call in a round that runs the target alone (gamma = 0), after "
         "the first token: each step commits exactly what a gamma = 0 round would, and the call saves the "
         "round trips, commits and coordinator work of the steps after the first (vLLM's multi-step "
-        "scheduling). Tokens of such a round reach the client together; 1 streams each on its own.",
+        "scheduling). A probe out of gamma 0 takes them too, after its proposal's verdict. Tokens of such a "
+        "round reach the client together; 1 streams each on its own.",
     )
     hybrid_lookup: bool = Field(
         True,
