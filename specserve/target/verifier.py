@@ -110,7 +110,7 @@ class _ItemState:
         record = dataclasses.replace(
             self.record, token_ids=self.record.token_ids + self.verdict.committed_token_ids
         )
-        plain = dataclasses.replace(self.item, proposal=_NO_PROPOSAL, tree=None) if self.item.gamma else self.item
+        plain = dataclasses.replace(self.item, proposal=_NO_PROPOSAL, tree=None)
         return _ItemState(index=self.index, item=plain, record=record, grammar=self.grammar)
 
     def goes_on(self) -> bool:
