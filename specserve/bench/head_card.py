@@ -422,7 +422,9 @@ def run(args: HeadCardOptions) -> dict:
     print(json.dumps(result["costs"], indent=1), flush=True)
     tree_costs = None
     if args.tree_nodes:
-        result["tree"] = {"nodes": args.tree_nodes, "min_path_probability": args.tree_min_path_probability}
+        result["tree"] = {
+            "nodes": args.tree_nodes, "min_path_probability": args.tree_min_path_probability, "expanded": True,
+        }  # fmt: skip
         widest = min(max(*args.gammas, *args.sampled_gammas) + args.tree_nodes, MAX_TREE_NODES) + 1
         tree_costs = tree_pass_costs(target, context=args.context, max_positions=widest, steps=args.cost_steps)
         result["tree_costs"] = tree_costs
@@ -724,8 +726,11 @@ def tree_section(card: dict) -> list[str]:
         "",
         "## Draft trees from the head's ranking",
         "",
-        f"The same rounds with the head's tree: its chain, and its next-best tokens as siblings wherever their path "
-        f"probability is at least {tree['min_path_probability']:g}, at most gamma + {tree['nodes']} nodes "
+        "The same rounds with the head's tree: its chain, and its next-best tokens as siblings"
+        + (" (and below the best of them, level by level, the head's own next tokens there: EAGLE-2's expansion)"
+           if tree.get("expanded") else "")
+        + f" wherever their path probability is at least {tree['min_path_probability']:g}, at most gamma + "
+        f"{tree['nodes']} nodes "
         "(docs/design.md, \"Draft trees from the draft's ranking\"; the threshold is fixed here, the service's "
         "policy sets its own). T = 0: the longest path equal to the target's greedy answer; T = 0.7: recursive "
         "rejection sampling without replacement. tau = 1 + accepted per drafted round (the chain's beside it); "

@@ -4,14 +4,16 @@ The draft drafts its chain as always; at each depth the next-best tokens of its 
 from the chain's token) are candidate siblings of the chain's token, point masses (docs/design.md, "Draft trees
 from the draft's ranking"). :func:`grow_tree` keeps the candidates whose path probability (the draft's
 probabilities of the chain's tokens above, times the candidate's own) is at least the budget's threshold, best
-first, while the tree has fewer nodes than the budget. Each candidate's token and existence follow from the
-chain's tokens and the draft's distributions alone, never from the target, so every tree rule stays exact.
+first, while the tree has fewer nodes than the budget. A draft that expands candidates (the feature head,
+EAGLE-2's expansion) adds the candidates below each, named by :data:`Key`, one level deeper: ranked in the same
+forest by path probability. Each candidate's token and existence follow from the chain's tokens and the draft's
+distributions alone, never from the target, so every tree rule stays exact.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specserve.api.errors import InvalidArgument
@@ -48,35 +50,77 @@ class TreeBudget:
 CHAIN = TreeBudget()
 
 
+#: A candidate's name in a tree being grown: ``(d, r)`` for the ``r``-th candidate at depth ``d + 1`` beside the
+#: chain, ``key + (c,)`` for the ``c``-th candidate below the one named ``key`` (one level deeper).
+Key = tuple[int, ...]
+#: One scored candidate: ``(-path probability, depth index, key, token)``; sorted, the best path first (ties: the
+#: shallower, then the earlier listed).
+Scored = tuple[float, int, Key, int]
+
+
+def score_candidates(
+    chain_probs: Sequence[float],
+    candidates: Sequence[Sequence[Candidate]],
+    budget: TreeBudget,
+    below: Mapping[Key, Sequence[Candidate]] | None = None,
+) -> list[Scored]:
+    """Every candidate whose path probability passes ``budget``'s threshold, best first (:func:`grow_tree`'s
+    arguments). A candidate's path probability is the draft's probability of each node above it times its own:
+    a child's is at most its parent's, so it ranks after it, and one below a failing parent fails too."""
+    below = below or {}
+    scored: list[Scored] = []
+
+    def visit(key: Key, depth: int, token: int, path: float) -> None:
+        if not (path >= budget.min_path_probability and path > 0.0 and not math.isnan(path)):
+            return
+        scored.append((-path, depth, key, token))
+        for c, (child, prob) in enumerate(below.get(key, ())):
+            visit((*key, c), depth + 1, child, path * prob)
+
+    above = 1.0
+    for d, listed in enumerate(candidates):
+        for rank, (token, prob) in enumerate(listed):
+            visit((d, rank), d, token, above * prob)
+        above *= chain_probs[d]
+    return sorted(scored)
+
+
 def grow_tree(
     chain: Sequence[int],
     chain_probs: Sequence[float],
     candidates: Sequence[Sequence[Candidate]],
     budget: TreeBudget,
+    below: Mapping[Key, Sequence[Candidate]] | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(tokens, parents)`` of the tree: the chain's tokens, then the kept candidates (module docstring).
 
     ``chain_probs[d]``: the draft's probability of ``chain[d]`` at depth ``d + 1``; ``candidates[d]``: the
     candidates there, distinct from ``chain[d]`` and from each other. A candidate at depth ``d + 1`` hangs below
     ``chain[d - 1]`` (the root at depth 1), after the chain's token: siblings in the order the verifier tries
-    them. ``parents`` is ``()`` when nothing is kept (a chain). Ties keep the shallower, then the earlier listed.
+    them. ``below[key]`` (EAGLE-2's expansion): the candidates below the candidate named ``key`` (:data:`Key`),
+    one level deeper, distinct from each other, each with the draft's probability of it there; none deeper than
+    the chain. The best ``max_nodes - len(chain)`` candidates by path probability are kept
+    (:func:`score_candidates`), a child only below its kept parent. Nodes are listed depth by depth: a depth's
+    chain siblings first, best first, then the candidates below that depth's parents, in the parents' order,
+    each parent's best first. ``parents`` is ``()`` when nothing is kept (a chain).
     """
     if len(chain_probs) != len(chain) or len(candidates) > len(chain):
         raise ValueError("one probability per chain token and at most one candidate list per depth")
     room = budget.max_nodes - len(chain)
     if not budget.branches or room <= 0:
         return tuple(chain), ()
-    scored: list[tuple[float, int, int, int]] = []  # (-path probability, depth index, rank, token)
-    above = 1.0
-    for d, listed in enumerate(candidates):
-        for rank, (token, prob) in enumerate(listed):
-            path = above * prob
-            if path >= budget.min_path_probability and path > 0.0 and not math.isnan(path):
-                scored.append((-path, d, rank, token))
-        above *= chain_probs[d]
-    kept = sorted(sorted(scored)[:room], key=lambda s: (s[1], s[2]))  # grouped by depth, best first
+    kept = score_candidates(chain_probs, candidates, budget, below)[:room]
+    if any(depth >= len(chain) for _, depth, _, _ in kept):
+        raise ValueError("a candidate below another is deeper than the chain")
     if not kept:
         return tuple(chain), ()
-    tokens = (*chain, *(token for _, _, _, token in kept))
-    parents = (*range(-1, len(chain) - 1), *(d - 1 for _, d, _, _ in kept))
+    index: dict[Key, int] = {}  # a kept candidate's key -> its node index
+    tokens, parents = list(chain), list(range(-1, len(chain) - 1))
+    for depth in sorted({s[1] for s in kept}):  # parents (one level up) are indexed before their children
+        at_depth = [(key, token) for _, d, key, token in kept if d == depth]
+        at_depth.sort(key=lambda kt: (len(kt[0]) > 2, index[kt[0][:-1]] if len(kt[0]) > 2 else 0, kt[0][-1]))
+        for key, token in at_depth:
+            index[key] = len(tokens)
+            tokens.append(token)
+            parents.append(depth - 1 if len(key) == 2 else index[key[:-1]])
     return tuple(int(t) for t in tokens), tuple(parents)

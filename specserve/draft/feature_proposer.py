@@ -53,7 +53,16 @@ from transformers import DynamicCache
 from specserve.api.errors import FailedPrecondition, InvalidArgument
 from specserve.api.params import PROPOSER_KINDS
 from specserve.core import features as wire
-from specserve.draft.proposers import Drafted, DraftRequest, RowProposer, _Row, draw_step
+from specserve.core.ranked_tree import Key
+from specserve.draft.proposers import (
+    Drafted,
+    DraftRequest,
+    RowProposer,
+    _Row,
+    draw_step,
+    expandable,
+    rank_children,
+)
 from specserve.engine import batching, row_invariant
 from specserve.engine.cpu_kernels import Kernels
 from specserve.engine.feature_head import FeatureHead
@@ -67,6 +76,9 @@ class _HeadRow(_Row):
     """A session on its way through a batch of the head."""
 
     features: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(feed), hidden] slot inputs
+    #: A branching row's feature for each drafted token's slot (``[hidden]`` each): the head's output its
+    #: logits came from, which the token's slot (and an alternative's beside it) takes as input.
+    step_features: list[torch.Tensor] = field(default_factory=list)
 
 
 class FeatureProposer(RowProposer):
@@ -208,7 +220,7 @@ class FeatureProposer(RowProposer):
     def _pass(self, packed: batching.PackedBatch, feats: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
         """The head over ``packed``'s slots with their features ``[B, T, hidden]``: outputs ``[B, T, hidden]``."""
         cache = packed.cache if packed.cache is not None else DynamicCache(config=self.config)
-        layout = row_invariant.RowLayout(spans=packed.spans, queries=packed.input_lens)
+        layout = row_invariant.RowLayout(spans=packed.spans, queries=packed.input_lens, trees=packed.trees)
         with torch.no_grad(), row_invariant.blocked_matmuls(self.head.model):
             hidden = self.head.hidden(
                 packed.input_ids,
@@ -247,8 +259,12 @@ class FeatureProposer(RowProposer):
         active: list[_HeadRow] = list(rows)
         first = True
         while True:
+            for b, row in enumerate(active):
+                if row.request.tree.branches:
+                    row.step_features.append(last[b])
             going = draw_step(active, self._logits(last))
             if not going:
+                self._expand([row for row in rows if row.candidates])
                 return
             if first:
                 packed = batching.align_ends(packed, grown)
@@ -258,3 +274,72 @@ class FeatureProposer(RowProposer):
             active = [active[b] for b in going]
             hidden, grown = self._pass(packed, last.index_select(0, index).unsqueeze(1))  # [batch', 1, hidden]
             last = hidden[:, -1]
+
+    def _expand(self, rows: list[_HeadRow]) -> None:
+        """EAGLE-2's expansion below the chain's alternatives, one pass per level for every branching row. A
+        candidate's slot takes the feature its parent's token took (the chain token beside it: the same
+        feature, the same path above it) or, below an expanded candidate, that candidate's output; the head's
+        output at a candidate ranks the candidates below it (``row.below``). Each level expands the new
+        candidates that :func:`~specserve.draft.proposers.expandable` picks; each pass feeds a row's chain slots
+        above its deepest pick (their keys were dropped), the candidates it expanded before and its picks, as a
+        tree over its true slots."""
+        outputs: dict[_HeadRow, dict[Key, torch.Tensor]] = {row: {} for row in rows}  # expanded key -> output
+        frontier = {  # the candidates not expanded yet: the chain's runners-up first
+            row: [(d, r) for d, listed in enumerate(row.candidates) for r in range(len(listed))] for row in rows
+        }
+        while True:
+            todo = [(row, sorted(expandable(row, frontier[row]))) for row in rows]
+            todo = [(row, picks) for row, picks in todo if picks]
+            if not todo:
+                return
+            inputs, features = [], []
+            for row, picks in todo:
+                done = outputs[row]
+                # Parents first: the earlier levels' (shorter keys), then this level's picks, one level below.
+                nodes = [*sorted(done, key=lambda k: (len(k), k)), *picks]
+                chain = max(k[0] for k in nodes)  # the chain's slots above the nodes ((d, r) is beside chain[d])
+                where = {k: chain + i for i, k in enumerate(nodes)}
+                tree = (
+                    *range(-1, chain - 1),
+                    *((k[0] - 1) if len(k) == 2 else where[k[:-1]] for k in nodes),
+                )
+                feats = [
+                    *row.step_features[:chain],
+                    *(row.step_features[k[0]] if len(k) == 2 else done[k[:-1]] for k in nodes),
+                ]
+                inputs.append(
+                    batching.RowInput(
+                        past=tuple(row.cache.layer_kv()) or None, past_len=row.cache.seq_len,
+                        input_ids=(*row.tokens[:chain], *(self._token(row, k) for k in nodes)),
+                        logits_needed=len(picks), tree=tree,
+                    )
+                )  # fmt: skip
+                features.append(feats)
+            packed = batching.pack(inputs, config=self.config, device=self.device)
+            feats = torch.zeros(len(todo), packed.input_ids.shape[1], self.hidden_size, device=self.device)
+            for b, fed in enumerate(features):
+                feats[b, : len(fed)] = torch.stack(fed)
+            hidden, _ = self._pass(packed, feats)  # [B, T, hidden]
+            for b, ((row, picks), t) in enumerate(zip(todo, packed.input_lens, strict=True)):
+                got = hidden[b, t - len(picks) : t]  # [picks, hidden]
+                logits = self._logits(got)  # [picks, vocab]
+                new: list[Key] = []
+                for i, key in enumerate(picks):
+                    outputs[row][key] = got[i]
+                    path = self._path(row, key)
+                    row.below[key] = rank_children(logits[i], row, path, len(path) - 1)
+                    new += [(*key, c) for c in range(len(row.below[key]))]
+                frontier[row] = new
+
+    @staticmethod
+    def _token(row: _HeadRow, key: Key) -> int:
+        """The token of the candidate named ``key``."""
+        token = row.candidates[key[0]][key[1]][0]
+        for depth in range(2, len(key)):
+            token = row.below[key[:depth]][key[depth]][0]
+        return token
+
+    @classmethod
+    def _path(cls, row: _HeadRow, key: Key) -> list[int]:
+        """The tokens from depth 1 down to the candidate named ``key``, itself included."""
+        return [*row.tokens[: key[0]], *(cls._token(row, key[:depth]) for depth in range(2, len(key) + 1))]

@@ -9,7 +9,8 @@ the proposer and the verifier never import each other). With a tree budget
 (``DraftRequest.tree``) the proposal is a draft tree: the same chain, then the
 next-best tokens of the draft's own distributions along it as point-mass
 siblings (:func:`draw_step` ranks them, ``specserve.core.ranked_tree`` keeps
-the best; docs/design.md, "Draft trees from the draft's ranking").
+the best; docs/design.md, "Draft trees from the draft's ranking"); the feature
+head also expands the best of them (:func:`expandable`, :func:`rank_children`).
 
 :class:`ModelProposer` is the draft model. It samples ``x_i`` from its own
 logits processed exactly as the target processes its own (``SamplingParams``),
@@ -46,7 +47,7 @@ import torch
 from specserve.api.errors import InvalidArgument, SpecServeError
 from specserve.api.params import PROPOSER_KINDS, SamplingParams
 from specserve.core.features import FeatureBlock
-from specserve.core.ranked_tree import CHAIN, Candidate, TreeBudget, grow_tree
+from specserve.core.ranked_tree import CHAIN, Candidate, Key, TreeBudget, grow_tree, score_candidates
 from specserve.core.rng import Purpose, gumbel_noise, uniform
 from specserve.core.sampling import (
     check_distribution,
@@ -302,6 +303,9 @@ class _Row:
     #: distribution there, and the next-best tokens there (:func:`rank_alternatives`).
     chain_probs: list[float] = field(default_factory=list)
     candidates: list[tuple[Candidate, ...]] = field(default_factory=list)
+    #: Where the proposer expands candidates (EAGLE-2): the candidates below each expanded one, by its key
+    #: (``grow_tree``'s ``below``); empty: the alternatives are leaves.
+    below: dict[Key, tuple[Candidate, ...]] = field(default_factory=dict)
 
     def done(self) -> bool:
         return (
@@ -316,7 +320,9 @@ class _Row:
         tokens: tuple[int, ...] = tuple(self.tokens)
         parents: tuple[int, ...] = ()
         if self.candidates:
-            tokens, parents = grow_tree(self.tokens, self.chain_probs, self.candidates, self.request.tree)
+            tokens, parents = grow_tree(
+                self.tokens, self.chain_probs, self.candidates, self.request.tree, self.below
+            )
         return Drafted(
             token_ids=tokens,
             probs_f32=shipped,
@@ -368,6 +374,35 @@ def draw_step(rows: Sequence[_Row], last: torch.Tensor) -> list[int]:
         if q32 is not None:
             row.shipped.append(q32)
     return [b for b, row in enumerate(rows) if not row.done()]
+
+
+def expandable(row: _Row, frontier: Sequence[Key]) -> list[Key]:
+    """Which of ``frontier`` (candidates not expanded yet) to expand (EAGLE-2): those among the tree's best
+    ``room - 1`` candidates so far (:func:`~specserve.core.ranked_tree.score_candidates`; a child ranks after
+    its parent, so below any other none could be kept), with the chain going on below their depth (a child is
+    no deeper than the chain), and not a stop token (nothing after it commits). Best path first."""
+    budget = row.request.tree
+    room = budget.max_nodes - len(row.tokens)
+    wanted = set(frontier)
+    best = score_candidates(row.chain_probs, row.candidates, budget, row.below)[: max(0, room - 1)]
+    return [
+        key for _, depth, key, token in best
+        if key in wanted and depth < len(row.tokens) - 1 and token not in row.request.stop_token_ids
+    ]  # fmt: skip
+
+
+def rank_children(logits: torch.Tensor, row: _Row, path: Sequence[int], depth: int) -> tuple[Candidate, ...]:
+    """The candidates below a node at depth index ``depth`` whose path (tokens from depth 1) is ``path``, from the
+    draft's next-token logits there ``[vocab]``: its ranking distribution (:func:`ranking_distribution`, the
+    row's stop tokens masked before ``min_new_tokens`` as :func:`draw_step` masks them), the ``room - 1`` best;
+    in the coupled mode by ``log q + G`` with the noise at the children's position (:func:`rank_alternatives`)."""
+    request = row.request
+    position = len(request.committed) + depth + 1  # the children's
+    if position < request.stop_tokens_from:
+        logits = suppress_tokens(logits.unsqueeze(0), request.stop_token_ids, 1)[0]
+    ranked = ranking_distribution(logits, request, [*request.committed, *path])
+    noise = coupled_noise(request, position, logits) if request.sampling.coupled else None
+    return rank_alternatives(ranked, -1, request.tree.max_nodes - len(row.tokens) - 1, noise)
 
 
 def ranking_distribution(logits: torch.Tensor, request: DraftRequest, context: Sequence[int]) -> torch.Tensor:

@@ -62,16 +62,19 @@ class RowInput:
     past_len: int
     input_ids: tuple[int, ...]  # tokens to feed, at positions past_len, past_len + 1, ...
     logits_needed: int | None = None  # logits wanted for the last this-many inputs; None: all
-    #: A draft tree in the last ``len(tree)`` inputs: node ``i``'s parent (``-1``: the input before the nodes,
-    #: else an earlier node). Node ``i`` sits at the position after its parent's and attends to the inputs
-    #: before the nodes and to its own path only (:func:`input_mask`). None: every input is a chain.
+    #: A draft tree in the last ``len(tree)`` inputs: node ``i``'s parent (``-1``: the token before the nodes,
+    #: the last chain input or, when every input is a node, the past's last; else an earlier node). Node ``i``
+    #: sits at the position after its parent's and attends to the past, the inputs before the nodes and its
+    #: own path only (:func:`input_mask`). None: every input is a chain.
     tree: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.input_ids:
             raise ValueError("a row must feed at least one token")
-        if self.tree is not None and not 0 < len(self.tree) < len(self.input_ids):
-            raise ValueError("a tree's nodes follow at least one chain input (the pending token)")
+        if self.tree is not None and not 0 < len(self.tree) <= len(self.input_ids):
+            raise ValueError("a tree has 1 to len(input_ids) nodes, the last inputs")
+        if self.tree is not None and len(self.tree) == len(self.input_ids) and self.past_len == 0:
+            raise ValueError("a tree's nodes follow at least one token (a chain input or the past's)")
         if self.logits_needed is not None and not 1 <= self.logits_needed <= len(self.input_ids):
             raise ValueError(f"logits_needed must be in [1, {len(self.input_ids)}], got {self.logits_needed}")
         if (self.past is None) != (self.past_len == 0):

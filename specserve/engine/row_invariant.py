@@ -148,7 +148,8 @@ def rowwise_attention(
     """transformers' attention interface: ``query [B, H, T, d]``, ``key/value [B, KV, W, d]`` -> ``[B, T, H, d]``.
 
     With a ``row_layout``, row ``b``'s first ``queries[b]`` queries attend to its
-    keys ``spans[b]`` (causally, the last query sees them all); padded queries get
+    keys ``spans[b]`` (causally, the last query sees them all; a row with a draft tree in ``trees[b]``: each
+    node sees the keys before the inputs and its own path, ``batching.input_mask``); padded queries get
     zeros. Without one: transformers' SDPA attention, unchanged.
     """
     if row_layout is None:
@@ -169,9 +170,14 @@ def rowwise_attention(
         q = query[b : b + 1, :, :t]  # [1, H, t, d]
         k = key[b : b + 1, :, start:stop]  # [1, KV, n, d]
         v = value[b : b + 1, :, start:stop]  # [1, KV, n, d]
-        mask = (
-            None if t == 1 else torch.ones(t, n, dtype=torch.bool, device=query.device).tril(n - t)
-        )  # [t, n]
+        tree = row_layout.trees[b] if row_layout.trees else None
+        if tree is not None:  # the keys before the inputs, then each node's own path among them
+            among = batching.input_mask(t, tree).to(query.device)  # [t, t]
+            mask = torch.cat([among.new_ones(t, n - t), among], dim=1)  # [t, n]
+        else:
+            mask = (
+                None if t == 1 else torch.ones(t, n, dtype=torch.bool, device=query.device).tril(n - t)
+            )  # [t, n]
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
         )
@@ -201,6 +207,6 @@ def blocked_matmuls(model) -> RowBlockedMatmuls:
 
 def forward(model, packed: batching.PackedBatch) -> tuple[Tensor, object]:
     """:func:`specserve.engine.batching.forward` with row-blocked matmuls and row-wise attention (``model`` prepared)."""
-    layout = RowLayout(spans=packed.spans, queries=packed.input_lens)
+    layout = RowLayout(spans=packed.spans, queries=packed.input_lens, trees=packed.trees)
     with blocked_matmuls(model):
         return batching.forward(model, packed, row_layout=layout)

@@ -23,7 +23,7 @@ def test_a_card_with_tree_nodes_measures_the_tree_rows_of_every_gamma(pair, tmp_
         sampled_tokens=6, context=8, cost_steps=2, gammas=[1, 3], sampled_gammas=[2], tree_nodes=3,
     )  # fmt: skip
     card = head_card.run(opts)
-    assert card["tree"] == {"nodes": 3, "min_path_probability": 0.05}
+    assert card["tree"] == {"nodes": 3, "min_path_probability": 0.05, "expanded": True}
     assert sorted(card["tree_costs"]["pass_over_decode"], key=int) == [str(k) for k in range(1, 3 + 3 + 2)]
     for kind in ("chat", "code"):
         assert list(card[kind]["tree_greedy"]) == [1, 3] and list(card[kind]["tree_t0.7"]) == [2]

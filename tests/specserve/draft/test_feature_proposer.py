@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import grpc
@@ -14,7 +15,7 @@ from transformers import DynamicCache
 from specserve.api.params import SamplingParams, SessionBase
 from specserve.core import features as wire
 from specserve.core.proposal import draft_probs_to_pb
-from specserve.core.ranked_tree import CHAIN, TreeBudget
+from specserve.core.ranked_tree import CHAIN, TreeBudget, grow_tree, score_candidates
 from specserve.core.tree import DraftTree
 from specserve.draft.feature_proposer import FeatureProposer
 from specserve.draft.proposers import Drafted, DraftRequest
@@ -128,6 +129,77 @@ def test_greedy_drafts_are_the_heads_own_chain(target, head):
         step = head(torch.tensor([[token]]), hidden, position_ids=torch.tensor([[n - 1 + i]]), cache=cache)
         hidden, logits = step.hidden, step.logits[0, -1]
     assert list(drafted.token_ids) == expected
+
+
+@pytest.mark.unit
+@torch.no_grad()
+def test_a_greedy_tree_expands_below_its_best_alternatives_as_the_head_run_by_hand(target, head):
+    """EAGLE-2's expansion: an alternative's slot takes the feature of the chain token beside it, after the
+    chain's slots above it, a candidate below it the alternative's output, and the head's output at each
+    ranks the candidates below it, level by level while a new candidate is among the best; the tree is
+    ``grow_tree`` of the chain's candidates and those, best path first under the budget."""
+    head = copy.deepcopy(head)
+    with torch.no_grad():  # sharper: a child's path can outrank a runner-up deeper in the chain
+        head.norm.weight.mul_(6.0)
+    committed = (9, 4, 30, 12, 7, 51, 8)
+    budget = TreeBudget(12, 0.0)
+    gamma, n = 4, len(committed)
+    block = _features(target, committed)
+    drafted = _proposer(head).propose(
+        DraftRequest("e", committed, gamma, SamplingParams(temperature=0.0), 0, features=block, tree=budget)
+    )
+
+    def ranked(logits: torch.Tensor, exclude: int, k: int) -> tuple:
+        probs = torch.softmax(logits.double(), -1)
+        order = sorted(range(probs.shape[0]), key=lambda t: (-float(probs[t]), t))
+        return tuple((t, float(probs[t])) for t in order if t != exclude and probs[t] > 0)[:k]
+
+    feats = wire.decode(block)  # [n - 1, hidden]
+    cache = DynamicCache(config=head.config)
+    step = head(torch.tensor([committed[1:]]), feats[None], position_ids=torch.arange(n - 1)[None], cache=cache)
+    true_slots = copy.deepcopy(cache)
+    inputs, chain, chain_probs, candidates = [], [], [], []
+    hidden, logits = step.hidden[:, -1:], step.logits[0, -1]
+    for i in range(gamma):
+        full = head.scatter(logits[None])[0]  # [vocab]
+        token = int(full.argmax())
+        inputs.append(hidden)
+        chain.append(token)
+        chain_probs.append(float(torch.softmax(full.double(), -1)[token]))
+        candidates.append(ranked(full, token, budget.max_nodes - 1))
+        step = head(torch.tensor([[token]]), hidden, position_ids=torch.tensor([[n - 1 + i]]), cache=cache)
+        hidden, logits = step.hidden, step.logits[0, -1]
+    room = budget.max_nodes - gamma
+    below: dict = {}
+    frontier = [(d, r) for d, listed in enumerate(candidates) for r in range(len(listed))]
+    levels = 0
+    while True:  # each level: the new candidates among the best room - 1 so far, above the chain's last depth
+        best = score_candidates(chain_probs, candidates, budget, below)[: room - 1]
+        picks = [key for _, depth, key, _ in best if key in frontier and depth < gamma - 1]
+        if not picks:
+            break
+        levels += 1
+        frontier = []
+        for key in picks:  # the head along the candidate's path, one slot at a time
+            by_hand = copy.deepcopy(true_slots)
+            d = key[0]
+            for i in range(d):
+                head(torch.tensor([[chain[i]]]), inputs[i], position_ids=torch.tensor([[n - 1 + i]]), cache=by_hand)
+            path, feature = [candidates[d][key[1]][0]], inputs[d]
+            for depth in range(2, len(key)):
+                path.append(below[key[:depth]][key[depth]][0])
+            for i, token in enumerate(path):
+                out = head(
+                    torch.tensor([[token]]), feature, position_ids=torch.tensor([[n - 1 + d + i]]), cache=by_hand
+                )
+                feature = out.hidden
+            below[key] = ranked(head.scatter(out.logits[0, -1:])[0], -1, room - 1)
+            frontier += [(*key, c) for c in range(len(below[key]))]
+    expected = grow_tree(chain, chain_probs, candidates, budget, below)
+    assert (drafted.token_ids, drafted.parents) == expected
+    assert any(p >= gamma for p in drafted.parents), "no node below an alternative: the test shows nothing"
+    assert levels >= 2, "one level of expansion only: the test shows less than it claims"
+    assert expected != grow_tree(chain, chain_probs, candidates, budget)  # the expansion changed the tree
 
 
 @pytest.mark.unit
