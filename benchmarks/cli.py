@@ -38,6 +38,7 @@ EXPERIMENTS: tuple[Subcommand, ...] = (
     Subcommand("structured", o.StructuredOptions, "benchmarks.structured:main"),
     Subcommand("trees", o.TreesOptions, "benchmarks.trees:main"),
     Subcommand("coupled-lists", o.CoupledListsOptions, "benchmarks.coupled_lists:main"),
+    Subcommand("tree-expansion", o.TreeExpansionOptions, "benchmarks.tree_expansion:main"),
     Subcommand("report", ReportOptions, "benchmarks.report:main"),
 )
 

@@ -320,6 +320,42 @@ class CoupledListsOptions(Options):
 
 
 @dataclass
+class TreeExpansionOptions(Options):
+    """``tree-expansion``: the feature head's trees with and without EAGLE-2's expansion below the alternatives,
+    on the head card's held-out greedy rounds, into tree_expansion.json and tree_expansion.md
+    (benchmarks/tree_expansion.py)."""
+
+    target: str | None = opt(None, "default: the registered default target")
+    head: str | None = opt(None, "a head directory or registered name (default: the default head)")
+    sets: list[str] = opt(["chat", "code"], "held-out sets (the head card's)", choices=["chat", "code"])
+    prompts: int = opt(16, "held-out prompts per set")
+    max_new_tokens: int = opt(96, "tokens of the target's greedy answer replayed per prompt")
+    gamma: int = opt(4, "the chain's length (the tree's depth)")
+    budgets: list[str] = opt(
+        ["8:0.05", "16:0.02"], "tree budgets, each ALTERNATIVES:THRESHOLD (at most gamma + ALTERNATIVES nodes, "
+        "a node only at a path probability of THRESHOLD or more)",
+    )  # fmt: skip
+    threads: int = opt(2, "torch threads")
+    out: Path = opt(DEFAULT_OUT, "the folder the JSON and the Markdown go to")
+
+    def __post_init__(self) -> None:
+        at_least(self.prompts, 1, "--prompts")
+        at_least(self.max_new_tokens, 2, "--max-new-tokens")
+        at_least(self.gamma, 1, "--gamma")
+        for budget in self.budgets:
+            parse_budget(budget)
+
+
+def parse_budget(text: str) -> tuple[int, float]:
+    """``ALTERNATIVES:THRESHOLD`` -> ``(alternatives, threshold)``, or ValueError naming the flag."""
+    try:
+        nodes, threshold = text.split(":")
+        return int(nodes), float(threshold)
+    except ValueError:
+        raise ValueError(f"--budgets takes ALTERNATIVES:THRESHOLD, such as 8:0.05; got {text!r}") from None
+
+
+@dataclass
 class TreesOptions(PairOptions):
     """``trees``: the feature head drafting trees (the default request) against the same head drafting chains
     (``draft_tree_nodes=0``), with HF generate() at both ends of each turn, on the speed gate's held-out kinds,

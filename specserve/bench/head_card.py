@@ -73,10 +73,10 @@ from specserve.engine.kvcache import SessionCacheStore
 from specserve.prompts.chat import heldout_prompts
 
 
-def _proposer(head: FeatureHead) -> FeatureProposer:
+def _proposer(head: FeatureHead, *, expand: bool = True) -> FeatureProposer:
     # No prefix cache: each prompt's context is computed from its own features, as the card has always read it.
     store = SessionCacheStore(head, max_sessions=8, budget_bytes=1 << 30, ttl_s=3600, prefix_cache=False)
-    return FeatureProposer(head, store)
+    return FeatureProposer(head, store, expand=expand)
 
 
 @torch.inference_mode()

@@ -88,9 +88,17 @@ class FeatureProposer(RowProposer):
     needs_model = True
 
     def __init__(
-        self, head: FeatureHead, caches: SessionCacheStore, *, inline_catchup_max: int = 32, kernels: Kernels = "stock"
+        self,
+        head: FeatureHead,
+        caches: SessionCacheStore,
+        *,
+        inline_catchup_max: int = 32,
+        kernels: Kernels = "stock",
+        expand: bool = True,
     ) -> None:
         self.head = head
+        #: Whether a tree expands below its alternatives (:meth:`_expand`; False: the alternatives are leaves).
+        self.expand = expand
         self.caches = caches
         self.inline_catchup_max = inline_catchup_max
         self.config = head.model.config
@@ -260,11 +268,12 @@ class FeatureProposer(RowProposer):
         first = True
         while True:
             for b, row in enumerate(active):
-                if row.request.tree.branches:
+                if self.expand and row.request.tree.branches:
                     row.step_features.append(last[b])
             going = draw_step(active, self._logits(last))
             if not going:
-                self._expand([row for row in rows if row.candidates])
+                if self.expand:
+                    self._expand([row for row in rows if row.candidates])
                 return
             if first:
                 packed = batching.align_ends(packed, grown)
