@@ -17,8 +17,6 @@ else runs). The target's verify pass over the nodes is the head card's ``verify`
 
 from __future__ import annotations
 
-import platform
-
 from tqdm import tqdm
 
 from benchmarks.options import TreeExpansionOptions, parse_budget
@@ -54,6 +52,14 @@ def measure(pair, ids: list[list[int]], refs: list[list[int]], gamma: int, tree:
         "head_passes_per_round": work["passes"] / drafted,
         "head_positions_per_round": work["positions"] / drafted,
     }
+
+
+def machine() -> str:
+    """The CPU's model name and its kernel-relevant flags, and its cores (the gate's reading)."""
+    from specserve.bench.gate import cpu_kind
+
+    kind = cpu_kind()
+    return f"{kind['cpu']} ({', '.join(kind['flags']) or 'no AVX2'}), {kind['cores']} cores"
 
 
 def render(data: dict) -> str:
@@ -110,7 +116,7 @@ def main(opts: TreeExpansionOptions) -> int:
     data = {
         "command": opts.command,
         "date_utc": now_utc(),
-        "machine": platform.processor() or platform.machine(),
+        "machine": machine(),
         "head": pair.head_dir.name,
         "settings": opts.settings(),
         "sets": list(opts.sets),
