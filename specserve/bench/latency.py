@@ -1,11 +1,11 @@
 """Network latency between the tiers: what a round trip to the draft or the target costs.
 
-``specserve bench latency`` starts
+``specserve bench latency`` starts two
 stacks of one process per role (``specserve up``'s, as the harness's single-stream
-runs), one per setting, and puts a :class:`LatencyProxy` between the
-coordinator and one tier: every byte the coordinator sends to that tier, and
-every byte it gets back, arrives ``rtt / 2`` later (an order-preserving delay,
-not a bandwidth limit: bytes in flight overlap as on a real link). For each
+runs), overlap off and on, and puts a :class:`LatencyProxy` between the
+coordinator and each tier. A setting delays one tier's link: every byte the
+coordinator sends to that tier, and every byte it gets back, arrives ``rtt / 2``
+later (an order-preserving delay, not a bandwidth limit: bytes in flight overlap as on a real link). For each
 side (draft, target) and each round-trip time (``--rtts-ms``, 0, 2 and 10 by
 default) it runs the held-out prompts of the first set greedily, EOS ignored,
 with gamma = 0, the token draft at a fixed gamma (``--gamma``, 1), the adaptive
@@ -31,10 +31,11 @@ Two things keep the comparison fair on one small machine:
   (:func:`tier_cpus`; ``start_process_stack(cpus=)``). Overlap runs the draft
   while the target verifies; on shared cores that drafting takes cores from
   the target's pass, which machines of their own would not.
-- **Settings interleaved**: for each side, every (RTT, overlap) stack is up at
-  once and the settings take turns prompt by prompt, ``--repeats``
-  times (every other repeat in the reverse order), so the machine's drift
-  falls on every setting alike.
+- **Settings interleaved, on the same processes**: both stacks are up at once
+  and the settings (side, RTT, overlap) take turns prompt by prompt,
+  ``--repeats`` times (every other repeat in the reverse order), so the
+  machine's drift falls on every setting alike. RTT 0 runs through the same
+  proxies with no delay, so 'added' is the delay's cost alone, not the hop's.
 
 The draft side is the setting of a draft tier on cheap machines away from the
 target tier. What it shows: a round pays one round trip to each tier it calls,
@@ -200,9 +201,10 @@ async def measure(
 ) -> list[LatencyRun]:
     """Every (side, RTT, mode, prompt) ``repeats`` times; see the module docstring.
 
-    For each side, one stack per (RTT, overlap) is up at once and the settings take turns, prompt by
-    prompt and repeat by repeat (every other repeat in the reverse order), so a machine that slows
-    down in the middle slows every setting alike. ``cpus``: each role's CPUs (:func:`tier_cpus`;
+    Two stacks are up at once, overlap off and on, each reaching both tiers through a
+    :class:`LatencyProxy`; a setting sets the delay on its side's link (none on the other) before its
+    generations. The settings take turns, prompt by prompt and repeat by repeat (every other repeat in
+    the reverse order), so a machine that slows down in the middle slows every setting alike. ``cpus``: each role's CPUs (:func:`tier_cpus`;
     the target then runs one thread per CPU it has). ``head_gamma``: the feature head's gamma (None: no
     head mode); ``draft_overrides``: the draft's settings (:func:`specserve.bench.runner.head_overrides`)."""
     from specserve.client import AsyncClient
@@ -214,50 +216,47 @@ async def measure(
         target_overrides["feature_head"] = draft_overrides["feature_head"]
     runs: list[LatencyRun] = []
     reference: dict[str, list[int]] = {}
-    for side in sides:
-        async with contextlib.AsyncExitStack() as up:
-            settings = []  # (rtt, overlap, client, metrics url)
-            for rtt, overlap in ((t, o) for t in rtts_ms for o in (False, True)):
-                proxies: list[LatencyProxy] = []
+    async with contextlib.AsyncExitStack() as up:
+        stacks = []  # (modes, client, metrics url, proxies by role), one per overlap setting
+        for overlap in (False, True):
+            proxies: dict[str, list[LatencyProxy]] = {"draft": [], "target": []}
 
-                async def via(role: str, endpoint: str, side=side, rtt=rtt, proxies=proxies) -> str:
-                    if role != side or rtt <= 0:
-                        return endpoint
-                    proxy = await LatencyProxy(endpoint, rtt / 2000.0).start()
-                    proxies.append(proxy)
-                    return proxy.address
+            async def via(role: str, endpoint: str, proxies=proxies) -> str:
+                proxy = await LatencyProxy(endpoint, 0.0).start()
+                up.push_async_callback(proxy.stop)
+                proxies[role].append(proxy)
+                return proxy.address
 
-                async def stop_proxies(proxies=proxies) -> None:
-                    for proxy in proxies:
-                        await proxy.stop()
-
-                up.push_async_callback(stop_proxies)
-                metrics_port = free_port()
-                stack = await start_process_stack(
-                    target_model=str(target),
-                    draft_model=str(draft),
-                    redis_url=redis_url,
-                    endpoint_map=via,
-                    coordinator_overrides={"overlap": overlap, "metrics_port": metrics_port},
-                    target_overrides=target_overrides,
-                    draft_overrides=draft_overrides or {},
-                    cpus=cpus,
-                )
-                up.push_async_callback(stack.stop)
-                client = await up.enter_async_context(AsyncClient(stack.address, timeout=600))
-                modes = latency_modes(fixed_gamma, head_gamma, overlap)
-                for mode in modes:  # warm-up: connections, caches, the cost model
-                    await client.generate(prompt_token_ids=prompts[0][1], max_new_tokens=8, **mode.request())
-                settings.append((rtt, modes, client, f"http://127.0.0.1:{metrics_port}/metrics"))
-            for repeat in range(repeats):
-                for name, ids in prompts:
-                    for rtt, modes, client, metrics in settings[:: 1 if repeat % 2 == 0 else -1]:
-                        for mode in modes:
-                            run = await _one(client, metrics, side, rtt, mode, name, ids, max_new_tokens)
-                            # Greedy: one output for every setting, the prompt's first run's.
-                            run.identical = run.token_ids == reference.setdefault(name, run.token_ids)
-                            runs.append(run)
-                            progress()
+            metrics_port = free_port()
+            stack = await start_process_stack(
+                target_model=str(target),
+                draft_model=str(draft),
+                redis_url=redis_url,
+                endpoint_map=via,
+                coordinator_overrides={"overlap": overlap, "metrics_port": metrics_port},
+                target_overrides=target_overrides,
+                draft_overrides=draft_overrides or {},
+                cpus=cpus,
+            )
+            up.push_async_callback(stack.stop)
+            client = await up.enter_async_context(AsyncClient(stack.address, timeout=600))
+            modes = latency_modes(fixed_gamma, head_gamma, overlap)
+            for mode in modes:  # warm-up: connections, caches, the cost model
+                await client.generate(prompt_token_ids=prompts[0][1], max_new_tokens=8, **mode.request())
+            stacks.append((modes, client, f"http://127.0.0.1:{metrics_port}/metrics", proxies))
+        settings = [(side, rtt, *stack) for side in sides for rtt in rtts_ms for stack in stacks]
+        for repeat in range(repeats):
+            for name, ids in prompts:
+                for side, rtt, modes, client, metrics, proxies in settings[:: 1 if repeat % 2 == 0 else -1]:
+                    for role, role_proxies in proxies.items():  # the delay on ``side``'s link only
+                        for proxy in role_proxies:
+                            proxy.delay_s = rtt / 2000.0 if role == side else 0.0
+                    for mode in modes:
+                        run = await _one(client, metrics, side, rtt, mode, name, ids, max_new_tokens)
+                        # Greedy: one output for every setting, the prompt's first run's.
+                        run.identical = run.token_ids == reference.setdefault(name, run.token_ids)
+                        runs.append(run)
+                        progress()
     return runs
 
 
@@ -357,17 +356,24 @@ def section(data: dict) -> list[str]:
         else "every role on every core"
     )
     repeats = st.get("repeats", 1)
+    shared = st.get("stacks") == "shared"  # runs before 2026-12-07 started one stack per setting
     lines = [
         f"## Network latency between the tiers (greedy, {st['max_new_tokens']} tokens, "
-        f"{st['prompts']} held-out {st.get('prompt_set', 'chat')} prompts x {repeats}, one stack of processes "
-        "per setting)",
+        f"{st['prompts']} held-out {st.get('prompt_set', 'chat')} prompts x {repeats}, "
+        + ("two stacks of processes, overlap off and on)" if shared else "one stack of processes per setting)"),
         "",
         f"Command: `{st['command']}`. A proxy delays every byte between the coordinator and one tier by "
         f"RTT / 2 each way; {where}. "
         + (
-            "For each tier, every setting's stack is up at once and the settings take turns prompt by prompt "
-            "(each repeat in the other order), so the machine's drift falls on all alike; ms/token is the "
-            "median over prompts and repeats. "
+            "Both stacks reach both tiers through proxies, RTT 0 with no delay, so 'added' is the delay's "
+            "cost, not the hop's. "
+            if shared
+            else ""
+        )
+        + (
+            ("The settings" if shared else "For each tier, every setting's stack is up at once and the settings")
+            + " take turns prompt by prompt (each repeat in the other order), so the machine's drift falls on "
+            "all alike; ms/token is the median over prompts and repeats. "
             if repeats > 1
             else ""
         )
@@ -499,6 +505,7 @@ async def measure_for(opts: LatencyOptions) -> dict:
     settings = {
         **Header.of(opts).to_json(),
         "prompt_set": first,
+        "stacks": "shared",  # two stacks (overlap off, on), every setting a delay on their proxies
         "prompts": len(prompts),
         "rtts_ms": list(opts.rtts_ms),
         "sides": list(opts.sides),
