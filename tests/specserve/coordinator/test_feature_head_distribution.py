@@ -9,7 +9,9 @@ two). The empirical joint of the 3 tokens against the target's exact joint by
 enumeration: Pearson chi-square, cells with expected count < 5 merged,
 significance level 0.001; with chains, and with draft trees from the head's
 own ranking (every runner-up of its q a point-mass sibling: the coordinator's
-``draft_tree_min_path_probability=0``). For power, the same test runs against a
+``draft_tree_min_path_probability=0``); and with trees over N = 2000 sessions of 4
+tokens, whose drafting round has the depth for the nodes the head expands below
+its alternatives. For power, the same test runs against a
 deliberately biased head that proposes the mode of its q while shipping q (a
 proposal that is not a draw from the q it reports): it must fail. And once more
 with the hybrid lookup's continuation hung on the trees as point masses.
@@ -26,6 +28,7 @@ import system_fixtures as sf
 from prometheus_client import REGISTRY
 
 import specserve.draft.feature_proposer
+import specserve.draft.proposers
 from specserve.api.params import SamplingParams
 from specserve.coordinator.speculation.policy import AdaptiveGamma
 from specserve.v1 import common_pb2
@@ -67,14 +70,14 @@ async def stack(pair, head, redis_server, request):
         yield s
 
 
-async def _sample(stack, stats: list, gamma: int | None = 2) -> Counter:
+async def _sample(stack, stats: list, gamma: int | None = 2, length: int = LENGTH, n: int = N) -> Counter:
     sem = asyncio.Semaphore(64)
 
     async def one(seed: int) -> tuple[int, ...]:
         async with sem:
             req = sf.request(
                 PROMPT,
-                max_new_tokens=LENGTH,
+                max_new_tokens=length,
                 temperature=TEMPERATURE,
                 seed=seed,
                 gamma=gamma,
@@ -84,9 +87,9 @@ async def _sample(stack, stats: list, gamma: int | None = 2) -> Counter:
             )
             out = await sf.generate(stack.address, req)
             stats.append(out.stats)
-            return tuple(out.token_ids[:LENGTH])
+            return tuple(out.token_ids[:length])
 
-    return Counter(await asyncio.gather(*(one(seed) for seed in range(N))))
+    return Counter(await asyncio.gather(*(one(seed) for seed in range(n))))
 
 
 async def test_the_joint_with_the_head_is_target_only_sampling(stack, pair, request):
@@ -102,6 +105,35 @@ async def test_the_joint_with_the_head_is_target_only_sampling(stack, pair, requ
     # With trees a drafting round proposes more nodes than its gamma of 2 levels: the runners-up beside them.
     branched = sum(s.proposed_tokens for s in stats) > 2 * sum(s.draft_rounds for s in stats)
     assert branched == trees
+
+
+#: Sessions of 4 tokens: the round after the prefill drafts 2 levels, so the second holds the chain's runners-up
+#: and the children below the first level's alternatives (EAGLE-2's expansion, docs/design.md, "Expansion below
+#: the alternatives"), which 3-token sessions never reach. 4^4 joint cells: more sessions.
+DEEP, N_DEEP = 4, 2000
+
+
+@pytest.mark.parametrize("stack", [TREES], ids=["trees"], indirect=True)
+async def test_the_joint_through_nodes_expanded_below_the_alternatives_is_target_only_sampling(
+    stack, pair, monkeypatch
+):
+    grown = {"trees": 0, "expanded": 0}
+    grow = specserve.draft.proposers.grow_tree
+
+    def counted(chain, *args, **kwargs):
+        tokens, parents = grow(chain, *args, **kwargs)
+        grown["trees"] += 1
+        grown["expanded"] += any(parent >= len(chain) for parent in parents)  # below a non-chain node
+        return tokens, parents
+
+    monkeypatch.setattr(specserve.draft.proposers, "grow_tree", counted)
+    exact = sf.exact_joint(pair.target_dir, PROMPT, SamplingParams(temperature=TEMPERATURE), DEEP)
+    observed = await _sample(stack, [], length=DEEP, n=N_DEEP)
+    assert sum(observed.values()) == N_DEEP and all(seq in exact for seq in observed)
+    stat, p, cells = sf.merged_chi_square(observed, exact)
+    print(f"feature head, expanded trees ({grown}): chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
+    assert p > ALPHA, f"chi-square {stat:.1f} on {cells} cells, p = {p:.2e}"
+    assert grown["expanded"] >= N_DEEP / 4, f"nodes below the alternatives were on many trees: {grown}"
 
 
 #: One runner-up per tree (the chain's token and one more at depth 1 of 4 tokens): room for the lookup's guess.
@@ -142,13 +174,18 @@ def _mode_of_q(draw_step):
     return biased
 
 
-@pytest.mark.parametrize("stack", [CHAINS], ids=["chains"], indirect=True)
-async def test_the_same_test_rejects_a_head_that_proposes_its_mode(stack, pair, monkeypatch):
-    exact = sf.exact_joint(pair.target_dir, PROMPT, SamplingParams(temperature=TEMPERATURE), LENGTH)
+@pytest.mark.parametrize(
+    ("stack", "length", "n"), [(CHAINS, LENGTH, N), (TREES, DEEP, N_DEEP)], ids=["chains", "expanded-trees"],
+    indirect=["stack"],
+)  # fmt: skip
+async def test_the_same_test_rejects_a_head_that_proposes_its_mode(stack, pair, monkeypatch, length, n):
+    """Power: the chain's token replaced by q's mode, q shipped as drawn; with trees, the 4-token test above
+    (the alternatives and the nodes below them are the tree's as before, around the biased chain)."""
+    exact = sf.exact_joint(pair.target_dir, PROMPT, SamplingParams(temperature=TEMPERATURE), length)
     module = specserve.draft.feature_proposer
     monkeypatch.setattr(module, "draw_step", _mode_of_q(module.draw_step))
-    observed = await _sample(stack, [])
+    observed = await _sample(stack, [], length=length, n=n)
     outside = [seq for seq in observed if seq not in exact]
     stat, p, cells = sf.merged_chi_square(observed, exact) if not outside else (float("inf"), 0.0, 0)
-    print(f"biased head: chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
+    print(f"biased head, {length} tokens: chi-square {stat:.1f} on {cells} cells, p = {p:.3g}")
     assert p < ALPHA
