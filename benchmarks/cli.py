@@ -39,6 +39,7 @@ EXPERIMENTS: tuple[Subcommand, ...] = (
     Subcommand("trees", o.TreesOptions, "benchmarks.trees:main"),
     Subcommand("coupled-lists", o.CoupledListsOptions, "benchmarks.coupled_lists:main"),
     Subcommand("tree-expansion", o.TreeExpansionOptions, "benchmarks.tree_expansion:main"),
+    Subcommand("tree-sampling", o.TreeSamplingOptions, "benchmarks.tree_sampling:main"),
     Subcommand("report", ReportOptions, "benchmarks.report:main"),
 )
 

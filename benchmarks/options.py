@@ -346,6 +346,28 @@ class TreeExpansionOptions(Options):
             parse_budget(budget)
 
 
+@dataclass
+class TreeSamplingOptions(TreeExpansionOptions):
+    """``tree-sampling``: the feature head's trees in sampled rounds (the optimal rule), the chain drawn from the
+    head's q against every node a ranked point mass, at each budget, into tree_sampling.json and
+    tree_sampling.md (benchmarks/tree_sampling.py)."""
+
+    prompts: int = opt(8, "held-out prompts per set")
+    seeds: int = opt(2, "seeded generations per prompt")
+    max_new_tokens: int = opt(48, "tokens generated per generation")
+    temperature: float = opt(0.7, "the sampling temperature, the target's and the drawn chain's")
+    budgets: list[str] = opt(
+        ["16:0.02", "32:0.01"], "tree budgets, each ALTERNATIVES:THRESHOLD (at most gamma + ALTERNATIVES nodes, "
+        "a node only at a path probability of THRESHOLD or more)",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        at_least(self.seeds, 1, "--seeds")
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature must be above 0 (greedy trees: tree-expansion); got {self.temperature}")
+
+
 def parse_budget(text: str) -> tuple[int, float]:
     """``ALTERNATIVES:THRESHOLD`` -> ``(alternatives, threshold)``, or ValueError naming the flag."""
     try:

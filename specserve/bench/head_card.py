@@ -273,11 +273,13 @@ def _tree_pass(target: Any, seq: list[int], tree: DraftTree) -> torch.Tensor:
 
 def sampled_tree_rounds(
     proposer: FeatureProposer, features: FeatureMaker, prompt: list[int], max_new: int, gamma: int, tree: TreeBudget,
-    params: SamplingParams, eos: int, key: str,
+    params: SamplingParams, eos: int, key: str, draft_params: SamplingParams | None = None,
 ) -> dict:
     """:func:`sampled_rounds` with the draft's tree under ``tree``, accepted by :func:`verify_tree` (recursive
     rejection sampling without replacement), or in the coupled mode by :func:`verify_tree_coupled`. Each round's features come from a pass over the committed text
-    (:func:`sequence_features`) and the target's rows from a pass over it and the tree: simple, not fast."""
+    (:func:`sequence_features`) and the target's rows from a pass over it and the tree: simple, not fast.
+    ``draft_params``: the draft's settings where they differ from the target's (greedy: every node a ranked
+    point mass, the chain the head's argmax; still exact, as any point mass is)."""
     seq = list(prompt)
     sent = 0
     nodes = accepted = rounds = new = drafted = 0
@@ -289,7 +291,7 @@ def sampled_tree_rounds(
             block = sequence_features(features, seq).slice(sent, len(seq) - 1)
             sent = len(seq) - 1
             got = proposer.propose(
-                DraftRequest(key, tuple(seq), g, params, params.seed or 0, features=block, tree=tree)
+                DraftRequest(key, tuple(seq), g, draft_params or params, params.seed or 0, features=block, tree=tree)
             )
             q = got.probs_f32.double() if got.probs_f32 is not None else None
             proposal = _tree_of(got.token_ids, got.parents, q)
