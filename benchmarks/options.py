@@ -319,6 +319,12 @@ class CoupledListsOptions(Options):
             raise ValueError(f"--temperature must be > 0 (the coupled mode samples), got {self.temperature}")
 
 
+BUDGETS_HELP = (
+    "tree budgets, each ALTERNATIVES:THRESHOLD (at most gamma + ALTERNATIVES nodes, a node only at a path "
+    "probability of THRESHOLD or more)"
+)
+
+
 @dataclass
 class TreeExpansionOptions(Options):
     """``tree-expansion``: the feature head's trees with and without EAGLE-2's expansion below the alternatives,
@@ -331,10 +337,7 @@ class TreeExpansionOptions(Options):
     prompts: int = opt(16, "held-out prompts per set")
     max_new_tokens: int = opt(96, "tokens of the target's greedy answer replayed per prompt")
     gamma: int = opt(4, "the chain's length (the tree's depth)")
-    budgets: list[str] = opt(
-        ["8:0.05", "16:0.02"], "tree budgets, each ALTERNATIVES:THRESHOLD (at most gamma + ALTERNATIVES nodes, "
-        "a node only at a path probability of THRESHOLD or more)",
-    )  # fmt: skip
+    budgets: list[str] = opt(["8:0.05", "16:0.02"], BUDGETS_HELP)
     threads: int = opt(2, "torch threads")
     out: Path = opt(DEFAULT_OUT, "the folder the JSON and the Markdown go to")
 
@@ -356,10 +359,7 @@ class TreeSamplingOptions(TreeExpansionOptions):
     seeds: int = opt(2, "seeded generations per prompt")
     max_new_tokens: int = opt(48, "tokens generated per generation")
     temperature: float = opt(0.7, "the sampling temperature, the target's and the drawn chain's")
-    budgets: list[str] = opt(
-        ["16:0.02", "32:0.01"], "tree budgets, each ALTERNATIVES:THRESHOLD (at most gamma + ALTERNATIVES nodes, "
-        "a node only at a path probability of THRESHOLD or more)",
-    )  # fmt: skip
+    budgets: list[str] = opt(["16:0.02", "32:0.01"], BUDGETS_HELP)
 
     def __post_init__(self) -> None:
         super().__post_init__()

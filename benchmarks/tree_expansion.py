@@ -113,6 +113,12 @@ def main(opts: TreeExpansionOptions) -> int:
                 arm: measure(pair, ids, refs, opts.gamma, tree, arm == "expanded", kind)
                 for arm in ("leaves", "expanded")
             }
+    return write(opts, pair, results, "tree_expansion", render)
+
+
+def write(opts, pair, results: dict, name: str, render_data) -> int:
+    """The run's record (its command, date, machine, head and settings with ``results``) to
+    ``<out>/<name>.json`` and, as ``render_data`` renders it, ``.md``; the table printed."""
     data = {
         "command": opts.command,
         "date_utc": now_utc(),
@@ -122,6 +128,6 @@ def main(opts: TreeExpansionOptions) -> int:
         "sets": list(opts.sets),
         "results": results,
     }
-    md.write(opts.out, "tree_expansion", render(data), data)
-    print(render(data))
+    md.write(opts.out, name, render_data(data), data)
+    print(render_data(data))
     return 0

@@ -27,9 +27,8 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from benchmarks.options import TreeSamplingOptions, parse_budget
-from benchmarks.tree_expansion import machine
+from benchmarks.tree_expansion import write
 from specserve.bench import markdown as md
-from specserve.bench.runner import now_utc
 from specserve.core.ranked_tree import TreeBudget
 
 ARMS = ("drawn chain", "ranked")
@@ -106,15 +105,4 @@ def main(opts: TreeSamplingOptions) -> int:
             alternatives, threshold = parse_budget(budget)
             tree = TreeBudget(opts.gamma + alternatives, threshold)
             results[kind][budget] = {arm: measure(pair, ids, opts, tree, arm, kind) for arm in ARMS}
-    data = {
-        "command": opts.command,
-        "date_utc": now_utc(),
-        "machine": machine(),
-        "head": pair.head_dir.name,
-        "settings": opts.settings(),
-        "sets": list(opts.sets),
-        "results": results,
-    }
-    md.write(opts.out, "tree_sampling", render(data), data)
-    print(render(data))
-    return 0
+    return write(opts, pair, results, "tree_sampling", render)
