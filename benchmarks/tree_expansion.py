@@ -28,7 +28,7 @@ from specserve.core.ranked_tree import TreeBudget
 def measure(pair, ids: list[list[int]], refs: list[list[int]], gamma: int, tree: TreeBudget, expand: bool,
             kind: str) -> dict:
     """One row: the replays of every prompt with the head's trees under ``tree``, expanded or not."""
-    from specserve.bench.head_card import _add, _proposer, replay_greedy_tree
+    from specserve.bench.head_card import _add, _proposer, _tree_row, replay_greedy_tree
 
     proposer = _proposer(pair.head, expand=expand)
     work = {"passes": 0, "positions": 0}
@@ -45,10 +45,7 @@ def measure(pair, ids: list[list[int]], refs: list[list[int]], gamma: int, tree:
         _add(tot, replay_greedy_tree(proposer, pair.features, prompt, ref, gamma, tree, f"{kind}-{n}"))
     drafted = max(1, tot["drafted_rounds"])
     return {
-        "tau": 1.0 + tot["accepted"] / drafted,
-        "nodes_per_round": tot["nodes"] / drafted,
-        "per_depth": [a / drafted for a in tot["per_depth"]],
-        "drafted_rounds": tot["drafted_rounds"],
+        **_tree_row(tot, None),
         "head_passes_per_round": work["passes"] / drafted,
         "head_positions_per_round": work["positions"] / drafted,
     }

@@ -37,7 +37,7 @@ ARMS = ("drawn chain", "ranked")
 def measure(pair, ids: list[list[int]], opts: TreeSamplingOptions, tree: TreeBudget, arm: str, kind: str) -> dict:
     """One row: every prompt's seeded generations with the head's trees under ``tree`` in ``arm``."""
     from specserve.api.params import SamplingParams
-    from specserve.bench.head_card import _add, sampled_tree_rounds
+    from specserve.bench.head_card import _add, _tree_row, sampled_tree_rounds
 
     eos = pair.tokenizer.eos_token_id
     tot = {"nodes": 0, "accepted": 0, "rounds": 0, "drafted_rounds": 0, "per_depth": [0] * opts.gamma, "tokens": 0}
@@ -50,14 +50,7 @@ def measure(pair, ids: list[list[int]], opts: TreeSamplingOptions, tree: TreeBud
                 f"{arm}-{kind}-{n}-{s}", draft_params=draft,
             )  # fmt: skip
             _add(tot, got)
-    drafted = max(1, tot["drafted_rounds"])
-    return {
-        "tau": 1.0 + tot["accepted"] / drafted,
-        "nodes_per_round": tot["nodes"] / drafted,
-        "per_depth": [a / drafted for a in tot["per_depth"]],
-        "drafted_rounds": tot["drafted_rounds"],
-        "tokens": tot["tokens"],
-    }
+    return {**_tree_row(tot, None), "tokens": tot["tokens"]}
 
 
 def render(data: dict) -> str:
