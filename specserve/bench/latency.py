@@ -204,8 +204,8 @@ async def measure(
     Two stacks are up at once, overlap off and on, each reaching both tiers through a
     :class:`LatencyProxy`; a setting sets the delay on its side's link (none on the other) before its
     generations. The settings take turns, prompt by prompt and repeat by repeat (every other repeat in
-    the reverse order), so a machine that slows down in the middle slows every setting alike. ``cpus``: each role's CPUs (:func:`tier_cpus`;
-    the target then runs one thread per CPU it has). ``head_gamma``: the feature head's gamma (None: no
+    the reverse order), so a machine that slows down in the middle slows every setting alike.
+    ``cpus``: each role's CPUs (:func:`tier_cpus`; the target then runs one thread per CPU it has). ``head_gamma``: the feature head's gamma (None: no
     head mode); ``draft_overrides``: the draft's settings (:func:`specserve.bench.runner.head_overrides`)."""
     from specserve.client import AsyncClient
     from specserve.launch.local import start_process_stack
@@ -356,7 +356,7 @@ def section(data: dict) -> list[str]:
         else "every role on every core"
     )
     repeats = st.get("repeats", 1)
-    shared = st.get("stacks") == "shared"  # runs before 2026-12-07 started one stack per setting
+    shared = st.get("stacks") == "shared"  # a record without the key started one stack per setting
     lines = [
         f"## Network latency between the tiers (greedy, {st['max_new_tokens']} tokens, "
         f"{st['prompts']} held-out {st.get('prompt_set', 'chat')} prompts x {repeats}, "
