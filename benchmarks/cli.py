@@ -40,6 +40,7 @@ EXPERIMENTS: tuple[Subcommand, ...] = (
     Subcommand("coupled-lists", o.CoupledListsOptions, "benchmarks.coupled_lists:main"),
     Subcommand("tree-expansion", o.TreeExpansionOptions, "benchmarks.tree_expansion:main"),
     Subcommand("tree-sampling", o.TreeSamplingOptions, "benchmarks.tree_sampling:main"),
+    Subcommand("tree-verify", o.TreeVerifyOptions, "benchmarks.tree_verify:main"),
     Subcommand("report", ReportOptions, "benchmarks.report:main"),
 )
 

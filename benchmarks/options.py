@@ -408,3 +408,24 @@ class TreesOptions(PairOptions):
     def overrides(self) -> dict[str, dict[str, object]]:
         """``--setting`` by role, as the speed gate reads it (:meth:`GateOptions.overrides`)."""
         return GateOptions(setting=self.setting).overrides()
+
+
+@dataclass
+class TreeVerifyOptions(Options):
+    """``tree-verify``: a lone session's tree verify pass in a padded batch of one against its own cache, into
+    tree_verify.json and tree_verify.md (benchmarks/tree_verify.py)."""
+
+    target: str = opt(DEFAULT_TARGET, "a registered model name or a directory")
+    kernels: list[Literal["stock", "onednn"]] = opt(["stock", "onednn"], "the linear kernels, each measured")
+    contexts: list[int] = opt([128, 512], "cached tokens before the timed passes")
+    nodes: list[int] = opt([4, 8, 16], "tree sizes (nodes after the pending token)")
+    pairs: int = opt(15, "interleaved rounds timed per setting")
+    threads: int = opt(2, "torch threads")
+    out: Path = opt(DEFAULT_OUT, "the folder the JSON and the Markdown go to")
+
+    def __post_init__(self) -> None:
+        at_least(self.pairs, 1, "--pairs")
+        for n in self.nodes:
+            at_least(n, 1, "--nodes")
+        for c in self.contexts:
+            at_least(c, 1, "--contexts")

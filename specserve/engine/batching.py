@@ -223,8 +223,7 @@ def pack(rows: Sequence[RowInput], *, config, device: torch.device | str, room: 
         # Padded queries repeat the last real position; their outputs are discarded.
         position_ids[b] = torch.arange(row.past_len, row.past_len + longest).clamp(max=row.past_len + t - 1)
         if row.tree is not None:  # each node at its parent's position + 1
-            chain = t - len(row.tree)
-            position_ids[b, chain:t] = row.past_len + chain - 1 + torch.tensor(tree_depths(row.tree))
+            position_ids[b, :t] = input_positions(row.past_len, t, row.tree)
             position_ids[b, t:] = position_ids[b, :t].max()
     if width > 0:
         cache = _padded_cache(rows, width, config, room=longest + room)
@@ -254,6 +253,29 @@ def tree_depths(parents: Sequence[int]) -> list[int]:
     for parent in parents:
         depths.append(1 if parent < 0 else depths[parent] + 1)
     return depths
+
+
+def input_positions(past_len: int, inputs: int, parents: Sequence[int] | None) -> Tensor:
+    """``[inputs]`` positions of a row's inputs after ``past_len`` cached tokens: consecutive for a chain; the
+    last ``len(parents)`` inputs (a tree, :attr:`RowInput.tree`) each at its parent's position + 1."""
+    positions = torch.arange(past_len, past_len + inputs)
+    if parents:
+        chain = inputs - len(parents)
+        positions[chain:] = past_len + chain - 1 + torch.tensor(tree_depths(parents))
+    return positions
+
+
+def tree_pass_inputs(past_len: int, inputs: int, parents: Sequence[int], dtype: torch.dtype,
+                     device: torch.device | str) -> dict[str, Tensor]:
+    """The ``attention_mask`` (4D additive, ``[1, 1, inputs, past_len + inputs]``) and ``position_ids``
+    (``[1, inputs]``) of one unpadded row whose last ``len(parents)`` inputs are a draft tree: what a
+    session's own cache feeds the model (``SessionCache.extend_tree``); :func:`pack` lays out the same for
+    a batch."""
+    allowed = torch.ones(inputs, past_len + inputs, dtype=torch.bool)
+    allowed[:, past_len:] = input_mask(inputs, parents)
+    mask = torch.zeros(1, 1, inputs, past_len + inputs, dtype=dtype)
+    mask[0, 0].masked_fill_(~allowed, torch.finfo(dtype).min)
+    return {"attention_mask": mask.to(device), "position_ids": input_positions(past_len, inputs, parents)[None].to(device)}
 
 
 def input_mask(inputs: int, parents: Sequence[int] | None) -> Tensor:

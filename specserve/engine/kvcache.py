@@ -96,6 +96,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from specserve.api.errors import FailedPrecondition, InvalidArgument, NotFound
+from specserve.engine import batching
 from specserve.engine.feature_maker import FeatureMaker
 from specserve.engine.models import vocab_size_of
 
@@ -373,21 +374,33 @@ class SessionCache:
             )
 
     @torch.inference_mode()
-    def _feed(self, token_ids: Sequence[int], *, logits_to_keep: int) -> torch.Tensor:
-        """Feed tokens through the model; return the last ``logits_to_keep`` rows of logits."""
+    def _feed(
+        self, token_ids: Sequence[int], *, logits_to_keep: int, tree: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed tokens through the model; return the last ``logits_to_keep`` rows of logits and, when the
+        cache tracks features, every fed position's ``[n, hidden]`` (float32). ``tree``: the parents of the
+        last ``len(tree)`` tokens, a draft tree (:meth:`extend_tree`): their features are not kept."""
         self._check_room(len(self._tokens), len(token_ids))
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)  # [1, n]
         start = len(self._tokens)
+        inputs: dict[str, Any] = {}
+        if tree:
+            dtype = next(self.model.parameters()).dtype
+            inputs = batching.tree_pass_inputs(start, len(token_ids), tree, dtype, self._device)
+        rows = None
         if self._features is None:
-            out = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
+            out = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=logits_to_keep,
+                             **inputs)
         else:
             with self.feature_maker.tap() as tap:
-                out = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
-            self._append_features(tap.rows(0, len(token_ids)), start)
+                out = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=logits_to_keep,
+                                 **inputs)
+            rows = tap.rows(0, len(token_ids))
+            self._append_features(rows[: len(token_ids) - len(tree or ())], start)
         self._tokens.extend(int(t) for t in token_ids)
         self._nbytes = None
         self.touch()
-        return out.logits[0].float()  # [logits_to_keep, vocab]
+        return out.logits[0].float(), rows  # [logits_to_keep, vocab]
 
     def extend(self, token_ids: Sequence[int], *, logits_to_keep: int | None = None) -> torch.Tensor:
         """Feed ``token_ids`` as a tentative branch; return the next-token logits of the last
@@ -402,7 +415,34 @@ class SessionCache:
         keep = len(token_ids) if logits_to_keep is None else logits_to_keep
         if not 1 <= keep <= len(token_ids):
             raise InvalidArgument(f"logits_to_keep must be 1..{len(token_ids)}, got {keep}")
-        return self._feed(token_ids, logits_to_keep=keep)
+        return self._feed(token_ids, logits_to_keep=keep)[0]
+
+    def extend_tree(
+        self, token_ids: Sequence[int], parents: Sequence[int], *, logits_to_keep: int
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+        """Feed ``token_ids``, whose last ``len(parents)`` are a draft tree (each node at its parent's position
+        + 1, seeing the tokens before the tree and its own ancestors), in one pass over this cache.
+
+        The tokens before the tree stay as a branch, as :meth:`extend` leaves them; the tree's nodes do not:
+        their per-layer ``(keys, values)`` ``[1, kv_heads, nodes, head_dim]`` and, when the cache tracks
+        features, their ``[nodes, hidden]`` features come back beside the logits of the last
+        ``logits_to_keep`` tokens, for the accepted path to be appended (:meth:`append_kv`). A lone session's
+        tree costs this one pass and no copy of its past (a batch packs its rows, ``batching.pack``).
+        """
+        nodes = len(parents)
+        if not 1 <= nodes <= len(token_ids) or not 1 <= logits_to_keep <= len(token_ids):
+            raise InvalidArgument(
+                f"extend_tree needs 1..{len(token_ids)} tree nodes and logits of 1..{len(token_ids)} tokens, "
+                f"got {nodes} and {logits_to_keep}"
+            )
+        self._check_ids(token_ids)
+        kept = len(self._tokens) + len(token_ids) - nodes
+        logits, rows = self._feed(token_ids, logits_to_keep=logits_to_keep, tree=parents)
+        tree_kv = [
+            (layer.keys[..., -nodes:, :].clone(), layer.values[..., -nodes:, :].clone()) for layer in self._cache.layers
+        ]
+        self.truncate(kept)
+        return logits, tree_kv, None if rows is None else rows[-nodes:]
 
     def commit(self, n: int) -> None:
         """Make the first ``n`` tokens of the branch committed."""
@@ -535,7 +575,7 @@ class SessionCache:
         missing = c[keep:want]
         logits = None
         if missing:
-            last = self._feed(missing, logits_to_keep=1)[-1]  # [vocab]
+            last = self._feed(missing, logits_to_keep=1)[0][-1]  # [vocab]
             logits = None if pending else last
         self._committed = want
         self.touch()

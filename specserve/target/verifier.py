@@ -487,10 +487,17 @@ class Verifier:
         if not ready:
             return forward_ns, positions
         t0 = time.perf_counter_ns()
-        if len(ready) == 1 and ready[0].item.tree is None:
+        if len(ready) == 1 and (ready[0].item.tree is None or not position_invariant.is_invariant(self.model.model)):
+            # A lone session feeds its own cache: no copy of its past into a padded batch (a tree's nodes
+            # come back beside the logits and wait for the verdict; the invariant attention packs a tree).
             w = ready[0]
             assert w.cache is not None
-            w.logits = w.cache.extend(w.feed, logits_to_keep=w.item.gamma + 1)  # [gamma + 1, vocab]
+            if w.item.tree is None:
+                w.logits = w.cache.extend(w.feed, logits_to_keep=w.item.gamma + 1)  # [gamma + 1, vocab]
+            else:
+                w.logits, w.tree_kv, w.tree_features = w.cache.extend_tree(
+                    w.feed, w.item.tree.parents, logits_to_keep=w.item.gamma + 1
+                )
         else:
             rows = []
             for w in ready:

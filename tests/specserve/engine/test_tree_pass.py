@@ -112,3 +112,71 @@ def test_input_mask_is_causal_then_the_ancestor_mask():
     assert torch.equal(mask[2:, 2:], tree.ancestor_mask())
     assert mask[2:, :2].all() and torch.equal(mask[:2, :2], torch.ones(2, 2, dtype=torch.bool).tril())
     assert not mask[:2, 2:].any()
+
+
+def test_a_session_caches_own_tree_pass_is_the_padded_pass(target):
+    """``SessionCache.extend_tree`` (a lone session's tree, in its own cache): the logits of the pending token
+    and every node, and each node's keys/values, are those of the padded pass (within float rounding); the
+    cache then holds the past and the pending tokens only, and a chain fed after it continues from there."""
+    from specserve.engine.kvcache import SessionCache
+
+    model = target.model
+    gen = torch.Generator().manual_seed(5)
+    vocab = model.config.vocab_size
+    seq = torch.randint(0, vocab, (16,), generator=gen).tolist()
+    tree = DraftTree(tuple(int(t) for t in torch.randperm(vocab, generator=gen)[: len(PARENTS)]), PARENTS)
+    past, pending = seq[:11], seq[11:13]
+    cache = SessionCache(model, "s")
+    cache.extend(past)
+    logits, tree_kv, features = cache.extend_tree(
+        [*pending, *tree.tokens], tree.parents, logits_to_keep=tree.nodes + 1
+    )
+    assert features is None  # the cache does not track features
+    other = (seq[:5], seq[5:9])
+    want_logits, want_kv = _tree_batch(model, past, pending, tree, other)
+    torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=RTOL)
+    for (k, v), (wk, wv) in zip(tree_kv, want_kv, strict=True):
+        assert k.shape[2] == tree.nodes
+        torch.testing.assert_close(k, wk[:, :, len(pending):], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(v, wv[:, :, len(pending):], atol=ATOL, rtol=RTOL)
+    assert list(cache.tokens) == [*past, *pending] and cache.seq_len == len(past) + len(pending)
+    nxt = cache.extend(seq[13:16])
+    chain_logits, _ = _chain_row(model, past, [*pending, *seq[13:16]])
+    torch.testing.assert_close(nxt, chain_logits[-3:], atol=ATOL, rtol=RTOL)
+
+
+def test_a_tree_pass_in_the_session_cache_refuses_a_bad_shape(target):
+    from specserve.api.errors import InvalidArgument
+    from specserve.engine.kvcache import SessionCache
+
+    cache = SessionCache(target.model, "s")
+    cache.extend([1, 2, 3])
+    with pytest.raises(InvalidArgument, match="tree nodes"):
+        cache.extend_tree([4, 5], (-1, 0, 1), logits_to_keep=2)
+    assert list(cache.tokens) == [1, 2, 3]
+
+
+def test_a_tracking_caches_tree_pass_returns_each_nodes_feature_and_keeps_the_chains(target):
+    """With features tracked, each node's returned feature is the one its path fed as a chain would give, and
+    the cache keeps the features of the tokens before the tree only."""
+    from specserve.engine.kvcache import SessionCache
+
+    model = target.model
+    gen = torch.Generator().manual_seed(6)
+    vocab = model.config.vocab_size
+    seq = torch.randint(0, vocab, (13,), generator=gen).tolist()
+    tree = DraftTree(tuple(int(t) for t in torch.randperm(vocab, generator=gen)[: len(PARENTS)]), PARENTS)
+    past, pending = seq[:11], seq[11:13]
+    cache = SessionCache(model, "s")
+    cache.track_features()
+    cache.extend(past)
+    _, _, features = cache.extend_tree([*pending, *tree.tokens], tree.parents, logits_to_keep=tree.nodes + 1)
+    assert features is not None and features.shape[0] == tree.nodes
+    assert cache.features_len == len(past) + len(pending)
+    for node in range(tree.nodes):
+        chain = SessionCache(model, "c")
+        chain.track_features()
+        path = [*past, *pending, *(tree.tokens[v] for v in tree.path(node))]
+        chain.extend(path)
+        torch.testing.assert_close(features[node], chain.feature_rows(len(path) - 1, len(path))[0].float(),
+                                   atol=2e-3, rtol=2e-3)  # the chain's kept rows are float16
