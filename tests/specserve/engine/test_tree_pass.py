@@ -114,20 +114,29 @@ def test_input_mask_is_causal_then_the_ancestor_mask():
     assert not mask[:2, 2:].any()
 
 
+def _own_tree_setup(model, seed: int, *, track: bool):
+    """A session cache holding 11 random tokens (tracking features or not), the random sequence (16 tokens) they
+    start, the two pending tokens after them, and a tree of distinct tokens on :data:`PARENTS`."""
+    from specserve.engine.kvcache import SessionCache
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    seq = torch.randint(0, vocab, (16,), generator=gen).tolist()
+    tree = DraftTree(tuple(int(t) for t in torch.randperm(vocab, generator=gen)[: len(PARENTS)]), PARENTS)
+    cache = SessionCache(model, "s")
+    if track:
+        cache.track_features()
+    cache.extend(seq[:11])
+    return cache, seq, seq[11:13], tree
+
+
 def test_a_session_caches_own_tree_pass_is_the_padded_pass(target):
     """``SessionCache.extend_tree`` (a lone session's tree, in its own cache): the logits of the pending token
     and every node, and each node's keys/values, are those of the padded pass (within float rounding); the
     cache then holds the past and the pending tokens only, and a chain fed after it continues from there."""
-    from specserve.engine.kvcache import SessionCache
-
     model = target.model
-    gen = torch.Generator().manual_seed(5)
-    vocab = model.config.vocab_size
-    seq = torch.randint(0, vocab, (16,), generator=gen).tolist()
-    tree = DraftTree(tuple(int(t) for t in torch.randperm(vocab, generator=gen)[: len(PARENTS)]), PARENTS)
-    past, pending = seq[:11], seq[11:13]
-    cache = SessionCache(model, "s")
-    cache.extend(past)
+    cache, seq, pending, tree = _own_tree_setup(model, 5, track=False)
+    past = seq[:11]
     logits, tree_kv, features = cache.extend_tree(
         [*pending, *tree.tokens], tree.parents, logits_to_keep=tree.nodes + 1
     )
@@ -162,14 +171,8 @@ def test_a_tracking_caches_tree_pass_returns_each_nodes_feature_and_keeps_the_ch
     from specserve.engine.kvcache import SessionCache
 
     model = target.model
-    gen = torch.Generator().manual_seed(6)
-    vocab = model.config.vocab_size
-    seq = torch.randint(0, vocab, (13,), generator=gen).tolist()
-    tree = DraftTree(tuple(int(t) for t in torch.randperm(vocab, generator=gen)[: len(PARENTS)]), PARENTS)
-    past, pending = seq[:11], seq[11:13]
-    cache = SessionCache(model, "s")
-    cache.track_features()
-    cache.extend(past)
+    cache, seq, pending, tree = _own_tree_setup(model, 6, track=True)
+    past = seq[:11]
     _, _, features = cache.extend_tree([*pending, *tree.tokens], tree.parents, logits_to_keep=tree.nodes + 1)
     assert features is not None and features.shape[0] == tree.nodes
     assert cache.features_len == len(past) + len(pending)
