@@ -259,15 +259,11 @@ def replay_greedy_tree(
 def _tree_pass(target: Any, seq: list[int], tree: DraftTree) -> torch.Tensor:
     """The target's logits ``[nodes + 1, vocab]`` after ``seq`` and after each node of ``tree``, from one pass
     over ``seq`` and the nodes, each node attending to the sequence and its own path."""
-    from specserve.engine.batching import input_mask
+    from specserve.engine.batching import tree_pass_inputs
 
     n = len(seq)
-    allowed = input_mask(n + tree.nodes, tree.parents)  # [n + nodes, n + nodes]
-    mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, torch.finfo(torch.float32).min)
-    positions = torch.cat([torch.arange(n), tree.position_ids(n)])  # [n + nodes]
-    logits = target(
-        input_ids=torch.tensor([[*seq, *tree.tokens]]), attention_mask=mask[None, None], position_ids=positions[None]
-    ).logits[0]  # [n + nodes, vocab]
+    inputs = tree_pass_inputs(0, n + tree.nodes, tree.parents, torch.float32, "cpu")  # mask and positions
+    logits = target(input_ids=torch.tensor([[*seq, *tree.tokens]]), **inputs).logits[0]  # [n + nodes, vocab]
     return logits[n - 1 :].float()
 
 
@@ -321,27 +317,24 @@ def tree_pass_costs(target: Any, *, context: int, max_positions: int, steps: int
     """Medians of interleaved target passes after ``context`` tokens: a decode step, and a pass over ``k``
     positions (``k`` = 1 .. ``max_positions``) with an explicit attention mask, as a tree's verify pass runs,
     each over the decode step."""
-    from specserve.engine.batching import input_mask
+    from specserve.engine.batching import tree_pass_inputs
 
     g = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
     cache = DynamicCache(config=target.config)
     target(input_ids=torch.randint(0, vocab, (1, context), generator=g), cache=cache, use_cache=True)
-    masks = {}
-    for k in range(1, max_positions + 1):
-        allowed = torch.ones(k, context + k, dtype=torch.bool)
-        allowed[:, context:] = input_mask(k, tuple(range(-1, k - 2)))  # the pending token, then k - 1 nodes
-        masks[k] = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+    masks = {  # the pending token, then k - 1 nodes: each pass's mask and positions
+        k: tree_pass_inputs(context, k, tuple(range(-1, k - 2)), torch.float32, "cpu") for k in range(1, max_positions + 1)
+    }
     laps = Laps(warmup)
     for _ in laps.rounds(steps):
         with laps.time("decode"):
             target(input_ids=torch.randint(0, vocab, (1, 1), generator=g), cache=cache, use_cache=True)
         cache.crop(-1)
-        for k, mask in masks.items():
+        for k, inputs in masks.items():
             ids = torch.randint(0, vocab, (1, k), generator=g)
-            positions = torch.arange(context, context + k)[None]
             with laps.time(f"pass{k}"):
-                target(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+                target(input_ids=ids, cache=cache, use_cache=True, **inputs)
             cache.crop(-k)
     decode = laps.median_ms("decode")
     return {
