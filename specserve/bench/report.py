@@ -177,7 +177,7 @@ def targets(data: dict) -> list[tuple[str, bool, str]]:
 
     for key, group in ss.items():
         hf, hfa = ms(group, HF_TARGET), ms(group, HF_ASSISTED)
-        # the fastest of HF's prompt-lookup runs (runs before 2026-12-01 15:00 UTC had one, at 8 tokens)
+        # the fastest of HF's prompt-lookup runs (older records hold one, at 8 tokens)
         lookups = {m: ms(group, m) for m in group if m.startswith(HF_LOOKUP_PREFIX)}
         lookups = {m: v for m, v in lookups.items() if v}
         hfl_mode = min(lookups, key=lookups.get) if lookups else None
@@ -398,7 +398,7 @@ def _plots(data: dict, out: Path) -> list[str]:
 
 
 def _attention_sentence(data: dict) -> str:
-    """Which attention the target's passes ran (runs before 2026-12-04 03:00 UTC say nothing: SDPA)."""
+    """Which attention the target's passes ran (a record without the field ran SDPA)."""
     from specserve.engine import attention
 
     if data.get("attention") != attention.ATTENTION:
