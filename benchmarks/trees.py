@@ -23,9 +23,11 @@ each generation); greedy outputs against HF's token by token.
 **A projection, not a measurement**: :func:`specserve.bench.head_projection.gpu_like_speedup` of each arm's
 tau and draft steps per drafted round, with a verify pass over any number of positions at 1.05 and 1.2 decode
 steps (as on a GPU with spare parallelism) and a head step at its card's measured ratio. A chain's draft steps
-are its tokens; a tree's alternatives come from the chain's own steps, so its draft steps are its chain's
-tokens, which the stats do not count: the mean gamma stands in (capped at the nodes), at least the chain's
-length, so the trees' projection is, if anything, low.
+are its tokens; a tree's alternatives beside the chain come from the chain's own steps, so its draft steps are
+its chain's tokens, which the stats do not count: the mean gamma stands in (capped at the nodes), at least the
+chain's length, plus the passes that expanded trees below their alternatives (the coordinator's
+``specserve_coordinator_draft_expansion_passes_total``), each charged as one step though it feeds more.
+Per arm the report also gives the draft calls' time per drafted round (``GenerationStats.draft_ns``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ ARMS = (TREES, CHAINS)
 ARM_SETTINGS: dict[str, dict[str, Any]] = {TREES: {}, CHAINS: {"draft_tree_nodes": 0}}
 GAMMA = "specserve_coordinator_gamma"
 BRANCHES = "specserve_coordinator_branch_nodes_total"
+EXPANSIONS = "specserve_coordinator_draft_expansion_passes"
 
 
 @dataclass
@@ -66,6 +69,11 @@ class Generation(gate.Generation):
     #: Nodes the hybrid lookup's free branches added to the generation's trees (the arm's coordinator's
     #: ``specserve_coordinator_branch_nodes_total``, read around it).
     branch_nodes: float = 0.0
+    #: The draft calls' time as the coordinator saw them (``GenerationStats.draft_ns``), ms.
+    draft_ms: float = 0.0
+    #: The draft's passes that expanded the generation's trees (the arm's coordinator's
+    #: ``specserve_coordinator_draft_expansion_passes_total``, read around it).
+    expansion_passes: float = 0.0
 
 
 def _arm_stats(gens: list[Generation], head_ratio: float | None) -> dict[str, Any]:
@@ -82,15 +90,18 @@ def _arm_stats(gens: list[Generation], head_ratio: float | None) -> dict[str, An
         "proposed": proposed,
         "accepted": accepted,
         "branch_nodes": sum(g.branch_nodes for g in gens),
+        "expansion_passes": sum(g.expansion_passes for g in gens),
     }
     if not drafted:
         return out
     nodes, accepted_per_round = proposed / drafted, accepted / drafted
-    steps = nodes if gens[0].mode == CHAINS else min(nodes, gamma)
+    expansions = sum(g.expansion_passes for g in gens) / drafted
+    steps = nodes if gens[0].mode == CHAINS else min(nodes, gamma) + expansions
     out.update(
         nodes_per_round=nodes,
         gamma_per_round=gamma,
         tau=1.0 + accepted_per_round,
+        draft_ms_per_round=sum(g.draft_ms for g in gens) / drafted,
         draft_steps_per_round=steps,
         projection=None if head_ratio is None else gpu_like_speedup(accepted_per_round, steps, head_ratio),
     )
@@ -131,6 +142,10 @@ def summarize(gens: list[Generation], kinds: list[str], head_ratio: float | None
     }  # fmt: skip
     proposers = {arm: sorted({g.proposer for g in gens if g.mode == arm and g.proposer}) for arm in ARMS}
     return {"table": table, "greedy_identity": identity, "proposers": proposers}
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"  # older records have no draft time
 
 
 def _ratio(v: dict[str, float] | None) -> str:
@@ -185,8 +200,9 @@ def render(data: dict[str, Any]) -> str:
             drafted = row["draft_rounds"]
             stat_rows.append([
                 gate.KIND_NAMES.get(kind, kind), arm, row["rounds"], drafted,
-                *((f"{row['nodes_per_round']:.2f}", f"{row['gamma_per_round']:.2f}", f"{row['tau']:.2f}")
-                  if drafted else ("-", "-", "-")),
+                *((f"{row['nodes_per_round']:.2f}", f"{row['gamma_per_round']:.2f}", f"{row['tau']:.2f}",
+                   _ms(row.get("draft_ms_per_round"))) if drafted else ("-", "-", "-", "-")),
+                f"{row.get('expansion_passes', 0):.0f}",
                 f"{row.get('branch_nodes', 0):.0f}", f"{row['identical']} of {row['n']}",
             ])  # fmt: skip
     lines += md.table(
@@ -198,11 +214,13 @@ def render(data: dict[str, Any]) -> str:
             "nodes per round",
             "mean gamma",
             "tau",
+            "draft ms per drafted round",
+            "expansion passes",
             "lookup branch nodes",
             "identical to HF",
         ),
         stat_rows,
-        align=[md.LEFT, md.LEFT, *[md.RIGHT] * 7],
+        align=[md.LEFT, md.LEFT, *[md.RIGHT] * 9],
     )
     ident = summary["greedy_identity"]
     lines += ["", "Greedy output identical to HF generate(), token by token: "
@@ -216,7 +234,8 @@ def render(data: dict[str, Any]) -> str:
         + (f"{ratio:.3f}" if ratio is not None else "unknown (the head has no card.json: no projection)")
         + " of a target step (the head card's measurement), per drafted round: tau over (draft steps x head "
         "step + verify). Draft steps: a chain's tokens; for trees the mean gamma above (at most the nodes), at "
-        "least its chain's length (the alternatives cost no step), so the trees' figure is if anything low.",
+        "least its chain's length (the alternatives beside it cost no step), plus the expansion passes per "
+        "drafted round, each charged one step.",
         "",
     ]
     proj_rows = []
@@ -279,6 +298,10 @@ async def measure(opts: TreesOptions) -> list[Generation]:
                 """The nodes the lookup's free branches have added to the arm's trees so far."""
                 return scrape(f"http://127.0.0.1:{metrics[arm]}/metrics", BRANCHES, {"source": "ngram"})
 
+            def expansions(arm: str) -> float:
+                """The draft passes that have expanded the arm's trees so far."""
+                return scrape(f"http://127.0.0.1:{metrics[arm]}/metrics", f"{EXPANSIONS}_total")
+
             def gammas(arm: str) -> tuple[float, int]:
                 """The sum and the count of the gammas above 0 the arm's coordinator has chosen so far."""
                 url = f"http://127.0.0.1:{metrics[arm]}/metrics"
@@ -289,7 +312,7 @@ async def measure(opts: TreesOptions) -> list[Generation]:
                 if mode in (HF, HF_AGAIN):
                     new, seconds = hf_generate(target, ids, opts.max_new_tokens)
                     return new, seconds, {}
-                before, branched = gammas(mode), branch_nodes(mode)
+                before, branched, expanded = gammas(mode), branch_nodes(mode), expansions(mode)
                 stream = clients[mode].stream(prompt_token_ids=ids, max_new_tokens=opts.max_new_tokens,
                                               temperature=0.0, seed=opts.seed, ignore_eos=True,
                                               cache_salt=gate.own_cache_salt(mode), **request)  # fmt: skip
@@ -300,6 +323,7 @@ async def measure(opts: TreesOptions) -> list[Generation]:
                     "proposed": st.proposed_tokens, "accepted": st.accepted_tokens,
                     "gamma_sum": after[0] - before[0], "gamma_rounds": after[1] - before[1],
                     "cached_tokens": st.cached_tokens, "branch_nodes": branch_nodes(mode) - branched,
+                    "draft_ms": st.draft_ns / 1e6, "expansion_passes": expansions(mode) - expanded,
                 }  # fmt: skip
 
             gens = await gate.interleaved_turns(

@@ -34,6 +34,7 @@ class Proposal:
     draft_ns: int | None = None  # the draft's own account of its work (None: no draft answered)
     queue_ns: int = 0  # waiting in the coordinator for the ProposeBatch call to leave
     prefill_tokens: int = 0  # committed tokens the draft fed to catch up before drafting
+    expansion_passes: int = 0  # draft passes that expanded a tree below its alternatives (beyond the chain's)
     #: The feature head lacks the target's features from this position on (it drafted nothing); None: none lacking.
     features_needed_from: int | None = None
 

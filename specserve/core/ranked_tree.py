@@ -27,10 +27,13 @@ Candidate = tuple[int, float]
 class TreeBudget:
     """How far a round's proposal may branch: at most ``max_nodes`` nodes in all (the chain included; 0 or not
     above the chain's length: a chain), an alternative only at a path probability of ``min_path_probability``
-    or more (1: a chain)."""
+    or more (1: a chain); a proposer that expands alternatives (EAGLE-2: one more draft pass per level) runs such
+    a pass only when the path probabilities of the alternatives it expands sum to ``expand_min_path_probability``
+    or more (0: any pass; 1: none)."""
 
     max_nodes: int = 0
     min_path_probability: float = 1.0
+    expand_min_path_probability: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_nodes <= MAX_TREE_NODES:
@@ -39,11 +42,21 @@ class TreeBudget:
             raise InvalidArgument(
                 f"tree_min_path_probability={self.min_path_probability} must be in [0, 1] (1: a chain)"
             )
+        if not 0.0 <= self.expand_min_path_probability <= 1.0:
+            raise InvalidArgument(
+                f"tree_expand_min_path_probability={self.expand_min_path_probability} must be in [0, 1] "
+                "(0: tree_min_path_probability alone, 1: no expansion)"
+            )
 
     @property
     def branches(self) -> bool:
         """Whether any alternative may be added (else the proposal is a chain)."""
         return self.max_nodes > 1 and self.min_path_probability < 1.0
+
+    def expands(self, path_probability: float) -> bool:
+        """Whether a pass may expand alternatives whose path probabilities sum to ``path_probability`` (what
+        their children can add to the round is at most that)."""
+        return self.expand_min_path_probability < 1.0 and path_probability >= self.expand_min_path_probability
 
 
 #: No branching: the proposal is a chain.

@@ -303,6 +303,7 @@ class FeatureProposer(RowProposer):
                 return
             inputs, features = [], []
             for row, picks in todo:
+                row.expansion_passes += 1
                 done = outputs[row]
                 # Parents first: the earlier levels' (shorter keys), then this level's picks, one level below.
                 nodes = [*sorted(done, key=lambda k: (len(k), k)), *picks]

@@ -79,6 +79,8 @@ class Drafted:
     #: A draft tree's parents (``specserve.core.ranked_tree``; its tokens past the chain are point masses);
     #: empty: a chain.
     parents: tuple[int, ...] = ()
+    #: Passes run beyond one per chain token to expand the tree below its alternatives (one per level).
+    expansion_passes: int = 0
 
 
 @dataclass(frozen=True)
@@ -306,6 +308,7 @@ class _Row:
     #: Where the proposer expands candidates (EAGLE-2): the candidates below each expanded one, by its key
     #: (``grow_tree``'s ``below``); empty: the alternatives are leaves.
     below: dict[Key, tuple[Candidate, ...]] = field(default_factory=dict)
+    expansion_passes: int = 0  # passes that expanded candidates (one per level the row took part in)
 
     def done(self) -> bool:
         return (
@@ -329,6 +332,7 @@ class _Row:
             sparse=self.request.draft_top_k > 0,
             prefill_tokens=self.prefill,
             parents=parents,
+            expansion_passes=self.expansion_passes,
         )
 
 
@@ -380,15 +384,18 @@ def expandable(row: _Row, frontier: Sequence[Key]) -> list[Key]:
     """Which of ``frontier`` (candidates not expanded yet) to expand (EAGLE-2): those among the tree's best
     ``room - 1`` candidates so far (:func:`~specserve.core.ranked_tree.score_candidates`; a child ranks after
     its parent, so below any other none could be kept), with the chain going on below their depth (a child is
-    no deeper than the chain), and not a stop token (nothing after it commits). Best path first."""
+    no deeper than the chain) and not a stop token (nothing after it commits); none unless their path
+    probabilities together pass the budget's expansion threshold (:meth:`~specserve.core.ranked_tree.TreeBudget.
+    expands`: the pass that expands them costs the round a draft pass). Best path first."""
     budget = row.request.tree
     room = budget.max_nodes - len(row.tokens)
     wanted = set(frontier)
     best = score_candidates(row.chain_probs, row.candidates, budget, row.below)[: max(0, room - 1)]
-    return [
-        key for _, depth, key, token in best
+    picks = [
+        (key, -score) for score, depth, key, token in best
         if key in wanted and depth < len(row.tokens) - 1 and token not in row.request.stop_token_ids
     ]  # fmt: skip
+    return [key for key, _ in picks] if picks and budget.expands(sum(p for _, p in picks)) else []
 
 
 def rank_children(logits: torch.Tensor, row: _Row, path: Sequence[int], depth: int) -> tuple[Candidate, ...]:

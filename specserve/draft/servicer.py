@@ -130,7 +130,7 @@ def call_from_pb(
             f"prompt_len={pb.prompt_len} must be in [1, base.committed_len={base.committed_len}] with a "
             "constraint (it applies to the tokens after the prompt)"
         )
-    tree = TreeBudget(pb.tree_max_nodes, pb.tree_min_path_probability)
+    tree = TreeBudget(pb.tree_max_nodes, pb.tree_min_path_probability, pb.tree_expand_min_path_probability)
     if sampling.constraint is not None and tree.branches:
         raise InvalidArgument(
             "a constrained session's proposal is a chain (its grammar masks walk a chain): send tree_max_nodes=0"
@@ -195,7 +195,10 @@ def proposal_pb(result: ProposeResult) -> draft_pb2.ProposeResponse:
             point = common_pb2.SparseDistribution(token_ids=[token], probs=[1.0])
             proposal.distributions.append(common_pb2.DraftDistribution(sparse=point))
     reply = draft_pb2.ProposeResponse(
-        proposal=proposal, draft_ns=result.draft_ns, prefill_tokens=d.prefill_tokens
+        proposal=proposal,
+        draft_ns=result.draft_ns,
+        prefill_tokens=d.prefill_tokens,
+        expansion_passes=d.expansion_passes,
     )
     if d.features_needed_from is not None:
         reply.features_needed_from = d.features_needed_from

@@ -170,6 +170,11 @@ BRANCH_NODES = Counter(
     "head's trees).",
     ["source"],
 )
+DRAFT_EXPANSION_PASSES = Counter(
+    "specserve_coordinator_draft_expansion_passes",
+    "Passes the draft ran to expand draft trees below their alternatives (ProposeResponse.expansion_passes), "
+    "beyond one per chain token.",
+)
 SOURCE_TOKENS = Counter(
     "specserve_coordinator_source_tokens",
     "Draft tokens per proposal source (a source's name), proposed and accepted.",

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specserve/v1/draft.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xf8\x03\n\x0eProposeRequest\x12\'\n\x04\x62\x61se\x18\x01 \x01(\x0b\x32\x19.specserve.v1.SessionBase\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\r\n\x05gamma\x18\x05 \x01(\r\x12,\n\x08proposer\x18\x06 \x01(\x0e\x32\x1a.specserve.v1.ProposerKind\x12\x13\n\x0b\x64raft_top_k\x18\x07 \x01(\r\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x16\n\x0emin_confidence\x18\x0b \x01(\x02\x12(\n\x08\x66\x65\x61tures\x18\x0c \x01(\x0b\x32\x16.specserve.v1.Features\x12\x16\n\x0e\x66\x65\x61tures_reset\x18\r \x01(\x08\x12\x18\n\x10stop_tokens_from\x18\x0e \x01(\r\x12\x12\n\nprompt_len\x18\x0f \x01(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x10 \x01(\x0c\x12\x16\n\x0etree_max_nodes\x18\x11 \x01(\r\x12!\n\x19tree_min_path_probability\x18\x12 \x01(\x02\"\xa1\x01\n\x0fProposeResponse\x12(\n\x08proposal\x18\x01 \x01(\x0b\x32\x16.specserve.v1.Proposal\x12\x10\n\x08\x64raft_ns\x18\x02 \x01(\x04\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\r\x12!\n\x14\x66\x65\x61tures_needed_from\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x17\n\x15_features_needed_from\"B\n\x13ProposeBatchRequest\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.specserve.v1.ProposeRequest\"-\n\x0cProposeError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x7f\n\x12ProposeBatchResult\x12\x31\n\x08proposal\x18\x01 \x01(\x0b\x32\x1d.specserve.v1.ProposeResponseH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.ProposeErrorH\x00\x42\t\n\x07outcome\"[\n\x14ProposeBatchResponse\x12\x31\n\x07results\x18\x01 \x03(\x0b\x32 .specserve.v1.ProposeBatchResult\x12\x10\n\x08\x64raft_ns\x18\x02 \x01(\x04\"0\n\x1aReleaseDraftSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x1d\n\x1bReleaseDraftSessionResponse\"\x15\n\x13GetDraftInfoRequest\"\xa9\x01\n\x14GetDraftInfoResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.specserve.v1.ModelInfo\x12\x11\n\tmax_gamma\x18\x02 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\r\x12-\n\tproposers\x18\x04 \x03(\x0e\x32\x1a.specserve.v1.ProposerKind\x12\x0f\n\x07\x66\x65\x61ture\x18\x05 \x01(\t2\xf0\x02\n\x0c\x44raftService\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12U\n\x0cProposeBatch\x12!.specserve.v1.ProposeBatchRequest\x1a\".specserve.v1.ProposeBatchResponse\x12j\n\x13ReleaseDraftSession\x12(.specserve.v1.ReleaseDraftSessionRequest\x1a).specserve.v1.ReleaseDraftSessionResponse\x12U\n\x0cGetDraftInfo\x12!.specserve.v1.GetDraftInfoRequest\x1a\".specserve.v1.GetDraftInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specserve/v1/draft.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xa2\x04\n\x0eProposeRequest\x12\'\n\x04\x62\x61se\x18\x01 \x01(\x0b\x32\x19.specserve.v1.SessionBase\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\r\n\x05gamma\x18\x05 \x01(\r\x12,\n\x08proposer\x18\x06 \x01(\x0e\x32\x1a.specserve.v1.ProposerKind\x12\x13\n\x0b\x64raft_top_k\x18\x07 \x01(\r\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x16\n\x0emin_confidence\x18\x0b \x01(\x02\x12(\n\x08\x66\x65\x61tures\x18\x0c \x01(\x0b\x32\x16.specserve.v1.Features\x12\x16\n\x0e\x66\x65\x61tures_reset\x18\r \x01(\x08\x12\x18\n\x10stop_tokens_from\x18\x0e \x01(\r\x12\x12\n\nprompt_len\x18\x0f \x01(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x10 \x01(\x0c\x12\x16\n\x0etree_max_nodes\x18\x11 \x01(\r\x12!\n\x19tree_min_path_probability\x18\x12 \x01(\x02\x12(\n tree_expand_min_path_probability\x18\x13 \x01(\x02\"\xbb\x01\n\x0fProposeResponse\x12(\n\x08proposal\x18\x01 \x01(\x0b\x32\x16.specserve.v1.Proposal\x12\x10\n\x08\x64raft_ns\x18\x02 \x01(\x04\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\r\x12!\n\x14\x66\x65\x61tures_needed_from\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10\x65xpansion_passes\x18\x05 \x01(\rB\x17\n\x15_features_needed_from\"B\n\x13ProposeBatchRequest\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.specserve.v1.ProposeRequest\"-\n\x0cProposeError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x7f\n\x12ProposeBatchResult\x12\x31\n\x08proposal\x18\x01 \x01(\x0b\x32\x1d.specserve.v1.ProposeResponseH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.ProposeErrorH\x00\x42\t\n\x07outcome\"[\n\x14ProposeBatchResponse\x12\x31\n\x07results\x18\x01 \x03(\x0b\x32 .specserve.v1.ProposeBatchResult\x12\x10\n\x08\x64raft_ns\x18\x02 \x01(\x04\"0\n\x1aReleaseDraftSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x1d\n\x1bReleaseDraftSessionResponse\"\x15\n\x13GetDraftInfoRequest\"\xa9\x01\n\x14GetDraftInfoResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.specserve.v1.ModelInfo\x12\x11\n\tmax_gamma\x18\x02 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\r\x12-\n\tproposers\x18\x04 \x03(\x0e\x32\x1a.specserve.v1.ProposerKind\x12\x0f\n\x07\x66\x65\x61ture\x18\x05 \x01(\t2\xf0\x02\n\x0c\x44raftService\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12U\n\x0cProposeBatch\x12!.specserve.v1.ProposeBatchRequest\x1a\".specserve.v1.ProposeBatchResponse\x12j\n\x13ReleaseDraftSession\x12(.specserve.v1.ReleaseDraftSessionRequest\x1a).specserve.v1.ReleaseDraftSessionResponse\x12U\n\x0cGetDraftInfo\x12!.specserve.v1.GetDraftInfoRequest\x1a\".specserve.v1.GetDraftInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.draft_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROPOSEREQUEST']._serialized_start=70
-  _globals['_PROPOSEREQUEST']._serialized_end=574
-  _globals['_PROPOSERESPONSE']._serialized_start=577
-  _globals['_PROPOSERESPONSE']._serialized_end=738
-  _globals['_PROPOSEBATCHREQUEST']._serialized_start=740
-  _globals['_PROPOSEBATCHREQUEST']._serialized_end=806
-  _globals['_PROPOSEERROR']._serialized_start=808
-  _globals['_PROPOSEERROR']._serialized_end=853
-  _globals['_PROPOSEBATCHRESULT']._serialized_start=855
-  _globals['_PROPOSEBATCHRESULT']._serialized_end=982
-  _globals['_PROPOSEBATCHRESPONSE']._serialized_start=984
-  _globals['_PROPOSEBATCHRESPONSE']._serialized_end=1075
-  _globals['_RELEASEDRAFTSESSIONREQUEST']._serialized_start=1077
-  _globals['_RELEASEDRAFTSESSIONREQUEST']._serialized_end=1125
-  _globals['_RELEASEDRAFTSESSIONRESPONSE']._serialized_start=1127
-  _globals['_RELEASEDRAFTSESSIONRESPONSE']._serialized_end=1156
-  _globals['_GETDRAFTINFOREQUEST']._serialized_start=1158
-  _globals['_GETDRAFTINFOREQUEST']._serialized_end=1179
-  _globals['_GETDRAFTINFORESPONSE']._serialized_start=1182
-  _globals['_GETDRAFTINFORESPONSE']._serialized_end=1351
-  _globals['_DRAFTSERVICE']._serialized_start=1354
-  _globals['_DRAFTSERVICE']._serialized_end=1722
+  _globals['_PROPOSEREQUEST']._serialized_end=616
+  _globals['_PROPOSERESPONSE']._serialized_start=619
+  _globals['_PROPOSERESPONSE']._serialized_end=806
+  _globals['_PROPOSEBATCHREQUEST']._serialized_start=808
+  _globals['_PROPOSEBATCHREQUEST']._serialized_end=874
+  _globals['_PROPOSEERROR']._serialized_start=876
+  _globals['_PROPOSEERROR']._serialized_end=921
+  _globals['_PROPOSEBATCHRESULT']._serialized_start=923
+  _globals['_PROPOSEBATCHRESULT']._serialized_end=1050
+  _globals['_PROPOSEBATCHRESPONSE']._serialized_start=1052
+  _globals['_PROPOSEBATCHRESPONSE']._serialized_end=1143
+  _globals['_RELEASEDRAFTSESSIONREQUEST']._serialized_start=1145
+  _globals['_RELEASEDRAFTSESSIONREQUEST']._serialized_end=1193
+  _globals['_RELEASEDRAFTSESSIONRESPONSE']._serialized_start=1195
+  _globals['_RELEASEDRAFTSESSIONRESPONSE']._serialized_end=1224
+  _globals['_GETDRAFTINFOREQUEST']._serialized_start=1226
+  _globals['_GETDRAFTINFOREQUEST']._serialized_end=1247
+  _globals['_GETDRAFTINFORESPONSE']._serialized_start=1250
+  _globals['_GETDRAFTINFORESPONSE']._serialized_end=1419
+  _globals['_DRAFTSERVICE']._serialized_start=1422
+  _globals['_DRAFTSERVICE']._serialized_end=1790
 # @@protoc_insertion_point(module_scope)

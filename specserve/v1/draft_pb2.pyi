@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("base", "start_position", "token_ids", "sampling", "gamma", "proposer", "draft_top_k", "seed", "stop_token_ids", "ignore_eos", "min_confidence", "features", "features_reset", "stop_tokens_from", "prompt_len", "cache_scope", "tree_max_nodes", "tree_min_path_probability")
+    __slots__ = ("base", "start_position", "token_ids", "sampling", "gamma", "proposer", "draft_top_k", "seed", "stop_token_ids", "ignore_eos", "min_confidence", "features", "features_reset", "stop_tokens_from", "prompt_len", "cache_scope", "tree_max_nodes", "tree_min_path_probability", "tree_expand_min_path_probability")
     BASE_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class ProposeRequest(_message.Message):
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     TREE_MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     TREE_MIN_PATH_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    TREE_EXPAND_MIN_PATH_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     base: _common_pb2.SessionBase
     start_position: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -45,19 +46,22 @@ class ProposeRequest(_message.Message):
     cache_scope: bytes
     tree_max_nodes: int
     tree_min_path_probability: float
-    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_confidence: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., features_reset: _Optional[bool] = ..., stop_tokens_from: _Optional[int] = ..., prompt_len: _Optional[int] = ..., cache_scope: _Optional[bytes] = ..., tree_max_nodes: _Optional[int] = ..., tree_min_path_probability: _Optional[float] = ...) -> None: ...
+    tree_expand_min_path_probability: float
+    def __init__(self, base: _Optional[_Union[_common_pb2.SessionBase, _Mapping]] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., gamma: _Optional[int] = ..., proposer: _Optional[_Union[_common_pb2.ProposerKind, str]] = ..., draft_top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_confidence: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., features_reset: _Optional[bool] = ..., stop_tokens_from: _Optional[int] = ..., prompt_len: _Optional[int] = ..., cache_scope: _Optional[bytes] = ..., tree_max_nodes: _Optional[int] = ..., tree_min_path_probability: _Optional[float] = ..., tree_expand_min_path_probability: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("proposal", "draft_ns", "prefill_tokens", "features_needed_from")
+    __slots__ = ("proposal", "draft_ns", "prefill_tokens", "features_needed_from", "expansion_passes")
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_NEEDED_FROM_FIELD_NUMBER: _ClassVar[int]
+    EXPANSION_PASSES_FIELD_NUMBER: _ClassVar[int]
     proposal: _common_pb2.Proposal
     draft_ns: int
     prefill_tokens: int
     features_needed_from: int
-    def __init__(self, proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ..., draft_ns: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., features_needed_from: _Optional[int] = ...) -> None: ...
+    expansion_passes: int
+    def __init__(self, proposal: _Optional[_Union[_common_pb2.Proposal, _Mapping]] = ..., draft_ns: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., features_needed_from: _Optional[int] = ..., expansion_passes: _Optional[int] = ...) -> None: ...
 
 class ProposeBatchRequest(_message.Message):
     __slots__ = ("items",)

@@ -162,6 +162,7 @@ def _propose_request(call: DraftCall) -> draft_pb2.ProposeRequest:
     if call.tree.branches:
         request.tree_max_nodes = call.tree.max_nodes
         request.tree_min_path_probability = call.tree.min_path_probability
+        request.tree_expand_min_path_probability = call.tree.expand_min_path_probability
     return request
 
 
@@ -174,6 +175,7 @@ def _proposal(pb: draft_pb2.ProposeResponse) -> Proposal:
         draft_ns=pb.draft_ns,
         prefill_tokens=pb.prefill_tokens,
         features_needed_from=needed,
+        expansion_passes=pb.expansion_passes,
     )
 
 

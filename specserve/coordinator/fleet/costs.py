@@ -26,8 +26,13 @@ class CallCosts:
     def propose(self, proposal: Proposal) -> None:
         """A Propose call answered with ``proposal`` (``wall_ns``: the call as the coordinator saw it)."""
         assert proposal.draft_ns is not None
+        if proposal.expansion_passes:
+            metrics.DRAFT_EXPANSION_PASSES.inc(proposal.expansion_passes)
         self.cost_model.observe_draft(
-            tokens=proposal.depth, ns=proposal.draft_ns, prefill_tokens=proposal.prefill_tokens
+            tokens=proposal.depth,
+            ns=proposal.draft_ns,
+            prefill_tokens=proposal.prefill_tokens,
+            expansion_passes=proposal.expansion_passes,
         )
         self.cost_model.observe_rtt(
             ns=proposal.wall_ns - proposal.queue_ns - proposal.draft_ns, tokens=len(proposal.distributions)

@@ -214,6 +214,8 @@ class CostPrior:
         per_item_ratio: ``v_b / v0``: one more session in a batch costs this fraction of the fixed cost.
         per_position_ratio: ``v_p / (v0 + v_b)``: one more position costs this fraction of a one-token step.
         prefill_ratio: ``p / d``: a catch-up (prefill) token of the draft costs this fraction of a drafted one.
+        expansion_ratio: ``e / d``: a pass that expands a draft tree below its alternatives costs this many
+            drafted tokens (it feeds the chain's slots above its nodes again, and the nodes, as a tree).
         ratio_weight: weight of each ratio row, in observations' worth (a data row weighs 1).
         anchor_weight: weight of the absolute anchors; tiny, so one observation overrides them.
         verify_curve: the target's own measurement, at start-up, of one session's verify pass feeding
@@ -227,6 +229,7 @@ class CostPrior:
     per_item_ratio: float = 0.08
     per_position_ratio: float = 0.05
     prefill_ratio: float = 0.3
+    expansion_ratio: float = 2.0
     ratio_weight: float = 0.5
     anchor_weight: float = 1e-6
     verify_curve: tuple[float, ...] = ()
@@ -235,7 +238,7 @@ class CostPrior:
     def __post_init__(self) -> None:
         if self.verify_step_ns <= 0 or self.draft_token_ns < 0:
             raise ValueError("verify_step_ns must be > 0 and draft_token_ns >= 0")
-        if min(self.per_item_ratio, self.per_position_ratio, self.prefill_ratio) < 0:
+        if min(self.per_item_ratio, self.per_position_ratio, self.prefill_ratio, self.expansion_ratio) < 0:
             raise ValueError("prior ratios must be >= 0")
         if self.ratio_weight < 0 or self.anchor_weight <= 0 or self.curve_weight < 0:
             raise ValueError("ratio_weight and curve_weight must be >= 0 and anchor_weight > 0")
@@ -294,7 +297,9 @@ class CostModel:
 
     The coordinator reports, after each call:
 
-    * ``observe_draft(tokens=len(proposal), ns=ProposeResponse.draft_ns, prefill_tokens=ProposeResponse.prefill_tokens)``
+    * ``observe_draft(tokens=proposal depth, ns=ProposeResponse.draft_ns, prefill_tokens=ProposeResponse.prefill_tokens,
+      expansion_passes=ProposeResponse.expansion_passes)``: a tree's expansion passes are priced apart from the
+      chain's tokens, so a tree round's dearer call does not make every chain look dearer.
     * ``observe_verify(batch_size=len(items), positions=VerifyResponse.positions_processed, ns=VerifyResponse.verify_ns)``
     * ``observe_rtt(ns=call wall time - server-reported time, tokens=draft distributions in the message)``
       for both Propose and Verify calls (for a Verify batch, ``tokens`` per item on average).
@@ -308,12 +313,14 @@ class CostModel:
     def __init__(self, *, decay: float = 0.98, prior: CostPrior | None = None) -> None:
         self.prior = prior or CostPrior()
         pr = self.prior
+        # theta = (d, p, e): a drafted token, a catch-up token, a tree's expansion pass.
         self._draft = DecayingLeastSquares(
-            2,
+            3,
             decay=decay,
             prior_rows=[
-                ((1.0, 0.0), pr.draft_token_ns, pr.anchor_weight),
-                ((-pr.prefill_ratio, 1.0), 0.0, pr.ratio_weight),
+                ((1.0, 0.0, 0.0), pr.draft_token_ns, pr.anchor_weight),
+                ((-pr.prefill_ratio, 1.0, 0.0), 0.0, pr.ratio_weight),
+                ((-pr.expansion_ratio, 0.0, 1.0), 0.0, pr.ratio_weight),
             ],
         )
         # theta = (v0, v_b, v_p, v_m); the anchor is a one-item, one-position call.
@@ -328,13 +335,14 @@ class CostModel:
 
     # -- observations -------------------------------------------------------------------------
 
-    def observe_draft(self, *, tokens: int, ns: int, prefill_tokens: int = 0) -> None:
-        """One Propose call that drafted ``tokens`` (after feeding ``prefill_tokens`` to catch up) in ``ns``."""
-        if tokens < 0 or prefill_tokens < 0 or ns < 0:
-            raise ValueError("tokens, prefill_tokens and ns must be >= 0")
+    def observe_draft(self, *, tokens: int, ns: int, prefill_tokens: int = 0, expansion_passes: int = 0) -> None:
+        """One Propose call that drafted ``tokens`` deep (after feeding ``prefill_tokens`` to catch up, and with
+        ``expansion_passes`` passes that grew a tree below its alternatives) in ``ns``."""
+        if tokens < 0 or prefill_tokens < 0 or expansion_passes < 0 or ns < 0:
+            raise ValueError("tokens, prefill_tokens, expansion_passes and ns must be >= 0")
         if tokens == 0 and prefill_tokens == 0:
             return
-        self._draft.add((float(tokens), float(prefill_tokens)), float(ns))
+        self._draft.add((float(tokens), float(prefill_tokens), float(expansion_passes)), float(ns))
 
     def observe_verify(self, *, batch_size: int, positions: int, ns: int) -> None:
         """One Verify call: ``batch_size`` items, ``positions`` fed in total, ``ns`` server time."""
@@ -381,9 +389,13 @@ class CostModel:
     def draft_ns_per_token(self) -> float:
         return self._draft.coef[0]
 
-    def draft_ns(self, tokens: int, prefill_tokens: int = 0) -> float:
+    def draft_ns(self, tokens: int, prefill_tokens: int = 0, expansion_passes: int = 0) -> float:
         """Predicted server time of a Propose call."""
-        return self._draft.predict((float(tokens), float(prefill_tokens)))
+        return self._draft.predict((float(tokens), float(prefill_tokens), float(expansion_passes)))
+
+    def expansion_pass_ns(self) -> float:
+        """What one pass that expands a draft tree below its alternatives adds to a Propose call."""
+        return self._draft.coef[2]
 
     def verify_ns(self, batch_size: int, positions: int) -> float:
         """Predicted server time of a Verify call of ``batch_size`` items feeding ``positions`` in total."""
@@ -487,6 +499,7 @@ class CostModel:
         return {
             "draft_ns_per_token": self.draft_ns_per_token(),
             "draft_prefill_ns_per_token": self._draft.coef[1],
+            "draft_expansion_pass_ns": self.expansion_pass_ns(),
             "verify_fixed_ns": v0,
             "verify_ns_per_item": vb,
             "verify_ns_per_position": vp,

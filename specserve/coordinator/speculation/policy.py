@@ -103,6 +103,14 @@ class SpeculationPolicy(abc.ABC):
         is added, the proposal is a chain). Here: 1, a chain; :class:`AdaptiveGamma` prices the node."""
         return 1.0
 
+    def tree_expand_min_path_probability(
+        self, acceptance: AcceptanceTracker, load: LoadSnapshot, gamma: int
+    ) -> float:
+        """The path probability an alternative needs to be expanded (one more draft pass per level of the tree
+        below the alternatives) in a round of ``gamma`` drafted tokens (1: none is). Here: 1;
+        :class:`AdaptiveGamma` prices the pass."""
+        return 1.0
+
 
 class FixedGamma(SpeculationPolicy):
     """Always the same gamma (a request's explicit ``gamma``, or a benchmark baseline)."""
@@ -267,6 +275,22 @@ class AdaptiveGamma(SpeculationPolicy):
         cost += self.waste_charge(load) * cm.verify_ns_per_position() + 2 * (cm.rtt_ns(1) - cm.rtt_ns(0))
         score = self._drafted_score(acceptance, load, gamma)
         return min(1.0, max(TREE_FLOOR, TREE_MARGIN * max(cost, 0.0) * score))
+
+    def tree_expand_min_path_probability(
+        self, acceptance: AcceptanceTracker, load: LoadSnapshot, gamma: int
+    ) -> float:
+        """The break-even of an expansion pass, times :data:`TREE_MARGIN`: the draft pass that expands a level
+        (:meth:`CostModel.expansion_pass_ns`, learnt from the Propose calls' ``expansion_passes``) delays the round
+        by its time, and what it can add is at most the summed path probabilities of the alternatives it expands
+        (each one's children's chances sum to no more than its own). So the pass pays when that sum is at least
+        the pass's cost times ``score(gamma)``. 1 (no expansion) before the cost model has data or where the
+        proposal is a chain; never below :meth:`tree_min_path_probability`'s threshold."""
+        node = self.tree_min_path_probability(acceptance, load, gamma)
+        if node >= 1.0:
+            return 1.0
+        cost = self.cost_model.expansion_pass_ns()
+        score = self._drafted_score(acceptance, load, gamma)
+        return min(1.0, max(node, TREE_MARGIN * max(cost, 0.0) * score))
 
     # -- the choice ---------------------------------------------------------------------------
 

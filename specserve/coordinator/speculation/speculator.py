@@ -143,15 +143,17 @@ class Speculator:
     def _tree(self, gamma: int, load: LoadSnapshot) -> TreeBudget:
         """How far the round's proposal may branch (docs/design.md, "Draft trees from the draft's ranking"): a
         chain at gamma 0, with trees off, for a constrained session (its masks walk a chain) or where no proposer
-        drafts trees; else up to ``tree_nodes`` alternatives at the policy's threshold (or the fixed one)."""
+        drafts trees; else up to ``tree_nodes`` alternatives at the policy's thresholds (or the fixed one, which
+        expands any alternative it admits)."""
         if gamma == 0 or self.tree_nodes == 0 or self.session.sampling.constraint is not None:
             return CHAIN
         if not any(source.trees for source in self._proposers):
             return CHAIN
-        threshold = self.tree_min_path_probability
+        threshold, expand = self.tree_min_path_probability, 0.0
         if threshold is None:
             threshold = self.policy.tree_min_path_probability(self.tracker, load, gamma)
-        tree = TreeBudget(min(gamma + self.tree_nodes, MAX_TREE_NODES), threshold)
+            expand = self.policy.tree_expand_min_path_probability(self.tracker, load, gamma)
+        tree = TreeBudget(min(gamma + self.tree_nodes, MAX_TREE_NODES), threshold, expand)
         return tree if tree.branches else CHAIN
 
     def _capped(self, gamma: int) -> int:

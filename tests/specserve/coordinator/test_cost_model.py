@@ -169,6 +169,29 @@ def test_cost_model_learns_costs_from_noisy_calls() -> None:
     assert cm.rtt_ns(3) == pytest.approx(0.4e6, rel=0.05)
 
 
+@pytest.mark.parametrize("report_passes", [True, False], ids=["passes-reported", "depth-only"])
+def test_tree_calls_expansion_passes_are_fitted_apart_from_the_chains_tokens(report_passes: bool) -> None:
+    """A head that drafts chains at 5 ms a token and, one call in four, expands a tree in 1-3 more passes of 12 ms
+    each (seed 0, 5% noise, 300 calls): with the passes reported the fit gives each its own cost, and a chain
+    round is priced at 5 ms a token. Priced by depth alone (what the coordinator did before the draft reported its
+    passes), the X"""
+    rng = random.Random(0)
+    cm = CostModel()
+    for _ in range(300):
+        depth = rng.choice((2, 4, 6, 8))
+        passes = rng.choice((1, 2, 3)) if rng.random() < 0.25 else 0
+        ns = (5e6 * depth + 12e6 * passes) * math.exp(rng.gauss(0, 0.05))
+        cm.observe_draft(tokens=depth, ns=int(ns), expansion_passes=passes if report_passes else 0)
+    if report_passes:
+        assert cm.draft_ns_per_token() == pytest.approx(5e6, rel=0.03)
+        assert cm.expansion_pass_ns() == pytest.approx(12e6, rel=0.1)
+        assert cm.draft_ns(6, expansion_passes=2) == pytest.approx(54e6, rel=0.05)
+    else:
+        assert cm.draft_ns_per_token() > 1.1 * 5e6
+        assert cm.expansion_pass_ns() == pytest.approx(2.0 * cm.draft_ns_per_token(), rel=0.01)  # the prior's ratio
+    assert cm.snapshot()["draft_expansion_pass_ns"] == cm.expansion_pass_ns()
+
+
 def test_round_ns_is_the_documented_sum_of_parts() -> None:
     cm = CostModel()
     for g in (1, 2, 4):

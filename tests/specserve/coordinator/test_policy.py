@@ -863,3 +863,66 @@ def test_without_the_curve_the_fitted_line_would_admit_a_losing_node_on_the_cpu(
     expected, round_ns = expected_tokens_iid(0.48, 1), pair.round_ns(1)
     pi = threshold / TREE_MARGIN
     assert (expected + pi) / (round_ns + pair.curve[2] - pair.curve[1]) < expected / round_ns
+
+
+# ---- draft trees: what one more expansion pass must promise -------------------------------------------------
+
+
+def _learnt_tree_costs(pair: MeasuredPair, pass_ns: float, calls: int = 40) -> CostModel:
+    """:func:`_learnt_costs`, then as many Propose calls of trees that ran one or two expansion passes of
+    ``pass_ns`` each."""
+    cm = _learnt_costs(pair, calls=calls)
+    for i in range(calls):
+        gamma, passes = 2 + i % 6, 1 + i % 2
+        cm.observe_draft(tokens=gamma, ns=int(pair.draft_ns(gamma) + passes * pass_ns), expansion_passes=passes)
+    return cm
+
+
+@pytest.mark.parametrize("ratios", [CPU_RATIOS, GPU_RATIOS], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("pass_ratio", [0.5, 2.0, 4.0])
+@pytest.mark.parametrize("gamma", [2, 4, 6])
+@pytest.mark.parametrize("alpha", [0.35, 0.7, 0.9])
+def test_an_expansion_the_threshold_admits_never_loses_on_the_true_costs(
+    ratios: Sequence[float], pass_ratio: float, gamma: int, alpha: float
+) -> None:
+    """An expansion pass (``pass_ratio`` draft tokens) admitted for an alternative of path probability at the
+    threshold, whose children the target takes with chance ``threshold / TREE_MARGIN`` (the draft overstating it
+    by the margin: exactly the break-even), does not lower the round's true goodput by more than the fits' own
+    error (0.5%; the pass's cost is fitted from 40 calls against a prior of 2 draft tokens); the threshold is never
+    below the node threshold, and the dearer the pass the higher it is."""
+    pair = MeasuredPair(curve=_curve(ratios), draft_token_ns=DRAFT_6MS)
+    idle, tracker = LoadSnapshot.idle(), _tracker(alpha)
+    policy = AdaptiveGamma(_learnt_tree_costs(pair, pass_ratio * DRAFT_6MS))
+    assert policy.cost_model.expansion_pass_ns() == pytest.approx(pass_ratio * DRAFT_6MS, rel=0.1)  # prior: 2
+    threshold = policy.tree_expand_min_path_probability(tracker, idle, gamma)
+    assert threshold >= policy.tree_min_path_probability(tracker, idle, gamma)
+    dearer = AdaptiveGamma(_learnt_tree_costs(pair, 2 * pass_ratio * DRAFT_6MS))
+    assert dearer.tree_expand_min_path_probability(tracker, idle, gamma) >= threshold
+    if threshold >= 1.0:
+        return  # no expansion
+    expected, round_ns = expected_tokens_iid(alpha, gamma), pair.round_ns(gamma)
+    pi = threshold / TREE_MARGIN
+    assert (expected + pi) / (round_ns + pass_ratio * DRAFT_6MS) >= 0.995 * expected / round_ns
+
+
+@pytest.mark.parametrize("ratios", [CPU_RATIOS, GPU_RATIOS], ids=["cpu", "gpu"])
+def test_the_node_threshold_alone_would_admit_a_losing_expansion(ratios: Sequence[float]) -> None:
+    """Why the pass is priced: at the node threshold (what the head expanded at before), an expansion of two
+    draft tokens' cost whose children the target takes at half that threshold loses 2% of goodput or more."""
+    pair = MeasuredPair(curve=_curve(ratios), draft_token_ns=DRAFT_6MS)
+    policy, gamma = AdaptiveGamma(_learnt_tree_costs(pair, 2 * DRAFT_6MS)), 4
+    node = policy.tree_min_path_probability(_tracker(0.7), LoadSnapshot.idle(), gamma)
+    expected, round_ns = expected_tokens_iid(0.7, gamma), pair.round_ns(gamma)
+    assert (expected + node / TREE_MARGIN) / (round_ns + 2 * DRAFT_6MS) < 0.98 * expected / round_ns
+
+
+def test_no_tree_no_expansion() -> None:
+    """Where the round is a chain (no data, gamma 0, a fixed gamma) nothing is expanded either."""
+    pair = MeasuredPair(curve=_curve(GPU_RATIOS), draft_token_ns=DRAFT_6MS)
+    idle = LoadSnapshot.idle()
+    cold = AdaptiveGamma(CostModel(prior=CostPrior(verify_curve=pair.curve)))
+    assert cold.tree_expand_min_path_probability(_tracker(0.9), idle, 4) == 1.0
+    assert AdaptiveGamma(_learnt_costs(pair)).tree_expand_min_path_probability(_tracker(0.9), idle, 0) == 1.0
+    assert FixedGamma(4).tree_expand_min_path_probability(_tracker(0.9), idle, 4) == 1.0
+    assert not TreeBudget(12, 0.1, 1.0).expands(0.99) and TreeBudget(12, 0.1, 0.0).expands(0.1)
+

@@ -57,7 +57,9 @@ def test_a_feature_session_under_the_adaptive_policy_branches_at_the_policys_pri
     plan = spec.plan()
     assert plan.gamma > 0 and plan.tree.branches
     want = policy.tree_min_path_probability(spec.tracker, LoadSnapshot.idle(), plan.gamma)
-    assert plan.tree == TreeBudget(plan.gamma + 6, want)
+    expand = policy.tree_expand_min_path_probability(spec.tracker, LoadSnapshot.idle(), plan.gamma)
+    assert want <= expand < 1.0  # a draft pass of a fifth of a step: an expansion must promise more than a node
+    assert plan.tree == TreeBudget(plan.gamma + 6, want, expand)
 
 
 @pytest.mark.parametrize(

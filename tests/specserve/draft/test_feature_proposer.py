@@ -200,6 +200,47 @@ def test_a_greedy_tree_expands_below_its_best_alternatives_as_the_head_run_by_ha
     assert any(p >= gamma for p in drafted.parents), "no node below an alternative: the test shows nothing"
     assert levels >= 2, "one level of expansion only: the test shows less than it claims"
     assert expected != grow_tree(chain, chain_probs, candidates, budget)  # the expansion changed the tree
+    assert drafted.expansion_passes == levels  # what the cost model prices apart from the chain's tokens
+
+
+@pytest.mark.unit
+def test_the_expansion_threshold_decides_which_levels_cost_a_pass(target, head, monkeypatch):
+    """``TreeBudget.expand_min_path_probability``: 0 expands as before; 1 keeps every alternative a leaf, in no
+    extra pass; one between the levels' summed path probabilities (read where the proposer picks a level's
+    candidates) runs only the passes whose picks sum to it or more, and the draft counts the passes it ran."""
+    from specserve.draft import feature_proposer, proposers
+
+    head = copy.deepcopy(head)
+    with torch.no_grad():  # as in the test above: a tree that expands at two levels
+        head.norm.weight.mul_(6.0)
+    committed = (9, 4, 30, 12, 7, 51, 8)
+    gamma, block = 4, _features(target, committed)
+    levels: list[float] = []  # the summed path probability of each level the last draft expanded
+
+    def expandable(row, frontier):
+        keys = proposers.expandable(row, frontier)
+        scored = score_candidates(row.chain_probs, row.candidates, row.request.tree, row.below)
+        if keys:
+            levels.append(sum(-score for score, _, key, _ in scored if key in keys))
+        return keys
+
+    monkeypatch.setattr(feature_proposer, "expandable", expandable)
+
+    def draft(expand: float) -> tuple[Drafted, list[float]]:
+        levels.clear()
+        budget = TreeBudget(12, 0.0, expand)
+        request = DraftRequest("x", committed, gamma, SamplingParams(temperature=0.0), 0, features=block, tree=budget)
+        return _proposer(head).propose(request), list(levels)
+
+    (free, free_levels), (leaves, none) = draft(0.0), draft(1.0)
+    assert free.expansion_passes == len(free_levels) >= 2 and any(p >= gamma for p in free.parents)
+    assert leaves.expansion_passes == 0 and not none and all(p < gamma for p in leaves.parents)
+    assert leaves.token_ids[:gamma] == free.token_ids[:gamma] and len(leaves.token_ids) > gamma  # alternatives: leaves
+    threshold = (min(free_levels) + max(free_levels)) / 2  # the first level passes it, the last does not
+    assert free_levels[0] >= threshold > free_levels[-1]
+    between, passed = draft(threshold)
+    assert passed and min(passed) >= threshold and between.expansion_passes == len(passed) < len(free_levels)
+    assert (between.token_ids, between.parents) not in ((free.token_ids, free.parents), (leaves.token_ids, leaves.parents))
 
 
 @pytest.mark.unit
