@@ -9,7 +9,9 @@ One stack of one process per role (:func:`specserve.launch.local.start_process_s
 defaults, the draft serving the feature head) and two coordinators on its workers
 (:meth:`~specserve.launch.local.ProcessStack.add_coordinator`): one on the default settings (head trees,
 ``draft_tree_nodes`` 8 under the adaptive policy's threshold) and one with ``draft_tree_nodes=0`` (chains), so
-both arms run the same models, the same target calibration and the same caches' code on the same machine.
+both arms run the same models, the same target calibration and the same caches' code on the same machine. A third
+coordinator on the same workers runs two untimed generations first, so that neither arm's cost model learns the
+workers' slow first calls (the arm that met them held gamma 0 on chat and code, whichever it was).
 Each prompt's turn runs, one stream at a time, greedy, EOS ignored, in this order (reversed every other pass):
 HF generate() (stock transformers, float32, the target alone), trees, chains, HF generate() again (the A/A
 control); each arm's generation prefills its whole prompt, as HF does (a cache salt of its own,
@@ -59,6 +61,9 @@ ARM_SETTINGS: dict[str, dict[str, Any]] = {TREES: {}, CHAINS: {"draft_tree_nodes
 GAMMA = "specserve_coordinator_gamma"
 BRANCHES = "specserve_coordinator_branch_nodes_total"
 EXPANSIONS = "specserve_coordinator_draft_expansion_passes"
+#: A coordinator that warms the workers up before either arm's, and its generations.
+WARMER = "warm-up"
+WARM_UP_GENERATIONS = 2
 
 
 @dataclass
@@ -293,6 +298,17 @@ async def measure(opts: TreesOptions) -> list[Generation]:
                 TREES: AsyncClient(stack.address, timeout=600),
                 CHAINS: AsyncClient(chains, timeout=600),
             }
+            # The workers' first calls are slow; the arm that met them learnt their costs, held gamma 0 and, its
+            # probes rare, kept it (trees.md, "Which arm meets the workers first"). A coordinator of its own
+            # meets them first, so that both arms start on warm workers.
+            warmer = await stack.add_coordinator({"metrics_port": free_port()}, start_timeout_s=opts.start_timeout_s)
+            clients[WARMER] = AsyncClient(warmer, timeout=600)
+            first = next(iter(prompts.values()))[0][1]
+            for _ in range(WARM_UP_GENERATIONS):
+                await timed_stream(clients[WARMER].stream(
+                    prompt_token_ids=first, max_new_tokens=opts.max_new_tokens, temperature=0.0, seed=opts.seed,
+                    ignore_eos=True, cache_salt=gate.own_cache_salt(WARMER),
+                ))  # fmt: skip
 
             def branch_nodes(arm: str) -> float:
                 """The nodes the lookup's free branches have added to the arm's trees so far."""

@@ -186,10 +186,15 @@ async def tree_stack(pair, head_dir, redis_server):
 async def test_greedy_with_head_trees_is_the_target_alone(tree_stack, pair, gamma):
     """Greedy with the head's trees is token-identical to the target alone, four sessions at once; at a fixed
     gamma every drafting round proposes the chain and its runners-up (more nodes than levels), and the
-    accepted tokens per position never outnumber the levels a round reaches."""
+    accepted tokens per position never outnumber the levels a round reaches; at gamma 4 the head expands below
+    its runners-up (the threshold fixed at 0 expands at any price), and the draft's reports of those passes reach
+    the coordinator's count."""
     prompts = [*PROMPTS, *([(11 * i + j) % 380 + 1 for j in range(5 + i)] for i in range(4))]
     requests = [sf.request(p, max_new_tokens=24, gamma=gamma, proposer=FEATURE) for p in prompts]
+    expanded = _expansion_passes()
     outs = await asyncio.gather(*(sf.generate(tree_stack.address, r) for r in requests))
+    if gamma == 4:
+        assert _expansion_passes() > expanded
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == sf.reference_greedy(pair.target_dir, prompt, 24)
         assert len(out.stats.accepted_per_position) <= (gamma or 16)
@@ -197,6 +202,10 @@ async def test_greedy_with_head_trees_is_the_target_alone(tree_stack, pair, gamm
         drafted = [o.stats for o in outs if o.stats.draft_rounds]
         assert drafted and all(s.proposed_tokens > gamma * s.draft_rounds for s in drafted)
         assert sum(s.accepted_tokens for s in drafted) > 0
+
+
+def _expansion_passes() -> float:
+    return REGISTRY.get_sample_value("specserve_coordinator_draft_expansion_passes_total") or 0.0
 
 
 def _branch_nodes() -> float:
