@@ -22,6 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specserve.api.errors import InvalidArgument
 from specserve.coordinator.speculation.acceptance import AcceptanceMemory, ProbeClock
 from specserve.coordinator.speculation.policy import (
     TREE_FLOOR,
@@ -822,13 +823,16 @@ def test_a_steep_verify_cost_rules_out_every_sibling_and_a_flat_one_admits_them(
         assert tokens == (*chain, 50) and parents[-1] == -1
 
 
-def test_no_data_no_fixed_gamma_and_gamma_0_give_chains() -> None:
+@pytest.mark.parametrize("threshold", ["tree_min_path_probability", "tree_expand_min_path_probability"])
+def test_no_data_no_fixed_gamma_and_gamma_0_give_chains(threshold: str) -> None:
+    """No node is added (a chain), nor any expansion pass run, before the cost model has data, at gamma 0 or
+    under a fixed gamma."""
     pair = MeasuredPair(curve=_curve(GPU_RATIOS), draft_token_ns=DRAFT_6MS)
     idle = LoadSnapshot.idle()
     cold = AdaptiveGamma(CostModel(prior=CostPrior(verify_curve=pair.curve)))
-    assert cold.tree_min_path_probability(_tracker(0.9), idle, 4) == 1.0
-    assert AdaptiveGamma(_learnt_costs(pair)).tree_min_path_probability(_tracker(0.9), idle, 0) == 1.0
-    assert FixedGamma(4).tree_min_path_probability(_tracker(0.9), idle, 4) == 1.0
+    assert getattr(cold, threshold)(_tracker(0.9), idle, 4) == 1.0
+    assert getattr(AdaptiveGamma(_learnt_costs(pair)), threshold)(_tracker(0.9), idle, 0) == 1.0
+    assert getattr(FixedGamma(4), threshold)(_tracker(0.9), idle, 4) == 1.0
 
 
 @pytest.mark.parametrize("ratios", [CPU_RATIOS, GPU_RATIOS, STEEP_RATIOS], ids=["cpu", "gpu", "steep"])
@@ -916,13 +920,8 @@ def test_the_node_threshold_alone_would_admit_a_losing_expansion(ratios: Sequenc
     assert (expected + node / TREE_MARGIN) / (round_ns + 2 * DRAFT_6MS) < 0.98 * expected / round_ns
 
 
-def test_no_tree_no_expansion() -> None:
-    """Where the round is a chain (no data, gamma 0, a fixed gamma) nothing is expanded either."""
-    pair = MeasuredPair(curve=_curve(GPU_RATIOS), draft_token_ns=DRAFT_6MS)
-    idle = LoadSnapshot.idle()
-    cold = AdaptiveGamma(CostModel(prior=CostPrior(verify_curve=pair.curve)))
-    assert cold.tree_expand_min_path_probability(_tracker(0.9), idle, 4) == 1.0
-    assert AdaptiveGamma(_learnt_costs(pair)).tree_expand_min_path_probability(_tracker(0.9), idle, 0) == 1.0
-    assert FixedGamma(4).tree_expand_min_path_probability(_tracker(0.9), idle, 4) == 1.0
+def test_an_expansion_threshold_of_1_runs_no_pass_and_0_any() -> None:
     assert not TreeBudget(12, 0.1, 1.0).expands(0.99) and TreeBudget(12, 0.1, 0.0).expands(0.1)
+    with pytest.raises(InvalidArgument, match="tree_expand_min_path_probability"):
+        TreeBudget(12, 0.1, 1.5)
 
