@@ -45,7 +45,7 @@ class TreeBudget:
         if not 0.0 <= self.expand_min_path_probability <= 1.0:
             raise InvalidArgument(
                 f"tree_expand_min_path_probability={self.expand_min_path_probability} must be in [0, 1] "
-                "(0: tree_min_path_probability alone, 1: no expansion)"
+                "(0: any expansion pass, 1: none)"
             )
 
     @property
